@@ -1,0 +1,238 @@
+//! The speed benchmark: training and inference samples/s of the FedBN digits CNN (batch 32)
+//! on every compiled backend, peak RSS, and PyTorch on the same threads when available.
+
+use anyhow::{Context, Result};
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+use unifed_models::backend::{Backend, Device, cpu_threads};
+use unifed_models::bn::BnPass;
+use unifed_models::zoo::{DigitsCnnConfig, Net, seeded};
+
+/// Options of the benchmark.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Timed training steps (after 5 warm-up steps).
+    #[arg(long, default_value_t = 50)]
+    steps: usize,
+    /// Result file (JSON).
+    #[arg(long, default_value = "results/bench.json")]
+    out: PathBuf,
+    /// Python interpreter with torch for the reference (default: $UNIFED_TORCH_PYTHON, then
+    /// .venv/bin/python, then python3).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// Skip the PyTorch reference.
+    #[arg(long)]
+    no_torch: bool,
+}
+
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn input(
+    n: usize,
+    device: &Device,
+) -> (
+    burn::tensor::Tensor<2>,
+    burn::tensor::Tensor<1, burn::tensor::Int>,
+) {
+    use burn::tensor::{Tensor, TensorData};
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        state
+    };
+    // Box-Muller from the LCG: N(0, 1) inputs, labels 0..9.
+    let x: Vec<f32> = (0..n * 3 * 28 * 28)
+        .map(|_| {
+            let u1 = ((next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+            let u2 = (next() >> 11) as f64 / (1u64 << 53) as f64;
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect();
+    let y: Vec<i64> = (0..n).map(|_| (next() >> 33) as i64 % 10).collect();
+    (
+        Tensor::from_data(TensorData::new(x, [n, 3 * 28 * 28]), device),
+        Tensor::from_data(TensorData::new(y, [n]), device),
+    )
+}
+
+fn bench_backend(backend: Backend, steps: usize) -> Result<Value> {
+    use burn::module::Module;
+    use burn::nn::loss::CrossEntropyLossConfig;
+    use burn::optim::{GradientsParams, SgdConfig};
+    let device = backend.device().map_err(anyhow::Error::msg)?;
+    let ad = device.clone().autodiff();
+    let mut model = seeded(&device, 0, |d| DigitsCnnConfig::default().init(d)).train();
+    let mut optim = SgdConfig::new().init();
+    let loss_fn = CrossEntropyLossConfig::new().init(&ad);
+    let (x, y) = input(32, &ad);
+    let mut step = |model: burn_model::M| {
+        let logits = model.forward(x.clone(), &mut BnPass::standard());
+        let loss = loss_fn.forward(logits, y.clone());
+        let _ = loss.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        optim.step(0.01, model, grads)
+    };
+    for _ in 0..5 {
+        model = step(model);
+    }
+    let t0 = Instant::now();
+    for _ in 0..steps {
+        model = step(model);
+    }
+    let train = (steps * 32) as f64 / t0.elapsed().as_secs_f64();
+    let eval = model.valid();
+    let infer = |n: usize, warm: usize, iters: usize| {
+        let (x, _) = input(n, &device);
+        let run = || {
+            let out = eval.forward(x.clone(), &mut BnPass::standard());
+            let _ = out.into_data();
+        };
+        for _ in 0..warm {
+            run();
+        }
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            run();
+        }
+        (n * iters) as f64 / t0.elapsed().as_secs_f64()
+    };
+    let b32 = infer(32, 5, 50);
+    let b256 = infer(256, 2, 10);
+    Ok(json!({
+        "framework": "burn 0.22.1",
+        "backend": backend.to_string(),
+        "threads": cpu_threads(),
+        "train_samples_per_s": train,
+        "infer_b32_samples_per_s": b32,
+        "infer_b256_samples_per_s": b256,
+        "peak_rss_mib": peak_rss_mib(),
+    }))
+}
+
+mod burn_model {
+    pub type M = unifed_models::zoo::DigitsCnn;
+}
+
+fn find_python(explicit: &Option<PathBuf>) -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = explicit {
+        candidates.push(p.clone());
+    }
+    if let Some(p) = std::env::var_os("UNIFED_TORCH_PYTHON") {
+        candidates.push(p.into());
+    }
+    candidates.push(PathBuf::from(".venv/bin/python"));
+    candidates.push(PathBuf::from("python3"));
+    candidates.into_iter().find(|p| {
+        Command::new(p)
+            .args(["-c", "import torch"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let mut rows = Vec::new();
+    for backend in Backend::compiled() {
+        println!("benchmarking burn on {backend} ...");
+        rows.push(
+            bench_backend(backend, args.steps).with_context(|| format!("backend {backend}"))?,
+        );
+    }
+    let torch = if args.no_torch {
+        None
+    } else if let Some(py) = find_python(&args.python) {
+        println!("benchmarking PyTorch with {} ...", py.display());
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_bench.py");
+        let out = Command::new(&py)
+            .arg(&script)
+            .args([
+                "--threads",
+                &cpu_threads().to_string(),
+                "--steps",
+                &args.steps.to_string(),
+            ])
+            .env("OMP_WAIT_POLICY", "PASSIVE")
+            .output()
+            .with_context(|| format!("running {}", script.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        stdout
+            .lines()
+            .last()
+            .and_then(|l| serde_json::from_str::<Value>(l).ok())
+    } else {
+        println!("no Python with torch found: skipping the PyTorch reference");
+        None
+    };
+    let f = |v: &Value, k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    println!(
+        "\n| framework | backend | threads | train samples/s (b32) | infer samples/s (b32) | infer samples/s (b256) | peak RSS MiB |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    for r in rows.iter().chain(torch.iter()) {
+        println!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0} |",
+            r.get("framework")
+                .and_then(Value::as_str)
+                .unwrap_or("pytorch"),
+            r.get("backend").and_then(Value::as_str).unwrap_or("cpu"),
+            r.get("threads").and_then(Value::as_u64).unwrap_or(0),
+            f(r, "train_samples_per_s"),
+            f(r, "infer_b32_samples_per_s"),
+            f(r, "infer_b256_samples_per_s"),
+            f(r, "peak_rss_mib")
+        );
+    }
+    let mut ratios = Vec::new();
+    if let Some(t) = &torch {
+        for r in &rows {
+            let ratio = json!({
+                "backend": r["backend"],
+                "train": f(r, "train_samples_per_s") / f(t, "train_samples_per_s"),
+                "infer_b32": f(r, "infer_b32_samples_per_s") / f(t, "infer_b32_samples_per_s"),
+                "infer_b256": f(r, "infer_b256_samples_per_s") / f(t, "infer_b256_samples_per_s"),
+            });
+            println!(
+                "burn {} / PyTorch: train {:.2}x, infer b32 {:.2}x, infer b256 {:.2}x",
+                r["backend"].as_str().unwrap_or("?"),
+                f(&ratio, "train"),
+                f(&ratio, "infer_b32"),
+                f(&ratio, "infer_b256")
+            );
+            ratios.push(ratio);
+        }
+    }
+    if let Some(parent) = args.out.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let host = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    std::fs::write(
+        &args.out,
+        serde_json::to_string_pretty(
+            &json!({ "cpu": host, "steps": args.steps, "burn": rows, "pytorch": torch, "ratio_burn_over_pytorch": ratios }),
+        )?,
+    )?;
+    println!("wrote {}", args.out.display());
+    Ok(())
+}

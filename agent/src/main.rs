@@ -1,0 +1,168 @@
+//! `unifed-agent`: the on-device trainer of UniFed Edge.
+//!
+//! Today it runs local work without a federation: SingleSet training on the built-in domains
+//! (the main job until the federation lands), the built-in data's preview and export, model
+//! specs, and the speed benchmark. `train` over MQTT, `calibrate`, `evaluate` and `predict`
+//! arrive with the federation and onboarding issues.
+
+mod bench;
+mod singleset;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use unifed_models::backend::{Backend, cap_cpu_threads};
+use unifed_models::data::{
+    BaseDigits, BuiltinData, Domain, SplitSizes, preview_grid, read_idx_digits,
+};
+
+#[derive(Parser)]
+#[command(
+    name = "unifed-agent",
+    version,
+    about = "UniFed Edge on-device trainer"
+)]
+struct Cli {
+    /// Compute backend: flex (CPU), wgpu, vulkan or cuda (if compiled in).
+    #[arg(long, global = true, default_value = "flex")]
+    backend: String,
+    /// Cap on CPU worker threads (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The main job until the federation lands: SingleSet (each training domain trained alone)
+    /// on the built-in data; prints a per-domain accuracy table and writes results.
+    Demo(singleset::Args),
+    /// Built-in dataset tools.
+    #[command(subcommand)]
+    Data(DataCmd),
+    /// Prints the model spec (every tensor, its kind, classes, input) as JSON.
+    Spec {
+        /// Model architecture: digits, mlp or resnet18.
+        #[arg(long, default_value = "digits")]
+        arch: String,
+    },
+    /// Training and inference samples/s of the digits CNN per compiled backend, peak RSS, and
+    /// PyTorch's figures on the same threads when a Python with torch is found.
+    Bench(bench::Args),
+}
+
+#[derive(Subcommand)]
+enum DataCmd {
+    /// Writes a PNG grid with sample test images of every domain.
+    Preview {
+        /// Output PNG.
+        #[arg(long, default_value = "results/domains.png")]
+        out: PathBuf,
+        /// Generation seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Renders a domain from a base digit set (IDX files or a `digit/image` folder) into a
+    /// `digit/image.png` folder.
+    Export {
+        /// Domain name.
+        #[arg(long)]
+        domain: String,
+        /// Base images IDX file (with --base-labels).
+        #[arg(long)]
+        base_images: Option<PathBuf>,
+        /// Base labels IDX file.
+        #[arg(long)]
+        base_labels: Option<PathBuf>,
+        /// Base folder `digit/image` (instead of IDX).
+        #[arg(long)]
+        base_folder: Option<PathBuf>,
+        /// Output folder.
+        #[arg(long)]
+        out: PathBuf,
+        /// Generation seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Some(t) = cli.threads {
+        cap_cpu_threads(t).map_err(anyhow::Error::msg)?;
+    }
+    let backend: Backend = cli.backend.parse().map_err(anyhow::Error::msg)?;
+    match cli.cmd {
+        Cmd::Demo(args) => singleset::run(backend, &args),
+        Cmd::Bench(args) => bench::run(&args),
+        Cmd::Spec { arch } => {
+            let device = backend.device().map_err(anyhow::Error::msg)?;
+            let spec = singleset::spec_for(&arch, &device)?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "hash": spec.hash().to_string(),
+                    "non_bn_params": spec.non_bn_params(),
+                    "spec": spec,
+                }))?
+            );
+            Ok(())
+        }
+        Cmd::Data(DataCmd::Preview { out, seed }) => {
+            let data = BuiltinData::load().context("loading the built-in data")?;
+            let sizes = SplitSizes::default();
+            let domains: Vec<_> = Domain::all()
+                .into_iter()
+                .map(|d| data.domain(d, &sizes, seed).map(|dd| (d, dd)))
+                .collect::<Result<_, _>>()?;
+            let rows: Vec<_> = domains.iter().map(|(d, dd)| (*d, &dd.test)).collect();
+            let grid = preview_grid(&rows, 16, 2);
+            if let Some(parent) = out.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            grid.save(&out)
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!(
+                "rows: {}",
+                rows.iter()
+                    .map(|(d, _)| d.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            println!("wrote {}", out.display());
+            Ok(())
+        }
+        Cmd::Data(DataCmd::Export {
+            domain,
+            base_images,
+            base_labels,
+            base_folder,
+            out,
+            seed,
+        }) => {
+            let domain = Domain::parse(&domain).map_err(anyhow::Error::msg)?;
+            let base: BaseDigits = match (base_images, base_labels, base_folder) {
+                (Some(i), Some(l), None) => read_idx_digits(&i, &l)?,
+                (None, None, Some(f)) => BaseDigits::from_folder(&f)?,
+                _ => bail!("give either --base-images with --base-labels, or --base-folder"),
+            };
+            let data = BuiltinData::load().context("loading the built-in assets")?;
+            let split = data.render_base(domain, &base, seed);
+            split.write_folder(&out)?;
+            println!(
+                "wrote {} images of domain {} to {}",
+                split.images.len(),
+                domain.name(),
+                out.display()
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! Backend selection: which burn device runs the model, and a thread cap for the CPU backend.
+
+pub use burn::tensor::Device;
+use std::fmt;
+use std::str::FromStr;
+
+/// A compute backend compiled into this build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// burn-flex, the portable CPU backend.
+    Flex,
+    /// wgpu on whichever graphics API the platform offers (Vulkan, Metal, DX12, WebGPU).
+    Wgpu,
+    /// wgpu pinned to Vulkan.
+    Vulkan,
+    /// CUDA device 0.
+    Cuda,
+}
+
+impl Backend {
+    /// Every backend compiled into this build, CPU first.
+    pub fn compiled() -> Vec<Backend> {
+        let mut v = Vec::new();
+        if cfg!(feature = "flex") {
+            v.push(Backend::Flex);
+        }
+        if cfg!(feature = "wgpu") {
+            v.push(Backend::Wgpu);
+        }
+        if cfg!(feature = "vulkan") {
+            v.push(Backend::Vulkan);
+        }
+        if cfg!(feature = "cuda") {
+            v.push(Backend::Cuda);
+        }
+        v
+    }
+
+    /// The plain (non-autodiff) device of this backend, or an error naming the cargo feature
+    /// that would compile it in.
+    pub fn device(self) -> Result<Device, String> {
+        match self {
+            #[cfg(feature = "flex")]
+            Backend::Flex => Ok(Device::flex()),
+            #[cfg(feature = "wgpu")]
+            Backend::Wgpu => Ok(Device::wgpu(Default::default())),
+            #[cfg(feature = "vulkan")]
+            Backend::Vulkan => Ok(Device::vulkan(Default::default())),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => Ok(Device::cuda(0usize)),
+            #[allow(unreachable_patterns)]
+            other => Err(format!(
+                "backend `{other}` is not compiled in; rebuild with `--features {other}` \
+                 (compiled: {})",
+                Backend::compiled()
+                    .iter()
+                    .map(|b| b.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Flex => "flex",
+            Backend::Wgpu => "wgpu",
+            Backend::Vulkan => "vulkan",
+            Backend::Cuda => "cuda",
+        })
+    }
+}
+
+impl FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "flex" | "cpu" => Ok(Backend::Flex),
+            "wgpu" => Ok(Backend::Wgpu),
+            "vulkan" => Ok(Backend::Vulkan),
+            "cuda" => Ok(Backend::Cuda),
+            _ => Err(format!(
+                "unknown backend `{s}`: expected flex, wgpu, vulkan or cuda"
+            )),
+        }
+    }
+}
+
+/// Caps the CPU backend's worker threads (the rayon global pool burn-flex runs on).
+///
+/// Call it once, before the first tensor operation; a later call cannot shrink a pool that
+/// already runs and returns an error saying so.
+pub fn cap_cpu_threads(threads: usize) -> Result<(), String> {
+    if threads == 0 {
+        return Err("thread cap must be at least 1".into());
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .map_err(|e| format!("cannot cap CPU threads at {threads}: {e}"))
+}
+
+/// Number of worker threads the CPU backend uses now.
+pub fn cpu_threads() -> usize {
+    rayon::current_num_threads()
+}

@@ -1,0 +1,155 @@
+//! safetensors import and export in PyTorch's state_dict names and layouts.
+//!
+//! Files we write carry the spec hash and architecture in the safetensors metadata; on load a
+//! hash, when present, must match the model's spec. PyTorch checkpoints carry no hash and are
+//! matched by name and shape; their BN `num_batches_tracked` counters (int64) are skipped, as
+//! burn keeps no such counter.
+
+use crate::error::StateError;
+use crate::state::{NamedTensor, StateDict};
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use std::collections::HashMap;
+use std::path::Path;
+use unifed_protocol::ModelSpec;
+
+/// Metadata key of the spec hash in files we write.
+pub const META_SPEC_HASH: &str = "unifed.spec_hash";
+/// Metadata key of the architecture string in files we write.
+pub const META_ARCH: &str = "unifed.architecture";
+
+fn file_err(path: &Path, message: impl ToString) -> StateError {
+    StateError::File {
+        path: path.to_path_buf(),
+        message: message.to_string(),
+    }
+}
+
+/// Serialises `state` as safetensors bytes (F32), with the spec hash in the metadata.
+pub fn to_bytes(state: &StateDict, spec: &ModelSpec) -> Result<Vec<u8>, StateError> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = state
+        .tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.shape.clone(),
+                t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            Ok((
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b)
+                    .map_err(|e| StateError::Mismatch(e.to_string()))?,
+            ))
+        })
+        .collect::<Result<Vec<_>, StateError>>()?;
+    let meta = HashMap::from([
+        (META_SPEC_HASH.to_string(), state.spec_hash.to_string()),
+        (META_ARCH.to_string(), spec.architecture.clone()),
+        ("format".to_string(), "pt".to_string()),
+    ]);
+    safetensors::serialize(views, Some(meta)).map_err(|e| StateError::Mismatch(e.to_string()))
+}
+
+/// Writes `state` to `path` as safetensors (atomically: a temporary file renamed into place).
+pub fn save(path: &Path, state: &StateDict, spec: &ModelSpec) -> Result<(), StateError> {
+    let bytes = to_bytes(state, spec)?;
+    let tmp = path.with_extension("safetensors.tmp");
+    std::fs::write(&tmp, &bytes).map_err(|e| file_err(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| file_err(path, e))
+}
+
+/// Reads a safetensors file and matches it against `spec`: every float tensor must be a tensor of
+/// the spec with the right shape; `num_batches_tracked` counters are skipped; a spec hash in the
+/// metadata must equal the spec's. Tensors the spec has but the file lacks are simply absent
+/// (check with [`crate::state::validate`]).
+pub fn load(path: &Path, spec: &ModelSpec) -> Result<StateDict, StateError> {
+    let bytes = std::fs::read(path).map_err(|e| file_err(path, e))?;
+    from_bytes(&bytes, spec).map_err(|e| match e {
+        StateError::File { message, .. } => file_err(path, message),
+        other => other,
+    })
+}
+
+/// [`load`] from bytes in memory.
+pub fn from_bytes(bytes: &[u8], spec: &ModelSpec) -> Result<StateDict, StateError> {
+    let not_st = |e: safetensors::SafeTensorError| StateError::File {
+        path: "<memory>".into(),
+        message: format!("not a safetensors file: {e}"),
+    };
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(not_st)?;
+    let expected = spec.hash();
+    if let Some(found) = meta.metadata().as_ref().and_then(|m| m.get(META_SPEC_HASH))
+        && *found != expected.to_string() {
+            return Err(StateError::SpecHashMismatch {
+                expected: expected.to_string(),
+                found: found.clone(),
+            });
+        }
+    let st = SafeTensors::deserialize(bytes).map_err(not_st)?;
+    let mut by_name: HashMap<String, TensorView<'_>> = st.tensors().into_iter().collect();
+    let mut tensors = Vec::new();
+    for s in &spec.tensors {
+        let Some(view) = by_name.remove(&s.name) else {
+            continue;
+        };
+        if view.shape() != s.shape.as_slice() {
+            return Err(StateError::WrongShape {
+                name: s.name.clone(),
+                expected: s.shape.clone(),
+                found: view.shape().to_vec(),
+            });
+        }
+        let data = decode(&s.name, &view)?;
+        tensors.push(NamedTensor {
+            name: s.name.clone(),
+            shape: s.shape.clone(),
+            kind: s.kind,
+            data,
+        });
+    }
+    let mut extra: Vec<String> = by_name
+        .into_keys()
+        .filter(|n| !n.ends_with(".num_batches_tracked"))
+        .collect();
+    extra.sort();
+    if let Some(first) = extra.into_iter().next() {
+        return Err(StateError::Unexpected(first));
+    }
+    Ok(StateDict {
+        spec_hash: expected,
+        tensors,
+    })
+}
+
+fn decode(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, StateError> {
+    let b = view.data();
+    Ok(match view.dtype() {
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
+            .collect(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => b
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(StateError::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+            });
+        }
+    })
+}

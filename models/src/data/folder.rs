@@ -1,0 +1,186 @@
+//! Labelled image folders (`train/`, `val/`, `test/`, each `label/file`), CSV manifests and flat
+//! folders of unlabelled images.
+
+use super::{Dataset, preprocess};
+use crate::error::DataError;
+use std::path::{Path, PathBuf};
+use unifed_protocol::ModelSpec;
+
+const IMAGE_EXT: [&str; 3] = ["png", "jpg", "jpeg"];
+
+fn is_image(p: &Path) -> bool {
+    p.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| IMAGE_EXT.contains(&e.to_ascii_lowercase().as_str()))
+}
+
+fn io_err(path: &Path, e: std::io::Error) -> DataError {
+    DataError::Io {
+        path: path.into(),
+        message: e.to_string(),
+    }
+}
+
+fn sorted_entries(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+    if !dir.is_dir() {
+        return Err(DataError::MissingFolder(dir.into()));
+    }
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| io_err(dir, e))?
+        .map(|e| e.map(|e| e.path()).map_err(|e| io_err(dir, e)))
+        .collect::<Result<_, _>>()?;
+    v.sort();
+    Ok(v)
+}
+
+fn load_image(path: &Path, spec: &ModelSpec) -> Result<Vec<f32>, DataError> {
+    let bytes = std::fs::read(path).map_err(|e| io_err(path, e))?;
+    let img = image::load_from_memory(&bytes).map_err(|e| DataError::CorruptImage {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    preprocess(&img, &spec.input, path)
+}
+
+fn class_of(label: &str, path: &Path, spec: &ModelSpec) -> Result<usize, DataError> {
+    spec.class_index(label)
+        .ok_or_else(|| DataError::UnknownLabel {
+            label: label.into(),
+            path: path.into(),
+            classes: spec.classes.join(", "),
+        })
+}
+
+/// Loads `root/<split>/<label>/<image>` (PNG/JPEG, files in sorted order) for `spec`. If
+/// `root/manifest.csv` exists it is used instead (see [`load_labelled`]).
+pub fn load_split(root: &Path, split: &str, spec: &ModelSpec) -> Result<Dataset, DataError> {
+    let manifest = root.join("manifest.csv");
+    let items = if manifest.is_file() {
+        read_manifest(&manifest, Some(split))?
+    } else {
+        let dir = root.join(split);
+        let mut items = Vec::new();
+        for label_dir in sorted_entries(&dir)? {
+            if !label_dir.is_dir() {
+                continue;
+            }
+            let label = label_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default()
+                .to_string();
+            for file in sorted_entries(&label_dir)? {
+                if is_image(&file) {
+                    items.push((file, label.clone()));
+                }
+            }
+        }
+        items
+    };
+    let name = format!("{}/{split}", root.display());
+    if items.is_empty() {
+        return Err(DataError::Empty(name));
+    }
+    let mut x = Vec::with_capacity(items.len() * spec.input.numel());
+    let mut y = Vec::with_capacity(items.len());
+    for (path, label) in &items {
+        y.push(class_of(label, path, spec)?);
+        x.extend(load_image(path, spec)?);
+    }
+    Ok(Dataset {
+        name,
+        features: spec.input.numel(),
+        x,
+        y,
+    })
+}
+
+/// Loads the `train`, `val` and `test` splits of a labelled dataset folder; `val` may be absent
+/// (an empty dataset is returned for it).
+pub fn load_labelled(root: &Path, spec: &ModelSpec) -> Result<[Dataset; 3], DataError> {
+    if !root.is_dir() {
+        return Err(DataError::MissingFolder(root.into()));
+    }
+    let train = load_split(root, "train", spec)?;
+    let val = match load_split(root, "val", spec) {
+        Ok(v) => v,
+        Err(DataError::MissingFolder(_)) | Err(DataError::Empty(_)) => Dataset {
+            name: format!("{}/val", root.display()),
+            features: spec.input.numel(),
+            x: vec![],
+            y: vec![],
+        },
+        Err(e) => return Err(e),
+    };
+    let test = load_split(root, "test", spec)?;
+    Ok([train, val, test])
+}
+
+/// Reads a CSV manifest with header `split,label,path` (paths relative to the manifest's
+/// folder); keeps the rows of `split` when given.
+fn read_manifest(path: &Path, split: Option<&str>) -> Result<Vec<(PathBuf, String)>, DataError> {
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(path)
+        .map_err(|e| DataError::Io {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+    let headers = rdr
+        .headers()
+        .map_err(|e| DataError::BadManifest {
+            path: path.into(),
+            line: 1,
+            message: e.to_string(),
+        })?
+        .clone();
+    let col = |name: &str| {
+        headers
+            .iter()
+            .position(|h| h.trim() == name)
+            .ok_or_else(|| DataError::BadManifest {
+                path: path.into(),
+                line: 1,
+                message: format!("missing column `{name}` (expected header split,label,path)"),
+            })
+    };
+    let (cs, cl, cp) = (col("split")?, col("label")?, col("path")?);
+    let mut out = Vec::new();
+    for (i, rec) in rdr.records().enumerate() {
+        let line = i + 2;
+        let rec = rec.map_err(|e| DataError::BadManifest {
+            path: path.into(),
+            line,
+            message: e.to_string(),
+        })?;
+        let get = |c: usize| rec.get(c).map(str::trim).unwrap_or_default();
+        if get(cp).is_empty() || get(cl).is_empty() {
+            return Err(DataError::BadManifest {
+                path: path.into(),
+                line,
+                message: "empty label or path".into(),
+            });
+        }
+        if split.is_none_or(|s| s == get(cs)) {
+            out.push((base.join(get(cp)), get(cl).to_string()));
+        }
+    }
+    Ok(out)
+}
+
+/// Loads a flat folder of unlabelled images (sorted by file name) as model input rows.
+pub fn load_unlabelled(dir: &Path, spec: &ModelSpec) -> Result<Vec<f32>, DataError> {
+    let files: Vec<PathBuf> = sorted_entries(dir)?
+        .into_iter()
+        .filter(|p| is_image(p))
+        .collect();
+    if files.is_empty() {
+        return Err(DataError::Empty(dir.display().to_string()));
+    }
+    let mut x = Vec::with_capacity(files.len() * spec.input.numel());
+    for f in &files {
+        x.extend(load_image(f, spec)?);
+    }
+    Ok(x)
+}

@@ -1,0 +1,38 @@
+//! The burn side of UniFed Edge: a model zoo with client-specific BatchNorm, the BN/non-BN
+//! partition of a model's tensors, local training and evaluation, BN statistics re-estimation,
+//! and datasets (including a built-in multi-domain digits dataset).
+//!
+//! # Quick start
+//! ```no_run
+//! use unifed_models::{backend::Backend, zoo::{ModelConfig, Net, spec_of, DigitsCnnConfig}};
+//! use unifed_models::state::{export, Select};
+//! let device = Backend::Flex.device().unwrap();
+//! let cfg = ModelConfig::fedbn_digits();
+//! let net = DigitsCnnConfig::default().init(&device);
+//! let spec = spec_of(&net, &cfg.classes, &cfg.input);
+//! assert_eq!(spec.non_bn_params(), 14_213_578);
+//! let non_bn = export(&net, &spec, Select::NonBn);
+//! ```
+//!
+//! # Layout
+//! - [`zoo`]: the models and the [`zoo::Net`] trait (`features` / `head`).
+//! - [`bn`]: the BN hook every model uses, `stream` and `calibrate` re-estimation.
+//! - [`state`]: flat named `f32` tensors in PyTorch names; export, import, delta, apply non-BN.
+//! - [`checkpoint`]: safetensors files (PyTorch-compatible).
+//! - [`train`]: local SGD training and evaluation with a progress hook.
+//! - [`data`]: image folders, CSV manifests, MNIST IDX, built-in domains, site partitioner.
+//! - [`backend`]: device selection and the CPU thread cap.
+//!
+//! # Feature flags
+//! - `flex` (default): burn's portable CPU backend.
+//! - `wgpu`, `vulkan`: GPU through wgpu (Vulkan/Metal/WebGPU; Vulkan only).
+//! - `cuda`: NVIDIA CUDA.
+
+pub mod backend;
+pub mod bn;
+pub mod checkpoint;
+pub mod data;
+pub mod error;
+pub mod state;
+pub mod train;
+pub mod zoo;

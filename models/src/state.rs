@@ -1,0 +1,404 @@
+//! A model's tensors as flat named `f32` vectors in PyTorch's state_dict names and layouts:
+//! the contract between a model on a device and the protocol and aggregator.
+//!
+//! BatchNorm tensors are recognised by the type of the layer that owns them (burn's
+//! `BatchNorm`), never by name. burn's own layout stays behind this boundary: a linear weight,
+//! stored `[in, out]` by burn, is exported `[out, in]` as in PyTorch; BN `gamma`/`beta` become
+//! `weight`/`bias`.
+//!
+//! burn shares BN running statistics between clones of a model and a visitor can read them
+//! one update stale; every function here first calls `valid()`, which folds pending updates in
+//! and returns unshared running states, so reads are current and writes reach only the copy.
+
+use crate::error::StateError;
+use crate::zoo::Net;
+use burn::module::{ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{Tensor, TensorData};
+use std::collections::HashMap;
+use unifed_protocol::{ModelSpec, SpecHash, TensorKind, TensorSpec};
+
+/// The container type burn's visitor reports for parameters owned by a BatchNorm layer.
+pub const BN_CONTAINER: &str = "Struct:BatchNorm";
+const LINEAR_CONTAINER: &str = "Struct:Linear";
+
+/// One tensor in PyTorch name and layout, with its values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedTensor {
+    /// state_dict name.
+    pub name: String,
+    /// Shape (PyTorch layout).
+    pub shape: Vec<usize>,
+    /// BN or not.
+    pub kind: TensorKind,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+/// A model's tensors (all of them, or a subset such as the non-BN ones), tagged with the hash
+/// of the spec they belong to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateDict {
+    /// Hash of the model spec these tensors were taken from.
+    pub spec_hash: SpecHash,
+    /// Tensors in spec order.
+    pub tensors: Vec<NamedTensor>,
+}
+
+/// Which tensors an operation touches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Select {
+    /// Every tensor.
+    All,
+    /// Everything outside BN layers (what FedBN averages).
+    NonBn,
+    /// Every BN tensor (affine and statistics).
+    Bn,
+    /// BN weight and bias only.
+    BnAffine,
+    /// BN running mean and variance only.
+    BnStats,
+}
+
+impl Select {
+    /// Whether a tensor of `kind` is selected.
+    pub fn keeps(self, kind: TensorKind) -> bool {
+        match self {
+            Select::All => true,
+            Select::NonBn => !kind.is_bn(),
+            Select::Bn => kind.is_bn(),
+            Select::BnAffine => kind.is_bn_affine(),
+            Select::BnStats => kind.is_bn_stat(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Walker {
+    path: Vec<String>,
+    owners: Vec<String>,
+}
+
+impl Walker {
+    fn enter(&mut self, name: &str, container: &str) {
+        self.path.push(name.to_string());
+        self.owners.push(container.to_string());
+    }
+
+    fn exit(&mut self) {
+        self.path.pop();
+        self.owners.pop();
+    }
+
+    /// (burn path, kind, is a linear weight) of the parameter being visited.
+    fn current(&self) -> (String, TensorKind, bool) {
+        let owner = self.owners.last().map(String::as_str).unwrap_or("");
+        let field = self.path.last().map(String::as_str).unwrap_or("");
+        let kind = if owner == BN_CONTAINER {
+            match field {
+                "gamma" => TensorKind::BnWeight,
+                "beta" => TensorKind::BnBias,
+                "running_mean" => TensorKind::BnRunningMean,
+                "running_var" => TensorKind::BnRunningVar,
+                _ => TensorKind::NonBn,
+            }
+        } else {
+            TensorKind::NonBn
+        };
+        (
+            self.path.join("."),
+            kind,
+            owner == LINEAR_CONTAINER && field == "weight",
+        )
+    }
+}
+
+fn torch_name<N: Net>(net: &N, burn_path: &str, kind: TensorKind) -> String {
+    let mut name = net.torch_path(burn_path);
+    match kind {
+        TensorKind::BnWeight => {
+            if let Some(stem) = name.strip_suffix(".gamma") {
+                name = format!("{stem}.weight");
+            }
+        }
+        TensorKind::BnBias => {
+            if let Some(stem) = name.strip_suffix(".beta") {
+                name = format!("{stem}.bias");
+            }
+        }
+        _ => {}
+    }
+    name
+}
+
+struct Reader<'a, N: Net> {
+    net: &'a N,
+    walk: Walker,
+    with_data: bool,
+    out: Vec<NamedTensor>,
+}
+
+impl<N: Net> ModuleVisitor for Reader<'_, N> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.walk.enter(name, container_type);
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.walk.exit();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let (path, kind, linear_w) = self.walk.current();
+        let name = torch_name(self.net, &path, kind);
+        let (shape, data) = if self.with_data {
+            let mut t = param.val();
+            if linear_w {
+                t = t.swap_dims(0, 1);
+            }
+            let shape = t.dims().to_vec();
+            let data = t
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .expect("float parameter");
+            (shape, data)
+        } else {
+            let mut shape = param.lazy_shape().to_vec();
+            if linear_w {
+                shape.swap(0, 1);
+            }
+            (shape, Vec::new())
+        };
+        self.out.push(NamedTensor {
+            name,
+            shape,
+            kind,
+            data,
+        });
+    }
+}
+
+/// Every tensor of `net` (name, PyTorch shape, kind) in visiting order, without reading values.
+pub fn tensor_specs<N: Net>(net: &N) -> Vec<TensorSpec> {
+    let mut r = Reader {
+        net,
+        walk: Walker::default(),
+        with_data: false,
+        out: Vec::new(),
+    };
+    net.visit(&mut r);
+    r.out
+        .into_iter()
+        .map(|t| TensorSpec {
+            name: t.name,
+            shape: t.shape,
+            kind: t.kind,
+        })
+        .collect()
+}
+
+/// Exports the selected tensors of `net` as flat `f32` vectors in PyTorch names and layouts.
+pub fn export<N: Net>(net: &N, spec: &ModelSpec, select: Select) -> StateDict {
+    let synced = net.valid();
+    let mut r = Reader {
+        net: &synced,
+        walk: Walker::default(),
+        with_data: true,
+        out: Vec::new(),
+    };
+    synced.visit(&mut r);
+    StateDict {
+        spec_hash: spec.hash(),
+        tensors: r.out.into_iter().filter(|t| select.keeps(t.kind)).collect(),
+    }
+}
+
+/// Validates `state` against `spec`: the hash, every name known, every shape and length right,
+/// and every tensor `select` needs present.
+pub fn validate(state: &StateDict, spec: &ModelSpec, select: Select) -> Result<(), StateError> {
+    let expected = spec.hash();
+    if state.spec_hash != expected {
+        return Err(StateError::SpecHashMismatch {
+            expected: expected.to_string(),
+            found: state.spec_hash.to_string(),
+        });
+    }
+    let mut seen = HashMap::new();
+    for t in &state.tensors {
+        let s = spec
+            .tensor(&t.name)
+            .ok_or_else(|| StateError::Unexpected(t.name.clone()))?;
+        if s.shape != t.shape {
+            return Err(StateError::WrongShape {
+                name: t.name.clone(),
+                expected: s.shape.clone(),
+                found: t.shape.clone(),
+            });
+        }
+        if t.data.len() != s.numel() {
+            return Err(StateError::WrongLength {
+                name: t.name.clone(),
+                expected: s.numel(),
+                found: t.data.len(),
+            });
+        }
+        seen.insert(t.name.as_str(), ());
+    }
+    if let Some(missing) = spec
+        .tensors
+        .iter()
+        .find(|s| select.keeps(s.kind) && !seen.contains_key(s.name.as_str()))
+    {
+        return Err(StateError::Missing(missing.name.clone()));
+    }
+    Ok(())
+}
+
+struct Writer<'a, N: Net> {
+    net: &'a N,
+    walk: Walker,
+    values: HashMap<&'a str, &'a NamedTensor>,
+    select: Select,
+}
+
+impl<N: Net> ModuleMapper for Writer<'_, N> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.walk.enter(name, container_type);
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.walk.exit();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (path, kind, linear_w) = self.walk.current();
+        if !self.select.keeps(kind) {
+            return param;
+        }
+        let name = torch_name(self.net, &path, kind);
+        let Some(src) = self.values.get(name.as_str()) else {
+            return param;
+        };
+        param.map(|t| {
+            let device = t.device();
+            let rg = t.is_require_grad();
+            let mut new = Tensor::<D>::from_data(
+                TensorData::new(src.data.clone(), src.shape.clone()),
+                &device,
+            );
+            if linear_w {
+                new = new.swap_dims(0, 1);
+            }
+            new.set_require_grad(rg)
+        })
+    }
+}
+
+/// Returns a copy of `net` with the tensors of `state` that `select` keeps written in; every
+/// other tensor is left bit-identical. `state` is validated against `spec` first (it must hold
+/// every tensor `select` keeps).
+pub fn import<N: Net>(
+    net: &N,
+    spec: &ModelSpec,
+    state: &StateDict,
+    select: Select,
+) -> Result<N, StateError> {
+    validate(state, spec, select)?;
+    let copy = net.valid();
+    let mut w = Writer {
+        net: &copy,
+        walk: Walker::default(),
+        values: state.tensors.iter().map(|t| (t.name.as_str(), t)).collect(),
+        select,
+    };
+    Ok(copy.clone().map(&mut w))
+}
+
+/// Applies new non-BN weights (e.g. the federation's average) to a copy of `net`, leaving every
+/// BN tensor (affine and statistics) bit-identical.
+pub fn apply_non_bn<N: Net>(
+    net: &N,
+    spec: &ModelSpec,
+    weights: &StateDict,
+) -> Result<N, StateError> {
+    import(net, spec, weights, Select::NonBn)
+}
+
+/// `new - reference`, tensor by tensor; both must hold the same names and shapes in the same order.
+pub fn delta(new: &StateDict, reference: &StateDict) -> Result<StateDict, StateError> {
+    if new.spec_hash != reference.spec_hash {
+        return Err(StateError::SpecHashMismatch {
+            expected: reference.spec_hash.to_string(),
+            found: new.spec_hash.to_string(),
+        });
+    }
+    if new.tensors.len() != reference.tensors.len() {
+        return Err(StateError::Mismatch(format!(
+            "{} tensors against {}",
+            new.tensors.len(),
+            reference.tensors.len()
+        )));
+    }
+    let tensors = new
+        .tensors
+        .iter()
+        .zip(&reference.tensors)
+        .map(|(a, b)| {
+            if a.name != b.name || a.shape != b.shape {
+                return Err(StateError::Mismatch(format!(
+                    "`{}` {:?} against `{}` {:?}",
+                    a.name, a.shape, b.name, b.shape
+                )));
+            }
+            Ok(NamedTensor {
+                name: a.name.clone(),
+                shape: a.shape.clone(),
+                kind: a.kind,
+                data: a.data.iter().zip(&b.data).map(|(x, y)| x - y).collect(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(StateDict {
+        spec_hash: new.spec_hash,
+        tensors,
+    })
+}
+
+/// `reference + delta`, the inverse of [`delta`].
+pub fn add_delta(reference: &StateDict, delta: &StateDict) -> Result<StateDict, StateError> {
+    let neg = StateDict {
+        spec_hash: delta.spec_hash,
+        tensors: delta
+            .tensors
+            .iter()
+            .map(|t| NamedTensor {
+                data: t.data.iter().map(|v| -v).collect(),
+                ..t.clone()
+            })
+            .collect(),
+    };
+    self::delta(reference, &neg)
+}
+
+impl StateDict {
+    /// The tensor called `name`, if present.
+    pub fn get(&self, name: &str) -> Option<&NamedTensor> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Only the tensors `select` keeps.
+    pub fn filter(&self, select: Select) -> StateDict {
+        StateDict {
+            spec_hash: self.spec_hash,
+            tensors: self
+                .tensors
+                .iter()
+                .filter(|t| select.keeps(t.kind))
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// Total number of values.
+    pub fn numel(&self) -> usize {
+        self.tensors.iter().map(|t| t.data.len()).sum()
+    }
+}

@@ -1,0 +1,362 @@
+//! Local training (SGD, E epochs, seeded) and evaluation.
+//!
+//! The default recipe is FedBN's: lr 0.01, momentum 0, weight decay 0, batch 32, one local
+//! epoch, cross-entropy; the optimiser state starts afresh on every call (every round).
+
+use crate::bn::{BnPass, StreamConfig, StreamEstimator};
+use crate::data::Dataset;
+use crate::error::{BnError, TrainError};
+use crate::zoo::Net;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+/// Local training hyper-parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Learning rate. FedBN: 0.01.
+    pub lr: f64,
+    /// SGD momentum (PyTorch semantics, dampening 0). FedBN: 0.
+    pub momentum: f64,
+    /// Coupled L2 weight decay. FedBN: 0.
+    pub weight_decay: f64,
+    /// Mini-batch size. FedBN: 32.
+    pub batch_size: usize,
+    /// Local epochs E. FedBN: 1.
+    pub epochs: usize,
+    /// Seed of the sample order (epoch e uses a stream derived from it).
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            lr: 0.01,
+            momentum: 0.0,
+            weight_decay: 0.0,
+            batch_size: 32,
+            epochs: 1,
+            seed: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks every value, naming the first bad one.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::BadConfig(m));
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("lr must be positive and finite, got {}", self.lr));
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            return bad(format!(
+                "momentum must lie in [0, 1), got {}",
+                self.momentum
+            ));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!(
+                "weight_decay must be >= 0, got {}",
+                self.weight_decay
+            ));
+        }
+        if self.batch_size < 2 {
+            return bad(format!(
+                "batch_size must be at least 2 (BatchNorm needs a batch variance), got {}",
+                self.batch_size
+            ));
+        }
+        if self.epochs == 0 {
+            return bad("epochs must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// What happened during local training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainReport {
+    /// Mean training loss of each epoch.
+    pub epoch_losses: Vec<f64>,
+    /// Samples processed (over all epochs).
+    pub samples: usize,
+    /// Optimiser steps taken.
+    pub steps: usize,
+}
+
+/// Progress events for a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TrainEvent {
+    /// Epoch `epoch` (0-based) starts with `steps` steps.
+    EpochStart {
+        /// Epoch index.
+        epoch: usize,
+        /// Steps in this epoch.
+        steps: usize,
+    },
+    /// One step of `epoch` is done.
+    Step {
+        /// Epoch index.
+        epoch: usize,
+        /// Steps done in this epoch.
+        done: usize,
+    },
+    /// Epoch finished with mean loss `loss`.
+    EpochEnd {
+        /// Epoch index.
+        epoch: usize,
+        /// Mean loss of the epoch.
+        loss: f64,
+    },
+}
+
+/// Accuracy and loss of a model on a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EvalReport {
+    /// Samples evaluated.
+    pub samples: usize,
+    /// Correct predictions.
+    pub correct: usize,
+    /// Mean cross-entropy.
+    pub loss: f64,
+}
+
+impl EvalReport {
+    /// Fraction correct in [0, 1].
+    pub fn accuracy(&self) -> f64 {
+        if self.samples == 0 {
+            0.0
+        } else {
+            self.correct as f64 / self.samples as f64
+        }
+    }
+}
+
+fn check_data<N: Net>(net: &N, data: &Dataset, classes: usize) -> Result<(), TrainError> {
+    if data.is_empty() {
+        return Err(TrainError::EmptyDataset(data.name.clone()));
+    }
+    if data.features != net.input_numel() {
+        return Err(TrainError::WrongInput {
+            name: data.name.clone(),
+            expected: net.input_numel(),
+            found: data.features,
+        });
+    }
+    if let Some(&label) = data.y.iter().find(|&&l| l >= classes) {
+        return Err(TrainError::LabelOutOfRange {
+            name: data.name.clone(),
+            label,
+            classes,
+        });
+    }
+    Ok(())
+}
+
+/// Batches of a permutation; a trailing batch of one merges into the previous one (a single
+/// sample has no batch variance, and BatchNorm1d cannot train on it).
+fn batches(order: &[usize], batch_size: usize) -> Vec<&[usize]> {
+    let mut out: Vec<&[usize]> = order.chunks(batch_size).collect();
+    if out.len() > 1 && out.last().map(|b| b.len()) == Some(1) {
+        out.pop();
+        let start = (out.len() - 1) * batch_size;
+        *out.last_mut().expect("non-empty") = &order[start..];
+    }
+    out
+}
+
+/// Builds input and target tensors of the samples `idx` of `data` on `device`.
+pub fn batch_tensors(
+    data: &Dataset,
+    idx: &[usize],
+    device: &Device,
+) -> (Tensor<2>, Tensor<1, Int>) {
+    let f = data.features;
+    let mut x = Vec::with_capacity(idx.len() * f);
+    for &i in idx {
+        x.extend_from_slice(&data.x[i * f..(i + 1) * f]);
+    }
+    let y: Vec<i64> = idx.iter().map(|&i| data.y[i] as i64).collect();
+    (
+        Tensor::from_data(TensorData::new(x, [idx.len(), f]), device),
+        Tensor::from_data(TensorData::new(y, [idx.len()]), device),
+    )
+}
+
+/// Trains a copy of `net` on `data` for `cfg.epochs` epochs of SGD on `device` (the plain
+/// device; gradients run on its autodiff form) and returns it in inference mode with a report.
+/// BN layers train in batch-statistics mode and keep their own running statistics.
+pub fn train_local<N: Net>(
+    net: &N,
+    data: &Dataset,
+    classes: usize,
+    cfg: &TrainConfig,
+    device: &Device,
+    mut progress: impl FnMut(TrainEvent),
+) -> Result<(N, TrainReport), TrainError> {
+    cfg.validate()?;
+    check_data(net, data, classes)?;
+    let ad = device.clone().autodiff();
+    let mut model = net.valid().train();
+    let mut sgd = SgdConfig::new();
+    if cfg.momentum > 0.0 {
+        sgd = sgd.with_momentum(Some(
+            MomentumConfig::new()
+                .with_momentum(cfg.momentum)
+                .with_dampening(0.0),
+        ));
+    }
+    if cfg.weight_decay > 0.0 {
+        sgd = sgd.with_weight_decay(Some(WeightDecayConfig::new(cfg.weight_decay as f32)));
+    }
+    let mut optim = sgd.init();
+    let loss_fn = CrossEntropyLossConfig::new().init(&ad);
+    let mut report = TrainReport {
+        epoch_losses: Vec::new(),
+        samples: 0,
+        steps: 0,
+    };
+    let mut order: Vec<usize> = (0..data.len()).collect();
+    for epoch in 0..cfg.epochs {
+        let mut rng = ChaCha8Rng::seed_from_u64(
+            cfg.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+        order.shuffle(&mut rng);
+        let bs = batches(&order, cfg.batch_size);
+        progress(TrainEvent::EpochStart {
+            epoch,
+            steps: bs.len(),
+        });
+        let mut loss_sum = 0.0f64;
+        for (k, idx) in bs.iter().enumerate() {
+            let (x, y) = batch_tensors(data, idx, &ad);
+            let mut pass = BnPass::standard();
+            let logits = model.forward(x, &mut pass);
+            let loss = loss_fn.forward(logits, y);
+            loss_sum += loss.clone().into_scalar::<f32>() as f64 * idx.len() as f64;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(cfg.lr, model, grads);
+            report.steps += 1;
+            report.samples += idx.len();
+            progress(TrainEvent::Step { epoch, done: k + 1 });
+        }
+        let loss = loss_sum / data.len() as f64;
+        if !loss.is_finite() {
+            return Err(TrainError::Diverged(loss, epoch));
+        }
+        report.epoch_losses.push(loss);
+        progress(TrainEvent::EpochEnd { epoch, loss });
+    }
+    Ok((model.valid(), report))
+}
+
+/// Evaluates `net` with its stored BN statistics (inference mode) in batches of `batch_size`.
+pub fn evaluate<N: Net>(
+    net: &N,
+    data: &Dataset,
+    classes: usize,
+    batch_size: usize,
+    device: &Device,
+) -> Result<EvalReport, TrainError> {
+    check_data(net, data, classes)?;
+    let net = net.valid();
+    let device = device.clone().without_autodiff();
+    let idx: Vec<usize> = (0..data.len()).collect();
+    let mut rep = EvalReport {
+        samples: 0,
+        correct: 0,
+        loss: 0.0,
+    };
+    for chunk in idx.chunks(batch_size.max(1)) {
+        let (x, y) = batch_tensors(data, chunk, &device);
+        let logits = net.forward(x, &mut BnPass::standard());
+        accumulate(&mut rep, logits, y, chunk.len());
+    }
+    rep.loss /= rep.samples as f64;
+    Ok(rep)
+}
+
+fn accumulate(rep: &mut EvalReport, logits: Tensor<2>, y: Tensor<1, Int>, n: usize) {
+    let device = logits.device();
+    let loss = CrossEntropyLossConfig::new()
+        .init(&device)
+        .forward(logits.clone(), y.clone());
+    let pred = logits.argmax(1).reshape([n]);
+    let correct = pred.equal(y).int().sum().into_scalar::<i64>();
+    rep.loss += loss.into_scalar::<f32>() as f64 * n as f64;
+    rep.correct += correct as usize;
+    rep.samples += n;
+}
+
+/// Evaluates `net` under `stream` BN re-estimation (UniFed Algorithm 1): the test samples, in
+/// the order given by `order` (all of them, each once), arrive in batches of `cfg.batch_size`;
+/// each batch is normalised with statistics updated by that batch.
+pub fn evaluate_stream<N: Net>(
+    net: &N,
+    data: &Dataset,
+    classes: usize,
+    cfg: &StreamConfig,
+    order: &[usize],
+    device: &Device,
+) -> Result<EvalReport, crate::error::BnError> {
+    check_data(net, data, classes).map_err(|_| BnError::WrongInput {
+        expected: net.input_numel(),
+        found: data.features,
+    })?;
+    let ranges = crate::bn::bn_batches(order.len(), cfg.batch_size)?;
+    let net = net.valid();
+    let device = device.clone().without_autodiff();
+    let mut est = StreamEstimator::new(cfg.tau, cfg.start)?;
+    let mut rep = EvalReport {
+        samples: 0,
+        correct: 0,
+        loss: 0.0,
+    };
+    for r in ranges {
+        let chunk = &order[r];
+        let (x, y) = batch_tensors(data, chunk, &device);
+        let logits = est.forward(&net, x)?;
+        accumulate(&mut rep, logits, y, chunk.len());
+    }
+    rep.loss /= rep.samples as f64;
+    Ok(rep)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_merge_a_trailing_single_sample() {
+        let order: Vec<usize> = (0..65).collect();
+        let b = batches(&order, 32);
+        assert_eq!(b.iter().map(|b| b.len()).collect::<Vec<_>>(), vec![32, 33]);
+        let order: Vec<usize> = (0..743).collect();
+        let b = batches(&order, 32);
+        assert_eq!(b.len(), 24);
+        assert_eq!(b[23].len(), 7);
+    }
+
+    #[test]
+    fn config_validation_names_the_bad_value() {
+        let cfg = TrainConfig {
+            batch_size: 1,
+            ..Default::default()
+        };
+        assert!(
+            matches!(cfg.validate(), Err(TrainError::BadConfig(m)) if m.contains("batch_size"))
+        );
+        let cfg = TrainConfig {
+            lr: f64::NAN,
+            ..Default::default()
+        };
+        assert!(matches!(cfg.validate(), Err(TrainError::BadConfig(m)) if m.contains("lr")));
+    }
+}

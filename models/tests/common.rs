@@ -1,0 +1,85 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code, missing_docs)]
+
+use burn::tensor::{Device, Tensor, TensorData};
+use std::path::{Path, PathBuf};
+use unifed_models::state::{Select, export};
+use unifed_models::zoo::{Net, spec_of};
+use unifed_protocol::{Input, ModelSpec, Scaling};
+
+pub fn device() -> Device {
+    Device::flex()
+}
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn classes(n: usize) -> Vec<String> {
+    (0..n).map(|d| d.to_string()).collect()
+}
+
+pub fn image_input(c: u32, h: u32, w: u32) -> Input {
+    Input::Image {
+        channels: c,
+        height: h,
+        width: w,
+        scaling: Scaling::MinusOneToOne,
+    }
+}
+
+pub fn spec<N: Net>(net: &N, k: usize, input: Input) -> ModelSpec {
+    spec_of(net, &classes(k), &input)
+}
+
+/// Reads a float tensor from a safetensors file as (shape, values).
+pub fn read_tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let v = st.tensor(name).unwrap();
+    assert_eq!(v.dtype(), safetensors::Dtype::F32);
+    let data = v
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    (v.shape().to_vec(), data)
+}
+
+pub fn tensor2(shape: &[usize], data: Vec<f32>, device: &Device) -> Tensor<2> {
+    let f: usize = shape[1..].iter().product();
+    Tensor::from_data(TensorData::new(data, [shape[0], f]), device)
+}
+
+pub fn values(t: Tensor<2>) -> Vec<f32> {
+    t.into_data().try_into_vec_as::<f32>().unwrap()
+}
+
+pub fn bits(net: &impl Net, spec: &ModelSpec, select: Select) -> Vec<(String, Vec<u32>)> {
+    export(net, spec, select)
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, t.data.iter().map(|v| v.to_bits()).collect()))
+        .collect()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Deterministic pseudo-random values in [-1, 1).
+pub fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}

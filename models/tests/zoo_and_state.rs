@@ -1,0 +1,311 @@
+//! The model zoo's shapes, the model spec and the BN/non-BN partition contract.
+
+mod common;
+
+use common::*;
+use unifed_models::checkpoint;
+use unifed_models::data::Dataset;
+use unifed_models::error::StateError;
+use unifed_models::state::{Select, add_delta, apply_non_bn, delta, export, import};
+use unifed_models::train::{TrainConfig, train_local};
+use unifed_models::zoo::{DigitsCnnConfig, MlpConfig, ResNetConfig, Stem, seeded};
+use unifed_protocol::TensorKind;
+
+#[test]
+fn digits_cnn_has_the_papers_layers_and_14213578_non_bn_parameters() {
+    let net = DigitsCnnConfig::default().init(&device());
+    let spec = spec(&net, 10, image_input(3, 28, 28));
+    let shapes: Vec<(&str, Vec<usize>)> = spec
+        .tensors
+        .iter()
+        .filter(|t| !t.kind.is_bn())
+        .map(|t| (t.name.as_str(), t.shape.clone()))
+        .collect();
+    assert_eq!(
+        shapes,
+        vec![
+            ("conv1.weight", vec![64, 3, 5, 5]),
+            ("conv1.bias", vec![64]),
+            ("conv2.weight", vec![64, 64, 5, 5]),
+            ("conv2.bias", vec![64]),
+            ("conv3.weight", vec![128, 64, 5, 5]),
+            ("conv3.bias", vec![128]),
+            ("fc1.weight", vec![2048, 6272]),
+            ("fc1.bias", vec![2048]),
+            ("fc2.weight", vec![512, 2048]),
+            ("fc2.bias", vec![512]),
+            ("fc3.weight", vec![10, 512]),
+            ("fc3.bias", vec![10]),
+        ]
+    );
+    assert_eq!(spec.non_bn_params(), 14_213_578);
+    // Five BN layers, each with weight, bias, running mean and running var, found by layer type.
+    let bn: Vec<(&str, TensorKind, usize)> = spec
+        .tensors
+        .iter()
+        .filter(|t| t.kind.is_bn())
+        .map(|t| (t.name.as_str(), t.kind, t.numel()))
+        .collect();
+    assert_eq!(bn.len(), 20);
+    for (layer, width) in [
+        ("bn1", 64),
+        ("bn2", 64),
+        ("bn3", 128),
+        ("bn4", 2048),
+        ("bn5", 512),
+    ] {
+        for (suffix, kind) in [
+            ("weight", TensorKind::BnWeight),
+            ("bias", TensorKind::BnBias),
+            ("running_mean", TensorKind::BnRunningMean),
+            ("running_var", TensorKind::BnRunningVar),
+        ] {
+            let name = format!("{layer}.{suffix}");
+            assert!(
+                bn.contains(&(name.as_str(), kind, width)),
+                "missing {name} ({kind:?}, {width})"
+            );
+        }
+    }
+    assert!(spec.validate().is_ok());
+    assert_eq!(spec.hash(), spec.clone().hash());
+}
+
+#[test]
+fn resnet18_names_follow_torchvision_and_its_parameter_count_is_right() {
+    let net = ResNetConfig::new(3, [224, 224], 1000).init(&device());
+    let spec = spec(&net, 1000, image_input(3, 224, 224));
+    // torchvision's resnet18 has 11,689,512 trainable parameters (BN affine included).
+    assert_eq!(spec.numel_where(|k| !k.is_bn_stat()), 11_689_512);
+    assert!(spec.tensor("layer2.0.downsample.0.weight").is_some());
+    assert_eq!(
+        spec.tensor("layer2.0.downsample.1.running_var")
+            .unwrap()
+            .kind,
+        TensorKind::BnRunningVar
+    );
+    assert_eq!(spec.tensor("fc.weight").unwrap().shape, vec![1000, 512]);
+    assert_eq!(
+        spec.tensors
+            .iter()
+            .filter(|t| t.kind == TensorKind::BnWeight)
+            .count(),
+        20
+    );
+}
+
+#[test]
+fn export_then_import_round_trips_bit_exactly() {
+    let d = device();
+    let a = seeded(&d, 1, |d| {
+        DigitsCnnConfig {
+            conv: [4, 6, 8],
+            fc: [32, 16],
+            ..Default::default()
+        }
+        .init(d)
+    });
+    let b = seeded(&d, 2, |d| {
+        DigitsCnnConfig {
+            conv: [4, 6, 8],
+            fc: [32, 16],
+            ..Default::default()
+        }
+        .init(d)
+    });
+    let spec = spec(&a, 10, image_input(3, 28, 28));
+    // Give a's BN statistics non-default values so that they are really carried over.
+    let mut state = export(&a, &spec, Select::All);
+    for t in &mut state.tensors {
+        if t.kind.is_bn() {
+            t.data
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v = 0.5 + i as f32 * 0.25);
+        }
+    }
+    let a = import(&a, &spec, &state, Select::All).unwrap();
+    let b2 = import(&b, &spec, &export(&a, &spec, Select::All), Select::All).unwrap();
+    assert_eq!(bits(&a, &spec, Select::All), bits(&b2, &spec, Select::All));
+    assert_eq!(export(&b2, &spec, Select::All), state);
+    // And through a safetensors file.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    checkpoint::save(&path, &state, &spec).unwrap();
+    assert_eq!(checkpoint::load(&path, &spec).unwrap(), state);
+}
+
+#[test]
+fn applying_non_bn_weights_leaves_every_bn_tensor_bit_identical() {
+    let d = device();
+    let cfg = DigitsCnnConfig {
+        conv: [4, 6, 8],
+        fc: [32, 16],
+        ..Default::default()
+    };
+    let site = seeded(&d, 3, |d| cfg.init(d));
+    let spec = spec(&site, 10, image_input(3, 28, 28));
+    // Train the site a little so its BN statistics are its own.
+    let data = Dataset {
+        name: "noise".into(),
+        features: 3 * 28 * 28,
+        x: noise(64 * 3 * 28 * 28, 5),
+        y: (0..64).map(|i| i % 10).collect(),
+    };
+    let (site, _) = train_local(&site, &data, 10, &TrainConfig::default(), &d, |_| {}).unwrap();
+    let global = seeded(&d, 4, |d| cfg.init(d));
+    let new_weights = export(&global, &spec, Select::NonBn);
+    let updated = apply_non_bn(&site, &spec, &new_weights).unwrap();
+    assert_eq!(
+        bits(&updated, &spec, Select::Bn),
+        bits(&site, &spec, Select::Bn)
+    );
+    assert_eq!(
+        bits(&updated, &spec, Select::NonBn),
+        bits(&global, &spec, Select::NonBn)
+    );
+    assert_ne!(
+        bits(&updated, &spec, Select::NonBn),
+        bits(&site, &spec, Select::NonBn)
+    );
+    // A delta against the reference, added back, gives the weights again.
+    let d1 = delta(
+        &export(&updated, &spec, Select::NonBn),
+        &export(&site, &spec, Select::NonBn),
+    )
+    .unwrap();
+    let back = add_delta(&export(&site, &spec, Select::NonBn), &d1).unwrap();
+    assert!(max_abs_diff(&back.tensors[0].data, &new_weights.tensors[0].data) < 1e-6);
+    assert!(d1.tensors.iter().all(|t| !t.kind.is_bn()));
+}
+
+#[test]
+fn two_clones_trained_apart_keep_different_bn_statistics() {
+    let d = device();
+    let cfg = MlpConfig {
+        inputs: 20,
+        hidden: [16, 16],
+        classes: 3,
+    };
+    let global = seeded(&d, 9, |d| cfg.init(d));
+    let spec = spec(&global, 3, unifed_protocol::Input::Features { len: 20 });
+    let before = bits(&global, &spec, Select::BnStats);
+    let a0 = global.clone();
+    let b0 = global.clone();
+    let da = Dataset {
+        name: "a".into(),
+        features: 20,
+        x: noise(64 * 20, 1).iter().map(|v| v + 2.0).collect(),
+        y: (0..64).map(|i| i % 3).collect(),
+    };
+    let db = Dataset {
+        name: "b".into(),
+        features: 20,
+        x: noise(64 * 20, 2).iter().map(|v| v * 5.0).collect(),
+        y: (0..64).map(|i| i % 3).collect(),
+    };
+    let (a, _) = train_local(&a0, &da, 3, &TrainConfig::default(), &d, |_| {}).unwrap();
+    let (b, _) = train_local(&b0, &db, 3, &TrainConfig::default(), &d, |_| {}).unwrap();
+    let (sa, sb) = (
+        bits(&a, &spec, Select::BnStats),
+        bits(&b, &spec, Select::BnStats),
+    );
+    assert_ne!(sa, sb);
+    // Neither training touched the shared global model's statistics.
+    assert_eq!(bits(&global, &spec, Select::BnStats), before);
+    assert_ne!(sa, before);
+}
+
+#[test]
+fn imports_reject_a_wrong_spec_hash_a_wrong_shape_and_unknown_tensors() {
+    let d = device();
+    let net = MlpConfig {
+        inputs: 20,
+        hidden: [16, 16],
+        classes: 3,
+    }
+    .init(&d);
+    let spec = spec(&net, 3, unifed_protocol::Input::Features { len: 20 });
+    let other = MlpConfig {
+        inputs: 21,
+        hidden: [16, 16],
+        classes: 3,
+    }
+    .init(&d);
+    let other_spec = spec_of_features(&other, 21);
+    let foreign = export(&other, &other_spec, Select::All);
+    assert!(matches!(
+        import(&net, &spec, &foreign, Select::All),
+        Err(StateError::SpecHashMismatch { .. })
+    ));
+    let mut state = export(&net, &spec, Select::All);
+    state.tensors[0].shape = vec![20, 16];
+    match import(&net, &spec, &state, Select::All) {
+        Err(StateError::WrongShape {
+            name,
+            expected,
+            found,
+        }) => {
+            assert_eq!(
+                (name.as_str(), expected, found),
+                ("fc1.weight", vec![16, 20], vec![20, 16])
+            );
+        }
+        other => panic!("expected WrongShape, got {other:?}"),
+    }
+    let mut state = export(&net, &spec, Select::All);
+    state.tensors[0].name = "fc9.weight".into();
+    assert!(
+        matches!(import(&net, &spec, &state, Select::All), Err(StateError::Unexpected(n)) if n == "fc9.weight")
+    );
+    let mut state = export(&net, &spec, Select::NonBn);
+    state.tensors.pop();
+    assert!(
+        matches!(apply_non_bn(&net, &spec, &state), Err(StateError::Missing(n)) if n == "fc3.bias")
+    );
+    let mut state = export(&net, &spec, Select::All);
+    state.tensors[1].data.pop();
+    assert!(matches!(
+        import(&net, &spec, &state, Select::All),
+        Err(StateError::WrongLength { .. })
+    ));
+    // A checkpoint written for another spec is refused by hash.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("o.safetensors");
+    checkpoint::save(&p, &foreign, &other_spec).unwrap();
+    assert!(matches!(
+        checkpoint::load(&p, &spec),
+        Err(StateError::SpecHashMismatch { .. })
+    ));
+    std::fs::write(&p, b"not a checkpoint").unwrap();
+    assert!(matches!(
+        checkpoint::load(&p, &spec),
+        Err(StateError::File { .. })
+    ));
+}
+
+fn spec_of_features(net: &unifed_models::zoo::Mlp, len: u32) -> unifed_protocol::ModelSpec {
+    spec(net, 3, unifed_protocol::Input::Features { len })
+}
+
+#[test]
+fn resnet_split_stage_composes_to_the_full_forward() {
+    let d = device();
+    let cfg = ResNetConfig {
+        in_channels: 1,
+        size: [16, 16],
+        classes: 4,
+        width: 4,
+        stem: Stem::Cifar,
+        split: 2,
+    };
+    let net = seeded(&d, 5, |d| cfg.init(d));
+    let x = tensor2(&[3, 256], noise(3 * 256, 8), &d);
+    use unifed_models::bn::BnPass;
+    use unifed_models::zoo::Net;
+    let full = values(net.forward(x.clone(), &mut BnPass::standard()));
+    let z = net.low(x, &mut BnPass::standard());
+    assert_eq!(z.dims(), [3, 8, 8, 8]);
+    let split = values(net.head(net.high(z, &mut BnPass::standard())));
+    assert_eq!(full, split);
+}

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""PyTorch CPU baseline for the full-size FedBN digits CNN.
+
+Model (FedBN DigitModel): conv 3->64->64->128 (5x5, stride 1, pad 2) with BN/ReLU,
+max-pool after the first two, flatten 128*7*7 = 6272 -> fc 2048 -> 512 -> 10 with
+BN1d/ReLU on the hidden fc layers. Input [N,3,28,28].
+
+Measures:
+  * training: plain SGD (lr 0.01, no momentum), cross-entropy; per step:
+    forward, loss, loss.item(), backward, optimizer step
+  * inference: eval mode under torch.inference_mode(), batch 32 and 256,
+    output copied to numpy every iteration
+
+Usage:
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/torch_bench.py --threads 2
+
+(The script also sets OMP_WAIT_POLICY=PASSIVE itself, before importing torch, unless
+already set; setting it in the shell makes it explicit. Passive waiting keeps idle
+OpenMP threads from spinning, which matters when the machine is shared.)
+
+The last line of stdout is a JSON object with the results.
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def current_rss_mib():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (intra-op threads)")
+    p.add_argument("--batch", type=int, default=32, help="training batch size")
+    p.add_argument("--warmup", type=int, default=5, help="training warmup steps")
+    p.add_argument("--steps", type=int, default=50, help="timed training steps")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+args = parse_args()
+
+import torch  # noqa: E402  (after OMP_WAIT_POLICY is set)
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+rss_after_import_mib = current_rss_mib()
+
+
+class DigitModel(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 5, 1, 2)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.conv2 = nn.Conv2d(64, 64, 5, 1, 2)
+        self.bn2 = nn.BatchNorm2d(64)
+        self.conv3 = nn.Conv2d(64, 128, 5, 1, 2)
+        self.bn3 = nn.BatchNorm2d(128)
+        self.fc1 = nn.Linear(6272, 2048)
+        self.bn4 = nn.BatchNorm1d(2048)
+        self.fc2 = nn.Linear(2048, 512)
+        self.bn5 = nn.BatchNorm1d(512)
+        self.fc3 = nn.Linear(512, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.relu(self.bn3(self.conv3(x)))
+        x = x.view(x.shape[0], -1)
+        x = F.relu(self.bn4(self.fc1(x)))
+        x = F.relu(self.bn5(self.fc2(x)))
+        return self.fc3(x)
+
+
+def bench_train(model, batch, warmup, steps, gen):
+    x = torch.randn(batch, 3, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.0)
+    model.train()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss_val = loss.item()
+        loss.backward()
+        opt.step()
+        return loss_val
+
+    for _ in range(warmup):
+        step()
+    t0 = time.perf_counter()
+    last = None
+    for _ in range(steps):
+        last = step()
+    dt = time.perf_counter() - t0
+    return steps * batch / dt, dt, last
+
+
+def bench_infer(model, batch, warmup, iters, gen):
+    x = torch.randn(batch, 3, 28, 28, generator=gen)
+    model.eval()
+    sink = None
+    with torch.inference_mode():
+        for _ in range(warmup):
+            sink = model(x).numpy().copy()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            sink = model(x).numpy().copy()
+        dt = time.perf_counter() - t0
+    assert sink.shape == (batch, 10)
+    return iters * batch / dt, dt
+
+
+def main():
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    model = DigitModel()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, params={n_params}", file=sys.stderr)
+
+    train_sps, train_s, last_loss = bench_train(model, args.batch, args.warmup, args.steps, gen)
+    print(f"train: batch {args.batch}, {args.steps} steps in {train_s:.3f}s -> {train_sps:.1f} samples/s "
+          f"(last loss {last_loss:.4f})")
+    b32_sps, b32_s = bench_infer(model, 32, 5, 50, gen)
+    print(f"infer b32: 50 iters in {b32_s:.3f}s -> {b32_sps:.1f} samples/s")
+    b256_sps, b256_s = bench_infer(model, 256, 2, 10, gen)
+    print(f"infer b256: 10 iters in {b256_s:.3f}s -> {b256_sps:.1f} samples/s")
+
+    result = {
+        "framework": "pytorch",
+        "torch_version": torch.__version__,
+        "threads": args.threads,
+        "batch": args.batch,
+        "train_steps": args.steps,
+        "train_samples_per_s": round(train_sps, 2),
+        "infer_b32_samples_per_s": round(b32_sps, 2),
+        "infer_b256_samples_per_s": round(b256_sps, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+        "rss_after_import_mib": round(rss_after_import_mib, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
