@@ -61,29 +61,9 @@ import torch.nn.functional as F  # noqa: E402
 rss_after_import_mib = current_rss_mib()
 
 
-class DigitModel(nn.Module):
-    def __init__(self, num_classes=10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 5, 1, 2)
-        self.bn1 = nn.BatchNorm2d(64)
-        self.conv2 = nn.Conv2d(64, 64, 5, 1, 2)
-        self.bn2 = nn.BatchNorm2d(64)
-        self.conv3 = nn.Conv2d(64, 128, 5, 1, 2)
-        self.bn3 = nn.BatchNorm2d(128)
-        self.fc1 = nn.Linear(6272, 2048)
-        self.bn4 = nn.BatchNorm1d(2048)
-        self.fc2 = nn.Linear(2048, 512)
-        self.bn5 = nn.BatchNorm1d(512)
-        self.fc3 = nn.Linear(512, num_classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
-        x = F.relu(self.bn3(self.conv3(x)))
-        x = x.view(x.shape[0], -1)
-        x = F.relu(self.bn4(self.fc1(x)))
-        x = F.relu(self.bn5(self.fc2(x)))
-        return self.fc3(x)
+# The same FedBN DigitModel the committed fixtures come from (paper widths by default).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_torch_fixtures import DigitModel  # noqa: E402
 
 
 def bench_train(model, batch, warmup, steps, gen):

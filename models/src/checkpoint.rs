@@ -84,12 +84,13 @@ pub fn from_bytes(bytes: &[u8], spec: &ModelSpec) -> Result<StateDict, StateErro
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(not_st)?;
     let expected = spec.hash();
     if let Some(found) = meta.metadata().as_ref().and_then(|m| m.get(META_SPEC_HASH))
-        && *found != expected.to_string() {
-            return Err(StateError::SpecHashMismatch {
-                expected: expected.to_string(),
-                found: found.clone(),
-            });
-        }
+        && *found != expected.to_string()
+    {
+        return Err(StateError::SpecHashMismatch {
+            expected: expected.to_string(),
+            found: found.clone(),
+        });
+    }
     let st = SafeTensors::deserialize(bytes).map_err(not_st)?;
     let mut by_name: HashMap<String, TensorView<'_>> = st.tensors().into_iter().collect();
     let mut tensors = Vec::new();

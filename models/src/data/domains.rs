@@ -77,14 +77,7 @@ impl BaseDigits {
             if !dir.is_dir() {
                 continue;
             }
-            let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-                .map_err(|e| DataError::Io {
-                    path: dir.clone(),
-                    message: e.to_string(),
-                })?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .collect();
-            files.sort();
+            let files = super::folder::sorted_entries(&dir)?;
             for f in files {
                 let img = image::open(&f).map_err(|e| DataError::CorruptImage {
                     path: f.clone(),
@@ -383,18 +376,10 @@ impl Assets {
     pub fn load(dir: &Path) -> Result<Self, DataError> {
         let list = |sub: &str, ext: &str| -> Result<Vec<PathBuf>, DataError> {
             let d = dir.join(sub);
-            if !d.is_dir() {
-                return Err(DataError::MissingFolder(d));
-            }
-            let mut v: Vec<PathBuf> = std::fs::read_dir(&d)
-                .map_err(|e| DataError::Io {
-                    path: d.clone(),
-                    message: e.to_string(),
-                })?
-                .filter_map(|e| e.ok().map(|e| e.path()))
+            let v: Vec<PathBuf> = super::folder::sorted_entries(&d)?
+                .into_iter()
                 .filter(|p| p.extension().is_some_and(|e| e == ext))
                 .collect();
-            v.sort();
             if v.is_empty() {
                 return Err(DataError::Empty(d.display().to_string()));
             }

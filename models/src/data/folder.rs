@@ -21,7 +21,7 @@ fn io_err(path: &Path, e: std::io::Error) -> DataError {
     }
 }
 
-fn sorted_entries(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+pub(crate) fn sorted_entries(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     if !dir.is_dir() {
         return Err(DataError::MissingFolder(dir.into()));
     }

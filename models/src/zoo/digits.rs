@@ -59,7 +59,10 @@ pub struct DigitsCnn {
 impl DigitsCnnConfig {
     /// Checks the sizes, returning a message naming the bad value.
     pub fn validate(&self) -> Result<(), String> {
-        if !self.size[0].is_multiple_of(4) || !self.size[1].is_multiple_of(4) || self.size.contains(&0) {
+        if !self.size[0].is_multiple_of(4)
+            || !self.size[1].is_multiple_of(4)
+            || self.size.contains(&0)
+        {
             return Err(format!(
                 "digits CNN input size {:?} must be non-zero multiples of 4",
                 self.size
