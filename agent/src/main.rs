@@ -47,6 +47,19 @@ enum Cmd {
         #[arg(long, default_value = "digits")]
         arch: String,
     },
+    /// Writes a freshly initialised model (seeded) as a PyTorch-compatible safetensors file:
+    /// the initial global model of a federation.
+    Init {
+        /// Model architecture: digits, mlp or resnet18.
+        #[arg(long, default_value = "digits")]
+        arch: String,
+        /// Initialisation seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Training and inference samples/s of the digits CNN per compiled backend, peak RSS, and
     /// PyTorch's figures on the same threads when a Python with torch is found.
     Bench(bench::Args),
@@ -112,6 +125,19 @@ fn main() -> Result<()> {
                     "non_bn_params": spec.non_bn_params(),
                     "spec": spec,
                 }))?
+            );
+            Ok(())
+        }
+        Cmd::Init { arch, seed, out } => {
+            let device = backend.device().map_err(anyhow::Error::msg)?;
+            let (spec, state) = singleset::init_state(&arch, seed, &device)?;
+            unifed_models::checkpoint::save(&out, &state, &spec)
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!(
+                "wrote {} ({} tensors, spec {})",
+                out.display(),
+                state.tensors.len(),
+                spec.hash()
             );
             Ok(())
         }

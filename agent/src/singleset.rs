@@ -80,6 +80,34 @@ pub fn spec_for(arch: &str, device: &unifed_models::backend::Device) -> Result<M
     })
 }
 
+/// A seeded initial model of `arch` and its spec.
+pub fn init_state(
+    arch: &str,
+    seed: u64,
+    device: &unifed_models::backend::Device,
+) -> Result<(ModelSpec, unifed_models::state::StateDict)> {
+    use unifed_models::state::{Select, export};
+    let spec = spec_for(arch, device)?;
+    let state = match arch {
+        "digits" => export(
+            &seeded(device, seed, |d| DigitsCnnConfig::default().init(d)),
+            &spec,
+            Select::All,
+        ),
+        "mlp" => export(
+            &seeded(device, seed, |d| MlpConfig::abide(100, 2).init(d)),
+            &spec,
+            Select::All,
+        ),
+        _ => export(
+            &seeded(device, seed, |d| ResNetConfig::new(1, [64, 64], 10).init(d)),
+            &spec,
+            Select::All,
+        ),
+    };
+    Ok((spec, state))
+}
+
 pub fn run(backend: Backend, args: &Args) -> Result<()> {
     let device = backend.device().map_err(anyhow::Error::msg)?;
     let domains: Vec<Domain> = if args.domains.is_empty() {

@@ -113,3 +113,35 @@ fn bad_input_gives_a_clear_error_and_a_failing_exit_code() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn init_writes_a_pytorch_style_checkpoint_with_the_spec_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("init.safetensors");
+    let run = agent()
+        .args(["init", "--arch", "mlp", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let spec: serde_json::Value = serde_json::from_slice(
+        &agent()
+            .args(["spec", "--arch", "mlp"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let bytes = std::fs::read(&out).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    assert_eq!(header["__metadata__"]["unifed.spec_hash"], spec["hash"]);
+    assert_eq!(header["fc1.weight"]["shape"], serde_json::json!([16, 100]));
+    // PyTorch's BN counter is present so that load_state_dict(strict=True) accepts the file.
+    assert_eq!(header["bn1.num_batches_tracked"]["dtype"], "I64");
+    assert_eq!(header.as_object().unwrap().len(), 1 + 14 + 2);
+}

@@ -37,6 +37,25 @@ pub fn to_bytes(state: &StateDict, spec: &ModelSpec) -> Result<Vec<u8>, StateErr
             )
         })
         .collect();
+    // PyTorch's BatchNorm also saves an int64 `num_batches_tracked`; burn keeps no such
+    // counter, so write 0 for every BN layer so that `load_state_dict(strict=True)` accepts
+    // the file (the counter only matters to PyTorch BN layers built with momentum=None).
+    let zero = 0i64.to_le_bytes();
+    let counters: Vec<String> = state
+        .tensors
+        .iter()
+        .filter(|t| t.kind == unifed_protocol::TensorKind::BnRunningMean)
+        .filter_map(|t| {
+            t.name
+                .strip_suffix(".running_mean")
+                .map(|p| format!("{p}.num_batches_tracked"))
+        })
+        .collect();
+    let counter_views = counters.iter().map(|n| {
+        TensorView::new(Dtype::I64, vec![], &zero)
+            .map(|v| (n.clone(), v))
+            .map_err(|e| StateError::Mismatch(e.to_string()))
+    });
     let views = bytes
         .iter()
         .map(|(n, s, b)| {
@@ -46,6 +65,7 @@ pub fn to_bytes(state: &StateDict, spec: &ModelSpec) -> Result<Vec<u8>, StateErr
                     .map_err(|e| StateError::Mismatch(e.to_string()))?,
             ))
         })
+        .chain(counter_views)
         .collect::<Result<Vec<_>, StateError>>()?;
     let meta = HashMap::from([
         (META_SPEC_HASH.to_string(), state.spec_hash.to_string()),
