@@ -1,7 +1,24 @@
-//! The UniFed Edge aggregator: round state machine, server strategies, durable rounds, model
-//! registry and new-site onboarding.
+//! The UniFed Edge aggregator's federation core: a state machine without network I/O
+//! (`handle(event) -> actions`) that runs rounds, validates every update (spec hash, round,
+//! model version, tensor names and shapes, finite values, optional norm bound), answers each
+//! with an accept or a reject naming the reason, deduplicates re-sends on (round, site), spools
+//! accepted updates to disk (fsync before the accept), and at round close folds the spool in site
+//! order into the weighted mean: FedAvg, with BatchNorm tensors excluded under the `local` BN
+//! policy (FedBN).
 //!
-//! Nothing is implemented here yet: the federation core (issue 8) and the MQTT service
-//! (issue 9) build it on the wire types of `unifed-protocol`. The crate exists so the
-//! workspace has its final shape and the dependency direction (`aggregator -> protocol`, no
-//! burn) is fixed from the start.
+//! # Layout
+//! - [`config`]: [`FederationConfig`] and its validation.
+//! - [`core`]: [`Aggregator`], [`Event`], [`Action`].
+//! - [`store`]: the data directory: state, model versions, spool, audit log (all versioned,
+//!   written atomically).
+//! - [`fold`]: the weighted mean over spooled deltas.
+//!
+//! The MQTT service (issue 9) drives this core; it never needs burn.
+
+pub mod config;
+pub mod core;
+pub mod fold;
+pub mod store;
+
+pub use crate::config::{FederationConfig, Weighting};
+pub use crate::core::{Action, Aggregator, CoreError, Event, GlobalModel};

@@ -1,12 +1,42 @@
 //! Wire-level types of UniFed Edge that need neither burn nor tokio.
 //!
-//! Today this crate holds the **model spec**: the plain-data description of a model's tensors
-//! (name, shape, and whether each belongs to a BatchNorm layer), its classes and its input
-//! preprocessing, with a stable hash that every message, checkpoint and registry entry carries.
-//! The federation issues add the envelope, encodings, chunking and topics here.
+//! Everything two peers must agree on lives here: the **model spec** with its stable hash, the
+//! identifiers, the message payloads, the envelope that frames them, the tensor encodings,
+//! chunking of large payloads and the MQTT topic names.
+//!
+//! # Quick start
+//! ```
+//! use unifed_protocol::*;
+//!
+//! let update = SiteUpdate {
+//!     round: 1,
+//!     base_version: 1,
+//!     samples: 10,
+//!     delta: vec![encode("fc.weight", &[2], &[0.5, -0.25], Encoding::F16, None)],
+//!     extras: Extras::default(),
+//! };
+//! let fed = Id::new("demo").unwrap();
+//! let site = Id::new("site-a").unwrap();
+//! let envelope = Envelope::new(
+//!     MessageKind::SiteUpdate, fed.clone(), site.clone(), 1, 1, SpecHash([0; 32]), &update,
+//! );
+//! let bytes = envelope.encode();
+//! let back: SiteUpdate = Envelope::decode(&bytes).unwrap().payload_as().unwrap();
+//! assert_eq!(decode(&back.delta[0]).unwrap(), vec![0.5, -0.25]);
+//! assert_eq!(Topics::new(&fed).update(&site), "unifed/v1/demo/update/site-a");
+//! ```
 //!
 //! # Layout
 //! - [`spec`]: [`ModelSpec`], [`TensorSpec`], [`TensorKind`], [`Input`], [`SpecHash`].
+//! - [`ids`]: [`Id`] ([`SiteId`], [`FederationId`]), safe in topics and client ids.
+//! - [`messages`]: the payloads ([`RoundManifest`], [`Chunk`], [`ChunkRequest`],
+//!   [`ServerBroadcast`], [`SiteUpdate`], [`UpdateAnswer`], [`SiteStatus`], ...).
+//! - [`envelope`]: the [`Envelope`] frame (magic, version, [`MessageKind`], ids, payload,
+//!   signature slot) and [`DecodeError`].
+//! - [`encoding`]: [`Encoding`] (`f32`, `f16`, `q8`, top-k), [`encode`] with error feedback,
+//!   [`decode`] with shape checks.
+//! - [`chunking`]: [`split`], [`payload_hash`] and the bounded, timed [`Reassembler`].
+//! - [`topics`]: [`Topics`], the `unifed/v1/{federation}/...` names.
 //!
 //! # Feature flags
 //! - `std` (default): implements `std::error::Error` for the error types. Without it the crate
@@ -15,6 +45,21 @@
 
 extern crate alloc;
 
+pub mod chunking;
+pub mod encoding;
+pub mod envelope;
+pub mod ids;
+pub mod messages;
 pub mod spec;
+pub mod topics;
 
+pub use chunking::{ChunkError, Reassembler, payload_hash, split};
+pub use encoding::{EncodedTensor, Encoding, TensorError, Values, decode, encode};
+pub use envelope::{DecodeError, Envelope, MAGIC, MessageKind, PROTOCOL_VERSION};
+pub use ids::{FederationId, Id, IdError, MAX_ID_LEN, SiteId};
+pub use messages::{
+    Answer, BnPolicy, Chunk, ChunkRequest, Extras, RejectReason, RoundManifest, Scalar,
+    ServerBroadcast, SiteState, SiteStatus, SiteUpdate, UpdateAnswer,
+};
 pub use spec::{Input, ModelSpec, Scaling, SpecError, SpecHash, TensorKind, TensorSpec};
+pub use topics::Topics;

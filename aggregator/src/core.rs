@@ -1,0 +1,707 @@
+//! The federation core: a state machine driven by [`Event`]s that returns [`Action`]s and does
+//! no network I/O. Its only side effects are durable writes to its data directory, made before
+//! the actions that depend on them are returned (an accept is returned only after its update is
+//! spooled and fsynced; a new model is published only after the state that names it is saved).
+
+use crate::config::{FederationConfig, Weighting};
+use crate::fold::Fold;
+use crate::store::{AuditEntry, ClosedRound, FORMAT_VERSION, State, Store, StoreError};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeSet;
+use std::path::Path;
+use unifed_protocol::chunking::{payload_hash, split};
+use unifed_protocol::encoding::{Encoding, Values, decode, encode};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{
+    Answer, BnPolicy, Chunk, Extras, RejectReason, RoundManifest, ServerBroadcast, SiteUpdate,
+};
+use unifed_protocol::{ModelSpec, SpecHash};
+
+/// How many closed rounds' accepted sites are remembered to answer late re-sends.
+const RECENT_ROUNDS: usize = 8;
+
+/// The global model: its spec and every tensor's values in spec order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalModel {
+    /// The model spec.
+    pub spec: ModelSpec,
+    /// Values of every tensor of the spec, in spec order.
+    pub tensors: Vec<Vec<f32>>,
+}
+
+/// Something that happened to the aggregator.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Start (or resume) the federation: opens round 1, or re-publishes the current round.
+    Start,
+    /// A message arrived on a site's update topic.
+    Update {
+        /// The site named by the topic.
+        site: String,
+        /// The raw message.
+        bytes: Vec<u8>,
+    },
+    /// Time passed: closes a round whose deadline has expired.
+    Tick,
+}
+
+/// Something the transport must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Send `answer` for `round` to `site`.
+    Answer {
+        /// The site.
+        site: Id,
+        /// The round of the answered update.
+        round: u64,
+        /// Accepted or rejected with a reason.
+        answer: Answer,
+    },
+    /// Publish the manifest (retained) and serve the model's chunks on request.
+    Publish {
+        /// The round manifest.
+        manifest: RoundManifest,
+        /// The model payload (a postcard [`ServerBroadcast`]) cut into chunks.
+        chunks: Vec<Chunk>,
+    },
+    /// A round closed with the updates of `sites`, giving model `model_version`.
+    RoundClosed {
+        /// The round.
+        round: u64,
+        /// Sites folded in, in site order.
+        sites: Vec<String>,
+        /// The new model version.
+        model_version: u64,
+    },
+    /// Every round has run.
+    Finished {
+        /// The final model version.
+        model_version: u64,
+    },
+}
+
+/// Failures of the core itself (never caused by a site's input, which is answered instead).
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    /// The configuration is invalid.
+    #[error("invalid federation config: {}", .0.join("; "))]
+    Config(Vec<String>),
+    /// The initial model does not fit its spec.
+    #[error("initial model: {0}")]
+    Model(String),
+    /// The data directory belongs to another federation or model.
+    #[error("data directory {dir}: {message}")]
+    Mismatch {
+        /// The directory.
+        dir: String,
+        /// What differs.
+        message: String,
+    },
+    /// A storage failure.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The federation core.
+#[derive(Debug)]
+pub struct Aggregator {
+    cfg: FederationConfig,
+    federation: Id,
+    spec: ModelSpec,
+    hash: SpecHash,
+    store: Store,
+    state: State,
+    model: Vec<Vec<f32>>,
+    /// Spec indices of the tensors updates carry and the mean changes.
+    update_idx: Vec<usize>,
+    accepted: BTreeSet<String>,
+    chunk_bytes: usize,
+}
+
+fn hex(h: &SpecHash) -> String {
+    h.to_string()
+}
+
+impl Aggregator {
+    /// Opens the federation in `dir`: resumes from its state if there is one (the config's
+    /// federation and the model's spec must match it), else starts from `initial` as version 0.
+    /// Models are served in chunks of `chunk_bytes`.
+    pub fn open(
+        dir: &Path,
+        cfg: FederationConfig,
+        initial: GlobalModel,
+        chunk_bytes: usize,
+    ) -> Result<Self, CoreError> {
+        cfg.validate().map_err(CoreError::Config)?;
+        let federation =
+            Id::new(&cfg.federation).map_err(|e| CoreError::Config(vec![e.to_string()]))?;
+        let spec = initial.spec.clone();
+        spec.validate()
+            .map_err(|e| CoreError::Model(e.to_string()))?;
+        if initial.tensors.len() != spec.tensors.len()
+            || initial
+                .tensors
+                .iter()
+                .zip(&spec.tensors)
+                .any(|(t, s)| t.len() != s.numel())
+        {
+            return Err(CoreError::Model(
+                "tensor count or lengths differ from the spec".into(),
+            ));
+        }
+        let hash = spec.hash();
+        let store = Store::open(dir)?;
+        let update_idx: Vec<usize> = spec
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| cfg.bn_policy == BnPolicy::Global || !t.kind.is_bn())
+            .map(|(i, _)| i)
+            .collect();
+        let (state, model) = match store.load_state()? {
+            Some(s) => {
+                let mismatch = |m: String| CoreError::Mismatch {
+                    dir: dir.display().to_string(),
+                    message: m,
+                };
+                if s.federation != cfg.federation {
+                    return Err(mismatch(format!(
+                        "holds federation `{}`, not `{}`",
+                        s.federation, cfg.federation
+                    )));
+                }
+                if s.spec_hash != hex(&hash) {
+                    return Err(mismatch(format!(
+                        "holds a model of spec {}, not {}",
+                        s.spec_hash,
+                        hex(&hash)
+                    )));
+                }
+                let model = store.load_model(s.model_version, &hash.0)?;
+                (s, model)
+            }
+            None => {
+                store.save_model(0, &hash.0, &initial.tensors)?;
+                let s = State {
+                    format_version: FORMAT_VERSION,
+                    federation: cfg.federation.clone(),
+                    spec_hash: hex(&hash),
+                    round: 0,
+                    model_version: 0,
+                    opened_ms: 0,
+                    deadline_ms: 0,
+                    sampled: Vec::new(),
+                    finished: false,
+                    recent: Vec::new(),
+                };
+                store.save_state(&s)?;
+                (s, initial.tensors)
+            }
+        };
+        let accepted = if state.round > 0 {
+            store.spool_sites(state.round)?.into_iter().collect()
+        } else {
+            BTreeSet::new()
+        };
+        Ok(Aggregator {
+            cfg,
+            federation,
+            spec,
+            hash,
+            store,
+            state,
+            model,
+            update_idx,
+            accepted,
+            chunk_bytes: chunk_bytes.max(1),
+        })
+    }
+
+    /// The current global model, every tensor in spec order.
+    pub fn model(&self) -> &[Vec<f32>] {
+        &self.model
+    }
+
+    /// The model spec.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The open round (0 before the start).
+    pub fn round(&self) -> u64 {
+        self.state.round
+    }
+
+    /// The current model version.
+    pub fn model_version(&self) -> u64 {
+        self.state.model_version
+    }
+
+    /// True once every round has run.
+    pub fn finished(&self) -> bool {
+        self.state.finished
+    }
+
+    /// Sites accepted in the open round.
+    pub fn accepted(&self) -> Vec<String> {
+        self.accepted.iter().cloned().collect()
+    }
+
+    /// The data directory's store (for audits and tests).
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Handles one event at time `now_ms` (ms since the epoch) and returns what to do.
+    /// Errors are storage failures of the aggregator itself; bad input is answered, not an error.
+    pub fn handle(&mut self, event: Event, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        match event {
+            Event::Start => {
+                if self.state.round == 0 {
+                    self.state.round = 1;
+                    self.open_round(now_ms)?;
+                } else if !self.state.finished
+                    && !self.accepted.is_empty()
+                    && self.accepted.len() >= self.needed()
+                {
+                    // A crash between the last accept and the round's commit: close it now.
+                    return self.close_round(now_ms);
+                }
+                Ok(vec![self.publish()])
+            }
+            Event::Tick => {
+                if self.state.round == 0 || self.state.finished || now_ms < self.state.deadline_ms {
+                    return Ok(Vec::new());
+                }
+                if self.accepted.is_empty() {
+                    tracing::warn!(
+                        round = self.state.round,
+                        "deadline passed without updates; extending the round"
+                    );
+                    self.open_round(now_ms)?;
+                    return Ok(vec![self.publish()]);
+                }
+                self.close_round(now_ms)
+            }
+            Event::Update { site, bytes } => self.on_update(&site, &bytes, now_ms),
+        }
+    }
+
+    fn open_round(&mut self, now_ms: u64) -> Result<(), CoreError> {
+        let round = self.state.round;
+        self.state.sampled = if self.cfg.sites.is_empty() {
+            Vec::new()
+        } else {
+            let mut sites = self.cfg.sites.clone();
+            sites.sort();
+            let mut rng = ChaCha8Rng::seed_from_u64(
+                self.cfg.seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            );
+            sites.shuffle(&mut rng);
+            sites.truncate(self.cfg.sampled_per_round());
+            sites.sort();
+            sites
+        };
+        self.state.opened_ms = now_ms;
+        self.state.deadline_ms = now_ms.saturating_add(self.cfg.deadline_secs * 1000);
+        self.store.save_state(&self.state)?;
+        Ok(())
+    }
+
+    /// The postcard [`ServerBroadcast`] of the current model: every tensor under `global` BN,
+    /// the non-BN ones under `local`, always as exact f32 (sites must start from the exact model).
+    pub fn broadcast_payload(&self) -> Vec<u8> {
+        let weights = self
+            .update_idx
+            .iter()
+            .map(|&i| {
+                let t = &self.spec.tensors[i];
+                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+                encode(&t.name, &shape, &self.model[i], Encoding::F32, None)
+            })
+            .collect();
+        let b = ServerBroadcast {
+            model_version: self.state.model_version,
+            weights,
+            extras: Extras::default(),
+        };
+        postcard::to_allocvec(&b).expect("broadcast serialises")
+    }
+
+    fn publish(&self) -> Action {
+        let payload = self.broadcast_payload();
+        let chunks = split(&payload, self.chunk_bytes);
+        let manifest = RoundManifest {
+            round: self.state.round,
+            model_version: self.state.model_version,
+            spec_hash: self.hash,
+            chunk_count: chunks.len() as u32,
+            payload_len: payload.len() as u64,
+            payload_hash: payload_hash(&payload),
+            encoding: self.cfg.encoding,
+            bn_policy: self.cfg.bn_policy,
+            sampled: self
+                .state
+                .sampled
+                .iter()
+                .filter_map(|s| Id::new(s).ok())
+                .collect(),
+            deadline_ms: self.state.deadline_ms,
+            finished: self.state.finished,
+        };
+        Action::Publish { manifest, chunks }
+    }
+
+    fn audit(
+        &self,
+        now_ms: u64,
+        round: u64,
+        site: &str,
+        event: &str,
+        detail: String,
+    ) -> Result<(), CoreError> {
+        self.store.audit(&AuditEntry {
+            at_ms: now_ms,
+            round,
+            site: site.into(),
+            event: event.into(),
+            detail,
+        })?;
+        Ok(())
+    }
+
+    fn reject(
+        &self,
+        now_ms: u64,
+        site: &Id,
+        round: u64,
+        reason: RejectReason,
+    ) -> Result<Vec<Action>, CoreError> {
+        tracing::info!(site = %site, round, ?reason, "update rejected");
+        self.audit(
+            now_ms,
+            round,
+            site.as_str(),
+            "rejected",
+            format!("{reason:?}"),
+        )?;
+        Ok(vec![Action::Answer {
+            site: site.clone(),
+            round,
+            answer: Answer::Rejected(reason),
+        }])
+    }
+
+    fn on_update(
+        &mut self,
+        topic_site: &str,
+        bytes: &[u8],
+        now_ms: u64,
+    ) -> Result<Vec<Action>, CoreError> {
+        let Ok(site) = Id::new(topic_site) else {
+            tracing::warn!(
+                site = topic_site,
+                "update on a topic with an invalid site id; dropped"
+            );
+            return Ok(Vec::new());
+        };
+        let open = self.state.round;
+        let env = match Envelope::decode_limited(bytes, self.cfg.max_update_bytes) {
+            Ok(e) => e,
+            Err(e) => {
+                return self.reject(now_ms, &site, open, RejectReason::Malformed(e.to_string()));
+            }
+        };
+        if env.kind != MessageKind::SiteUpdate {
+            return self.reject(
+                now_ms,
+                &site,
+                open,
+                RejectReason::Malformed(format!(
+                    "message kind {:?} where an update was expected",
+                    env.kind
+                )),
+            );
+        }
+        if env.sender != site {
+            return self.reject(
+                now_ms,
+                &site,
+                open,
+                RejectReason::Malformed(format!(
+                    "sender `{}` differs from the topic's site",
+                    env.sender
+                )),
+            );
+        }
+        if env.federation != self.federation {
+            return self.reject(
+                now_ms,
+                &site,
+                open,
+                RejectReason::Malformed(format!(
+                    "federation `{}` is not `{}`",
+                    env.federation, self.federation
+                )),
+            );
+        }
+        if env.spec_hash != self.hash {
+            return self.reject(now_ms, &site, env.round, RejectReason::SpecHashMismatch);
+        }
+        let upd: SiteUpdate = match env.payload_as() {
+            Ok(u) => u,
+            Err(e) => {
+                return self.reject(
+                    now_ms,
+                    &site,
+                    env.round,
+                    RejectReason::Malformed(e.to_string()),
+                );
+            }
+        };
+        let round = upd.round;
+        if round != env.round {
+            return self.reject(
+                now_ms,
+                &site,
+                round,
+                RejectReason::Malformed("envelope and update name different rounds".into()),
+            );
+        }
+        // Re-sends: the original answer, counted once.
+        if round < open || (round == open && self.state.finished) {
+            let was_accepted = self
+                .state
+                .recent
+                .iter()
+                .any(|c| c.round == round && c.accepted.iter().any(|s| s == site.as_str()));
+            if was_accepted {
+                self.audit(
+                    now_ms,
+                    round,
+                    site.as_str(),
+                    "duplicate",
+                    "re-send after its round closed".into(),
+                )?;
+                return Ok(vec![Action::Answer {
+                    site,
+                    round,
+                    answer: Answer::Accepted,
+                }]);
+            }
+            return self.reject(now_ms, &site, round, RejectReason::RoundClosed(round));
+        }
+        if round > open || open == 0 {
+            return self.reject(
+                now_ms,
+                &site,
+                round,
+                RejectReason::WrongRound {
+                    expected: open,
+                    got: round,
+                },
+            );
+        }
+        if self.accepted.contains(site.as_str()) {
+            self.audit(
+                now_ms,
+                round,
+                site.as_str(),
+                "duplicate",
+                "re-send in its round".into(),
+            )?;
+            return Ok(vec![Action::Answer {
+                site,
+                round,
+                answer: Answer::Accepted,
+            }]);
+        }
+        if !self.state.sampled.is_empty() && !self.state.sampled.iter().any(|s| s == site.as_str())
+        {
+            return self.reject(now_ms, &site, round, RejectReason::NotSampled);
+        }
+        if upd.base_version != self.state.model_version
+            || env.model_version != self.state.model_version
+        {
+            return self.reject(
+                now_ms,
+                &site,
+                round,
+                RejectReason::WrongModelVersion {
+                    expected: self.state.model_version,
+                    got: upd.base_version,
+                },
+            );
+        }
+        if upd.samples == 0 {
+            return self.reject(now_ms, &site, round, RejectReason::NoSamples);
+        }
+        let delta = match self.validate_delta(&upd) {
+            Ok(d) => d,
+            Err(reason) => return self.reject(now_ms, &site, round, reason),
+        };
+        // Durable first, then the accept.
+        self.store
+            .spool_put(round, site.as_str(), upd.samples, &delta)?;
+        self.audit(
+            now_ms,
+            round,
+            site.as_str(),
+            "accepted",
+            format!("{} samples", upd.samples),
+        )?;
+        self.accepted.insert(site.as_str().to_string());
+        let mut actions = vec![Action::Answer {
+            site,
+            round,
+            answer: Answer::Accepted,
+        }];
+        if self.accepted.len() >= self.needed() {
+            actions.extend(self.close_round(now_ms)?);
+        }
+        Ok(actions)
+    }
+
+    /// Updates that close the open round.
+    fn needed(&self) -> usize {
+        if self.state.sampled.is_empty() {
+            self.cfg.min_sites
+        } else {
+            self.cfg.min_sites.min(self.state.sampled.len())
+        }
+    }
+
+    /// Checks an update's tensors against the spec and policy; returns dense deltas in
+    /// `update_idx` order.
+    fn validate_delta(&self, upd: &SiteUpdate) -> Result<Vec<Vec<f32>>, RejectReason> {
+        let mut out: Vec<Option<Vec<f32>>> = vec![None; self.update_idx.len()];
+        for t in &upd.delta {
+            let pos = self
+                .update_idx
+                .iter()
+                .position(|&i| self.spec.tensors[i].name == t.name);
+            let Some(pos) = pos else {
+                return Err(RejectReason::UnexpectedTensor(t.name.clone()));
+            };
+            if out[pos].is_some() {
+                return Err(RejectReason::DuplicateTensor(t.name.clone()));
+            }
+            let spec_shape = &self.spec.tensors[self.update_idx[pos]].shape;
+            if t.shape.len() != spec_shape.len()
+                || t.shape
+                    .iter()
+                    .zip(spec_shape)
+                    .any(|(a, &b)| *a as usize != b)
+            {
+                return Err(RejectReason::WrongShape(t.name.clone()));
+            }
+            let encoding_ok = matches!(
+                (&t.values, self.cfg.encoding),
+                (Values::F32(_), Encoding::F32)
+                    | (Values::F16(_), Encoding::F16)
+                    | (Values::Q8 { .. }, Encoding::Q8)
+                    | (Values::Sparse { .. }, Encoding::TopK { .. })
+            );
+            if !encoding_ok {
+                return Err(RejectReason::WrongEncoding);
+            }
+            let v = decode(t).map_err(|e| RejectReason::Malformed(e.to_string()))?;
+            if v.iter().any(|x| !x.is_finite()) {
+                return Err(RejectReason::NonFinite(t.name.clone()));
+            }
+            out[pos] = Some(v);
+        }
+        if let Some(pos) = out.iter().position(Option::is_none) {
+            return Err(RejectReason::MissingTensor(
+                self.spec.tensors[self.update_idx[pos]].name.clone(),
+            ));
+        }
+        let dense: Vec<Vec<f32>> = out.into_iter().map(|o| o.expect("checked")).collect();
+        if let Some(bound) = self.cfg.norm_bound {
+            let norm = dense
+                .iter()
+                .flatten()
+                .map(|&x| (x as f64) * (x as f64))
+                .sum::<f64>()
+                .sqrt();
+            if norm > bound {
+                return Err(RejectReason::NormTooLarge { norm, bound });
+            }
+        }
+        Ok(dense)
+    }
+
+    /// Folds the spool of the open round in site order into the new model, persists it and the
+    /// state (the commit point), then opens the next round or finishes.
+    fn close_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        let round = self.state.round;
+        let sites = self.store.spool_sites(round)?;
+        let lens: Vec<usize> = self
+            .update_idx
+            .iter()
+            .map(|&i| self.model[i].len())
+            .collect();
+        let mut fold = Fold::new(&lens);
+        for site in &sites {
+            let (samples, delta) = self.store.spool_get(round, site)?;
+            let w = match self.cfg.weighting {
+                Weighting::Samples => samples as f64,
+                Weighting::Uniform => 1.0,
+            };
+            fold.add(w, &delta);
+        }
+        {
+            let idx = &self.update_idx;
+            let mut targets: Vec<&mut Vec<f32>> = self
+                .model
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| idx.contains(i))
+                .map(|(_, t)| t)
+                .collect();
+            fold.apply(&mut targets);
+        }
+        let version = self.state.model_version + 1;
+        self.store.save_model(version, &self.hash.0, &self.model)?;
+        self.state.recent.push(ClosedRound {
+            round,
+            accepted: sites.clone(),
+        });
+        if self.state.recent.len() > RECENT_ROUNDS {
+            self.state.recent.remove(0);
+        }
+        self.state.model_version = version;
+        let mut actions = vec![Action::RoundClosed {
+            round,
+            sites: sites.clone(),
+            model_version: version,
+        }];
+        self.accepted.clear();
+        if round >= self.cfg.rounds {
+            self.state.finished = true;
+            self.store.save_state(&self.state)?;
+            actions.push(self.publish());
+            actions.push(Action::Finished {
+                model_version: version,
+            });
+        } else {
+            self.state.round = round + 1;
+            self.open_round(now_ms)?;
+            actions.push(self.publish());
+        }
+        self.store.prune_models(version, self.cfg.keep_versions)?;
+        self.store
+            .spool_clear_before(self.state.round.min(round + 1))?;
+        self.audit(
+            now_ms,
+            round,
+            "-",
+            "round-closed",
+            format!("{} updates -> model v{version}", sites.len()),
+        )?;
+        Ok(actions)
+    }
+}

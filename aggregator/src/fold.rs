@@ -1,0 +1,49 @@
+//! The weighted mean of spooled deltas, folded one update at a time in site order: memory is
+//! O(model) and the result is bit-identical whatever order the updates arrived in.
+
+/// Accumulates `sum_i w_i * delta_i` in f64 and the total weight.
+#[derive(Debug, Clone)]
+pub struct Fold {
+    acc: Vec<Vec<f64>>,
+    weight: f64,
+    count: usize,
+}
+
+impl Fold {
+    /// An empty fold for tensors of the given lengths.
+    pub fn new(lens: &[usize]) -> Self {
+        Fold {
+            acc: lens.iter().map(|&n| vec![0.0; n]).collect(),
+            weight: 0.0,
+            count: 0,
+        }
+    }
+
+    /// Adds one delta with weight `w`. The caller adds updates in site order.
+    pub fn add(&mut self, w: f64, delta: &[Vec<f32>]) {
+        for (a, d) in self.acc.iter_mut().zip(delta) {
+            for (x, y) in a.iter_mut().zip(d) {
+                *x += w * *y as f64;
+            }
+        }
+        self.weight += w;
+        self.count += 1;
+    }
+
+    /// Number of updates folded.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Applies the mean delta to `base` in place: `base + sum w_i d_i / sum w_i`.
+    pub fn apply(&self, base: &mut [&mut Vec<f32>]) {
+        if self.weight <= 0.0 {
+            return;
+        }
+        for (b, a) in base.iter_mut().zip(&self.acc) {
+            for (x, s) in b.iter_mut().zip(a) {
+                *x = (*x as f64 + s / self.weight) as f32;
+            }
+        }
+    }
+}

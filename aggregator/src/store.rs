@@ -1,0 +1,413 @@
+//! The aggregator's data directory. Every file carries a magic and a format version and is
+//! written atomically (temporary file, fsync, rename, fsync of the folder):
+//!
+//! ```text
+//! state.json                 round, model version, deadline, sampled sites, recent answers
+//! models/v{N}.bin            model version N (all tensors, spec order), kept by retention
+//! spool/r{R}/{site}.upd      an accepted update of round R (written before the accept)
+//! audit.log                  append-only JSON lines: every accept and reject with its reason
+//! ```
+
+use serde::{Deserialize, Serialize};
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// Format version of every file in the data directory.
+pub const FORMAT_VERSION: u32 = 1;
+const MODEL_MAGIC: &[u8; 4] = b"UFEM";
+const SPOOL_MAGIC: &[u8; 4] = b"UFES";
+
+/// Errors of the data directory, naming the file.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// An OS error on a file.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        message: String,
+    },
+    /// A file that is not what it should be.
+    #[error("{path}: {message}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn io(path: &Path, e: impl ToString) -> StoreError {
+    StoreError::Io {
+        path: path.into(),
+        message: e.to_string(),
+    }
+}
+
+fn corrupt(path: &Path, m: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        path: path.into(),
+        message: m.into(),
+    }
+}
+
+/// Writes `bytes` to `path` atomically and durably.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        f.write_all(bytes).map_err(|e| io(&tmp, e))?;
+        f.sync_all().map_err(|e| io(&tmp, e))?;
+    }
+    fs::rename(&tmp, path).map_err(|e| io(path, e))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, e))
+}
+
+/// A site's answer remembered for re-sends after its round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClosedRound {
+    /// The round.
+    pub round: u64,
+    /// Sites whose update was accepted in it.
+    pub accepted: Vec<String>,
+}
+
+/// The aggregator's persisted round state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    /// File format version.
+    pub format_version: u32,
+    /// Federation id.
+    pub federation: String,
+    /// Hex spec hash of the model.
+    pub spec_hash: String,
+    /// The open round (1-based); `rounds + 1` once finished.
+    pub round: u64,
+    /// Version of the current global model.
+    pub model_version: u64,
+    /// When the open round opened, ms since the epoch.
+    pub opened_ms: u64,
+    /// The open round's deadline, ms since the epoch.
+    pub deadline_ms: u64,
+    /// Sites sampled in the open round (empty: all may report).
+    pub sampled: Vec<String>,
+    /// True once every round has run.
+    pub finished: bool,
+    /// The last closed rounds' accepted sites, to answer late re-sends as before.
+    pub recent: Vec<ClosedRound>,
+}
+
+/// One line of the audit log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AuditEntry {
+    /// When, ms since the epoch.
+    pub at_ms: u64,
+    /// The round.
+    pub round: u64,
+    /// The site.
+    pub site: String,
+    /// `accepted`, `rejected`, `duplicate` or `round-closed`.
+    pub event: String,
+    /// The reject reason or a detail.
+    pub detail: String,
+}
+
+/// The data directory.
+#[derive(Debug, Clone)]
+pub struct Store {
+    dir: PathBuf,
+}
+
+impl Store {
+    /// Opens (creating if needed) the data directory `dir`.
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        for sub in ["models", "spool"] {
+            fs::create_dir_all(dir.join(sub)).map_err(|e| io(&dir.join(sub), e))?;
+        }
+        Ok(Store { dir: dir.into() })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The persisted state, if any.
+    pub fn load_state(&self) -> Result<Option<State>, StoreError> {
+        let p = self.dir.join("state.json");
+        if !p.exists() {
+            return Ok(None);
+        }
+        let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
+        let s: State = serde_json::from_slice(&bytes).map_err(|e| corrupt(&p, e.to_string()))?;
+        if s.format_version != FORMAT_VERSION {
+            return Err(corrupt(
+                &p,
+                format!(
+                    "format version {} is not {FORMAT_VERSION}",
+                    s.format_version
+                ),
+            ));
+        }
+        Ok(Some(s))
+    }
+
+    /// Persists the state atomically.
+    pub fn save_state(&self, s: &State) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec_pretty(s).expect("state serialises");
+        write_atomic(&self.dir.join("state.json"), &bytes)
+    }
+
+    fn model_path(&self, version: u64) -> PathBuf {
+        self.dir.join("models").join(format!("v{version}.bin"))
+    }
+
+    /// Writes model `version` (all tensors in spec order).
+    pub fn save_model(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+        tensors: &[Vec<f32>],
+    ) -> Result<(), StoreError> {
+        let mut b = Vec::with_capacity(64 + tensors.iter().map(|t| 8 + 4 * t.len()).sum::<usize>());
+        b.extend_from_slice(MODEL_MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(spec_hash);
+        b.extend_from_slice(&version.to_le_bytes());
+        put_tensors(&mut b, tensors);
+        write_atomic(&self.model_path(version), &b)
+    }
+
+    /// Reads model `version`, checking magic, format, spec hash and version.
+    pub fn load_model(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+    ) -> Result<Vec<Vec<f32>>, StoreError> {
+        let p = self.model_path(version);
+        let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
+        let mut r = Reader {
+            b: &bytes,
+            at: 0,
+            path: &p,
+        };
+        r.magic(MODEL_MAGIC)?;
+        if r.take(32)? != spec_hash {
+            return Err(corrupt(&p, "spec hash differs from the federation's"));
+        }
+        if r.u64()? != version {
+            return Err(corrupt(&p, "version in the file differs from its name"));
+        }
+        let t = r.tensors()?;
+        r.end()?;
+        Ok(t)
+    }
+
+    /// Deletes model versions older than the newest `keep`.
+    pub fn prune_models(&self, current: u64, keep: usize) -> Result<(), StoreError> {
+        let d = self.dir.join("models");
+        for e in fs::read_dir(&d).map_err(|e| io(&d, e))?.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(v) = name
+                .strip_prefix('v')
+                .and_then(|n| n.strip_suffix(".bin"))
+                .and_then(|n| n.parse::<u64>().ok())
+            {
+                if v + (keep as u64) <= current {
+                    fs::remove_file(e.path()).map_err(|err| io(&e.path(), err))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn spool_dir(&self, round: u64) -> PathBuf {
+        self.dir.join("spool").join(format!("r{round}"))
+    }
+
+    /// Durably stores an accepted update (its dense delta tensors and sample count).
+    pub fn spool_put(
+        &self,
+        round: u64,
+        site: &str,
+        samples: u64,
+        delta: &[Vec<f32>],
+    ) -> Result<(), StoreError> {
+        let d = self.spool_dir(round);
+        fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
+        let mut b = Vec::new();
+        b.extend_from_slice(SPOOL_MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&round.to_le_bytes());
+        b.extend_from_slice(&samples.to_le_bytes());
+        put_tensors(&mut b, delta);
+        write_atomic(&d.join(format!("{site}.upd")), &b)?;
+        File::open(self.dir.join("spool"))
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io(&self.dir.join("spool"), e))
+    }
+
+    /// Sites with a spooled update in `round`, sorted by site id.
+    pub fn spool_sites(&self, round: u64) -> Result<Vec<String>, StoreError> {
+        let d = self.spool_dir(round);
+        if !d.exists() {
+            return Ok(Vec::new());
+        }
+        let mut v: Vec<String> = fs::read_dir(&d)
+            .map_err(|e| io(&d, e))?
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .strip_suffix(".upd")
+                    .map(str::to_string)
+            })
+            .collect();
+        v.sort();
+        Ok(v)
+    }
+
+    /// Reads a spooled update: (samples, delta tensors).
+    pub fn spool_get(&self, round: u64, site: &str) -> Result<(u64, Vec<Vec<f32>>), StoreError> {
+        let p = self.spool_dir(round).join(format!("{site}.upd"));
+        let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
+        let mut r = Reader {
+            b: &bytes,
+            at: 0,
+            path: &p,
+        };
+        r.magic(SPOOL_MAGIC)?;
+        if r.u64()? != round {
+            return Err(corrupt(&p, "round in the file differs from its folder"));
+        }
+        let samples = r.u64()?;
+        let t = r.tensors()?;
+        r.end()?;
+        Ok((samples, t))
+    }
+
+    /// Removes the spool of every round before `round`.
+    pub fn spool_clear_before(&self, round: u64) -> Result<(), StoreError> {
+        let d = self.dir.join("spool");
+        for e in fs::read_dir(&d).map_err(|e| io(&d, e))?.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(r) = name.strip_prefix('r').and_then(|n| n.parse::<u64>().ok()) {
+                if r < round {
+                    fs::remove_dir_all(e.path()).map_err(|err| io(&e.path(), err))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends one line to the audit log and fsyncs it.
+    pub fn audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
+        let p = self.dir.join("audit.log");
+        let mut f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p)
+            .map_err(|e| io(&p, e))?;
+        let mut line = serde_json::to_vec(entry).expect("audit entry serialises");
+        line.push(b'\n');
+        f.write_all(&line).map_err(|e| io(&p, e))?;
+        f.sync_data().map_err(|e| io(&p, e))
+    }
+
+    /// Every audit entry so far.
+    pub fn audit_entries(&self) -> Result<Vec<AuditEntry>, StoreError> {
+        let p = self.dir.join("audit.log");
+        let mut s = String::new();
+        if let Ok(mut f) = File::open(&p) {
+            f.read_to_string(&mut s).map_err(|e| io(&p, e))?;
+        }
+        s.lines()
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_str(l).map_err(|e| corrupt(&p, e.to_string())))
+            .collect()
+    }
+}
+
+fn put_tensors(b: &mut Vec<u8>, tensors: &[Vec<f32>]) {
+    b.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
+    for t in tensors {
+        b.extend_from_slice(&(t.len() as u64).to_le_bytes());
+        for v in t {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], StoreError> {
+        if self.b.len() - self.at < n {
+            return Err(corrupt(self.path, "truncated"));
+        }
+        let s = &self.b[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+
+    fn u32(&mut self) -> Result<u32, StoreError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn u64(&mut self) -> Result<u64, StoreError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+
+    fn magic(&mut self, m: &[u8; 4]) -> Result<(), StoreError> {
+        if self.take(4)? != m {
+            return Err(corrupt(self.path, "bad magic"));
+        }
+        let v = self.u32()?;
+        if v != FORMAT_VERSION {
+            return Err(corrupt(
+                self.path,
+                format!("format version {v} is not {FORMAT_VERSION}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn tensors(&mut self) -> Result<Vec<Vec<f32>>, StoreError> {
+        let n = self.u32()? as usize;
+        let mut out = Vec::with_capacity(n.min(4096));
+        for _ in 0..n {
+            let len = self.u64()? as usize;
+            let bytes = self.take(
+                len.checked_mul(4)
+                    .ok_or_else(|| corrupt(self.path, "length overflows"))?,
+            )?;
+            out.push(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            );
+        }
+        Ok(out)
+    }
+
+    fn end(&self) -> Result<(), StoreError> {
+        if self.at != self.b.len() {
+            return Err(corrupt(self.path, "trailing bytes"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,528 @@
+//! The federation core driven by scripted updates: no burn, no network.
+
+use std::path::Path;
+use unifed_aggregator::store::Store;
+use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel, Weighting};
+use unifed_protocol::encoding::{Encoding, encode};
+use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{Answer, BnPolicy, Extras, RejectReason, SiteUpdate};
+use unifed_protocol::{Input, ModelSpec, TensorKind, TensorSpec};
+
+fn spec() -> ModelSpec {
+    let t = |n: &str, s: &[usize], k| TensorSpec {
+        name: n.into(),
+        shape: s.to_vec(),
+        kind: k,
+    };
+    ModelSpec {
+        architecture: "toy".into(),
+        tensors: vec![
+            t("fc.weight", &[2, 3], TensorKind::NonBn),
+            t("fc.bias", &[2], TensorKind::NonBn),
+            t("bn.weight", &[2], TensorKind::BnWeight),
+            t("bn.bias", &[2], TensorKind::BnBias),
+            t("bn.running_mean", &[2], TensorKind::BnRunningMean),
+            t("bn.running_var", &[2], TensorKind::BnRunningVar),
+        ],
+        classes: vec!["a".into(), "b".into()],
+        input: Input::Features { len: 3 },
+    }
+}
+
+fn initial() -> GlobalModel {
+    GlobalModel {
+        spec: spec(),
+        tensors: vec![
+            vec![0.5; 6],
+            vec![0.1, -0.1],
+            vec![1.0; 2],
+            vec![0.0; 2],
+            vec![0.0; 2],
+            vec![1.0; 2],
+        ],
+    }
+}
+
+fn config(rounds: u64, min_sites: usize, bn: BnPolicy) -> FederationConfig {
+    FederationConfig {
+        bn_policy: bn,
+        ..FederationConfig::new("fed1", rounds, min_sites)
+    }
+}
+
+/// Per-site deterministic delta values for tensor `i` of `round`.
+fn delta_values(site: &str, round: u64, i: usize, len: usize) -> Vec<f32> {
+    let s = site.bytes().map(u32::from).sum::<u32>() as f32;
+    (0..len)
+        .map(|k| (s * 0.37 + round as f32 * 1.3 + i as f32 * 0.7 + k as f32 * 0.11).sin() * 0.2)
+        .collect()
+}
+
+struct Upd<'a> {
+    site: &'a str,
+    round: u64,
+    version: u64,
+    samples: u64,
+    bn: BnPolicy,
+}
+
+fn update_bytes(u: &Upd, tweak: impl FnOnce(&mut SiteUpdate, &mut Envelope)) -> Vec<u8> {
+    let sp = spec();
+    let delta = sp
+        .tensors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| u.bn == BnPolicy::Global || !t.kind.is_bn())
+        .map(|(i, t)| {
+            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+            encode(
+                &t.name,
+                &shape,
+                &delta_values(u.site, u.round, i, t.numel()),
+                Encoding::F32,
+                None,
+            )
+        })
+        .collect();
+    let mut upd = SiteUpdate {
+        round: u.round,
+        base_version: u.version,
+        samples: u.samples,
+        delta,
+        extras: Extras::default(),
+    };
+    let fed = Id::new("fed1").unwrap();
+    let site = Id::new(u.site).unwrap();
+    let mut env = Envelope::new(
+        MessageKind::SiteUpdate,
+        fed,
+        site,
+        u.round,
+        u.version,
+        sp.hash(),
+        &upd,
+    );
+    tweak(&mut upd, &mut env);
+    env.payload = postcard::to_allocvec(&upd).unwrap();
+    env.encode()
+}
+
+fn good(site: &str, round: u64, version: u64, samples: u64, bn: BnPolicy) -> Vec<u8> {
+    update_bytes(
+        &Upd {
+            site,
+            round,
+            version,
+            samples,
+            bn,
+        },
+        |_, _| {},
+    )
+}
+
+fn answers(actions: &[Action]) -> Vec<(String, Answer)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Answer { site, answer, .. } => Some((site.to_string(), answer.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn send(agg: &mut Aggregator, site: &str, bytes: Vec<u8>) -> Vec<Action> {
+    agg.handle(
+        Event::Update {
+            site: site.into(),
+            bytes,
+        },
+        1_000,
+    )
+    .unwrap()
+}
+
+/// The expected model after one round: base + sum(w * delta) / sum(w), computed here in f64.
+fn expected_after(
+    base: &[Vec<f32>],
+    sites: &[(&str, u64)],
+    round: u64,
+    bn: BnPolicy,
+) -> Vec<Vec<f32>> {
+    let sp = spec();
+    let total: f64 = sites.iter().map(|s| s.1 as f64).sum();
+    base.iter()
+        .enumerate()
+        .map(|(i, b)| {
+            if bn == BnPolicy::Local && sp.tensors[i].kind.is_bn() {
+                return b.clone();
+            }
+            (0..b.len())
+                .map(|k| {
+                    let s: f64 = sites
+                        .iter()
+                        .map(|(site, n)| {
+                            *n as f64 * delta_values(site, round, i, b.len())[k] as f64
+                        })
+                        .sum();
+                    (b[k] as f64 + s / total) as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn open(dir: &Path, cfg: FederationConfig) -> Aggregator {
+    Aggregator::open(dir, cfg, initial(), 64).unwrap()
+}
+
+#[test]
+fn a_round_gives_the_sample_weighted_mean_and_leaves_bn_alone_under_local() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(2, 3, BnPolicy::Local));
+    let start = agg.handle(Event::Start, 0).unwrap();
+    assert!(
+        matches!(&start[0], Action::Publish { manifest, chunks } if manifest.round == 1 && manifest.chunk_count as usize == chunks.len())
+    );
+    let sites = [("site-a", 100u64), ("site-b", 300), ("site-c", 50)];
+    let mut last = Vec::new();
+    for (s, n) in sites {
+        last = send(&mut agg, s, good(s, 1, 0, n, BnPolicy::Local));
+        assert_eq!(answers(&last), vec![(s.to_string(), Answer::Accepted)]);
+    }
+    assert!(last.iter().any(|a| matches!(a, Action::RoundClosed { round: 1, model_version: 1, sites } if sites.len() == 3)));
+    let want = expected_after(&initial().tensors, &sites, 1, BnPolicy::Local);
+    for (got, want) in agg.model().iter().zip(&want) {
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{g} vs {w}");
+        }
+    }
+    assert_eq!(
+        &agg.model()[2..],
+        &initial().tensors[2..],
+        "BN tensors untouched under local"
+    );
+    assert_eq!((agg.round(), agg.model_version()), (2, 1));
+}
+
+#[test]
+fn under_global_bn_the_bn_tensors_are_averaged_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(1, 2, BnPolicy::Global));
+    agg.handle(Event::Start, 0).unwrap();
+    let sites = [("a", 10u64), ("b", 30)];
+    for (s, n) in sites {
+        send(&mut agg, s, good(s, 1, 0, n, BnPolicy::Global));
+    }
+    let want = expected_after(&initial().tensors, &sites, 1, BnPolicy::Global);
+    assert_ne!(agg.model()[4], initial().tensors[4]);
+    for (got, want) in agg.model().iter().zip(&want) {
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6);
+        }
+    }
+    assert!(agg.finished());
+}
+
+#[test]
+fn a_redelivered_update_is_counted_once_and_answered_as_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(2, 2, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let a = good("a", 1, 0, 10, BnPolicy::Local);
+    assert_eq!(
+        answers(&send(&mut agg, "a", a.clone())),
+        vec![("a".into(), Answer::Accepted)]
+    );
+    assert_eq!(
+        answers(&send(&mut agg, "a", a.clone())),
+        vec![("a".into(), Answer::Accepted)]
+    );
+    assert_eq!(agg.accepted(), vec!["a".to_string()]);
+    send(&mut agg, "b", good("b", 1, 0, 10, BnPolicy::Local));
+    assert_eq!(agg.round(), 2);
+    // After the round closed: the original answer again, and the model is unchanged.
+    let model = agg.model().to_vec();
+    assert_eq!(
+        answers(&send(&mut agg, "a", a)),
+        vec![("a".into(), Answer::Accepted)]
+    );
+    assert_eq!(agg.model(), &model[..]);
+    // A site that never reported in round 1 gets RoundClosed.
+    assert_eq!(
+        answers(&send(&mut agg, "c", good("c", 1, 0, 10, BnPolicy::Local))),
+        vec![("c".into(), Answer::Rejected(RejectReason::RoundClosed(1)))]
+    );
+    let dups = agg
+        .store()
+        .audit_entries()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.event == "duplicate")
+        .count();
+    assert_eq!(dups, 2);
+}
+
+#[test]
+fn bad_updates_are_rejected_with_their_reason_while_the_round_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(1, 2, BnPolicy::Local);
+    cfg.max_update_bytes = 4096;
+    cfg.norm_bound = Some(100.0);
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    let u = |s| Upd {
+        site: s,
+        round: 1,
+        version: 0,
+        samples: 5,
+        bn: BnPolicy::Local,
+    };
+    let rej = |agg: &mut Aggregator, bytes: Vec<u8>| -> RejectReason {
+        match answers(&send(agg, "a", bytes)).pop() {
+            Some((_, Answer::Rejected(r))) => r,
+            other => panic!("expected a reject, got {other:?}"),
+        }
+    };
+    let full = good("a", 1, 0, 5, BnPolicy::Local);
+    assert!(
+        matches!(rej(&mut agg, full[..full.len() / 2].to_vec()), RejectReason::Malformed(m) if !m.is_empty())
+    );
+    let mut big = full.clone();
+    big.resize(5000, 0);
+    assert!(matches!(rej(&mut agg, big), RejectReason::Malformed(m) if m.contains("4096")));
+    let mut wrong_version = full.clone();
+    wrong_version[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
+    assert!(
+        matches!(rej(&mut agg, wrong_version), RejectReason::Malformed(m) if m.contains("version"))
+    );
+    let wrong_spec = update_bytes(&u("a"), |_, e| e.spec_hash.0[0] ^= 1);
+    assert_eq!(rej(&mut agg, wrong_spec), RejectReason::SpecHashMismatch);
+    let wrong_shape = update_bytes(&u("a"), |upd, _| upd.delta[0].shape = vec![3, 2]);
+    assert_eq!(
+        rej(&mut agg, wrong_shape),
+        RejectReason::WrongShape("fc.weight".into())
+    );
+    let nan = update_bytes(&u("a"), |upd, _| {
+        upd.delta[1] = encode("fc.bias", &[2], &[f32::NAN, 0.0], Encoding::F32, None)
+    });
+    assert_eq!(
+        rej(&mut agg, nan),
+        RejectReason::NonFinite("fc.bias".into())
+    );
+    let bn = update_bytes(&u("a"), |upd, _| {
+        upd.delta.push(encode(
+            "bn.running_mean",
+            &[2],
+            &[0.0, 0.0],
+            Encoding::F32,
+            None,
+        ))
+    });
+    assert_eq!(
+        rej(&mut agg, bn),
+        RejectReason::UnexpectedTensor("bn.running_mean".into())
+    );
+    let missing = update_bytes(&u("a"), |upd, _| {
+        upd.delta.pop();
+    });
+    assert_eq!(
+        rej(&mut agg, missing),
+        RejectReason::MissingTensor("fc.bias".into())
+    );
+    let f16 = update_bytes(&u("a"), |upd, _| {
+        upd.delta[1] = encode("fc.bias", &[2], &[0.0, 0.0], Encoding::F16, None)
+    });
+    assert_eq!(rej(&mut agg, f16), RejectReason::WrongEncoding);
+    let huge = update_bytes(&u("a"), |upd, _| {
+        upd.delta[1] = encode("fc.bias", &[2], &[500.0, 0.0], Encoding::F32, None)
+    });
+    assert!(
+        matches!(rej(&mut agg, huge), RejectReason::NormTooLarge { bound, .. } if bound == 100.0)
+    );
+    assert_eq!(
+        rej(&mut agg, good("a", 2, 0, 5, BnPolicy::Local)),
+        RejectReason::WrongRound {
+            expected: 1,
+            got: 2
+        }
+    );
+    assert_eq!(
+        rej(&mut agg, good("a", 1, 7, 5, BnPolicy::Local)),
+        RejectReason::WrongModelVersion {
+            expected: 0,
+            got: 7
+        }
+    );
+    assert_eq!(
+        rej(&mut agg, good("a", 1, 0, 0, BnPolicy::Local)),
+        RejectReason::NoSamples
+    );
+    // The round still runs: two good updates close it.
+    send(&mut agg, "a", full);
+    let done = send(&mut agg, "b", good("b", 1, 0, 5, BnPolicy::Local));
+    assert!(
+        done.iter()
+            .any(|a| matches!(a, Action::Finished { model_version: 1 }))
+    );
+    let audit = agg.store().audit_entries().unwrap();
+    assert_eq!(audit.iter().filter(|e| e.event == "rejected").count(), 13);
+    assert_eq!(audit.iter().filter(|e| e.event == "accepted").count(), 2);
+}
+
+#[test]
+fn the_deadline_closes_a_round_with_the_sites_that_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(2, 3, BnPolicy::Local);
+    cfg.deadline_secs = 10;
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    send(&mut agg, "a", good("a", 1, 0, 7, BnPolicy::Local));
+    assert!(agg.handle(Event::Tick, 9_999).unwrap().is_empty());
+    let acts = agg.handle(Event::Tick, 10_000).unwrap();
+    assert!(acts.iter().any(|a| matches!(a, Action::RoundClosed { round: 1, sites, .. } if sites == &vec!["a".to_string()])));
+    // A deadline with no update at all extends the round instead of publishing an unchanged model.
+    let acts = agg.handle(Event::Tick, 30_000).unwrap();
+    assert!(
+        matches!(&acts[..], [Action::Publish { manifest, .. }] if manifest.round == 2 && manifest.deadline_ms == 40_000)
+    );
+}
+
+/// Runs 3 rounds of 3 sites, feeding updates in the given per-round site order, optionally
+/// dropping and reopening the core at the given (round, after-n-updates) points.
+fn run(order: [&str; 3], crash_at: &[(u64, usize)]) -> Vec<Vec<u32>> {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(3, 3, BnPolicy::Local);
+    let mut agg = open(dir.path(), cfg.clone());
+    agg.handle(Event::Start, 0).unwrap();
+    for round in 1..=3u64 {
+        for (k, s) in order.iter().enumerate() {
+            if crash_at.contains(&(round, k)) {
+                drop(agg);
+                agg = open(dir.path(), cfg.clone());
+                agg.handle(Event::Start, 0).unwrap();
+            }
+            let samples = 10 + s.len() as u64 * 7 + round;
+            send(
+                &mut agg,
+                s,
+                good(s, round, round - 1, samples, BnPolicy::Local),
+            );
+        }
+    }
+    assert!(agg.finished());
+    agg.model()
+        .iter()
+        .map(|t| t.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn the_same_updates_in_any_arrival_order_give_the_bit_identical_model() {
+    let base = run(["a", "bb", "ccc"], &[]);
+    for order in [["ccc", "a", "bb"], ["bb", "ccc", "a"], ["ccc", "bb", "a"]] {
+        assert_eq!(run(order, &[]), base, "{order:?}");
+    }
+}
+
+#[test]
+fn a_crash_between_or_during_rounds_loses_no_accepted_update() {
+    let base = run(["a", "bb", "ccc"], &[]);
+    // During round 1 (after one and after two updates), between rounds 2 and 3.
+    assert_eq!(run(["a", "bb", "ccc"], &[(1, 1), (1, 2), (3, 0)]), base);
+}
+
+#[test]
+fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(1, 2, BnPolicy::Local);
+    {
+        let mut agg = open(dir.path(), cfg.clone());
+        agg.handle(Event::Start, 0).unwrap();
+        send(&mut agg, "a", good("a", 1, 0, 5, BnPolicy::Local));
+    }
+    // Simulate the crash window: b's update is spooled but the round was never committed.
+    let store = Store::open(dir.path()).unwrap();
+    store
+        .spool_put(
+            1,
+            "b",
+            5,
+            &[delta_values("b", 1, 0, 6), delta_values("b", 1, 1, 2)],
+        )
+        .unwrap();
+    let mut agg = open(dir.path(), cfg);
+    let acts = agg.handle(Event::Start, 0).unwrap();
+    assert!(acts.iter().any(|a| matches!(a, Action::Finished { .. })));
+    let want = expected_after(
+        &initial().tensors,
+        &[("a", 5), ("b", 5)],
+        1,
+        BnPolicy::Local,
+    );
+    assert!(
+        agg.model()[0]
+            .iter()
+            .zip(&want[0])
+            .all(|(g, w)| (g - w).abs() < 1e-6)
+    );
+}
+
+#[test]
+fn a_data_directory_of_another_federation_or_model_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    open(dir.path(), config(1, 1, BnPolicy::Local));
+    let other = FederationConfig {
+        federation: "fed2".into(),
+        ..config(1, 1, BnPolicy::Local)
+    };
+    let err = Aggregator::open(dir.path(), other, initial(), 64).unwrap_err();
+    assert!(err.to_string().contains("fed2"), "{err}");
+    let mut m = initial();
+    m.spec.classes.push("c".into());
+    let err = Aggregator::open(dir.path(), config(1, 1, BnPolicy::Local), m, 64).unwrap_err();
+    assert!(err.to_string().contains("spec"), "{err}");
+}
+
+#[test]
+fn config_validation_reports_every_problem() {
+    let cfg = FederationConfig {
+        federation: "a/b".into(),
+        rounds: 0,
+        fraction: 1.5,
+        weighting: Weighting::Uniform,
+        ..FederationConfig::new("x", 1, 0)
+    };
+    let errs = cfg.validate().unwrap_err();
+    assert_eq!(errs.len(), 4, "{errs:?}");
+    assert!(errs[0].contains("federation"));
+}
+
+#[test]
+fn sampling_picks_a_fraction_of_the_sites_and_refuses_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        sites: (0..10).map(|i| format!("s{i}")).collect(),
+        fraction: 0.3,
+        min_sites: 3,
+        ..config(1, 3, BnPolicy::Local)
+    };
+    let mut agg = open(dir.path(), cfg);
+    let acts = agg.handle(Event::Start, 0).unwrap();
+    let Action::Publish { manifest, .. } = &acts[0] else {
+        panic!()
+    };
+    assert_eq!(manifest.sampled.len(), 3);
+    let outsider = (0..10)
+        .map(|i| format!("s{i}"))
+        .find(|s| !manifest.sampled.iter().any(|m| m.as_str() == s))
+        .unwrap();
+    assert_eq!(
+        answers(&send(
+            &mut agg,
+            &outsider,
+            good(&outsider, 1, 0, 5, BnPolicy::Local)
+        )),
+        vec![(outsider.clone(), Answer::Rejected(RejectReason::NotSampled))]
+    );
+}

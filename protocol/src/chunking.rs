@@ -1,0 +1,522 @@
+//! Splitting payloads larger than the MQTT packet limit into [`Chunk`]s, and putting them back
+//! together on the other side with bounded memory and a timeout for sets that never complete.
+
+use crate::messages::Chunk;
+use alloc::collections::BTreeMap;
+use alloc::vec::Vec;
+use sha2::{Digest, Sha256};
+
+/// SHA-256 of `payload`: the id of its chunk set and the check on reassembly.
+pub fn payload_hash(payload: &[u8]) -> [u8; 32] {
+    Sha256::digest(payload).into()
+}
+
+/// Splits `payload` into chunks of at most `max_chunk_bytes` bytes (every chunk full but the
+/// last). An empty payload gives one empty chunk. A `max_chunk_bytes` of 0 is treated as 1,
+/// and chunks grow beyond it only if the payload would otherwise need more than `u32::MAX`.
+pub fn split(payload: &[u8], max_chunk_bytes: usize) -> Vec<Chunk> {
+    let hash = payload_hash(payload);
+    let total_len = payload.len() as u64;
+    let size = max_chunk_bytes
+        .max(1)
+        .max(payload.len().div_ceil(u32::MAX as usize));
+    if payload.is_empty() {
+        return alloc::vec![Chunk {
+            payload_hash: hash,
+            index: 0,
+            count: 1,
+            total_len: 0,
+            data: Vec::new(),
+        }];
+    }
+    let count = payload.len().div_ceil(size) as u32;
+    payload
+        .chunks(size)
+        .enumerate()
+        .map(|(i, data)| Chunk {
+            payload_hash: hash,
+            index: i as u32,
+            count,
+            total_len,
+            data: data.to_vec(),
+        })
+        .collect()
+}
+
+/// Why a chunk was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChunkError {
+    /// The chunk's `count` and `total_len` cannot describe a real set: zero chunks, more
+    /// chunks than payload bytes, or an empty payload in more than one chunk.
+    #[error("a set of {count} chunks cannot carry a payload of {total_len} bytes")]
+    ImpossibleSet {
+        /// Chunks claimed.
+        count: u32,
+        /// Payload length claimed.
+        total_len: u64,
+    },
+    /// The chunk's index is not below its count.
+    #[error("chunk index {index} is out of range for a set of {count} chunks")]
+    IndexOutOfRange {
+        /// The chunk's index.
+        index: u32,
+        /// Chunks in the set.
+        count: u32,
+    },
+    /// The chunk disagrees with the first chunk of its set about the set's size.
+    #[error(
+        "chunk claims {count} chunks and {total_len} bytes, but its set has {set_count} chunks \
+         and {set_total_len} bytes"
+    )]
+    SetMismatch {
+        /// Chunks the chunk claims.
+        count: u32,
+        /// Payload length the chunk claims.
+        total_len: u64,
+        /// Chunks in the set.
+        set_count: u32,
+        /// Payload length of the set.
+        set_total_len: u64,
+    },
+    /// The chunk carries more bytes than the rest of its payload can hold, or none at all.
+    #[error(
+        "chunk {index} carries {len} bytes, but its set has room for {room} more (chunks of a non-empty payload cannot be empty)"
+    )]
+    BadChunkLength {
+        /// The chunk's index.
+        index: u32,
+        /// Bytes in the chunk.
+        len: usize,
+        /// Bytes the set can still take.
+        room: u64,
+    },
+    /// All chunks arrived but their lengths do not add up to the payload length; the set is
+    /// dropped.
+    #[error("reassembled payload has {got} bytes, its chunks announced {expected}")]
+    LengthMismatch {
+        /// Announced payload length.
+        expected: u64,
+        /// Bytes received.
+        got: u64,
+    },
+    /// All chunks arrived but the payload's SHA-256 differs from the set's hash; the set is
+    /// dropped and should be requested again.
+    #[error("reassembled payload does not match its SHA-256 hash")]
+    HashMismatch,
+    /// The payload alone is larger than the reassembler may hold.
+    #[error("payload of {total_len} bytes exceeds the reassembly limit of {limit} bytes")]
+    PayloadTooLarge {
+        /// Announced payload length.
+        total_len: u64,
+        /// The reassembler's limit.
+        limit: usize,
+    },
+    /// Keeping the chunk would push the bytes held across all sets past the limit.
+    #[error("{pending} bytes already pending, {incoming} more would exceed the limit of {limit}")]
+    TooMuchPending {
+        /// Bytes held now.
+        pending: usize,
+        /// Bytes in the refused chunk.
+        incoming: usize,
+        /// The reassembler's limit.
+        limit: usize,
+    },
+}
+
+/// One incomplete chunk set.
+#[derive(Debug)]
+struct PendingSet {
+    count: u32,
+    total_len: u64,
+    /// When the set's first chunk arrived.
+    first_ms: u64,
+    /// Received chunks by index. A map rather than a dense `Vec<Option<_>>` so memory follows
+    /// what arrived, not what a (possibly hostile) `count` claims.
+    chunks: BTreeMap<u32, Vec<u8>>,
+    /// Bytes received so far.
+    bytes: usize,
+}
+
+/// Collects chunks of many payloads at once and hands each payload back once it is complete
+/// and its hash checks out. Memory is bounded by `max_pending_bytes` of received chunk data.
+#[derive(Debug)]
+pub struct Reassembler {
+    timeout_ms: u64,
+    max_pending_bytes: usize,
+    sets: BTreeMap<[u8; 32], PendingSet>,
+    pending_bytes: usize,
+}
+
+impl Reassembler {
+    /// A reassembler that drops sets older than `timeout_ms` (see [`Reassembler::expire`]) and
+    /// holds at most `max_pending_bytes` bytes of incomplete payloads.
+    pub fn new(timeout_ms: u64, max_pending_bytes: usize) -> Self {
+        Reassembler {
+            timeout_ms,
+            max_pending_bytes,
+            sets: BTreeMap::new(),
+            pending_bytes: 0,
+        }
+    }
+
+    /// Adds a chunk received at `now_ms`; returns the payload when this chunk completes its set.
+    ///
+    /// Chunks may come in any order; a repeated index is ignored. A refused chunk leaves its set
+    /// as it was, except on [`ChunkError::HashMismatch`] and [`ChunkError::LengthMismatch`],
+    /// which drop the whole set.
+    pub fn insert(&mut self, chunk: Chunk, now_ms: u64) -> Result<Option<Vec<u8>>, ChunkError> {
+        let Chunk {
+            payload_hash: hash,
+            index,
+            count,
+            total_len,
+            data,
+        } = chunk;
+        let possible = if total_len == 0 {
+            count == 1
+        } else {
+            count >= 1 && u64::from(count) <= total_len
+        };
+        if !possible {
+            return Err(ChunkError::ImpossibleSet { count, total_len });
+        }
+        if index >= count {
+            return Err(ChunkError::IndexOutOfRange { index, count });
+        }
+        if total_len > self.max_pending_bytes as u64 {
+            return Err(ChunkError::PayloadTooLarge {
+                total_len,
+                limit: self.max_pending_bytes,
+            });
+        }
+
+        let (received, got) = match self.sets.get(&hash) {
+            Some(set) => {
+                if set.count != count || set.total_len != total_len {
+                    return Err(ChunkError::SetMismatch {
+                        count,
+                        total_len,
+                        set_count: set.count,
+                        set_total_len: set.total_len,
+                    });
+                }
+                if set.chunks.contains_key(&index) {
+                    return Ok(None);
+                }
+                (set.bytes, set.chunks.len())
+            }
+            None => (0, 0),
+        };
+        let room = total_len - received as u64;
+        if data.len() as u64 > room || (data.is_empty() && total_len > 0) {
+            return Err(ChunkError::BadChunkLength {
+                index,
+                len: data.len(),
+                room,
+            });
+        }
+
+        if got + 1 == count as usize {
+            // This chunk completes the set: assemble without holding it as pending.
+            let set = self.sets.remove(&hash);
+            let mut payload = Vec::with_capacity(received + data.len());
+            let mut data = Some(data);
+            let mut parts = set.map(|s| s.chunks).unwrap_or_default();
+            for i in 0..count {
+                match parts.remove(&i) {
+                    Some(part) => payload.extend_from_slice(&part),
+                    None => payload.extend_from_slice(&data.take().unwrap_or_default()),
+                }
+            }
+            self.pending_bytes -= received;
+            if payload.len() as u64 != total_len {
+                return Err(ChunkError::LengthMismatch {
+                    expected: total_len,
+                    got: payload.len() as u64,
+                });
+            }
+            if payload_hash(&payload) != hash {
+                return Err(ChunkError::HashMismatch);
+            }
+            return Ok(Some(payload));
+        }
+
+        if self.pending_bytes + data.len() > self.max_pending_bytes {
+            return Err(ChunkError::TooMuchPending {
+                pending: self.pending_bytes,
+                incoming: data.len(),
+                limit: self.max_pending_bytes,
+            });
+        }
+        self.pending_bytes += data.len();
+        let set = self.sets.entry(hash).or_insert_with(|| PendingSet {
+            count,
+            total_len,
+            first_ms: now_ms,
+            chunks: BTreeMap::new(),
+            bytes: 0,
+        });
+        set.bytes += data.len();
+        set.chunks.insert(index, data);
+        Ok(None)
+    }
+
+    /// Drops every set whose first chunk arrived more than the timeout before `now_ms`, frees
+    /// its memory and returns the dropped sets' payload hashes.
+    pub fn expire(&mut self, now_ms: u64) -> Vec<[u8; 32]> {
+        let timeout = self.timeout_ms;
+        let expired: Vec<[u8; 32]> = self
+            .sets
+            .iter()
+            .filter(|(_, s)| now_ms.saturating_sub(s.first_ms) > timeout)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in &expired {
+            if let Some(set) = self.sets.remove(h) {
+                self.pending_bytes -= set.bytes;
+            }
+        }
+        expired
+    }
+
+    /// Bytes of chunk data held for incomplete sets.
+    pub fn pending_bytes(&self) -> usize {
+        self.pending_bytes
+    }
+
+    /// Number of incomplete sets.
+    pub fn pending_sets(&self) -> usize {
+        self.sets.len()
+    }
+
+    /// Indices not yet received for the set `payload_hash`, or `None` if no such set is pending.
+    pub fn missing(&self, payload_hash: &[u8; 32]) -> Option<Vec<u32>> {
+        let set = self.sets.get(payload_hash)?;
+        Some(
+            (0..set.count)
+                .filter(|i| !set.chunks.contains_key(i))
+                .collect(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::vec;
+
+    fn payload(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn split_makes_full_chunks_and_a_short_last_one() {
+        let p = payload(10);
+        let chunks = split(&p, 4);
+        assert_eq!(chunks.len(), 3);
+        assert_eq!(
+            chunks.iter().map(|c| c.data.len()).collect::<Vec<_>>(),
+            vec![4, 4, 2]
+        );
+        for (i, c) in chunks.iter().enumerate() {
+            assert_eq!(c.index, i as u32);
+            assert_eq!(c.count, 3);
+            assert_eq!(c.total_len, 10);
+            assert_eq!(c.payload_hash, payload_hash(&p));
+        }
+        assert_eq!(split(&p, 0).len(), 10);
+        assert_eq!(split(&p, 100).len(), 1);
+    }
+
+    #[test]
+    fn an_empty_payload_is_one_empty_chunk_and_reassembles() {
+        let chunks = split(&[], 8);
+        assert_eq!(chunks.len(), 1);
+        assert_eq!((chunks[0].count, chunks[0].total_len), (1, 0));
+        let mut r = Reassembler::new(1000, 100);
+        assert_eq!(r.insert(chunks[0].clone(), 0), Ok(Some(vec![])));
+    }
+
+    #[test]
+    fn reassembly_works_across_out_of_order_and_duplicated_chunks() {
+        let p = payload(1000);
+        let chunks = split(&p, 64);
+        assert_eq!(chunks.len(), 16);
+        let mut r = Reassembler::new(1000, 10_000);
+        let order = [
+            15, 3, 3, 0, 7, 15, 1, 2, 4, 5, 6, 8, 9, 10, 11, 12, 0, 13, 14,
+        ];
+        let mut done = None;
+        for (n, &i) in order.iter().enumerate() {
+            assert!(done.is_none(), "completed early");
+            done = r.insert(chunks[i].clone(), n as u64).unwrap();
+        }
+        assert_eq!(done, Some(p));
+        assert_eq!(r.pending_bytes(), 0);
+        assert_eq!(r.pending_sets(), 0);
+    }
+
+    #[test]
+    fn two_sets_reassemble_interleaved() {
+        let (p, q) = (payload(100), payload(77));
+        let (a, b) = (split(&p, 10), split(&q, 10));
+        let mut r = Reassembler::new(1000, 1000);
+        let mut out = vec![];
+        for i in 0..10 {
+            out.extend(r.insert(a[i].clone(), 0).unwrap());
+            if i < b.len() {
+                out.extend(r.insert(b[i].clone(), 0).unwrap());
+            }
+        }
+        assert_eq!(out, vec![q, p]);
+    }
+
+    #[test]
+    fn a_missing_chunk_times_out_and_its_memory_is_freed() {
+        let p = payload(100);
+        let chunks = split(&p, 30);
+        let mut r = Reassembler::new(500, 1000);
+        r.insert(chunks[0].clone(), 1000).unwrap();
+        r.insert(chunks[2].clone(), 1400).unwrap();
+        assert_eq!(r.pending_bytes(), 60);
+        assert_eq!(r.missing(&payload_hash(&p)), Some(vec![1, 3]));
+        // The timeout counts from the first chunk, not the latest.
+        assert!(r.expire(1500).is_empty());
+        assert_eq!(r.expire(1501), vec![payload_hash(&p)]);
+        assert_eq!(r.pending_bytes(), 0);
+        assert_eq!(r.pending_sets(), 0);
+        assert_eq!(r.missing(&payload_hash(&p)), None);
+    }
+
+    #[test]
+    fn a_chunk_with_a_mismatched_count_is_rejected() {
+        let chunks = split(&payload(100), 30);
+        let mut r = Reassembler::new(500, 1000);
+        r.insert(chunks[0].clone(), 0).unwrap();
+        let mut odd = chunks[1].clone();
+        odd.count = 5;
+        assert_eq!(
+            r.insert(odd, 0),
+            Err(ChunkError::SetMismatch {
+                count: 5,
+                total_len: 100,
+                set_count: 4,
+                set_total_len: 100
+            })
+        );
+        let mut odd = chunks[1].clone();
+        odd.total_len = 99;
+        assert!(matches!(
+            r.insert(odd, 0),
+            Err(ChunkError::SetMismatch { .. })
+        ));
+        // The set is unharmed.
+        for c in &chunks[1..3] {
+            assert_eq!(r.insert(c.clone(), 0), Ok(None));
+        }
+        assert!(r.insert(chunks[3].clone(), 0).unwrap().is_some());
+    }
+
+    #[test]
+    fn impossible_chunks_are_rejected() {
+        let c = split(&payload(10), 4).remove(0);
+        let mut r = Reassembler::new(500, 1000);
+        let with = |f: fn(&mut Chunk)| {
+            let mut c = c.clone();
+            f(&mut c);
+            c
+        };
+        assert_eq!(
+            r.insert(with(|c| c.index = 3), 0),
+            Err(ChunkError::IndexOutOfRange { index: 3, count: 3 })
+        );
+        assert!(matches!(
+            r.insert(with(|c| c.count = 0), 0),
+            Err(ChunkError::ImpossibleSet { .. })
+        ));
+        assert!(matches!(
+            r.insert(with(|c| c.count = 11), 0),
+            Err(ChunkError::ImpossibleSet { .. })
+        ));
+        assert!(matches!(
+            r.insert(with(|c| c.data = vec![0; 11]), 0),
+            Err(ChunkError::BadChunkLength {
+                len: 11,
+                room: 10,
+                ..
+            })
+        ));
+        assert!(matches!(
+            r.insert(with(|c| c.data.clear()), 0),
+            Err(ChunkError::BadChunkLength { .. })
+        ));
+        assert!(matches!(
+            r.insert(with(|c| c.total_len = 5000), 0),
+            Err(ChunkError::PayloadTooLarge {
+                total_len: 5000,
+                limit: 1000
+            })
+        ));
+        assert_eq!(r.pending_bytes(), 0);
+        assert_eq!(r.pending_sets(), 0);
+    }
+
+    #[test]
+    fn corrupted_data_is_a_hash_mismatch_and_drops_the_set() {
+        let p = payload(100);
+        let mut chunks = split(&p, 30);
+        chunks[1].data[5] ^= 1;
+        let mut r = Reassembler::new(500, 1000);
+        for c in &chunks[..3] {
+            assert_eq!(r.insert(c.clone(), 0), Ok(None));
+        }
+        assert_eq!(
+            r.insert(chunks[3].clone(), 0),
+            Err(ChunkError::HashMismatch)
+        );
+        assert_eq!(r.pending_bytes(), 0);
+        assert_eq!(r.pending_sets(), 0);
+    }
+
+    #[test]
+    fn chunks_short_of_the_announced_length_are_a_length_mismatch() {
+        let p = payload(100);
+        let mut chunks = split(&p, 30);
+        chunks[3].data.pop();
+        let mut r = Reassembler::new(500, 1000);
+        for c in &chunks[..3] {
+            r.insert(c.clone(), 0).unwrap();
+        }
+        assert_eq!(
+            r.insert(chunks[3].clone(), 0),
+            Err(ChunkError::LengthMismatch {
+                expected: 100,
+                got: 99
+            })
+        );
+        assert_eq!(r.pending_bytes(), 0);
+    }
+
+    #[test]
+    fn memory_past_the_limit_is_refused() {
+        let (p, q) = (payload(100), payload(90));
+        let mut r = Reassembler::new(500, 120);
+        for c in &split(&p, 50)[..1] {
+            r.insert(c.clone(), 0).unwrap();
+        }
+        let qs = split(&q, 45);
+        r.insert(qs[0].clone(), 0).unwrap();
+        assert_eq!(r.pending_bytes(), 95);
+        assert_eq!(
+            r.insert(split(&payload(80), 40)[0].clone(), 0),
+            Err(ChunkError::TooMuchPending {
+                pending: 95,
+                incoming: 40,
+                limit: 120
+            })
+        );
+        // Completing a set needs no extra room and frees its bytes.
+        assert_eq!(r.insert(qs[1].clone(), 0), Ok(Some(q)));
+        assert_eq!(r.pending_bytes(), 50);
+    }
+}

@@ -1,0 +1,653 @@
+//! Tensor encodings on the wire: `f32`, `f16`, `q8` (per-tensor symmetric int8 with a scale)
+//! and top-k sparse (the sender keeps the error-feedback residual).
+
+use alloc::string::String;
+use alloc::vec::Vec;
+use serde::{Deserialize, Serialize};
+
+/// How a federation encodes tensors on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Encoding {
+    /// 4 bytes per value, exact.
+    F32,
+    /// IEEE half precision, 2 bytes per value.
+    F16,
+    /// Per-tensor symmetric int8: `value = q * scale`, `scale = max|x| / 127`.
+    Q8,
+    /// Keep the `k = ceil(len * per_mille / 1000)` largest-magnitude entries of each tensor (at
+    /// least 1), as f32 with delta-coded indices; the sender adds what it dropped to the next
+    /// round's tensor (error feedback).
+    TopK {
+        /// Fraction kept, in thousandths (1..=1000).
+        per_mille: u16,
+    },
+}
+
+/// The values of one tensor in some encoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Values {
+    /// Little-endian f32 bytes.
+    F32(Vec<u8>),
+    /// Little-endian IEEE f16 bytes.
+    F16(Vec<u8>),
+    /// int8 values (as bytes) and their scale.
+    Q8 {
+        /// `max|x| / 127` (0 for an all-zero tensor).
+        scale: f32,
+        /// Two's-complement int8 values.
+        data: Vec<u8>,
+    },
+    /// Sparse: `len` values, all zero except at `indices` (strictly increasing, each stored as
+    /// the gap to the previous one) where they are `values`.
+    Sparse {
+        /// Dense length.
+        len: u32,
+        /// Gaps between successive kept indices (the first is the index itself).
+        gaps: Vec<u32>,
+        /// The kept values.
+        values: Vec<f32>,
+    },
+}
+
+/// A named tensor in wire form.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EncodedTensor {
+    /// state_dict name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<u32>,
+    /// Values.
+    pub values: Values,
+}
+
+/// Why a tensor cannot be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    /// Byte length or value count disagrees with the shape.
+    #[error("tensor `{name}`: {found} values for a shape of {expected}")]
+    WrongLength {
+        /// Tensor name.
+        name: String,
+        /// Values the shape needs.
+        expected: usize,
+        /// Values present.
+        found: usize,
+    },
+    /// Sparse indices out of range or not increasing.
+    #[error("tensor `{0}`: sparse indices out of range or not increasing")]
+    BadIndices(String),
+    /// The shape's product overflows.
+    #[error("tensor `{0}`: shape overflows")]
+    ShapeOverflow(String),
+}
+
+impl Encoding {
+    /// Checks the encoding's parameters: a top-k fraction must lie in `1..=1000` per mille.
+    pub fn validate(&self) -> Result<(), &'static str> {
+        match *self {
+            Encoding::TopK { per_mille } if !(1..=1000).contains(&per_mille) => {
+                Err("top-k per_mille must be between 1 and 1000")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl EncodedTensor {
+    /// Number of elements the shape describes (1 for an empty shape), or `None` if the
+    /// product overflows `usize`.
+    pub fn numel(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d as usize))
+    }
+}
+
+/// Encodes `values` (laid out as `shape`) as `encoding`, with optional error feedback.
+///
+/// When `residual` is given it is first resized to `values.len()` (new entries zero), added to
+/// the values, and then overwritten with what the receiver will *not* see: the values that
+/// top-k dropped, or the rounding error `x - decoded(x)` of `f32`, `f16` and `q8`. Passing
+/// the same residual every round therefore gives error feedback for every encoding. Entries
+/// whose error is not finite (NaN or infinite inputs) are reset to zero so that one bad value
+/// does not poison later rounds; the bad value itself is still sent, and the receiver is
+/// expected to reject non-finite tensors after decoding.
+///
+/// Top-k keeps `k = ceil(len * per_mille / 1000)` entries (at least 1, at most `len`; a
+/// `per_mille` outside `1..=1000` is clamped into it), choosing the largest magnitudes with
+/// ties broken by the lower index. `q8` uses `scale = max|x| / 127` and
+/// `q = round(x / scale)` clamped to `[-127, 127]`. The shape is copied as given; this
+/// function never fails and never panics, so check `values.len()` against the shape first.
+pub fn encode(
+    name: &str,
+    shape: &[u32],
+    values: &[f32],
+    encoding: Encoding,
+    residual: Option<&mut Vec<f32>>,
+) -> EncodedTensor {
+    // With error feedback the tensor to send is `values + residual`.
+    let fed: Option<Vec<f32>> = residual.as_ref().map(|r| {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v + r.get(i).copied().unwrap_or(0.0))
+            .collect()
+    });
+    let x: &[f32] = fed.as_deref().unwrap_or(values);
+
+    // Indices top-k sends; empty for the dense encodings.
+    let mut kept: Vec<u32> = Vec::new();
+    let encoded = match encoding {
+        Encoding::F32 => Values::F32(x.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        Encoding::F16 => Values::F16(
+            x.iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+        ),
+        Encoding::Q8 => {
+            let scale = q8_scale(x);
+            let data = x.iter().map(|&v| q8_quantise(v, scale) as u8).collect();
+            Values::Q8 { scale, data }
+        }
+        Encoding::TopK { per_mille } => {
+            kept = top_k_indices(x, per_mille);
+            let mut gaps = Vec::with_capacity(kept.len());
+            let mut prev = 0u32;
+            for (n, &i) in kept.iter().enumerate() {
+                gaps.push(if n == 0 { i } else { i - prev });
+                prev = i;
+            }
+            Values::Sparse {
+                len: u32::try_from(x.len()).unwrap_or(u32::MAX),
+                gaps,
+                values: kept.iter().map(|&i| x[i as usize]).collect(),
+            }
+        }
+    };
+
+    if let Some(r) = residual {
+        r.clear();
+        match &encoded {
+            Values::Sparse { .. } => {
+                // What was not sent stays behind; what was sent leaves nothing.
+                r.extend_from_slice(x);
+                for &i in &kept {
+                    if let Some(e) = r.get_mut(i as usize) {
+                        *e = 0.0;
+                    }
+                }
+            }
+            Values::F32(_) => r.resize(x.len(), 0.0),
+            Values::F16(_) => r.extend(x.iter().map(|&v| v - half::f16::from_f32(v).to_f32())),
+            Values::Q8 { scale, .. } => r.extend(
+                x.iter()
+                    .map(|&v| v - f32::from(q8_quantise(v, *scale)) * scale),
+            ),
+        }
+        for e in r.iter_mut() {
+            if !e.is_finite() {
+                *e = 0.0;
+            }
+        }
+    }
+
+    EncodedTensor {
+        name: name.into(),
+        shape: shape.to_vec(),
+        values: encoded,
+    }
+}
+
+/// Decodes a tensor to dense `f32` values after checking it against its shape.
+///
+/// Dense encodings must hold exactly one value per element of the shape. A sparse tensor's
+/// `len` must equal the shape's element count, it needs one value per index, and its indices
+/// (first gap = first index, later gaps at least 1) must stay below `len`. Decoding a sparse
+/// tensor allocates its full dense length, so compare the shape with the model spec first.
+pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
+    let numel = t
+        .numel()
+        .ok_or_else(|| TensorError::ShapeOverflow(t.name.clone()))?;
+    match &t.values {
+        Values::F32(bytes) => {
+            check_bytes(t, numel, bytes.len(), 4)?;
+            Ok(bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect())
+        }
+        Values::F16(bytes) => {
+            check_bytes(t, numel, bytes.len(), 2)?;
+            Ok(bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect())
+        }
+        Values::Q8 { scale, data } => {
+            check_bytes(t, numel, data.len(), 1)?;
+            Ok(data.iter().map(|&q| f32::from(q as i8) * scale).collect())
+        }
+        Values::Sparse { len, gaps, values } => {
+            let len = *len as usize;
+            if len != numel {
+                return Err(wrong_length(t, numel, len));
+            }
+            if values.len() != gaps.len() {
+                return Err(wrong_length(t, gaps.len(), values.len()));
+            }
+            if gaps.len() > len {
+                return Err(TensorError::BadIndices(t.name.clone()));
+            }
+            // Validate every index before allocating the dense tensor.
+            let mut prev = 0usize;
+            for (n, &g) in gaps.iter().enumerate() {
+                let i = if n == 0 {
+                    g as usize
+                } else if g == 0 {
+                    return Err(TensorError::BadIndices(t.name.clone()));
+                } else {
+                    prev.saturating_add(g as usize)
+                };
+                if i >= len {
+                    return Err(TensorError::BadIndices(t.name.clone()));
+                }
+                prev = i;
+            }
+            let mut dense = alloc::vec![0.0f32; len];
+            let mut i = 0usize;
+            for (n, (&g, &v)) in gaps.iter().zip(values).enumerate() {
+                i = if n == 0 { g as usize } else { i + g as usize };
+                dense[i] = v;
+            }
+            Ok(dense)
+        }
+    }
+}
+
+/// Checks that `bytes` bytes hold exactly `numel` values of `width` bytes each.
+fn check_bytes(
+    t: &EncodedTensor,
+    numel: usize,
+    bytes: usize,
+    width: usize,
+) -> Result<(), TensorError> {
+    let expected = numel
+        .checked_mul(width)
+        .ok_or_else(|| TensorError::ShapeOverflow(t.name.clone()))?;
+    if bytes == expected {
+        return Ok(());
+    }
+    // Round a partial trailing value away from `numel` so the message never reads "n for n".
+    let found = if bytes > expected {
+        bytes.div_ceil(width)
+    } else {
+        bytes / width
+    };
+    Err(wrong_length(t, numel, found))
+}
+
+fn wrong_length(t: &EncodedTensor, expected: usize, found: usize) -> TensorError {
+    TensorError::WrongLength {
+        name: t.name.clone(),
+        expected,
+        found,
+    }
+}
+
+/// `max|x| / 127`, ignoring NaN; 0 for an empty or all-zero tensor.
+fn q8_scale(x: &[f32]) -> f32 {
+    x.iter().map(|&v| magnitude(v)).fold(0.0f32, f32::max) / 127.0
+}
+
+/// `round(v / scale)` (half away from zero) clamped to `[-127, 127]`; 0 when `scale` is 0.
+fn q8_quantise(v: f32, scale: f32) -> i8 {
+    if scale == 0.0 {
+        return 0;
+    }
+    let r = v / scale;
+    if r.is_nan() {
+        return 0;
+    }
+    let r = r.clamp(-127.0, 127.0);
+    // `r` is small, so truncation and the fractional part are exact.
+    let t = r as i32;
+    let frac = r - t as f32;
+    let q = if frac >= 0.5 {
+        t + 1
+    } else if frac <= -0.5 {
+        t - 1
+    } else {
+        t
+    };
+    q.clamp(-127, 127) as i8
+}
+
+/// `|v|` with the sign bit cleared, so NaN compares as the largest magnitude under `total_cmp`.
+fn magnitude(v: f32) -> f32 {
+    f32::from_bits(v.to_bits() & 0x7fff_ffff)
+}
+
+/// Indices of the `k` largest-magnitude entries, increasing; ties go to the lower index.
+fn top_k_indices(x: &[f32], per_mille: u16) -> Vec<u32> {
+    let len = x.len().min(u32::MAX as usize);
+    if len == 0 {
+        return Vec::new();
+    }
+    let per_mille = u64::from(per_mille.clamp(1, 1000));
+    let k = ((len as u64 * per_mille).div_ceil(1000) as usize).clamp(1, len);
+    let mut idx: Vec<u32> = (0..len as u32).collect();
+    if k < len {
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            magnitude(x[b as usize])
+                .total_cmp(&magnitude(x[a as usize]))
+                .then(a.cmp(&b))
+        });
+        idx.truncate(k);
+        idx.sort_unstable();
+    }
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::vec;
+
+    /// A deterministic spread of values over several orders of magnitude, both signs.
+    fn sample(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                let unit = (s >> 8) as f32 / (1u32 << 24) as f32; // [0, 1)
+                let mag = [1e-3f32, 1e-2, 0.1, 1.0, 10.0][(s % 5) as usize];
+                (unit * 2.0 - 1.0) * mag
+            })
+            .collect()
+    }
+
+    fn round_trip(x: &[f32], enc: Encoding) -> (EncodedTensor, Vec<f32>) {
+        let t = encode("w", &[x.len() as u32], x, enc, None);
+        let back = decode(&t).unwrap();
+        assert_eq!(back.len(), x.len());
+        (t, back)
+    }
+
+    #[test]
+    fn f32_round_trip_is_exact() {
+        let x = sample(257, 1);
+        let (_, back) = round_trip(&x, Encoding::F32);
+        assert_eq!(back, x);
+    }
+
+    #[test]
+    fn f16_round_trip_has_relative_error_at_most_two_to_the_minus_eleven() {
+        let x = sample(1000, 2);
+        let (t, back) = round_trip(&x, Encoding::F16);
+        assert!(matches!(&t.values, Values::F16(b) if b.len() == 2000));
+        for (a, b) in x.iter().zip(&back) {
+            // f16's smallest normal is 2^-14; below it the error is absolute, not relative.
+            if a.abs() >= 6.2e-5 {
+                assert!(((a - b) / a).abs() <= 1.0 / 2048.0, "{a} -> {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn q8_round_trip_has_absolute_error_at_most_half_a_step() {
+        let x = sample(1000, 3);
+        let (t, back) = round_trip(&x, Encoding::Q8);
+        let Values::Q8 { scale, data } = &t.values else {
+            panic!("not q8")
+        };
+        assert_eq!(data.len(), 1000);
+        let max = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(*scale, max / 127.0);
+        for (a, b) in x.iter().zip(&back) {
+            assert!((a - b).abs() <= scale / 2.0 * (1.0 + 1e-5), "{a} -> {b}");
+        }
+    }
+
+    #[test]
+    fn q8_of_an_all_zero_tensor_has_zero_scale_and_decodes_to_zeros() {
+        let (t, back) = round_trip(&[0.0; 5], Encoding::Q8);
+        assert!(matches!(t.values, Values::Q8 { scale, .. } if scale == 0.0));
+        assert_eq!(back, vec![0.0; 5]);
+    }
+
+    #[test]
+    fn top_k_keeps_exactly_the_k_largest_magnitudes() {
+        let x = sample(1000, 4);
+        let (t, back) = round_trip(&x, Encoding::TopK { per_mille: 15 });
+        let Values::Sparse { values, .. } = &t.values else {
+            panic!("not sparse")
+        };
+        assert_eq!(values.len(), 15);
+        let mut mags: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+        mags.sort_by(|a, b| b.total_cmp(a));
+        let threshold = mags[14];
+        let kept: Vec<usize> = (0..x.len()).filter(|&i| back[i] != 0.0).collect();
+        assert_eq!(kept.len(), 15);
+        for &i in &kept {
+            assert_eq!(back[i], x[i]);
+            assert!(x[i].abs() >= threshold);
+        }
+    }
+
+    #[test]
+    fn top_k_rounds_k_up_and_keeps_at_least_one() {
+        let k = |len: usize, per_mille| {
+            let t = encode(
+                "w",
+                &[len as u32],
+                &sample(len, 5),
+                Encoding::TopK { per_mille },
+                None,
+            );
+            match t.values {
+                Values::Sparse { values, .. } => values.len(),
+                _ => unreachable!(),
+            }
+        };
+        assert_eq!(k(10, 1), 1);
+        assert_eq!(k(1001, 1), 2);
+        assert_eq!(k(10, 1000), 10);
+        assert_eq!(k(10, 0), 1);
+        assert_eq!(k(10, 5000), 10);
+        assert_eq!(k(0, 10), 0);
+    }
+
+    #[test]
+    fn top_k_breaks_ties_by_the_lower_index() {
+        let x = [1.0, -2.0, 2.0, 0.5, -2.0];
+        let t = encode("w", &[5], &x, Encoding::TopK { per_mille: 400 }, None);
+        assert_eq!(
+            t.values,
+            Values::Sparse {
+                len: 5,
+                gaps: vec![1, 1],
+                values: vec![-2.0, 2.0]
+            }
+        );
+    }
+
+    #[test]
+    fn top_k_residual_carries_what_was_not_sent_into_the_next_round() {
+        let a = sample(500, 6);
+        let b = sample(500, 7);
+        let enc = Encoding::TopK { per_mille: 50 };
+        let mut residual = Vec::new();
+        let d1 = decode(&encode("w", &[500], &a, enc, Some(&mut residual))).unwrap();
+        let d2 = decode(&encode("w", &[500], &b, enc, Some(&mut residual))).unwrap();
+        assert_eq!(residual.len(), 500);
+        for i in 0..500 {
+            let sent = d1[i] + d2[i] + residual[i];
+            assert!((sent - (a[i] + b[i])).abs() <= 1e-6, "index {i}");
+            // Whatever was sent in the last round left nothing behind.
+            if d2[i] != 0.0 {
+                assert_eq!(residual[i], 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn error_feedback_eventually_sends_a_value_never_in_the_top_k_on_its_own() {
+        // Index 3 is always the smallest, so plain top-1 would never send it.
+        let x = [1.0f32, -1.0, 1.0, 0.3];
+        let enc = Encoding::TopK { per_mille: 250 };
+        let plain = decode(&encode("w", &[4], &x, enc, None)).unwrap();
+        assert_eq!(plain[3], 0.0);
+        let mut residual = Vec::new();
+        let mut total = [0.0f32; 4];
+        let mut first_sent = None;
+        for round in 0..20 {
+            let d = decode(&encode("w", &[4], &x, enc, Some(&mut residual))).unwrap();
+            for (t, v) in total.iter_mut().zip(&d) {
+                *t += v;
+            }
+            if d[3] != 0.0 && first_sent.is_none() {
+                first_sent = Some(round);
+            }
+        }
+        assert!(first_sent.is_some(), "index 3 was never sent");
+        // Over many rounds every coordinate gets through at its own rate.
+        for i in 0..4 {
+            assert!((total[i] + residual[i] - 20.0 * x[i]).abs() <= 1e-4);
+        }
+    }
+
+    #[test]
+    fn every_encoding_keeps_its_rounding_error_as_the_residual() {
+        let x = sample(300, 8);
+        for enc in [Encoding::F32, Encoding::F16, Encoding::Q8] {
+            let mut residual = vec![0.0; 10]; // wrong length: resized to 300
+            let d = decode(&encode("w", &[300], &x, enc, Some(&mut residual))).unwrap();
+            assert_eq!(residual.len(), 300);
+            for i in 0..300 {
+                assert!(
+                    (d[i] + residual[i] - x[i]).abs() <= 1e-6,
+                    "{enc:?} index {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn encoding_nan_and_infinity_does_not_panic() {
+        let x = [f32::NAN, 1.0, f32::INFINITY, -f32::NAN, 0.0];
+        for enc in [
+            Encoding::F32,
+            Encoding::F16,
+            Encoding::Q8,
+            Encoding::TopK { per_mille: 400 },
+        ] {
+            let mut residual = vec![f32::NAN; 5];
+            let t = encode("w", &[5], &x, enc, Some(&mut residual));
+            assert_eq!(decode(&t).map(|v| v.len()), Ok(5));
+            assert!(residual.iter().all(|r| r.is_finite()), "{enc:?}");
+        }
+    }
+
+    #[test]
+    fn decode_rejects_lengths_that_disagree_with_the_shape() {
+        let mut t = encode("w", &[2, 3], &[1.0; 6], Encoding::F32, None);
+        t.shape = vec![7];
+        assert_eq!(
+            decode(&t),
+            Err(TensorError::WrongLength {
+                name: "w".into(),
+                expected: 7,
+                found: 6
+            })
+        );
+        t.values = Values::F32(vec![0; 29]);
+        assert!(matches!(
+            decode(&t),
+            Err(TensorError::WrongLength { found: 8, .. })
+        ));
+        t.values = Values::Q8 {
+            scale: 1.0,
+            data: vec![0; 3],
+        };
+        assert!(matches!(
+            decode(&t),
+            Err(TensorError::WrongLength { found: 3, .. })
+        ));
+    }
+
+    #[test]
+    fn decode_rejects_an_overflowing_shape() {
+        let mut t = encode("w", &[1], &[1.0], Encoding::F16, None);
+        t.shape = vec![u32::MAX; 3];
+        assert_eq!(decode(&t), Err(TensorError::ShapeOverflow("w".into())));
+        assert_eq!(t.numel(), None);
+    }
+
+    #[test]
+    fn decode_rejects_bad_sparse_indices() {
+        let sparse = |len, gaps: Vec<u32>| EncodedTensor {
+            name: "s".into(),
+            shape: vec![len],
+            values: Values::Sparse {
+                len,
+                values: vec![1.0; gaps.len()],
+                gaps,
+            },
+        };
+        assert_eq!(
+            decode(&sparse(4, vec![0, 1, 2])),
+            Ok(vec![1.0, 1.0, 0.0, 1.0])
+        );
+        assert_eq!(decode(&sparse(4, vec![])), Ok(vec![0.0; 4]));
+        let bad = Err(TensorError::BadIndices("s".into()));
+        assert_eq!(decode(&sparse(4, vec![4])), bad, "out of range");
+        assert_eq!(decode(&sparse(4, vec![1, 0])), bad, "repeated index");
+        assert_eq!(decode(&sparse(4, vec![1, 1, 2])), bad, "runs past the end");
+        assert_eq!(decode(&sparse(4, vec![0, u32::MAX])), bad, "gap overflows");
+        assert_eq!(
+            decode(&sparse(2, vec![0, 1, 1])),
+            bad,
+            "more indices than len"
+        );
+        let mut t = sparse(4, vec![0]);
+        t.shape = vec![5];
+        assert!(matches!(
+            decode(&t),
+            Err(TensorError::WrongLength {
+                expected: 5,
+                found: 4,
+                ..
+            })
+        ));
+        let mut t = sparse(4, vec![0, 1]);
+        if let Values::Sparse { values, .. } = &mut t.values {
+            values.pop();
+        }
+        assert!(matches!(
+            decode(&t),
+            Err(TensorError::WrongLength {
+                expected: 2,
+                found: 1,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn numel_of_an_empty_shape_is_one() {
+        let t = encode("scalar", &[], &[3.0], Encoding::F32, None);
+        assert_eq!(t.numel(), Some(1));
+        assert_eq!(decode(&t), Ok(vec![3.0]));
+    }
+
+    #[test]
+    fn validate_accepts_only_per_mille_between_one_and_a_thousand() {
+        assert!(Encoding::F16.validate().is_ok());
+        assert!(Encoding::TopK { per_mille: 1 }.validate().is_ok());
+        assert!(Encoding::TopK { per_mille: 1000 }.validate().is_ok());
+        assert!(Encoding::TopK { per_mille: 0 }.validate().is_err());
+        assert!(Encoding::TopK { per_mille: 1001 }.validate().is_err());
+    }
+}

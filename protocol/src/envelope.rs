@@ -1,0 +1,455 @@
+//! The envelope every message travels in: magic, protocol version and message kind in a fixed
+//! header, then the sender's identity, round, model version, spec hash, payload and an
+//! optional signature. postcard is not self-describing, so this header is what lets old and
+//! new peers refuse each other's messages cleanly.
+
+use crate::ids::{FederationId, SiteId};
+use crate::spec::SpecHash;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// The four bytes every envelope starts with.
+pub const MAGIC: [u8; 4] = *b"UFED";
+
+/// The protocol version this crate speaks; peers refuse envelopes of any other version.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Bytes before the postcard body: magic, version and kind.
+const HEADER_LEN: usize = 8;
+
+/// What an envelope's payload is. Append-only: a discriminant, once used, never changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u16)]
+pub enum MessageKind {
+    /// A [`crate::RoundManifest`].
+    RoundManifest = 1,
+    /// A [`crate::Chunk`] of the model payload.
+    ModelChunk = 2,
+    /// A [`crate::ChunkRequest`].
+    ChunkRequest = 3,
+    /// A [`crate::SiteUpdate`].
+    SiteUpdate = 4,
+    /// An [`crate::UpdateAnswer`].
+    UpdateAnswer = 5,
+    /// A [`crate::SiteStatus`].
+    SiteStatus = 6,
+    /// A [`crate::ServerBroadcast`].
+    ServerBroadcast = 7,
+    /// A [`crate::Chunk`] of a site update too large for one packet.
+    UpdateChunk = 8,
+    /// Reserved for onboarding: the model package a new site calibrates from.
+    OnboardingPackage = 9,
+    /// Reserved for onboarding: a site's BatchNorm statistics contribution.
+    BnContribution = 10,
+    /// Reserved for onboarding: store a calibrated model in the registry.
+    RegistryPut = 11,
+    /// Reserved for onboarding: fetch a model from the registry.
+    RegistryGet = 12,
+    /// Reserved for onboarding: a new site asks to join the federation.
+    Join = 13,
+}
+
+impl MessageKind {
+    /// The kind with wire value `v`, or `None` if this version does not know it.
+    pub fn from_u16(v: u16) -> Option<Self> {
+        use MessageKind::*;
+        Some(match v {
+            1 => RoundManifest,
+            2 => ModelChunk,
+            3 => ChunkRequest,
+            4 => SiteUpdate,
+            5 => UpdateAnswer,
+            6 => SiteStatus,
+            7 => ServerBroadcast,
+            8 => UpdateChunk,
+            9 => OnboardingPackage,
+            10 => BnContribution,
+            11 => RegistryPut,
+            12 => RegistryGet,
+            13 => Join,
+            _ => return None,
+        })
+    }
+
+    /// The kind's wire value.
+    pub fn as_u16(self) -> u16 {
+        self as u16
+    }
+}
+
+/// Why bytes are not a valid envelope (or a payload is not the type asked for).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Fewer bytes than the fixed header.
+    #[error("message truncated: shorter than the 8-byte envelope header")]
+    Truncated,
+    /// The first four bytes are not [`MAGIC`].
+    #[error("not a UniFed message: bad magic bytes")]
+    BadMagic,
+    /// The envelope speaks another protocol version.
+    #[error("protocol version {0} is not supported (this peer speaks version {PROTOCOL_VERSION})")]
+    UnsupportedVersion(u16),
+    /// The message kind is unknown to this version.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u16),
+    /// The postcard body (or payload) does not decode.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// Bytes left over after the body (or payload).
+    #[error("{0} unexpected bytes after the end of the message")]
+    TrailingBytes(usize),
+    /// The message is larger than the receiver accepts.
+    #[error("message of {len} bytes exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// Size of the message.
+        len: usize,
+        /// The receiver's limit.
+        limit: usize,
+    },
+}
+
+/// A message on the wire: who sent what, for which round and model, plus the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    /// What the payload is.
+    pub kind: MessageKind,
+    /// Federation the message belongs to.
+    pub federation: FederationId,
+    /// Site (or aggregator) that sent it.
+    pub sender: SiteId,
+    /// Round the message is about.
+    pub round: u64,
+    /// Model version the message is about.
+    pub model_version: u64,
+    /// Spec hash of the federation's model.
+    pub spec_hash: SpecHash,
+    /// The postcard-encoded payload, of the type `kind` names.
+    pub payload: Vec<u8>,
+    /// Signature slot, unused until messages are signed.
+    pub signature: Option<Vec<u8>>,
+}
+
+/// The envelope after its fixed header, as postcard writes it.
+#[derive(Serialize)]
+struct BodyRef<'a> {
+    federation: &'a FederationId,
+    sender: &'a SiteId,
+    round: u64,
+    model_version: u64,
+    spec_hash: &'a SpecHash,
+    payload: &'a [u8],
+    signature: Option<&'a [u8]>,
+}
+
+/// The owned twin of [`BodyRef`]; both must list the same fields in the same order.
+#[derive(Deserialize)]
+struct Body {
+    federation: FederationId,
+    sender: SiteId,
+    round: u64,
+    model_version: u64,
+    spec_hash: SpecHash,
+    payload: Vec<u8>,
+    signature: Option<Vec<u8>>,
+}
+
+impl Envelope {
+    /// An unsigned envelope around `payload`, postcard-encoded.
+    ///
+    /// # Panics
+    /// If `payload`'s `Serialize` impl fails under postcard; derived impls of plain data (every
+    /// message type of this crate) never do.
+    pub fn new<T: Serialize>(
+        kind: MessageKind,
+        federation: FederationId,
+        sender: SiteId,
+        round: u64,
+        model_version: u64,
+        spec_hash: SpecHash,
+        payload: &T,
+    ) -> Envelope {
+        Envelope {
+            kind,
+            federation,
+            sender,
+            round,
+            model_version,
+            spec_hash,
+            payload: postcard::to_allocvec(payload)
+                .expect("postcard cannot fail on a derived Serialize of plain data"),
+            signature: None,
+        }
+    }
+
+    /// The wire bytes: [`MAGIC`], version and kind as little-endian `u16`, then the postcard
+    /// body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + 160 + self.payload.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        out.extend_from_slice(&self.kind.as_u16().to_le_bytes());
+        let body = BodyRef {
+            federation: &self.federation,
+            sender: &self.sender,
+            round: self.round,
+            model_version: self.model_version,
+            spec_hash: &self.spec_hash,
+            payload: &self.payload,
+            signature: self.signature.as_deref(),
+        };
+        postcard::to_extend(&body, out)
+            .expect("postcard cannot fail on ids, integers and byte strings")
+    }
+
+    /// Parses wire bytes, checking in order: length, magic, version, kind, body, trailing bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
+        if bytes.len() < HEADER_LEN {
+            return Err(DecodeError::Truncated);
+        }
+        if bytes[..4] != MAGIC {
+            return Err(DecodeError::BadMagic);
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::UnsupportedVersion(version));
+        }
+        let raw_kind = u16::from_le_bytes([bytes[6], bytes[7]]);
+        let kind = MessageKind::from_u16(raw_kind).ok_or(DecodeError::UnknownKind(raw_kind))?;
+        let body: Body = take_exact(&bytes[HEADER_LEN..])?;
+        Ok(Envelope {
+            kind,
+            federation: body.federation,
+            sender: body.sender,
+            round: body.round,
+            model_version: body.model_version,
+            spec_hash: body.spec_hash,
+            payload: body.payload,
+            signature: body.signature,
+        })
+    }
+
+    /// Like [`Envelope::decode`], but refuses inputs longer than `limit` bytes before parsing.
+    pub fn decode_limited(bytes: &[u8], limit: usize) -> Result<Envelope, DecodeError> {
+        if bytes.len() > limit {
+            return Err(DecodeError::TooLarge {
+                len: bytes.len(),
+                limit,
+            });
+        }
+        Envelope::decode(bytes)
+    }
+
+    /// Decodes the payload as a `T`; the whole payload must be consumed.
+    pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, DecodeError> {
+        take_exact(&self.payload)
+    }
+}
+
+/// postcard-decodes a `T` that must use every byte of `bytes`.
+fn take_exact<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
+    let (value, rest) =
+        postcard::take_from_bytes(bytes).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes(rest.len()));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::Id;
+    use crate::messages::{ChunkRequest, SiteState, SiteStatus};
+    use alloc::vec;
+
+    fn envelope() -> Envelope {
+        Envelope::new(
+            MessageKind::ChunkRequest,
+            Id::new("fed-1").unwrap(),
+            Id::new("site.a").unwrap(),
+            3,
+            7,
+            SpecHash([0xab; 32]),
+            &ChunkRequest {
+                model_version: 7,
+                indices: vec![1, 5, 9],
+            },
+        )
+    }
+
+    #[test]
+    fn an_envelope_survives_a_round_trip() {
+        let e = envelope();
+        let bytes = e.encode();
+        assert_eq!(&bytes[..4], b"UFED");
+        assert_eq!(bytes[4..6], PROTOCOL_VERSION.to_le_bytes());
+        assert_eq!(bytes[6..8], 3u16.to_le_bytes());
+        assert_eq!(Envelope::decode(&bytes), Ok(e.clone()));
+        let req: ChunkRequest = e.payload_as().unwrap();
+        assert_eq!(req.indices, vec![1, 5, 9]);
+
+        let mut signed = e;
+        signed.signature = Some(vec![9; 64]);
+        assert_eq!(Envelope::decode(&signed.encode()), Ok(signed));
+    }
+
+    #[test]
+    fn every_kind_round_trips_through_its_wire_value() {
+        for v in 0..=20u16 {
+            match MessageKind::from_u16(v) {
+                Some(k) => assert_eq!(k.as_u16(), v),
+                None => assert!(v == 0 || v > 13),
+            }
+        }
+        assert_eq!(MessageKind::Join.as_u16(), 13);
+        assert_eq!(MessageKind::SiteUpdate.as_u16(), 4);
+    }
+
+    #[test]
+    fn short_input_is_truncated() {
+        let bytes = envelope().encode();
+        for n in 0..HEADER_LEN {
+            assert_eq!(Envelope::decode(&bytes[..n]), Err(DecodeError::Truncated));
+        }
+    }
+
+    #[test]
+    fn wrong_magic_is_refused() {
+        let mut bytes = envelope().encode();
+        bytes[0] = b'X';
+        assert_eq!(Envelope::decode(&bytes), Err(DecodeError::BadMagic));
+    }
+
+    #[test]
+    fn a_message_from_another_protocol_version_is_refused_cleanly() {
+        let mut bytes = envelope().encode();
+        bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+        let err = Envelope::decode(&bytes).unwrap_err();
+        assert_eq!(err, DecodeError::UnsupportedVersion(2));
+        assert_eq!(
+            err.to_string(),
+            "protocol version 2 is not supported (this peer speaks version 1)"
+        );
+    }
+
+    #[test]
+    fn an_unknown_kind_is_refused_cleanly() {
+        let mut bytes = envelope().encode();
+        bytes[6..8].copy_from_slice(&99u16.to_le_bytes());
+        assert_eq!(Envelope::decode(&bytes), Err(DecodeError::UnknownKind(99)));
+        bytes[6..8].copy_from_slice(&0u16.to_le_bytes());
+        assert_eq!(Envelope::decode(&bytes), Err(DecodeError::UnknownKind(0)));
+    }
+
+    #[test]
+    fn a_truncated_body_is_malformed() {
+        let bytes = envelope().encode();
+        for n in HEADER_LEN..bytes.len() {
+            assert!(
+                matches!(
+                    Envelope::decode(&bytes[..n]),
+                    Err(DecodeError::Malformed(_))
+                ),
+                "cut at {n}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_invalid_sender_id_is_malformed() {
+        let e = envelope();
+        let mut bytes = e.encode();
+        // The federation id `fed-1` starts right after the header, behind its length byte.
+        assert_eq!(&bytes[9..14], b"fed-1");
+        bytes[10] = b'+';
+        assert!(matches!(
+            Envelope::decode(&bytes),
+            Err(DecodeError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn bytes_after_the_body_are_refused() {
+        let mut bytes = envelope().encode();
+        bytes.extend_from_slice(&[0, 0, 0]);
+        assert_eq!(Envelope::decode(&bytes), Err(DecodeError::TrailingBytes(3)));
+    }
+
+    #[test]
+    fn an_oversized_message_is_refused_before_parsing() {
+        let bytes = envelope().encode();
+        let len = bytes.len();
+        assert_eq!(
+            Envelope::decode_limited(&bytes, len - 1),
+            Err(DecodeError::TooLarge {
+                len,
+                limit: len - 1
+            })
+        );
+        assert!(Envelope::decode_limited(&bytes, len).is_ok());
+        // The limit wins even over garbage.
+        assert!(matches!(
+            Envelope::decode_limited(&[0; 100], 10),
+            Err(DecodeError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn a_payload_claiming_two_to_the_sixty_bytes_fails_without_allocating_them() {
+        let e = envelope();
+        let mut bytes = Vec::from(&e.encode()[..HEADER_LEN]);
+        let body = BodyRef {
+            federation: &e.federation,
+            sender: &e.sender,
+            round: 1,
+            model_version: 1,
+            spec_hash: &e.spec_hash,
+            payload: &[],
+            signature: None,
+        };
+        let mut encoded = postcard::to_allocvec(&body).unwrap();
+        // Drop the empty payload's length and the signature tag; claim 2^60 payload bytes.
+        encoded.truncate(encoded.len() - 2);
+        bytes.extend_from_slice(&encoded);
+        let mut claim = 1u64 << 60;
+        while claim >= 0x80 {
+            bytes.push((claim as u8) | 0x80);
+            claim >>= 7;
+        }
+        bytes.push(claim as u8);
+        bytes.extend_from_slice(&[1, 2, 3]);
+        assert!(matches!(
+            Envelope::decode(&bytes),
+            Err(DecodeError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn a_payload_of_the_wrong_type_or_with_extra_bytes_is_refused() {
+        let e = Envelope::new(
+            MessageKind::SiteStatus,
+            Id::new("f").unwrap(),
+            Id::new("s").unwrap(),
+            0,
+            0,
+            SpecHash([0; 32]),
+            &SiteStatus {
+                state: SiteState::Online,
+                detail: "ok".into(),
+            },
+        );
+        assert!(e.payload_as::<SiteStatus>().is_ok());
+        assert!(matches!(
+            e.payload_as::<crate::messages::RoundManifest>(),
+            Err(DecodeError::Malformed(_))
+        ));
+        let mut extra = e.clone();
+        extra.payload.push(0);
+        assert_eq!(
+            extra.payload_as::<SiteStatus>(),
+            Err(DecodeError::TrailingBytes(1))
+        );
+    }
+}

@@ -1,0 +1,173 @@
+//! Every payload type travels through an [`Envelope`] and back unchanged, and the encodings
+//! shrink a site update by the factor they promise.
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use unifed_protocol::*;
+
+fn id(s: &str) -> Id {
+    Id::new(s).unwrap()
+}
+
+fn spec_hash() -> SpecHash {
+    SpecHash([7; 32])
+}
+
+/// Wraps `payload` in an envelope, encodes, decodes, and returns the payload and wire size.
+fn through_envelope<T>(kind: MessageKind, payload: &T) -> (T, usize)
+where
+    T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug,
+{
+    let e = Envelope::new(kind, id("fed"), id("site-1"), 4, 9, spec_hash(), payload);
+    let bytes = e.encode();
+    let back = Envelope::decode(&bytes).unwrap();
+    assert_eq!(back, e);
+    assert_eq!(back.kind, kind);
+    let p: T = back.payload_as().unwrap();
+    assert_eq!(&p, payload);
+    (p, bytes.len())
+}
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as u32).wrapping_mul(seed).wrapping_add(12345) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+fn update(encoding: Encoding) -> SiteUpdate {
+    let tensors = [
+        ("conv1.weight", vec![64u32, 3, 5, 5]),
+        ("fc1.weight", vec![128, 64]),
+        ("fc1.bias", vec![128]),
+    ];
+    SiteUpdate {
+        round: 4,
+        base_version: 9,
+        samples: 743,
+        delta: tensors
+            .iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let n = shape.iter().product::<u32>() as usize;
+                encode(name, shape, &values(n, 31 + i as u32), encoding, None)
+            })
+            .collect(),
+        extras: Extras::default(),
+    }
+}
+
+#[test]
+fn a_round_manifest_round_trips_through_an_envelope() {
+    let m = RoundManifest {
+        round: 4,
+        model_version: 9,
+        spec_hash: spec_hash(),
+        chunk_count: 12,
+        payload_len: 1_234_567,
+        payload_hash: payload_hash(b"model"),
+        encoding: Encoding::TopK { per_mille: 10 },
+        bn_policy: BnPolicy::Local,
+        sampled: vec![id("a"), id("b.c")],
+        deadline_ms: 1_700_000_000_000,
+        finished: false,
+    };
+    through_envelope(MessageKind::RoundManifest, &m);
+}
+
+#[test]
+fn every_other_payload_round_trips_through_an_envelope() {
+    for enc in [
+        Encoding::F32,
+        Encoding::F16,
+        Encoding::Q8,
+        Encoding::TopK { per_mille: 100 },
+    ] {
+        let mut u = update(enc);
+        u.extras = Extras {
+            tensors: vec![encode("c.fc1.weight", &[2], &[1.0, -1.0], enc, None)],
+            scalars: vec![Scalar {
+                name: "local_steps".into(),
+                value: 50.0,
+            }],
+        };
+        through_envelope(MessageKind::SiteUpdate, &u);
+        let b = ServerBroadcast {
+            model_version: 10,
+            weights: u.delta.clone(),
+            extras: u.extras.clone(),
+        };
+        through_envelope(MessageKind::ServerBroadcast, &b);
+    }
+    for chunk in split(&[1, 2, 3, 4, 5], 2) {
+        through_envelope(MessageKind::ModelChunk, &chunk);
+        through_envelope(MessageKind::UpdateChunk, &chunk);
+    }
+    through_envelope(
+        MessageKind::ChunkRequest,
+        &ChunkRequest {
+            model_version: 9,
+            indices: vec![],
+        },
+    );
+    for answer in [
+        Answer::Accepted,
+        Answer::Rejected(RejectReason::WrongRound {
+            expected: 4,
+            got: 3,
+        }),
+        Answer::Rejected(RejectReason::NormTooLarge {
+            norm: 12.5,
+            bound: 10.0,
+        }),
+        Answer::Rejected(RejectReason::NonFinite("fc1.weight".into())),
+    ] {
+        through_envelope(
+            MessageKind::UpdateAnswer,
+            &UpdateAnswer { round: 4, answer },
+        );
+    }
+    for state in [
+        SiteState::Online,
+        SiteState::Training { round: 4 },
+        SiteState::Offline,
+    ] {
+        through_envelope(
+            MessageKind::SiteStatus,
+            &SiteStatus {
+                state,
+                detail: "gpu busy".into(),
+            },
+        );
+    }
+}
+
+#[test]
+fn a_site_update_costs_what_its_encoding_promises() {
+    let raw_f32 = update(Encoding::F32)
+        .delta
+        .iter()
+        .map(|t| t.numel().unwrap() * 4)
+        .sum::<usize>();
+    assert_eq!(raw_f32, (64 * 3 * 25 + 128 * 64 + 128) * 4);
+    let size = |enc| through_envelope(MessageKind::SiteUpdate, &update(enc)).1 as f64;
+    let ratio = |enc| size(enc) / raw_f32 as f64;
+    // Names, shapes, lengths and the envelope cost well under 1 % here.
+    assert!(
+        (1.0..1.01).contains(&ratio(Encoding::F32)),
+        "f32 {}",
+        ratio(Encoding::F32)
+    );
+    assert!(
+        (0.5..0.51).contains(&ratio(Encoding::F16)),
+        "f16 {}",
+        ratio(Encoding::F16)
+    );
+    assert!(
+        (0.25..0.26).contains(&ratio(Encoding::Q8)),
+        "q8 {}",
+        ratio(Encoding::Q8)
+    );
+    // Top-k at 1 % sends 1 % of the values as f32 plus short delta-coded indices.
+    let topk = ratio(Encoding::TopK { per_mille: 10 });
+    assert!(topk < 0.02, "top-k {topk}");
+}

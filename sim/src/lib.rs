@@ -1,0 +1,313 @@
+//! In-process federation: the aggregator core and one trainer per site, each with its own model
+//! and BN state, exchanging the same encoded messages the network will carry (envelopes, model
+//! chunks, postcard updates) over an in-memory transport. The experiment runner of the algorithm
+//! suite grows from here.
+
+pub mod chart;
+
+use anyhow::{Context, Result, anyhow, bail};
+use std::collections::HashMap;
+use std::time::Instant;
+use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel};
+use unifed_models::backend::Device;
+use unifed_models::data::Dataset;
+use unifed_models::state::{NamedTensor, Select, StateDict, delta, export, import};
+use unifed_models::train::{EvalReport, TrainConfig, evaluate, train_local};
+use unifed_models::zoo::Net;
+use unifed_protocol::ModelSpec;
+use unifed_protocol::chunking::Reassembler;
+use unifed_protocol::encoding::{Encoding, decode, encode};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{Answer, BnPolicy, Extras, Scalar, ServerBroadcast, SiteUpdate};
+
+/// Which tensors travel under a BN policy.
+pub fn select_for(bn: BnPolicy) -> Select {
+    match bn {
+        BnPolicy::Local => Select::NonBn,
+        BnPolicy::Global => Select::All,
+    }
+}
+
+/// One site: its own model (and so its own BN layers), data and error-feedback residuals.
+#[derive(Debug)]
+pub struct Site<N: Net> {
+    /// Site id.
+    pub id: Id,
+    /// The site's model.
+    pub net: N,
+    /// Training split.
+    pub train: Dataset,
+    /// Test split.
+    pub test: Dataset,
+    residual: HashMap<String, Vec<f32>>,
+}
+
+impl<N: Net> Site<N> {
+    /// A site with its own copy of the initial model.
+    pub fn new(id: &str, net: N, train: Dataset, test: Dataset) -> Result<Self> {
+        Ok(Site {
+            id: Id::new(id).map_err(|e| anyhow!("site id `{id}`: {e}"))?,
+            net,
+            train,
+            test,
+            residual: HashMap::new(),
+        })
+    }
+
+    /// Applies a server broadcast: the non-BN weights under `local` BN (the site keeps its BN),
+    /// every tensor under `global`.
+    pub fn receive(&mut self, spec: &ModelSpec, b: &ServerBroadcast, bn: BnPolicy) -> Result<()> {
+        let tensors = b
+            .weights
+            .iter()
+            .map(|t| {
+                let s = spec
+                    .tensor(&t.name)
+                    .ok_or_else(|| anyhow!("broadcast tensor `{}` is not in the spec", t.name))?;
+                Ok(NamedTensor {
+                    name: t.name.clone(),
+                    shape: s.shape.clone(),
+                    kind: s.kind,
+                    data: decode(t)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sd = StateDict {
+            spec_hash: spec.hash(),
+            tensors,
+        };
+        self.net = import(&self.net, spec, &sd, select_for(bn))?;
+        Ok(())
+    }
+
+    /// Trains locally from the current model and returns the encoded update envelope.
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_round(
+        &mut self,
+        spec: &ModelSpec,
+        federation: &Id,
+        round: u64,
+        version: u64,
+        tc: &TrainConfig,
+        encoding: Encoding,
+        bn: BnPolicy,
+        device: &Device,
+    ) -> Result<Vec<u8>> {
+        let select = select_for(bn);
+        let base = export(&self.net, spec, select);
+        let (net, rep) = train_local(
+            &self.net,
+            &self.train,
+            spec.classes.len(),
+            tc,
+            device,
+            |_| {},
+        )?;
+        self.net = net;
+        let d = delta(&export(&self.net, spec, select), &base)?;
+        let encoded = d
+            .tensors
+            .iter()
+            .map(|t| {
+                let shape: Vec<u32> = t.shape.iter().map(|&x| x as u32).collect();
+                let res = self.residual.entry(t.name.clone()).or_default();
+                encode(&t.name, &shape, &t.data, encoding, Some(res))
+            })
+            .collect();
+        let upd = SiteUpdate {
+            round,
+            base_version: version,
+            samples: self.train.len() as u64,
+            delta: encoded,
+            extras: Extras {
+                tensors: Vec::new(),
+                scalars: vec![
+                    Scalar {
+                        name: "local_steps".into(),
+                        value: rep.steps as f64,
+                    },
+                    Scalar {
+                        name: "train_loss".into(),
+                        value: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
+                    },
+                ],
+            },
+        };
+        Ok(Envelope::new(
+            MessageKind::SiteUpdate,
+            federation.clone(),
+            self.id.clone(),
+            round,
+            version,
+            spec.hash(),
+            &upd,
+        )
+        .encode())
+    }
+
+    /// Test accuracy with the site's own model and BN statistics.
+    pub fn evaluate(&self, spec: &ModelSpec, device: &Device) -> Result<EvalReport> {
+        Ok(evaluate(
+            &self.net,
+            &self.test,
+            spec.classes.len(),
+            256,
+            device,
+        )?)
+    }
+}
+
+/// What a federation run did in one round.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RoundRecord {
+    /// The round.
+    pub round: u64,
+    /// Each site's test accuracy after the round (its model = new global + its BN under `local`).
+    pub accuracy: Vec<f64>,
+    /// Bytes of each site's update message.
+    pub update_bytes: Vec<usize>,
+    /// Bytes of the broadcast model payload.
+    pub model_bytes: usize,
+    /// Wall seconds of the round (training, aggregation, evaluation).
+    pub seconds: f64,
+}
+
+/// Messages a run passed, for tests that check what crossed the transport.
+#[derive(Debug, Clone)]
+pub enum Observed {
+    /// A site's encoded update.
+    Update {
+        /// The site.
+        site: String,
+        /// The envelope bytes.
+        bytes: Vec<u8>,
+    },
+    /// The reassembled broadcast payload of a model version.
+    Model {
+        /// The model version.
+        version: u64,
+        /// The payload bytes.
+        payload: Vec<u8>,
+    },
+    /// A site's full state after it applied a model version.
+    SiteState {
+        /// The site.
+        site: String,
+        /// The model version applied.
+        version: u64,
+        /// Every tensor of the site's model.
+        state: StateDict,
+    },
+}
+
+/// Runs a federation of `sites` under `cfg` from `initial` in a fresh data directory, and calls
+/// `observe` with every message and site state. Returns one record per round.
+pub fn run_federation<N: Net>(
+    cfg: FederationConfig,
+    initial: GlobalModel,
+    sites: &mut [Site<N>],
+    tc: &TrainConfig,
+    device: &Device,
+    mut observe: impl FnMut(Observed),
+    mut on_round: impl FnMut(&RoundRecord),
+) -> Result<Vec<RoundRecord>> {
+    let dir = tempfile::tempdir()?;
+    let spec = initial.spec.clone();
+    let federation = Id::new(&cfg.federation).map_err(|e| anyhow!("{e}"))?;
+    let (bn, encoding) = (cfg.bn_policy, cfg.encoding);
+    let mut agg = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
+    let mut pending = agg.handle(Event::Start, 0)?;
+    let mut records = Vec::new();
+    let mut t0 = Instant::now();
+    let mut update_bytes = vec![0; sites.len()];
+    let mut now = 0u64;
+    loop {
+        let Some(action) = (!pending.is_empty()).then(|| pending.remove(0)) else {
+            bail!("the aggregator stopped without finishing");
+        };
+        match action {
+            Action::Answer {
+                site,
+                answer,
+                round,
+            } => {
+                if let Answer::Rejected(r) = answer {
+                    bail!("update of {site} in round {round} rejected: {r:?}");
+                }
+            }
+            Action::RoundClosed { .. } => {}
+            Action::Finished { .. } => return Ok(records),
+            Action::Publish { manifest, chunks } => {
+                // The transport: chunks reassembled exactly as a site would.
+                let mut re = Reassembler::new(60_000, 1 << 30);
+                let mut payload = None;
+                for c in chunks {
+                    payload = re.insert(c, now)?.or(payload);
+                }
+                let payload = payload.context("model chunks did not reassemble")?;
+                observe(Observed::Model {
+                    version: manifest.model_version,
+                    payload: payload.clone(),
+                });
+                let b: ServerBroadcast = postcard::from_bytes(&payload)?;
+                for s in sites.iter_mut() {
+                    s.receive(&spec, &b, bn)?;
+                    observe(Observed::SiteState {
+                        site: s.id.to_string(),
+                        version: manifest.model_version,
+                        state: export(&s.net, &spec, Select::All),
+                    });
+                }
+                if manifest.model_version > 0 {
+                    let accuracy = sites
+                        .iter()
+                        .map(|s| s.evaluate(&spec, device).map(|e| e.accuracy()))
+                        .collect::<Result<Vec<_>>>()?;
+                    let rec = RoundRecord {
+                        round: manifest.model_version,
+                        accuracy,
+                        update_bytes: update_bytes.clone(),
+                        model_bytes: payload.len(),
+                        seconds: t0.elapsed().as_secs_f64(),
+                    };
+                    on_round(&rec);
+                    records.push(rec);
+                    t0 = Instant::now();
+                }
+                if manifest.finished {
+                    continue;
+                }
+                for (k, s) in sites.iter_mut().enumerate() {
+                    let tc = TrainConfig {
+                        seed: tc.seed ^ (manifest.round << 16) ^ k as u64,
+                        ..tc.clone()
+                    };
+                    let bytes = s.train_round(
+                        &spec,
+                        &federation,
+                        manifest.round,
+                        manifest.model_version,
+                        &tc,
+                        encoding,
+                        bn,
+                        device,
+                    )?;
+                    update_bytes[k] = bytes.len();
+                    observe(Observed::Update {
+                        site: s.id.to_string(),
+                        bytes: bytes.clone(),
+                    });
+                    now += 1;
+                    pending.extend(agg.handle(
+                        Event::Update {
+                            site: s.id.to_string(),
+                            bytes,
+                        },
+                        now,
+                    )?);
+                }
+            }
+        }
+    }
+}

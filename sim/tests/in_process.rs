@@ -1,0 +1,209 @@
+//! The in-process federation, 3 sites x 3 rounds: every site's weights after every round equal
+//! the sample-weighted mean computed independently from the decoded updates on the transport.
+
+use std::collections::BTreeMap;
+use unifed_aggregator::{FederationConfig, GlobalModel};
+use unifed_models::backend::Device;
+use unifed_models::data::{BuiltinData, Domain, SplitSizes};
+use unifed_models::state::{Select, StateDict, export};
+use unifed_models::train::TrainConfig;
+use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, seeded, spec_of};
+use unifed_protocol::encoding::{Encoding, decode};
+use unifed_protocol::envelope::Envelope;
+use unifed_protocol::messages::{BnPolicy, ServerBroadcast, SiteUpdate};
+use unifed_protocol::{Input, ModelSpec, Scaling};
+use unifed_sim::{Observed, Site, run_federation};
+
+struct Captured {
+    spec: ModelSpec,
+    updates: BTreeMap<u64, Vec<SiteUpdate>>,
+    models: BTreeMap<u64, ServerBroadcast>,
+    states: BTreeMap<u64, Vec<StateDict>>,
+}
+
+fn federate(bn: BnPolicy) -> Captured {
+    let device = Device::flex();
+    let cfg = DigitsCnnConfig {
+        conv: [4, 6, 8],
+        fc: [32, 16],
+        ..Default::default()
+    };
+    let input = Input::Image {
+        channels: 3,
+        height: 28,
+        width: 28,
+        scaling: Scaling::MinusOneToOne,
+    };
+    let classes: Vec<String> = (0..10).map(|d| d.to_string()).collect();
+    let init = || seeded(&device, 3, |d| cfg.init(d));
+    let net0 = init();
+    let spec = spec_of(&net0, &classes, &input);
+    let data = BuiltinData::load().unwrap();
+    let mut sites: Vec<Site<DigitsCnn>> = [
+        (Domain::Grey, 48),
+        (Domain::Texture, 64),
+        (Domain::Lowres, 40),
+    ]
+    .iter()
+    .map(|&(d, n)| {
+        let dd = data
+            .domain(
+                d,
+                &SplitSizes {
+                    train: n,
+                    val: 0,
+                    test: 32,
+                    unseen_test: 64,
+                },
+                0,
+            )
+            .unwrap();
+        Site::new(
+            d.name(),
+            init(),
+            dd.train.dataset("train", &spec).unwrap(),
+            dd.test.dataset("test", &spec).unwrap(),
+        )
+        .unwrap()
+    })
+    .collect();
+    let initial = GlobalModel {
+        spec: spec.clone(),
+        tensors: export(&net0, &spec, Select::All)
+            .tensors
+            .into_iter()
+            .map(|t| t.data)
+            .collect(),
+    };
+    let fc = FederationConfig {
+        bn_policy: bn,
+        encoding: Encoding::F32,
+        ..FederationConfig::new("test-fed", 3, 3)
+    };
+    let mut cap = Captured {
+        spec: spec.clone(),
+        updates: BTreeMap::new(),
+        models: BTreeMap::new(),
+        states: BTreeMap::new(),
+    };
+    let records = run_federation(
+        fc,
+        initial,
+        &mut sites,
+        &TrainConfig::default(),
+        &device,
+        |o| match o {
+            Observed::Update { bytes, .. } => {
+                let u: SiteUpdate = Envelope::decode(&bytes).unwrap().payload_as().unwrap();
+                cap.updates.entry(u.round).or_default().push(u);
+            }
+            Observed::Model { version, payload } => {
+                cap.models
+                    .insert(version, postcard::from_bytes(&payload).unwrap());
+            }
+            Observed::SiteState { version, state, .. } => {
+                cap.states.entry(version).or_default().push(state)
+            }
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(records.len(), 3);
+    cap
+}
+
+/// Expected tensors of version `v`: the broadcast of `v - 1` plus the weighted mean of round
+/// v's decoded deltas, computed here in f64.
+fn expected(cap: &Captured, v: u64) -> BTreeMap<String, Vec<f32>> {
+    let prev = &cap.models[&(v - 1)];
+    let ups = &cap.updates[&v];
+    let total: f64 = ups.iter().map(|u| u.samples as f64).sum();
+    prev.weights
+        .iter()
+        .map(|w| {
+            let base = decode(w).unwrap();
+            let mut acc = vec![0.0f64; base.len()];
+            for u in ups {
+                let d = decode(u.delta.iter().find(|t| t.name == w.name).unwrap()).unwrap();
+                for (a, x) in acc.iter_mut().zip(d) {
+                    *a += u.samples as f64 * x as f64;
+                }
+            }
+            (
+                w.name.clone(),
+                base.iter()
+                    .zip(acc)
+                    .map(|(b, a)| (*b as f64 + a / total) as f32)
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+fn check_means(cap: &Captured, select: Select) {
+    for v in 1..=3u64 {
+        let want = expected(cap, v);
+        assert_eq!(cap.states[&v].len(), 3);
+        for state in &cap.states[&v] {
+            for t in state.tensors.iter().filter(|t| select.keeps(t.kind)) {
+                let w = &want[&t.name];
+                let err = t
+                    .data
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(err <= 1e-6, "v{v} {}: {err}", t.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn fedbn_sites_share_the_weighted_mean_keep_their_own_bn_and_never_send_bn() {
+    let cap = federate(BnPolicy::Local);
+    check_means(&cap, Select::NonBn);
+    let is_bn = |name: &str| cap.spec.tensor(name).unwrap().kind.is_bn();
+    for ups in cap.updates.values() {
+        assert_eq!(ups.len(), 3);
+        assert!(
+            ups.iter().flat_map(|u| &u.delta).all(|t| !is_bn(&t.name)),
+            "an update carried a BN tensor"
+        );
+    }
+    assert!(
+        cap.models
+            .values()
+            .flat_map(|m| &m.weights)
+            .all(|t| !is_bn(&t.name)),
+        "a broadcast carried a BN tensor"
+    );
+    // The sites' BN tensors are their own: pairwise different after the last round.
+    let bn = |s: &StateDict| {
+        s.filter(Select::BnStats)
+            .tensors
+            .into_iter()
+            .map(|t| t.data)
+            .collect::<Vec<_>>()
+    };
+    let last = &cap.states[&3];
+    assert_ne!(bn(&last[0]), bn(&last[1]));
+    assert_ne!(bn(&last[1]), bn(&last[2]));
+    // ... and their non-BN tensors identical.
+    assert_eq!(last[0].filter(Select::NonBn), last[1].filter(Select::NonBn));
+}
+
+#[test]
+fn fedavg_averages_bn_too() {
+    let cap = federate(BnPolicy::Global);
+    check_means(&cap, Select::All);
+    let is_bn = |name: &str| cap.spec.tensor(name).unwrap().kind.is_bn();
+    assert!(
+        cap.updates[&1]
+            .iter()
+            .all(|u| u.delta.iter().any(|t| is_bn(&t.name)))
+    );
+    let last = &cap.states[&3];
+    assert_eq!(last[0], last[1]);
+    assert_eq!(last[1], last[2]);
+}
