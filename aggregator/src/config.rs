@@ -104,10 +104,10 @@ impl FederationConfig {
         if let Err(e) = self.encoding.validate() {
             errs.push(format!("encoding: {e}"));
         }
-        if let Some(b) = self.norm_bound {
-            if !(b.is_finite() && b > 0.0) {
-                errs.push(format!("norm_bound must be positive and finite, got {b}"));
-            }
+        if let Some(b) = self.norm_bound
+            && !(b.is_finite() && b > 0.0)
+        {
+            errs.push(format!("norm_bound must be positive and finite, got {b}"));
         }
         if self.keep_versions == 0 {
             errs.push("keep_versions must be at least 1".into());

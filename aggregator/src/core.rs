@@ -364,6 +364,7 @@ impl Aggregator {
         detail: String,
     ) -> Result<(), CoreError> {
         self.store.audit(&AuditEntry {
+            v: FORMAT_VERSION,
             at_ms: now_ms,
             round,
             site: site.into(),

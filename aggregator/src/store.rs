@@ -105,6 +105,9 @@ pub struct State {
 /// One line of the audit log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AuditEntry {
+    /// Format version of the line ([`FORMAT_VERSION`]).
+    #[serde(default = "format_version")]
+    pub v: u32,
     /// When, ms since the epoch.
     pub at_ms: u64,
     /// The round.
@@ -115,6 +118,10 @@ pub struct AuditEntry {
     pub event: String,
     /// The reject reason or a detail.
     pub detail: String,
+}
+
+fn format_version() -> u32 {
+    FORMAT_VERSION
 }
 
 /// The data directory.
@@ -217,10 +224,9 @@ impl Store {
                 .strip_prefix('v')
                 .and_then(|n| n.strip_suffix(".bin"))
                 .and_then(|n| n.parse::<u64>().ok())
+                && v + (keep as u64) <= current
             {
-                if v + (keep as u64) <= current {
-                    fs::remove_file(e.path()).map_err(|err| io(&e.path(), err))?;
-                }
+                fs::remove_file(e.path()).map_err(|err| io(&e.path(), err))?;
             }
         }
         Ok(())
@@ -296,10 +302,10 @@ impl Store {
         let d = self.dir.join("spool");
         for e in fs::read_dir(&d).map_err(|e| io(&d, e))?.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
-            if let Some(r) = name.strip_prefix('r').and_then(|n| n.parse::<u64>().ok()) {
-                if r < round {
-                    fs::remove_dir_all(e.path()).map_err(|err| io(&e.path(), err))?;
-                }
+            if let Some(r) = name.strip_prefix('r').and_then(|n| n.parse::<u64>().ok())
+                && r < round
+            {
+                fs::remove_dir_all(e.path()).map_err(|err| io(&e.path(), err))?;
             }
         }
         Ok(())
