@@ -102,7 +102,7 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     let mut broker = rumqttd::Broker::new(config);
-    let handle = std::thread::spawn(move || broker.start());
+    let handle = std::thread::spawn(move || broker.start().map_err(|e| e.to_string()));
     let t0 = Instant::now();
     while !listening(listen) {
         if handle.is_finished() || t0.elapsed() > Duration::from_secs(10) {
