@@ -7,6 +7,7 @@
 
 mod bench;
 mod singleset;
+mod train;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -47,12 +48,24 @@ enum Cmd {
         #[arg(long, default_value = "digits")]
         arch: String,
     },
-    /// Writes a freshly initialised model (seeded) as a PyTorch-compatible safetensors file:
-    /// the initial global model of a federation.
+    /// Trains as a site of a federation over MQTT (config file: broker, site, data, model).
+    Train {
+        /// Agent config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Writes a freshly initialised model (seeded) as a PyTorch-compatible safetensors file,
+    /// and its spec beside it (`<out>.spec.json`): the initial global model of a federation.
     Init {
         /// Model architecture: digits, mlp or resnet18.
         #[arg(long, default_value = "digits")]
         arch: String,
+        /// Digits CNN conv widths (e.g. 64,64,128).
+        #[arg(long, value_delimiter = ',')]
+        conv: Vec<usize>,
+        /// Digits CNN fc widths (e.g. 2048,512).
+        #[arg(long, value_delimiter = ',')]
+        fc: Vec<usize>,
         /// Initialisation seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -128,11 +141,33 @@ fn main() -> Result<()> {
             );
             Ok(())
         }
-        Cmd::Init { arch, seed, out } => {
+        Cmd::Train { config } => {
+            let text = std::fs::read_to_string(&config)
+                .with_context(|| format!("reading {}", config.display()))?;
+            let cfg: train::AgentConfig =
+                toml::from_str(&text).with_context(|| format!("parsing {}", config.display()))?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(train::run(cfg))?;
+            Ok(())
+        }
+        Cmd::Init {
+            arch,
+            conv,
+            fc,
+            seed,
+            out,
+        } => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
-            let (spec, state) = singleset::init_state(&arch, seed, &device)?;
+            let (spec, state) = singleset::init_state(&arch, &conv, &fc, seed, &device)?;
             unifed_models::checkpoint::save(&out, &state, &spec)
                 .with_context(|| format!("writing {}", out.display()))?;
+            let mut sp = out.as_os_str().to_owned();
+            sp.push(".spec.json");
+            std::fs::write(&sp, serde_json::to_vec_pretty(&spec)?)
+                .with_context(|| format!("writing {}", sp.to_string_lossy()))?;
             println!(
                 "wrote {} ({} tensors, spec {})",
                 out.display(),

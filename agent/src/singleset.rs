@@ -80,32 +80,58 @@ pub fn spec_for(arch: &str, device: &unifed_models::backend::Device) -> Result<M
     })
 }
 
-/// A seeded initial model of `arch` and its spec.
+/// A seeded initial model of `arch` and its spec; `conv`/`fc` override the digits CNN widths.
 pub fn init_state(
     arch: &str,
+    conv: &[usize],
+    fc: &[usize],
     seed: u64,
     device: &unifed_models::backend::Device,
 ) -> Result<(ModelSpec, unifed_models::state::StateDict)> {
     use unifed_models::state::{Select, export};
-    let spec = spec_for(arch, device)?;
-    let state = match arch {
-        "digits" => export(
-            &seeded(device, seed, |d| DigitsCnnConfig::default().init(d)),
-            &spec,
-            Select::All,
-        ),
-        "mlp" => export(
-            &seeded(device, seed, |d| MlpConfig::abide(100, 2).init(d)),
-            &spec,
-            Select::All,
-        ),
-        _ => export(
-            &seeded(device, seed, |d| ResNetConfig::new(1, [64, 64], 10).init(d)),
-            &spec,
-            Select::All,
-        ),
-    };
-    Ok((spec, state))
+    Ok(match arch {
+        "digits" => {
+            let mut cfg = DigitsCnnConfig::default();
+            if !conv.is_empty() {
+                cfg.conv = conv
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("--conv takes 3 widths, got {}", conv.len()))?;
+            }
+            if !fc.is_empty() {
+                cfg.fc = fc
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("--fc takes 2 widths, got {}", fc.len()))?;
+            }
+            cfg.validate().map_err(anyhow::Error::msg)?;
+            let mc = ModelConfig::fedbn_digits();
+            let net = seeded(device, seed, |d| cfg.init(d));
+            let spec = spec_of(&net, &mc.classes, &mc.input);
+            let state = export(&net, &spec, Select::All);
+            (spec, state)
+        }
+        "mlp" => {
+            let spec = spec_for(arch, device)?;
+            (
+                spec.clone(),
+                export(
+                    &seeded(device, seed, |d| MlpConfig::abide(100, 2).init(d)),
+                    &spec,
+                    Select::All,
+                ),
+            )
+        }
+        _ => {
+            let spec = spec_for(arch, device)?;
+            (
+                spec.clone(),
+                export(
+                    &seeded(device, seed, |d| ResNetConfig::new(1, [64, 64], 10).init(d)),
+                    &spec,
+                    Select::All,
+                ),
+            )
+        }
+    })
 }
 
 pub fn run(backend: Backend, args: &Args) -> Result<()> {

@@ -12,12 +12,14 @@
 //! - [`store`]: the data directory: state, model versions, spool, audit log (all versioned,
 //!   written atomically).
 //! - [`fold`]: the weighted mean over spooled deltas.
+//! - [`service`]: the core on MQTT (`unifed-aggregator serve`).
 //!
-//! The MQTT service (issue 9) drives this core; it never needs burn.
+//! The core never needs burn or a network; the service adds MQTT.
 
 pub mod config;
 pub mod core;
 pub mod fold;
+pub mod service;
 pub mod store;
 
 pub use crate::config::{FederationConfig, Weighting};

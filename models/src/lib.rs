@@ -21,6 +21,7 @@
 //! - [`checkpoint`]: safetensors files (PyTorch-compatible).
 //! - [`train`]: local SGD training and evaluation with a progress hook.
 //! - [`data`]: image folders, CSV manifests, MNIST IDX, built-in domains, site partitioner.
+//! - [`site`]: one federated site (apply a broadcast, train, encode its update).
 //! - [`backend`]: device selection and the CPU thread cap.
 //!
 //! # Feature flags
@@ -33,6 +34,7 @@ pub mod bn;
 pub mod checkpoint;
 pub mod data;
 pub mod error;
+pub mod site;
 pub mod state;
 pub mod train;
 pub mod zoo;

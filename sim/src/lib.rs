@@ -6,157 +6,16 @@
 pub mod chart;
 
 use anyhow::{Context, Result, anyhow, bail};
-use std::collections::HashMap;
 use std::time::Instant;
 use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel};
 use unifed_models::backend::Device;
-use unifed_models::data::Dataset;
-use unifed_models::state::{NamedTensor, Select, StateDict, delta, export, import};
-use unifed_models::train::{EvalReport, TrainConfig, evaluate, train_local};
+pub use unifed_models::site::{Site, select_for};
+use unifed_models::state::{Select, StateDict, export};
+use unifed_models::train::TrainConfig;
 use unifed_models::zoo::Net;
-use unifed_protocol::ModelSpec;
 use unifed_protocol::chunking::Reassembler;
-use unifed_protocol::encoding::{Encoding, decode, encode};
-use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{Answer, BnPolicy, Extras, Scalar, ServerBroadcast, SiteUpdate};
-
-/// Which tensors travel under a BN policy.
-pub fn select_for(bn: BnPolicy) -> Select {
-    match bn {
-        BnPolicy::Local => Select::NonBn,
-        BnPolicy::Global => Select::All,
-    }
-}
-
-/// One site: its own model (and so its own BN layers), data and error-feedback residuals.
-#[derive(Debug)]
-pub struct Site<N: Net> {
-    /// Site id.
-    pub id: Id,
-    /// The site's model.
-    pub net: N,
-    /// Training split.
-    pub train: Dataset,
-    /// Test split.
-    pub test: Dataset,
-    residual: HashMap<String, Vec<f32>>,
-}
-
-impl<N: Net> Site<N> {
-    /// A site with its own copy of the initial model.
-    pub fn new(id: &str, net: N, train: Dataset, test: Dataset) -> Result<Self> {
-        Ok(Site {
-            id: Id::new(id).map_err(|e| anyhow!("site id `{id}`: {e}"))?,
-            net,
-            train,
-            test,
-            residual: HashMap::new(),
-        })
-    }
-
-    /// Applies a server broadcast: the non-BN weights under `local` BN (the site keeps its BN),
-    /// every tensor under `global`.
-    pub fn receive(&mut self, spec: &ModelSpec, b: &ServerBroadcast, bn: BnPolicy) -> Result<()> {
-        let tensors = b
-            .weights
-            .iter()
-            .map(|t| {
-                let s = spec
-                    .tensor(&t.name)
-                    .ok_or_else(|| anyhow!("broadcast tensor `{}` is not in the spec", t.name))?;
-                Ok(NamedTensor {
-                    name: t.name.clone(),
-                    shape: s.shape.clone(),
-                    kind: s.kind,
-                    data: decode(t)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let sd = StateDict {
-            spec_hash: spec.hash(),
-            tensors,
-        };
-        self.net = import(&self.net, spec, &sd, select_for(bn))?;
-        Ok(())
-    }
-
-    /// Trains locally from the current model and returns the encoded update envelope.
-    #[allow(clippy::too_many_arguments)]
-    pub fn train_round(
-        &mut self,
-        spec: &ModelSpec,
-        federation: &Id,
-        round: u64,
-        version: u64,
-        tc: &TrainConfig,
-        encoding: Encoding,
-        bn: BnPolicy,
-        device: &Device,
-    ) -> Result<Vec<u8>> {
-        let select = select_for(bn);
-        let base = export(&self.net, spec, select);
-        let (net, rep) = train_local(
-            &self.net,
-            &self.train,
-            spec.classes.len(),
-            tc,
-            device,
-            |_| {},
-        )?;
-        self.net = net;
-        let d = delta(&export(&self.net, spec, select), &base)?;
-        let encoded = d
-            .tensors
-            .iter()
-            .map(|t| {
-                let shape: Vec<u32> = t.shape.iter().map(|&x| x as u32).collect();
-                let res = self.residual.entry(t.name.clone()).or_default();
-                encode(&t.name, &shape, &t.data, encoding, Some(res))
-            })
-            .collect();
-        let upd = SiteUpdate {
-            round,
-            base_version: version,
-            samples: self.train.len() as u64,
-            delta: encoded,
-            extras: Extras {
-                tensors: Vec::new(),
-                scalars: vec![
-                    Scalar {
-                        name: "local_steps".into(),
-                        value: rep.steps as f64,
-                    },
-                    Scalar {
-                        name: "train_loss".into(),
-                        value: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
-                    },
-                ],
-            },
-        };
-        Ok(Envelope::new(
-            MessageKind::SiteUpdate,
-            federation.clone(),
-            self.id.clone(),
-            round,
-            version,
-            spec.hash(),
-            &upd,
-        )
-        .encode())
-    }
-
-    /// Test accuracy with the site's own model and BN statistics.
-    pub fn evaluate(&self, spec: &ModelSpec, device: &Device) -> Result<EvalReport> {
-        Ok(evaluate(
-            &self.net,
-            &self.test,
-            spec.classes.len(),
-            256,
-            device,
-        )?)
-    }
-}
+use unifed_protocol::messages::{Answer, ServerBroadcast};
 
 /// What a federation run did in one round.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -263,7 +122,7 @@ pub fn run_federation<N: Net>(
                     let accuracy = sites
                         .iter()
                         .map(|s| s.evaluate(&spec, device).map(|e| e.accuracy()))
-                        .collect::<Result<Vec<_>>>()?;
+                        .collect::<Result<Vec<_>, _>>()?;
                     let rec = RoundRecord {
                         round: manifest.model_version,
                         accuracy,

@@ -1,0 +1,364 @@
+//! `unifed-agent train`: the on-device trainer on MQTT. It follows the retained round manifest,
+//! fetches each new model by its chunks (re-requesting missing ones), applies the non-BN weights
+//! (every tensor under `global` BN) while its own BN layers and statistics stay on the device,
+//! trains when its round opens, uploads its delta in the federation's encoding and re-sends it
+//! until the aggregator answers. It checkpoints after every model and answer, so a restarted
+//! agent resumes.
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use unifed_models::backend::{Backend, Device};
+use unifed_models::checkpoint;
+use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelled};
+use unifed_models::site::Site;
+use unifed_models::state::{Select, export, import};
+use unifed_models::train::TrainConfig;
+use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, seeded, spec_of};
+use unifed_net::{BrokerConfig, NetEvent, Qos, Will, spawn_event_loop};
+use unifed_protocol::ModelSpec;
+use unifed_protocol::chunking::Reassembler;
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{
+    Answer, ChunkRequest, RoundManifest, ServerBroadcast, SiteState, SiteStatus, UpdateAnswer,
+};
+use unifed_protocol::topics::Topics;
+
+/// Where a site's labelled data comes from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// A built-in domain (e.g. `grey`), or none when `folder` is given.
+    #[serde(default)]
+    pub builtin: Option<String>,
+    /// A dataset folder (`train/`, `val/`, `test/`, each `label/file`, or a manifest.csv).
+    #[serde(default)]
+    pub folder: Option<PathBuf>,
+    /// Training images taken from a built-in domain.
+    #[serde(default = "default_samples")]
+    pub train_samples: usize,
+}
+
+fn default_samples() -> usize {
+    743
+}
+
+/// The agent's configuration file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// This site's id (safe in topics).
+    pub site: String,
+    /// Federation id.
+    pub federation: String,
+    /// Folder for the local checkpoint (the site's full model, BN included).
+    pub state_dir: PathBuf,
+    /// Compute backend.
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    /// Model architecture (the digits CNN; widths configurable).
+    #[serde(default)]
+    pub model: DigitsCnnConfig,
+    /// Local training (lr, momentum, weight decay, batch size, epochs, seed).
+    #[serde(default)]
+    pub train: TrainConfig,
+    /// Seconds between re-sends of an unanswered update.
+    #[serde(default = "default_resend")]
+    pub resend_secs: u64,
+    /// The broker.
+    pub broker: BrokerConfig,
+    /// The data.
+    pub data: DataConfig,
+}
+
+fn default_backend() -> String {
+    "flex".into()
+}
+
+fn default_resend() -> u64 {
+    10
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Progress {
+    applied_version: Option<u64>,
+    answered_rounds: Vec<u64>,
+}
+
+fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> {
+    match (&cfg.data.builtin, &cfg.data.folder) {
+        (Some(d), None) => {
+            let domain = Domain::parse(d).map_err(anyhow::Error::msg)?;
+            let data = BuiltinData::load().context("loading the built-in data")?;
+            let dd = data.domain(
+                domain,
+                &SplitSizes {
+                    train: cfg.data.train_samples,
+                    ..SplitSizes::default()
+                },
+                0,
+            )?;
+            Ok((
+                dd.train.dataset(&format!("{d}/train"), spec)?,
+                dd.test.dataset(&format!("{d}/test"), spec)?,
+            ))
+        }
+        (None, Some(f)) => {
+            let [train, _, test] = load_labelled(f, spec)?;
+            Ok((train, test))
+        }
+        _ => bail!("[data] needs exactly one of `builtin` or `folder`"),
+    }
+}
+
+/// Runs the agent until the federation finishes; returns the site's final test accuracy.
+pub async fn run(cfg: AgentConfig) -> Result<f64> {
+    let site_id = Id::new(&cfg.site).map_err(|e| anyhow::anyhow!("site `{}`: {e}", cfg.site))?;
+    let fed = Id::new(&cfg.federation)
+        .map_err(|e| anyhow::anyhow!("federation `{}`: {e}", cfg.federation))?;
+    let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
+    let device: Device = backend.device().map_err(anyhow::Error::msg)?;
+    cfg.model.validate().map_err(anyhow::Error::msg)?;
+    let mc = ModelConfig::fedbn_digits();
+    let net = seeded(&device, 0, |d| cfg.model.init(d));
+    let spec = spec_of(&net, &mc.classes, &mc.input);
+    let (train, test) = load_data(&cfg, &spec)?;
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
+    let ckpt = cfg.state_dir.join("model.safetensors");
+    let progress_path = cfg.state_dir.join("progress.json");
+    let mut progress: Progress = match std::fs::read(&progress_path) {
+        Ok(b) => serde_json::from_slice(&b)
+            .with_context(|| format!("parsing {}", progress_path.display()))?,
+        Err(_) => Progress::default(),
+    };
+    let net = if ckpt.exists() {
+        let state = checkpoint::load(&ckpt, &spec)?;
+        import(&net, &spec, &state, Select::All)?
+    } else {
+        progress = Progress::default();
+        net
+    };
+    let mut site: Option<Site<DigitsCnn>> = Some(Site::new(&cfg.site, net, train, test)?);
+    let topics = Topics::new(&fed);
+    let status = |state: SiteState, detail: &str| {
+        Envelope::new(
+            MessageKind::SiteStatus,
+            fed.clone(),
+            site_id.clone(),
+            0,
+            0,
+            spec.hash(),
+            &SiteStatus {
+                state,
+                detail: detail.into(),
+            },
+        )
+        .encode()
+    };
+    let will = Will::new(
+        topics.status(&site_id),
+        status(SiteState::Offline, "connection lost"),
+        Qos::AtLeastOnce,
+        true,
+    );
+    let (client, mut rx) = spawn_event_loop(
+        cfg.broker
+            .options(&format!("unifed-agent-{site_id}"), Some(will)),
+        vec![
+            topics.manifest(),
+            topics.chunk_reply(&site_id),
+            topics.ack(&site_id),
+        ],
+    );
+    let mut manifest: Option<RoundManifest> = None;
+    let mut reasm = Reassembler::new(120_000, 1 << 31);
+    let mut last_request: Option<Instant> = None;
+    let mut pending: Option<(u64, Vec<u8>, Instant)> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let t0 = Instant::now();
+    let save = |site: &Site<DigitsCnn>, progress: &Progress| -> Result<()> {
+        checkpoint::save(&ckpt, &export(&site.net, &spec, Select::All), &spec)?;
+        std::fs::write(&progress_path, serde_json::to_vec_pretty(progress)?)?;
+        Ok(())
+    };
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            ev = rx.recv() => match ev {
+                None => bail!("the MQTT event loop stopped"),
+                Some(NetEvent::Connected) => {
+                    client.publish(topics.status(&site_id), Qos::AtLeastOnce, true, status(SiteState::Online, "")).await?;
+                }
+                Some(NetEvent::Disconnected(_)) => {}
+                Some(NetEvent::Message { topic, payload }) => {
+                    let env = match Envelope::decode(&payload) {
+                        Ok(e) => e,
+                        Err(e) => {
+                            tracing::warn!(topic, error = %e, "undecodable message ignored");
+                            continue;
+                        }
+                    };
+                    match env.kind {
+                        MessageKind::RoundManifest => {
+                            let m: RoundManifest = env.payload_as()?;
+                            if m.spec_hash != spec.hash() {
+                                bail!("the federation's model spec {} differs from this agent's {} (check [model])", m.spec_hash, spec.hash());
+                            }
+                            manifest = Some(m);
+                        }
+                        MessageKind::ModelChunk => {
+                            let chunk = env.payload_as()?;
+                            let Some(m) = &manifest else { continue };
+                            match reasm.insert(chunk, t0.elapsed().as_millis() as u64) {
+                                Ok(Some(bytes)) if unifed_protocol::chunking::payload_hash(&bytes) == m.payload_hash => {
+                                    let b: ServerBroadcast = postcard::from_bytes(&bytes).context("decoding the model broadcast")?;
+                                    let s = site.as_mut().expect("site present");
+                                    s.receive(&spec, &b, m.bn_policy)?;
+                                    progress.applied_version = Some(b.model_version);
+                                    save(s, &progress)?;
+                                    println!("{site_id}: applied model v{}", b.model_version);
+                                    last_request = None;
+                                }
+                                Ok(_) => {}
+                                Err(e) => tracing::warn!(error = %e, "chunk dropped"),
+                            }
+                        }
+                        MessageKind::UpdateAnswer => {
+                            let a: UpdateAnswer = env.payload_as()?;
+                            if pending.as_ref().is_some_and(|p| p.0 == a.round) {
+                                match a.answer {
+                                    Answer::Accepted => println!("{site_id}: update for round {} accepted", a.round),
+                                    Answer::Rejected(r) => eprintln!("{site_id}: update for round {} rejected: {r:?}", a.round),
+                                }
+                                pending = None;
+                                progress.answered_rounds.push(a.round);
+                                save(site.as_ref().expect("site present"), &progress)?;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        let Some(m) = manifest.clone() else { continue };
+        let applied = progress.applied_version == Some(m.model_version);
+        if !applied {
+            // Fetch: ask for what is missing, again if nothing completed within 5 s.
+            if last_request.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
+                let indices = reasm.missing(&m.payload_hash).unwrap_or_default();
+                let req = ChunkRequest {
+                    model_version: m.model_version,
+                    indices,
+                };
+                let env = Envelope::new(
+                    MessageKind::ChunkRequest,
+                    fed.clone(),
+                    site_id.clone(),
+                    m.round,
+                    m.model_version,
+                    spec.hash(),
+                    &req,
+                );
+                client
+                    .publish(
+                        topics.chunk_request(&site_id),
+                        Qos::AtLeastOnce,
+                        false,
+                        env.encode(),
+                    )
+                    .await?;
+                last_request = Some(Instant::now());
+            }
+            continue;
+        }
+        if m.finished {
+            let s = site.as_ref().expect("site present");
+            let acc = s.evaluate(&spec, &device)?.accuracy();
+            println!(
+                "{site_id}: federation finished at model v{}; test accuracy {:.2}%",
+                m.model_version,
+                100.0 * acc
+            );
+            client
+                .publish(
+                    topics.status(&site_id),
+                    Qos::AtLeastOnce,
+                    true,
+                    status(SiteState::Offline, "finished"),
+                )
+                .await?;
+            // A clean DISCONNECT (after the status is out) instead of a reset connection.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let _ = client.disconnect().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Ok(acc);
+        }
+        let sampled = m.sampled.is_empty() || m.sampled.contains(&site_id);
+        if pending.is_none() && sampled && !progress.answered_rounds.contains(&m.round) {
+            let mut s = site.take().expect("site present");
+            let (spec2, fed2, dev2, tc) = (
+                spec.clone(),
+                fed.clone(),
+                device.clone(),
+                TrainConfig {
+                    seed: cfg.train.seed ^ m.round,
+                    ..cfg.train.clone()
+                },
+            );
+            println!(
+                "{site_id}: training round {} from model v{}",
+                m.round, m.model_version
+            );
+            client
+                .publish(
+                    topics.status(&site_id),
+                    Qos::AtLeastOnce,
+                    true,
+                    status(SiteState::Training { round: m.round }, ""),
+                )
+                .await?;
+            let (s, bytes) = tokio::task::spawn_blocking(move || {
+                let r = s.train_round(
+                    &spec2,
+                    &fed2,
+                    m.round,
+                    m.model_version,
+                    &tc,
+                    m.encoding,
+                    m.bn_policy,
+                    &dev2,
+                );
+                (s, r)
+            })
+            .await?;
+            site = Some(s);
+            let bytes = bytes?;
+            client
+                .publish(
+                    topics.update(&site_id),
+                    Qos::AtLeastOnce,
+                    false,
+                    bytes.clone(),
+                )
+                .await?;
+            pending = Some((m.round, bytes, Instant::now()));
+        } else if let Some((round, bytes, sent)) = &mut pending {
+            if *round != m.round {
+                pending = None;
+            } else if sent.elapsed() > Duration::from_secs(cfg.resend_secs) {
+                client
+                    .publish(
+                        topics.update(&site_id),
+                        Qos::AtLeastOnce,
+                        false,
+                        bytes.clone(),
+                    )
+                    .await?;
+                *sent = Instant::now();
+            }
+        }
+    }
+}

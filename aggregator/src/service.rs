@@ -1,0 +1,277 @@
+//! The aggregator service: the federation core on MQTT. One task owns the MQTT event loop
+//! (`unifed_net`); this task feeds the core with updates and ticks, publishes the retained
+//! manifest, serves model chunks on request and answers every update on the site's ack topic.
+
+use crate::config::FederationConfig;
+use crate::core::{Action, Aggregator, Event, GlobalModel};
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{Chunk, ChunkRequest, RoundManifest, UpdateAnswer};
+use unifed_protocol::topics::Topics;
+use unifed_protocol::{ModelSpec, SpecHash};
+
+/// The service's configuration file (`unifed-aggregator serve --config`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// Data directory (state, model versions, spool, audit log).
+    pub data_dir: PathBuf,
+    /// Initial global model (safetensors written by `unifed-agent init`; its spec beside it as
+    /// `<file>.spec.json`).
+    pub model: PathBuf,
+    /// Model chunk size in bytes (below the broker's packet limit).
+    #[serde(default = "default_chunk")]
+    pub chunk_bytes: usize,
+    /// Seconds to keep serving the final model after the last round.
+    #[serde(default = "default_linger")]
+    pub linger_secs: u64,
+    /// The broker.
+    pub broker: BrokerConfig,
+    /// The federation.
+    pub federation: FederationConfig,
+}
+
+fn default_chunk() -> usize {
+    256 << 10
+}
+
+fn default_linger() -> u64 {
+    30
+}
+
+/// Path of the spec file that accompanies a model file.
+pub fn spec_path(model: &Path) -> PathBuf {
+    let mut p = model.as_os_str().to_owned();
+    p.push(".spec.json");
+    PathBuf::from(p)
+}
+
+/// Reads a model file and its spec into a [`GlobalModel`] (no burn: safetensors and JSON).
+pub fn load_model(model: &Path) -> Result<GlobalModel> {
+    let sp = spec_path(model);
+    let spec: ModelSpec = serde_json::from_slice(
+        &std::fs::read(&sp).with_context(|| format!("reading {}", sp.display()))?,
+    )
+    .with_context(|| format!("parsing {}", sp.display()))?;
+    let bytes = std::fs::read(model).with_context(|| format!("reading {}", model.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("{} is not a safetensors file", model.display()))?;
+    let mut tensors = Vec::with_capacity(spec.tensors.len());
+    for t in &spec.tensors {
+        let v = st.tensor(&t.name).with_context(|| {
+            format!(
+                "{}: tensor `{}` of the spec is missing",
+                model.display(),
+                t.name
+            )
+        })?;
+        if v.dtype() != safetensors::Dtype::F32 || v.shape() != t.shape.as_slice() {
+            bail!(
+                "{}: tensor `{}` is {:?} {:?}, the spec says F32 {:?}",
+                model.display(),
+                t.name,
+                v.dtype(),
+                v.shape(),
+                t.shape
+            );
+        }
+        tensors.push(
+            v.data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        );
+    }
+    Ok(GlobalModel { spec, tensors })
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+struct Served {
+    manifest: RoundManifest,
+    chunks: Vec<Chunk>,
+}
+
+/// Runs the federation until it has finished and lingered, or `shutdown` resolves. Returns the
+/// final model version.
+pub async fn serve(
+    cfg: ServiceConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<u64> {
+    let initial = load_model(&cfg.model)?;
+    let hash: SpecHash = initial.spec.hash();
+    let mut core = Aggregator::open(
+        &cfg.data_dir,
+        cfg.federation.clone(),
+        initial,
+        cfg.chunk_bytes,
+    )?;
+    let fed =
+        Id::new(&cfg.federation.federation).map_err(|e| anyhow::anyhow!("federation: {e}"))?;
+    let me = Id::new("aggregator").expect("valid id");
+    let topics = Topics::new(&fed);
+    let update_prefix = format!("unifed/v1/{fed}/update/");
+    let request_prefix = format!("unifed/v1/{fed}/chunks/request/");
+    let (client, mut rx) = spawn_event_loop(
+        cfg.broker
+            .options(&format!("unifed-aggregator-{fed}"), None),
+        vec![topics.updates_filter(), format!("{request_prefix}+")],
+    );
+    let mut served: Option<Served> = None;
+    let mut finished_at: Option<Instant> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tokio::pin!(shutdown);
+    let mut pending = tokio::task::block_in_place(|| core.handle(Event::Start, now_ms()))?;
+    loop {
+        for action in pending.drain(..) {
+            match action {
+                Action::Answer {
+                    site,
+                    round,
+                    answer,
+                } => {
+                    let env = Envelope::new(
+                        MessageKind::UpdateAnswer,
+                        fed.clone(),
+                        me.clone(),
+                        round,
+                        core.model_version(),
+                        hash,
+                        &UpdateAnswer { round, answer },
+                    );
+                    client
+                        .publish(topics.ack(&site), Qos::AtLeastOnce, false, env.encode())
+                        .await?;
+                }
+                Action::Publish { manifest, chunks } => {
+                    let env = Envelope::new(
+                        MessageKind::RoundManifest,
+                        fed.clone(),
+                        me.clone(),
+                        manifest.round,
+                        manifest.model_version,
+                        hash,
+                        &manifest,
+                    );
+                    client
+                        .publish(topics.manifest(), Qos::AtLeastOnce, true, env.encode())
+                        .await?;
+                    tracing::info!(
+                        round = manifest.round,
+                        version = manifest.model_version,
+                        chunks = chunks.len(),
+                        "published manifest"
+                    );
+                    served = Some(Served { manifest, chunks });
+                }
+                Action::RoundClosed {
+                    round,
+                    sites,
+                    model_version,
+                } => {
+                    println!(
+                        "round {round} closed with {} update(s) -> model v{model_version}",
+                        sites.len()
+                    );
+                }
+                Action::Finished { model_version } => {
+                    println!("federation finished: model v{model_version}");
+                    finished_at = Some(Instant::now());
+                }
+            }
+        }
+        if finished_at.is_some_and(|t| t.elapsed() > Duration::from_secs(cfg.linger_secs)) {
+            return Ok(core.model_version());
+        }
+        tokio::select! {
+            _ = &mut shutdown => return Ok(core.model_version()),
+            _ = tick.tick() => {
+                pending = tokio::task::block_in_place(|| core.handle(Event::Tick, now_ms()))?;
+            }
+            ev = rx.recv() => match ev {
+                None => bail!("the MQTT event loop stopped"),
+                Some(NetEvent::Connected) => {
+                    // Re-publish the retained manifest after every (re)connect: a restarted broker
+                    // keeps retained messages only in RAM.
+                    if let Some(s) = &served {
+                        let env = Envelope::new(MessageKind::RoundManifest, fed.clone(), me.clone(), s.manifest.round, s.manifest.model_version, hash, &s.manifest);
+                        client.publish(topics.manifest(), Qos::AtLeastOnce, true, env.encode()).await?;
+                    }
+                }
+                Some(NetEvent::Disconnected(_)) => {}
+                Some(NetEvent::Message { topic, payload }) => {
+                    if let Some(site) = topic.strip_prefix(&update_prefix) {
+                        let site = site.to_string();
+                        pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes: payload }, now_ms()))?;
+                    } else if let Some(site) = topic.strip_prefix(&request_prefix) {
+                        serve_chunks(&client, &topics, &fed, &me, hash, site, &payload, served.as_ref()).await?;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve_chunks(
+    client: &unifed_net::Client,
+    topics: &Topics,
+    fed: &Id,
+    me: &Id,
+    hash: SpecHash,
+    site: &str,
+    payload: &[u8],
+    served: Option<&Served>,
+) -> Result<()> {
+    let (Ok(site), Some(s)) = (Id::new(site), served) else {
+        return Ok(());
+    };
+    let req: ChunkRequest =
+        match Envelope::decode_limited(payload, 1 << 20).and_then(|e| e.payload_as()) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(site = %site, error = %e, "bad chunk request ignored");
+                return Ok(());
+            }
+        };
+    if req.model_version != s.manifest.model_version {
+        return Ok(());
+    }
+    let indices: Vec<u32> = if req.indices.is_empty() {
+        (0..s.chunks.len() as u32).collect()
+    } else {
+        req.indices
+    };
+    for i in indices {
+        if let Some(c) = s.chunks.get(i as usize) {
+            let env = Envelope::new(
+                MessageKind::ModelChunk,
+                fed.clone(),
+                me.clone(),
+                s.manifest.round,
+                s.manifest.model_version,
+                hash,
+                c,
+            );
+            client
+                .publish(
+                    topics.chunk_reply(&site),
+                    Qos::AtLeastOnce,
+                    false,
+                    env.encode(),
+                )
+                .await?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,178 @@
+//! One federated site: its own model (and so its own BatchNorm layers), data and
+//! error-feedback residuals, speaking the wire protocol: it applies a server broadcast, trains
+//! locally and encodes its update envelope. The agent service and the in-process runner share it.
+
+use crate::backend::Device;
+use crate::data::Dataset;
+use crate::error::{StateError, TrainError};
+use crate::state::{NamedTensor, Select, StateDict, delta, export, import};
+use crate::train::{EvalReport, TrainConfig, evaluate, train_local};
+use crate::zoo::Net;
+use std::collections::HashMap;
+use unifed_protocol::ModelSpec;
+use unifed_protocol::encoding::{Encoding, decode, encode};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{BnPolicy, Extras, Scalar, ServerBroadcast, SiteUpdate};
+
+/// Errors of a site's federated work.
+#[derive(Debug, thiserror::Error)]
+pub enum SiteError {
+    /// The site id is not valid.
+    #[error("site id `{0}`: {1}")]
+    Id(String, String),
+    /// A broadcast named a tensor the model does not have.
+    #[error("broadcast tensor `{0}` is not in the model spec")]
+    UnknownTensor(String),
+    /// A broadcast tensor could not be decoded.
+    #[error("broadcast tensor: {0}")]
+    Tensor(String),
+    /// Moving tensors in or out of the model failed.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// Training or evaluation failed.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+}
+
+/// Which tensors travel under a BN policy.
+pub fn select_for(bn: BnPolicy) -> Select {
+    match bn {
+        BnPolicy::Local => Select::NonBn,
+        BnPolicy::Global => Select::All,
+    }
+}
+
+/// One site: its own model (and so its own BN layers), data and error-feedback residuals.
+#[derive(Debug)]
+pub struct Site<N: Net> {
+    /// Site id.
+    pub id: Id,
+    /// The site's model.
+    pub net: N,
+    /// Training split.
+    pub train: Dataset,
+    /// Test split.
+    pub test: Dataset,
+    residual: HashMap<String, Vec<f32>>,
+}
+
+impl<N: Net> Site<N> {
+    /// A site with its own copy of the initial model.
+    pub fn new(id: &str, net: N, train: Dataset, test: Dataset) -> Result<Self, SiteError> {
+        Ok(Site {
+            id: Id::new(id).map_err(|e| SiteError::Id(id.to_string(), e.to_string()))?,
+            net,
+            train,
+            test,
+            residual: HashMap::new(),
+        })
+    }
+
+    /// Applies a server broadcast: the non-BN weights under `local` BN (the site keeps its BN),
+    /// every tensor under `global`.
+    pub fn receive(
+        &mut self,
+        spec: &ModelSpec,
+        b: &ServerBroadcast,
+        bn: BnPolicy,
+    ) -> Result<(), SiteError> {
+        let tensors = b
+            .weights
+            .iter()
+            .map(|t| {
+                let s = spec
+                    .tensor(&t.name)
+                    .ok_or_else(|| SiteError::UnknownTensor(t.name.clone()))?;
+                Ok(NamedTensor {
+                    name: t.name.clone(),
+                    shape: s.shape.clone(),
+                    kind: s.kind,
+                    data: decode(t).map_err(|e| SiteError::Tensor(e.to_string()))?,
+                })
+            })
+            .collect::<Result<Vec<_>, SiteError>>()?;
+        let sd = StateDict {
+            spec_hash: spec.hash(),
+            tensors,
+        };
+        self.net = import(&self.net, spec, &sd, select_for(bn))?;
+        Ok(())
+    }
+
+    /// Trains locally from the current model and returns the encoded update envelope.
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_round(
+        &mut self,
+        spec: &ModelSpec,
+        federation: &Id,
+        round: u64,
+        version: u64,
+        tc: &TrainConfig,
+        encoding: Encoding,
+        bn: BnPolicy,
+        device: &Device,
+    ) -> Result<Vec<u8>, SiteError> {
+        let select = select_for(bn);
+        let base = export(&self.net, spec, select);
+        let (net, rep) = train_local(
+            &self.net,
+            &self.train,
+            spec.classes.len(),
+            tc,
+            device,
+            |_| {},
+        )?;
+        self.net = net;
+        let d = delta(&export(&self.net, spec, select), &base)?;
+        let encoded = d
+            .tensors
+            .iter()
+            .map(|t| {
+                let shape: Vec<u32> = t.shape.iter().map(|&x| x as u32).collect();
+                let res = self.residual.entry(t.name.clone()).or_default();
+                encode(&t.name, &shape, &t.data, encoding, Some(res))
+            })
+            .collect();
+        let upd = SiteUpdate {
+            round,
+            base_version: version,
+            samples: self.train.len() as u64,
+            delta: encoded,
+            extras: Extras {
+                tensors: Vec::new(),
+                scalars: vec![
+                    Scalar {
+                        name: "local_steps".into(),
+                        value: rep.steps as f64,
+                    },
+                    Scalar {
+                        name: "train_loss".into(),
+                        value: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
+                    },
+                ],
+            },
+        };
+        Ok(Envelope::new(
+            MessageKind::SiteUpdate,
+            federation.clone(),
+            self.id.clone(),
+            round,
+            version,
+            spec.hash(),
+            &upd,
+        )
+        .encode())
+    }
+
+    /// Test accuracy with the site's own model and BN statistics.
+    pub fn evaluate(&self, spec: &ModelSpec, device: &Device) -> Result<EvalReport, SiteError> {
+        Ok(evaluate(
+            &self.net,
+            &self.test,
+            spec.classes.len(),
+            256,
+            device,
+        )?)
+    }
+}

@@ -1,0 +1,143 @@
+//! MQTT plumbing shared by the agent and the aggregator (neither depends on the other).
+//!
+//! One task owns the rumqttc event loop ([`spawn_event_loop`]): it reconnects with exponential
+//! backoff (rumqttc itself retries at full speed), re-subscribes on every ConnAck (a clean
+//! session loses subscriptions), and forwards incoming publishes over a channel, so that the
+//! application task can `publish().await` without starving the loop.
+
+use rumqttc::{AsyncClient, Event, EventLoop, LastWill, MqttOptions, Packet, QoS};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Where and how to reach the broker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerConfig {
+    /// Host name or address.
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+    /// Username, if the broker requires one.
+    #[serde(default)]
+    pub username: Option<String>,
+    /// Password for `username`.
+    #[serde(default)]
+    pub password: Option<String>,
+    /// Largest MQTT packet either way, in bytes (must exceed the chunk size plus headers).
+    #[serde(default = "default_max_packet")]
+    pub max_packet_bytes: usize,
+    /// Keep-alive interval.
+    #[serde(default = "default_keep_alive")]
+    pub keep_alive_secs: u64,
+}
+
+fn default_max_packet() -> usize {
+    1 << 20
+}
+
+fn default_keep_alive() -> u64 {
+    30
+}
+
+impl BrokerConfig {
+    /// A broker on `host:port` with default limits.
+    pub fn new(host: &str, port: u16) -> Self {
+        BrokerConfig {
+            host: host.into(),
+            port,
+            username: None,
+            password: None,
+            max_packet_bytes: default_max_packet(),
+            keep_alive_secs: default_keep_alive(),
+        }
+    }
+
+    /// rumqttc options for `client_id`, with every limit set explicitly and an optional Last Will.
+    pub fn options(&self, client_id: &str, will: Option<LastWill>) -> MqttOptions {
+        let mut o = MqttOptions::new(client_id, self.host.clone(), self.port);
+        o.set_max_packet_size(self.max_packet_bytes + 4096, self.max_packet_bytes + 4096);
+        o.set_keep_alive(Duration::from_secs(self.keep_alive_secs.max(5)));
+        o.set_clean_session(true);
+        o.set_request_channel_capacity(4096);
+        o.set_inflight(100);
+        if let (Some(u), Some(p)) = (&self.username, &self.password) {
+            o.set_credentials(u.clone(), p.clone());
+        }
+        if let Some(w) = will {
+            o.set_last_will(w);
+        }
+        o
+    }
+}
+
+/// What the event-loop task forwards.
+#[derive(Debug, Clone)]
+pub enum NetEvent {
+    /// (Re)connected and re-subscribed.
+    Connected,
+    /// The connection dropped; the loop is backing off before reconnecting.
+    Disconnected(String),
+    /// A message arrived.
+    Message {
+        /// Its topic.
+        topic: String,
+        /// Its payload.
+        payload: Vec<u8>,
+    },
+}
+
+/// Connects with `options` and spawns the task that owns the event loop. `subscriptions` are
+/// (re)made on every ConnAck. Returns the client handle and the receiver of events; the task ends
+/// when the receiver is dropped.
+pub fn spawn_event_loop(
+    options: MqttOptions,
+    subscriptions: Vec<String>,
+) -> (AsyncClient, mpsc::UnboundedReceiver<NetEvent>) {
+    let (client, mut ev): (AsyncClient, EventLoop) = AsyncClient::new(options, 4096);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let c = client.clone();
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if tx.is_closed() {
+                break;
+            }
+            match ev.poll().await {
+                Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                    backoff = Duration::from_millis(100);
+                    for s in &subscriptions {
+                        // try_: never wait on the request channel from the task that drains it.
+                        if let Err(e) = c.try_subscribe(s.clone(), QoS::AtLeastOnce) {
+                            tracing::warn!(topic = %s, error = %e, "subscribe failed");
+                        }
+                    }
+                    if tx.send(NetEvent::Connected).is_err() {
+                        break;
+                    }
+                }
+                Ok(Event::Incoming(Packet::Publish(p))) => {
+                    if tx
+                        .send(NetEvent::Message {
+                            topic: p.topic.clone(),
+                            payload: p.payload.to_vec(),
+                        })
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, backoff_ms = backoff.as_millis() as u64, "MQTT connection lost; backing off");
+                    let _ = tx.send(NetEvent::Disconnected(e.to_string()));
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    });
+    (client, rx)
+}
+
+pub use rumqttc::{AsyncClient as Client, LastWill as Will, QoS as Qos};
