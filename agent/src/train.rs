@@ -176,6 +176,10 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
     let mut manifest: Option<RoundManifest> = None;
     let mut reasm = Reassembler::new(120_000, 1 << 31);
     let mut last_request: Option<Instant> = None;
+    let mut outstanding: std::collections::BTreeSet<u32> = Default::default();
+    // Chunks asked for at a time: the broker keeps only a few packets per topic in memory, so
+    // a whole model requested at once would overrun a slow subscriber.
+    const WINDOW: usize = 16;
     let mut pending: Option<(u64, Vec<u8>, Instant)> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let t0 = Instant::now();
@@ -210,8 +214,9 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                             manifest = Some(m);
                         }
                         MessageKind::ModelChunk => {
-                            let chunk = env.payload_as()?;
+                            let chunk: unifed_protocol::messages::Chunk = env.payload_as()?;
                             let Some(m) = &manifest else { continue };
+                            outstanding.remove(&chunk.index);
                             match reasm.insert(chunk, t0.elapsed().as_millis() as u64) {
                                 Ok(Some(bytes)) if unifed_protocol::chunking::payload_hash(&bytes) == m.payload_hash => {
                                     let b: ServerBroadcast = postcard::from_bytes(&bytes).context("decoding the model broadcast")?;
@@ -247,8 +252,17 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
         let applied = progress.applied_version == Some(m.model_version);
         if !applied {
             // Fetch: ask for what is missing, again if nothing completed within 5 s.
-            if last_request.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
-                let indices = reasm.missing(&m.payload_hash).unwrap_or_default();
+            if outstanding.is_empty()
+                || last_request.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
+            {
+                let missing = reasm
+                    .missing(&m.payload_hash)
+                    .unwrap_or_else(|| (0..m.chunk_count).collect());
+                let indices: Vec<u32> = missing.into_iter().take(WINDOW).collect();
+                if indices.is_empty() {
+                    continue;
+                }
+                outstanding = indices.iter().copied().collect();
                 let req = ChunkRequest {
                     model_version: m.model_version,
                     indices,
@@ -336,29 +350,72 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
             .await?;
             site = Some(s);
             let bytes = bytes?;
-            client
-                .publish(
-                    topics.update(&site_id),
-                    Qos::AtLeastOnce,
-                    false,
-                    bytes.clone(),
-                )
-                .await?;
+            send_update(
+                &client,
+                &topics,
+                &fed,
+                &site_id,
+                &spec,
+                &m,
+                &bytes,
+                cfg.broker.max_packet_bytes,
+            )
+            .await?;
             pending = Some((m.round, bytes, Instant::now()));
         } else if let Some((round, bytes, sent)) = &mut pending {
             if *round != m.round {
                 pending = None;
             } else if sent.elapsed() > Duration::from_secs(cfg.resend_secs) {
-                client
-                    .publish(
-                        topics.update(&site_id),
-                        Qos::AtLeastOnce,
-                        false,
-                        bytes.clone(),
-                    )
-                    .await?;
+                send_update(
+                    &client,
+                    &topics,
+                    &fed,
+                    &site_id,
+                    &spec,
+                    &m,
+                    bytes,
+                    cfg.broker.max_packet_bytes,
+                )
+                .await?;
                 *sent = Instant::now();
             }
         }
     }
+}
+
+/// Publishes an update envelope, cut into `UpdateChunk` messages when it would not fit in one
+/// MQTT packet.
+#[allow(clippy::too_many_arguments)]
+async fn send_update(
+    client: &unifed_net::Client,
+    topics: &Topics,
+    fed: &Id,
+    site: &Id,
+    spec: &ModelSpec,
+    m: &RoundManifest,
+    bytes: &[u8],
+    max_packet: usize,
+) -> Result<()> {
+    let limit = max_packet.saturating_sub(4096).max(1024);
+    if bytes.len() <= limit {
+        client
+            .publish(topics.update(site), Qos::AtLeastOnce, false, bytes.to_vec())
+            .await?;
+        return Ok(());
+    }
+    for c in unifed_protocol::chunking::split(bytes, limit - 512) {
+        let env = Envelope::new(
+            MessageKind::UpdateChunk,
+            fed.clone(),
+            site.clone(),
+            m.round,
+            m.model_version,
+            spec.hash(),
+            &c,
+        );
+        client
+            .publish(topics.update(site), Qos::AtLeastOnce, false, env.encode())
+            .await?;
+    }
+    Ok(())
 }

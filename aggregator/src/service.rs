@@ -128,6 +128,9 @@ pub async fn serve(
         vec![topics.updates_filter(), format!("{request_prefix}+")],
     );
     let mut served: Option<Served> = None;
+    // Reassembly of chunked uploads: bounded memory, incomplete sets dropped after 10 minutes.
+    let mut uploads =
+        unifed_protocol::chunking::Reassembler::new(600_000, 4 * cfg.federation.max_update_bytes);
     let mut finished_at: Option<Instant> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tokio::pin!(shutdown);
@@ -212,7 +215,23 @@ pub async fn serve(
                 Some(NetEvent::Message { topic, payload }) => {
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
                         let site = site.to_string();
-                        pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes: payload }, now_ms()))?;
+                        // Updates above the packet limit arrive as chunks; the core gets whole messages.
+                        let whole = match Envelope::decode_limited(&payload, cfg.broker.max_packet_bytes + 4096) {
+                            Ok(env) if env.kind == MessageKind::UpdateChunk => {
+                                match env.payload_as::<Chunk>().map_err(|e| e.to_string()).and_then(|c| uploads.insert(c, now_ms()).map_err(|e| e.to_string())) {
+                                    Ok(done) => done,
+                                    Err(e) => {
+                                        tracing::warn!(site, error = %e, "update chunk dropped");
+                                        None
+                                    }
+                                }
+                            }
+                            _ => Some(payload),
+                        };
+                        uploads.expire(now_ms());
+                        if let Some(bytes) = whole {
+                            pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;
+                        }
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
                         serve_chunks(&client, &topics, &fed, &me, hash, site, &payload, served.as_ref()).await?;
                     }

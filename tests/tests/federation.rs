@@ -22,7 +22,7 @@ fn three_agents_federate_two_rounds_through_the_embedded_broker() {
     let d = dir.path();
     let mut broker = Guard(
         Command::new(binary("unifed-broker"))
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", "127.0.0.1:0", "--max-packet-bytes", "32768"])
             .stdout(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -36,13 +36,14 @@ fn three_agents_federate_two_rounds_through_the_embedded_broker() {
     let model = d.join("init.safetensors");
     let st = Command::new(binary("unifed-agent"))
         .args([
-            "init", "--arch", "digits", "--conv", "4,6,8", "--fc", "32,16", "--out",
+            "init", "--arch", "digits", "--conv", "4,6,8", "--fc", "64,16", "--out",
         ])
         .arg(&model)
         .status()
         .unwrap();
     assert!(st.success());
-    let broker_toml = format!("[broker]\nhost = \"127.0.0.1\"\nport = {port}\n");
+    let broker_toml =
+        format!("[broker]\nhost = \"127.0.0.1\"\nport = {port}\nmax_packet_bytes = 32768\n");
     write(
         &d.join("agg.toml"),
         &format!(
@@ -66,7 +67,7 @@ fn three_agents_federate_two_rounds_through_the_embedded_broker() {
             write(
                 &cfg,
                 &format!(
-                    "site = \"{s}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = 3\n[model]\nconv = [4, 6, 8]\nfc = [32, 16]\n[train]\nbatch_size = 16\n{broker_toml}\n[data]\nbuiltin = \"{s}\"\ntrain_samples = 48\n",
+                    "site = \"{s}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = 3\n[model]\nconv = [4, 6, 8]\nfc = [64, 16]\n[train]\nbatch_size = 16\n{broker_toml}\n[data]\nbuiltin = \"{s}\"\ntrain_samples = 48\n",
                     d.join(s).display()
                 ),
             );
@@ -74,7 +75,7 @@ fn three_agents_federate_two_rounds_through_the_embedded_broker() {
         })
         .collect();
     for (a, s) in agents.iter_mut().zip(sites) {
-        let status = a.wait_for(Duration::from_secs(240));
+        let status = a.wait_for(Duration::from_secs(60));
         assert!(status.is_some_and(|s| s.success()), "agent {s}: {status:?}");
     }
     let status = agg.wait_for(Duration::from_secs(60));
