@@ -529,10 +529,22 @@ fn sampling_picks_a_fraction_of_the_sites_and_refuses_the_others() {
 
 #[test]
 fn the_example_service_config_parses_and_validates() {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/aggregator.toml")).unwrap();
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/aggregator.toml"
+    ))
+    .unwrap();
     let cfg: unifed_aggregator::service::ServiceConfig = toml::from_str(&text).unwrap();
     cfg.federation.validate().unwrap();
-    assert_eq!((cfg.federation.bn_policy, cfg.federation.encoding), (BnPolicy::Local, Encoding::F32));
-    let topk: FederationConfig = toml::from_str(&text[text.find("[federation]").unwrap() + 13..].replace("encoding = \"F32\"", "encoding = { TopK = { per_mille = 100 } }")).unwrap();
+    assert_eq!(
+        (cfg.federation.bn_policy, cfg.federation.encoding),
+        (BnPolicy::Local, Encoding::F32)
+    );
+    let topk: FederationConfig =
+        toml::from_str(&text[text.find("[federation]").unwrap() + 13..].replace(
+            "encoding = \"F32\"",
+            "encoding = { TopK = { per_mille = 100 } }",
+        ))
+        .unwrap();
     assert_eq!(topk.encoding, Encoding::TopK { per_mille: 100 });
 }
