@@ -114,12 +114,7 @@ enum DataCmd {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    unifed_net::init_logging("warn");
     let cli = Cli::parse();
     if let Some(t) = cli.threads {
         cap_cpu_threads(t).map_err(anyhow::Error::msg)?;

@@ -173,6 +173,14 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
             topics.ack(&site_id),
         ],
     );
+    let uplink = Uplink {
+        client: client.clone(),
+        topic: topics.update(&site_id),
+        fed: fed.clone(),
+        site: site_id.clone(),
+        hash: spec.hash(),
+        max_packet: cfg.broker.max_packet_bytes,
+    };
     let mut manifest: Option<RoundManifest> = None;
     let mut reasm = Reassembler::new(120_000, 1 << 31);
     let mut last_request: Option<Instant> = None;
@@ -350,72 +358,54 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
             .await?;
             site = Some(s);
             let bytes = bytes?;
-            send_update(
-                &client,
-                &topics,
-                &fed,
-                &site_id,
-                &spec,
-                &m,
-                &bytes,
-                cfg.broker.max_packet_bytes,
-            )
-            .await?;
+            uplink.send(&m, &bytes).await?;
             pending = Some((m.round, bytes, Instant::now()));
         } else if let Some((round, bytes, sent)) = &mut pending {
             if *round != m.round {
                 pending = None;
             } else if sent.elapsed() > Duration::from_secs(cfg.resend_secs) {
-                send_update(
-                    &client,
-                    &topics,
-                    &fed,
-                    &site_id,
-                    &spec,
-                    &m,
-                    bytes,
-                    cfg.broker.max_packet_bytes,
-                )
-                .await?;
+                uplink.send(&m, bytes).await?;
                 *sent = Instant::now();
             }
         }
     }
 }
 
-/// Publishes an update envelope, cut into `UpdateChunk` messages when it would not fit in one
+/// Where a site's updates go: cut into `UpdateChunk` messages when one would not fit in an
 /// MQTT packet.
-#[allow(clippy::too_many_arguments)]
-async fn send_update(
-    client: &unifed_net::Client,
-    topics: &Topics,
-    fed: &Id,
-    site: &Id,
-    spec: &ModelSpec,
-    m: &RoundManifest,
-    bytes: &[u8],
+struct Uplink {
+    client: unifed_net::Client,
+    topic: String,
+    fed: Id,
+    site: Id,
+    hash: unifed_protocol::SpecHash,
     max_packet: usize,
-) -> Result<()> {
-    let limit = max_packet.saturating_sub(4096).max(1024);
-    if bytes.len() <= limit {
-        client
-            .publish(topics.update(site), Qos::AtLeastOnce, false, bytes.to_vec())
-            .await?;
-        return Ok(());
+}
+
+impl Uplink {
+    /// Publishes the update envelope `bytes` for the round of `m`.
+    async fn send(&self, m: &RoundManifest, bytes: &[u8]) -> Result<()> {
+        let limit = self.max_packet.saturating_sub(4096).max(1024);
+        if bytes.len() <= limit {
+            self.client
+                .publish(self.topic.clone(), Qos::AtLeastOnce, false, bytes.to_vec())
+                .await?;
+            return Ok(());
+        }
+        for c in unifed_protocol::chunking::split(bytes, limit - 512) {
+            let env = Envelope::new(
+                MessageKind::UpdateChunk,
+                self.fed.clone(),
+                self.site.clone(),
+                m.round,
+                m.model_version,
+                self.hash,
+                &c,
+            );
+            self.client
+                .publish(self.topic.clone(), Qos::AtLeastOnce, false, env.encode())
+                .await?;
+        }
+        Ok(())
     }
-    for c in unifed_protocol::chunking::split(bytes, limit - 512) {
-        let env = Envelope::new(
-            MessageKind::UpdateChunk,
-            fed.clone(),
-            site.clone(),
-            m.round,
-            m.model_version,
-            spec.hash(),
-            &c,
-        );
-        client
-            .publish(topics.update(site), Qos::AtLeastOnce, false, env.encode())
-            .await?;
-    }
-    Ok(())
 }

@@ -24,12 +24,7 @@ enum Cmd {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    unifed_net::init_logging("warn");
     match Cli::parse().cmd {
         Cmd::Serve { config } => {
             let text = std::fs::read_to_string(&config)

@@ -38,12 +38,9 @@ struct Args {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // rumqttd logs every client disconnect, clean ones included, at ERROR from
+    // `rumqttd::server::broker`; that target is off unless RUST_LOG asks for it.
+    unifed_net::init_logging("warn,rumqttd::server::broker=off");
     let args = Args::parse();
     if args.max_packet_bytes < 1024 {
         bail!(

@@ -75,12 +75,26 @@ pub fn to_bytes(state: &StateDict, spec: &ModelSpec) -> Result<Vec<u8>, StateErr
     safetensors::serialize(views, Some(meta)).map_err(|e| StateError::Mismatch(e.to_string()))
 }
 
-/// Writes `state` to `path` as safetensors (atomically: a temporary file renamed into place).
+/// Writes `state` to `path` as safetensors, atomically and durably (temporary file, fsync,
+/// rename, fsync of the folder), so a crash leaves the old or the new checkpoint.
 pub fn save(path: &Path, state: &StateDict, spec: &ModelSpec) -> Result<(), StateError> {
     let bytes = to_bytes(state, spec)?;
     let tmp = path.with_extension("safetensors.tmp");
-    std::fs::write(&tmp, &bytes).map_err(|e| file_err(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| file_err(path, e))
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(|e| file_err(&tmp, e))?;
+        f.write_all(&bytes)
+            .and_then(|_| f.sync_all())
+            .map_err(|e| file_err(&tmp, e))?;
+    }
+    std::fs::rename(&tmp, path).map_err(|e| file_err(path, e))?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| file_err(dir, e))
 }
 
 /// Reads a safetensors file and matches it against `spec`: every float tensor must be a tensor of

@@ -141,3 +141,15 @@ pub fn spawn_event_loop(
 }
 
 pub use rumqttc::{AsyncClient as Client, LastWill as Will, QoS as Qos};
+
+/// Installs the binaries' log subscriber: `RUST_LOG` if set, else `default_filter`; logs go to
+/// stderr so stdout stays for results.
+pub fn init_logging(default_filter: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_filter.into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -10,7 +10,6 @@ use std::time::Instant;
 use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel};
 use unifed_models::backend::Device;
 pub use unifed_models::site::{Site, select_for};
-use unifed_models::state::{Select, StateDict, export};
 use unifed_models::train::TrainConfig;
 use unifed_models::zoo::Net;
 use unifed_protocol::chunking::Reassembler;
@@ -32,44 +31,36 @@ pub struct RoundRecord {
     pub seconds: f64,
 }
 
-/// Messages a run passed, for tests that check what crossed the transport.
-#[derive(Debug, Clone)]
-pub enum Observed {
+/// Messages a run passed, lent to the observer, for tests that check what crossed the transport.
+#[derive(Debug, Clone, Copy)]
+pub enum Observed<'a> {
     /// A site's encoded update.
     Update {
         /// The site.
-        site: String,
+        site: &'a str,
         /// The envelope bytes.
-        bytes: Vec<u8>,
+        bytes: &'a [u8],
     },
     /// The reassembled broadcast payload of a model version.
     Model {
         /// The model version.
         version: u64,
         /// The payload bytes.
-        payload: Vec<u8>,
-    },
-    /// A site's full state after it applied a model version.
-    SiteState {
-        /// The site.
-        site: String,
-        /// The model version applied.
-        version: u64,
-        /// Every tensor of the site's model.
-        state: StateDict,
+        payload: &'a [u8],
     },
 }
 
 /// Runs a federation of `sites` under `cfg` from `initial` in a fresh data directory, and calls
-/// `observe` with every message and site state. Returns one record per round.
+/// `observe` with every message it passes, and `on_round` after each round with the round's record
+/// and the sites (each holding the new model). Returns one record per round.
 pub fn run_federation<N: Net>(
     cfg: FederationConfig,
     initial: GlobalModel,
     sites: &mut [Site<N>],
     tc: &TrainConfig,
     device: &Device,
-    mut observe: impl FnMut(Observed),
-    mut on_round: impl FnMut(&RoundRecord),
+    mut observe: impl FnMut(Observed<'_>),
+    mut on_round: impl FnMut(&RoundRecord, &[Site<N>]),
 ) -> Result<Vec<RoundRecord>> {
     let dir = tempfile::tempdir()?;
     let spec = initial.spec.clone();
@@ -107,16 +98,11 @@ pub fn run_federation<N: Net>(
                 let payload = payload.context("model chunks did not reassemble")?;
                 observe(Observed::Model {
                     version: manifest.model_version,
-                    payload: payload.clone(),
+                    payload: &payload,
                 });
                 let b: ServerBroadcast = postcard::from_bytes(&payload)?;
                 for s in sites.iter_mut() {
                     s.receive(&spec, &b, bn)?;
-                    observe(Observed::SiteState {
-                        site: s.id.to_string(),
-                        version: manifest.model_version,
-                        state: export(&s.net, &spec, Select::All),
-                    });
                 }
                 if manifest.model_version > 0 {
                     let accuracy = sites
@@ -130,7 +116,7 @@ pub fn run_federation<N: Net>(
                         model_bytes: payload.len(),
                         seconds: t0.elapsed().as_secs_f64(),
                     };
-                    on_round(&rec);
+                    on_round(&rec, sites);
                     records.push(rec);
                     t0 = Instant::now();
                 }
@@ -154,8 +140,8 @@ pub fn run_federation<N: Net>(
                     )?;
                     update_bytes[k] = bytes.len();
                     observe(Observed::Update {
-                        site: s.id.to_string(),
-                        bytes: bytes.clone(),
+                        site: s.id.as_str(),
+                        bytes: &bytes,
                     });
                     now += 1;
                     pending.extend(agg.handle(

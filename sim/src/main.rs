@@ -149,7 +149,7 @@ fn run_one(
         &tc,
         &device,
         |_| {},
-        |r| {
+        |r, _| {
             let mean = r.accuracy.iter().sum::<f64>() / r.accuracy.len() as f64;
             eprintln!(
                 "{label} seed {seed} round {:>3}: mean acc {:.2}% ({:.0} s)",
@@ -172,12 +172,7 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    unifed_net::init_logging("warn");
     let cli = Cli::parse();
     if let Some(t) = cli.threads {
         cap_cpu_threads(t).map_err(anyhow::Error::msg)?;

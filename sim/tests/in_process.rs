@@ -94,18 +94,21 @@ fn federate(bn: BnPolicy) -> Captured {
         &device,
         |o| match o {
             Observed::Update { bytes, .. } => {
-                let u: SiteUpdate = Envelope::decode(&bytes).unwrap().payload_as().unwrap();
+                let u: SiteUpdate = Envelope::decode(bytes).unwrap().payload_as().unwrap();
                 cap.updates.entry(u.round).or_default().push(u);
             }
             Observed::Model { version, payload } => {
                 cap.models
-                    .insert(version, postcard::from_bytes(&payload).unwrap());
-            }
-            Observed::SiteState { version, state, .. } => {
-                cap.states.entry(version).or_default().push(state)
+                    .insert(version, postcard::from_bytes(payload).unwrap());
             }
         },
-        |_| {},
+        |rec, sites| {
+            let states = sites
+                .iter()
+                .map(|s| export(&s.net, &spec, Select::All))
+                .collect();
+            cap.states.insert(rec.round, states);
+        },
     )
     .unwrap();
     assert_eq!(records.len(), 3);
