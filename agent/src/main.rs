@@ -141,6 +141,9 @@ fn main() -> Result<()> {
                 .with_context(|| format!("reading {}", config.display()))?;
             let cfg: train::AgentConfig =
                 toml::from_str(&text).with_context(|| format!("parsing {}", config.display()))?;
+            if let (None, Some(t)) = (cli.threads, cfg.threads) {
+                cap_cpu_threads(t).map_err(|e| anyhow::anyhow!("{}: threads: {e}", config.display()))?;
+            }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()

@@ -67,6 +67,9 @@ pub struct AgentConfig {
     /// Seconds between re-sends of an unanswered update.
     #[serde(default = "default_resend")]
     pub resend_secs: u64,
+    /// Cap on the CPU backend's worker threads (default: all cores; `--threads` overrides).
+    #[serde(default)]
+    pub threads: Option<usize>,
     /// The broker.
     pub broker: BrokerConfig,
     /// The data.

@@ -132,6 +132,7 @@ pub async fn serve(
     let mut uploads =
         unifed_protocol::chunking::Reassembler::new(600_000, 4 * cfg.federation.max_update_bytes);
     let mut finished_at: Option<Instant> = None;
+    let mut connected_before = false;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tokio::pin!(shutdown);
     let mut pending = tokio::task::block_in_place(|| core.handle(Event::Start, now_ms()))?;
@@ -204,9 +205,11 @@ pub async fn serve(
             ev = rx.recv() => match ev {
                 None => bail!("the MQTT event loop stopped"),
                 Some(NetEvent::Connected) => {
-                    // Re-publish the retained manifest after every (re)connect: a restarted broker
-                    // keeps retained messages only in RAM.
-                    if let Some(s) = &served {
+                    // Re-publish the retained manifest after every reconnect: a restarted broker
+                    // keeps retained messages only in RAM. (The first connection sends the one
+                    // queued at start.)
+                    let again = std::mem::replace(&mut connected_before, true);
+                    if let (true, Some(s)) = (again, &served) {
                         let env = Envelope::new(MessageKind::RoundManifest, fed.clone(), me.clone(), s.manifest.round, s.manifest.model_version, hash, &s.manifest);
                         client.publish(topics.manifest(), Qos::AtLeastOnce, true, env.encode()).await?;
                     }

@@ -1,7 +1,19 @@
 //! Workspace-level end-to-end tests that start the real binaries (broker, aggregator, agents).
-//! They live in `tests/`; this library only finds the binaries the workspace build produced.
+//! The tests live in `tests/`; this library finds the binaries the workspace build produced,
+//! starts brokers (the embedded one or Mosquitto), and records what crosses the broker through a
+//! loopback proxy ([`Proxy`]), since a `#` subscriber can miss messages on rumqttd.
 
-use std::path::PathBuf;
+pub mod capture;
+pub mod fed;
+
+pub use capture::{Packet, Proxy};
+
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Path of a workspace binary built beside the running test (`<target>/<profile>/<name>`).
 pub fn binary(name: &str) -> PathBuf {
@@ -19,6 +31,14 @@ pub fn binary(name: &str) -> PathBuf {
     p
 }
 
+/// Runs end-to-end tests one at a time: each starts several processes that train, and running
+/// them together on a 2-core machine would only make every one of them slower and their
+/// deadlines harder to reason about.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A child process that is killed and reaped when dropped, so a failing test leaves no broker,
 /// aggregator or agent running.
 #[derive(Debug)]
@@ -26,8 +46,8 @@ pub struct Guard(pub std::process::Child);
 
 impl Guard {
     /// Waits up to `limit` for the process to exit; kills it and returns `None` on timeout.
-    pub fn wait_for(&mut self, limit: std::time::Duration) -> Option<std::process::ExitStatus> {
-        let t0 = std::time::Instant::now();
+    pub fn wait_for(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let t0 = Instant::now();
         loop {
             if let Ok(Some(s)) = self.0.try_wait() {
                 return Some(s);
@@ -37,8 +57,14 @@ impl Guard {
                 let _ = self.0.wait();
                 return None;
             }
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// Kills the process (SIGKILL: no clean-up, no MQTT DISCONNECT) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -49,4 +75,175 @@ impl Drop for Guard {
             let _ = self.0.wait();
         }
     }
+}
+
+/// Which MQTT broker a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// `unifed-broker` (rumqttd), the embedded broker.
+    Embedded,
+    /// The system's Mosquitto (`mosquitto` on the PATH or in /usr/sbin).
+    Mosquitto,
+}
+
+/// A running broker on a loopback port, restartable on the same port.
+#[derive(Debug)]
+pub struct Broker {
+    /// Which broker.
+    pub kind: BrokerKind,
+    /// Its loopback port.
+    pub port: u16,
+    /// Largest packet it accepts.
+    pub max_packet: usize,
+    /// Username and password clients must give (Mosquitto runs with a password file).
+    pub credentials: Option<(String, String)>,
+    dir: tempfile::TempDir,
+    process: Option<Guard>,
+}
+
+/// The Mosquitto executable, if installed (`scripts/install-mosquitto.sh` installs it).
+pub fn mosquitto() -> Option<PathBuf> {
+    let candidates = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")]);
+    candidates
+        .map(|d| d.join("mosquitto"))
+        .find(|p| p.is_file())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+impl Broker {
+    /// Starts a broker of `kind` on a free loopback port with packet limit `max_packet`.
+    pub fn start(kind: BrokerKind, max_packet: usize) -> Broker {
+        let dir = tempfile::tempdir().expect("broker dir");
+        let credentials = match kind {
+            BrokerKind::Embedded => None,
+            BrokerKind::Mosquitto => Some(("unifed".to_string(), "e2e-secret".to_string())),
+        };
+        let mut b = Broker {
+            kind,
+            port: 0,
+            max_packet,
+            credentials,
+            dir,
+            process: None,
+        };
+        b.port = match kind {
+            BrokerKind::Embedded => 0,
+            BrokerKind::Mosquitto => free_port(),
+        };
+        b.restart();
+        b
+    }
+
+    /// Kills the broker (SIGKILL): every connection drops, retained messages in RAM are lost.
+    pub fn kill(&mut self) {
+        if let Some(mut p) = self.process.take() {
+            p.kill();
+        }
+    }
+
+    /// (Re)starts the broker on its port and waits until it accepts connections.
+    pub fn restart(&mut self) {
+        self.kill();
+        match self.kind {
+            BrokerKind::Embedded => {
+                let listen = format!("127.0.0.1:{}", self.port);
+                let t0 = Instant::now();
+                loop {
+                    let mut child = Guard(
+                        Command::new(binary("unifed-broker"))
+                            .args(["--listen", &listen, "--max-packet-bytes"])
+                            .arg(self.max_packet.to_string())
+                            .stdout(Stdio::piped())
+                            .spawn()
+                            .expect("starting unifed-broker"),
+                    );
+                    let mut line = String::new();
+                    BufReader::new(child.0.stdout.take().expect("stdout"))
+                        .read_line(&mut line)
+                        .expect("broker stdout");
+                    if let Some(port) = line.trim().rsplit(':').next().and_then(|p| p.parse().ok())
+                    {
+                        self.port = port;
+                        self.process = Some(child);
+                        return;
+                    }
+                    // The old socket may linger for a moment after a kill: try again.
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(20),
+                        "unifed-broker did not start on {listen}"
+                    );
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+            BrokerKind::Mosquitto => {
+                let exe = mosquitto().expect("mosquitto is not installed");
+                let (user, pass) = self.credentials.clone().expect("credentials");
+                let pw = self.dir.path().join("passwd");
+                std::fs::write(&pw, format!("{user}:{pass}\n")).expect("password file");
+                let st = Command::new(exe.with_file_name("mosquitto_passwd"))
+                    .arg("-U")
+                    .arg(&pw)
+                    .status();
+                if !st.as_ref().is_ok_and(|s| s.success()) {
+                    // mosquitto_passwd lives in /usr/bin on Debian.
+                    let st = Command::new("mosquitto_passwd").arg("-U").arg(&pw).status();
+                    assert!(
+                        st.is_ok_and(|s| s.success()),
+                        "mosquitto_passwd -U failed"
+                    );
+                }
+                let conf = self.dir.path().join("mosquitto.conf");
+                std::fs::write(
+                    &conf,
+                    fed::mosquitto_conf(self.port, &pw, self.max_packet, &current_user()),
+                )
+                .expect("mosquitto.conf");
+                let child = Guard(
+                    Command::new(exe)
+                        .arg("-c")
+                        .arg(&conf)
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .expect("starting mosquitto"),
+                );
+                self.process = Some(child);
+                let t0 = Instant::now();
+                while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(20),
+                        "mosquitto did not start on port {}",
+                        self.port
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    /// The broker's folder (configs, password file).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+fn current_user() -> String {
+    Command::new("id")
+        .arg("-un")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "root".into())
 }

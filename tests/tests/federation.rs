@@ -1,110 +1,276 @@
-//! A federation over MQTT with the real binaries: the embedded broker, `unifed-aggregator serve`
-//! and three `unifed-agent train` processes, 2 rounds. Afterwards every agent holds the
-//! aggregator's final non-BN weights, and its own BN statistics.
+//! Federations over MQTT with the real binaries: a broker (embedded or Mosquitto), a capturing
+//! proxy in front of it, `unifed-aggregator serve` and three `unifed-agent train` processes,
+//! 3 rounds. From the captured bytes alone the test recomputes every round's sample-weighted
+//! mean and checks it against the model every agent was sent and the one it ends with; it
+//! checks which tensors crossed the wire (no BN tensor under `local`, all of them under
+//! `global`) and how many messages of each kind did.
 
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Command, Stdio};
+use std::collections::BTreeMap;
 use std::time::Duration;
-use unifed_aggregator::store::Store;
-use unifed_e2e::{Guard, binary};
+use unifed_e2e::fed::Fed;
+use unifed_e2e::{Broker, BrokerKind, Packet, Proxy, mosquitto, serial};
 use unifed_models::checkpoint;
-use unifed_models::state::Select;
-use unifed_protocol::ModelSpec;
+use unifed_protocol::chunking::Reassembler;
+use unifed_protocol::encoding::decode;
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::messages::{
+    Answer, Chunk, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
+};
 
-fn write(path: &Path, text: &str) {
-    std::fs::write(path, text).unwrap();
+const SITES: [&str; 3] = ["grey", "texture", "lowres"];
+
+/// Runs the federation and returns its folder and the captured packets.
+fn run(kind: BrokerKind, bn: &str, max_packet: usize) -> (tempfile::TempDir, Fed, Vec<Packet>) {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(kind, max_packet);
+    let proxy = Proxy::start(broker.port);
+    let mut fed = Fed::new(dir.path(), proxy.port, max_packet);
+    fed.credentials = broker.credentials.clone();
+    fed.bn_policy = bn.into();
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        let st = a.wait_for(Duration::from_secs(300));
+        assert!(
+            st.is_some_and(|s| s.success()),
+            "agent {s}: {st:?}\n{}",
+            fed.logs()
+        );
+    }
+    let st = agg.wait_for(Duration::from_secs(60));
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "aggregator: {st:?}\n{}",
+        fed.logs()
+    );
+    let packets = proxy.packets();
+    drop(broker);
+    (dir, fed, packets)
 }
 
-#[test]
-fn three_agents_federate_two_rounds_through_the_embedded_broker() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let mut broker = Guard(
-        Command::new(binary("unifed-broker"))
-            .args(["--listen", "127.0.0.1:0", "--max-packet-bytes", "32768"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let mut line = String::new();
-    BufReader::new(broker.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
+fn envelope(p: &Packet) -> Envelope {
+    Envelope::decode(&p.payload)
+        .unwrap_or_else(|e| panic!("undecodable payload on {}: {e}", p.topic))
+}
 
-    let model = d.join("init.safetensors");
-    let st = Command::new(binary("unifed-agent"))
-        .args([
-            "init", "--arch", "digits", "--conv", "4,6,8", "--fc", "64,16", "--out",
-        ])
-        .arg(&model)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let broker_toml =
-        format!("[broker]\nhost = \"127.0.0.1\"\nport = {port}\nmax_packet_bytes = 32768\n");
-    write(
-        &d.join("agg.toml"),
-        &format!(
-            "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = 8192\nlinger_secs = 5\n{broker_toml}\n[federation]\nfederation = \"e2e\"\nrounds = 2\nmin_sites = 3\ndeadline_secs = 300\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"Local\"\nweighting = \"samples\"\nkeep_versions = 3\nmax_update_bytes = 16777216\nseed = 0\n",
-            d.join("agg").display(),
-            model.display()
-        ),
-    );
-    let mut agg = Guard(
-        Command::new(binary("unifed-aggregator"))
-            .args(["serve", "--config"])
-            .arg(d.join("agg.toml"))
-            .spawn()
-            .unwrap(),
-    );
-    let sites = ["grey", "texture", "lowres"];
-    let mut agents: Vec<Guard> = sites
-        .iter()
-        .map(|s| {
-            let cfg = d.join(format!("{s}.toml"));
-            write(
-                &cfg,
-                &format!(
-                    "site = \"{s}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = 3\n[model]\nconv = [4, 6, 8]\nfc = [64, 16]\n[train]\nbatch_size = 16\n{broker_toml}\n[data]\nbuiltin = \"{s}\"\ntrain_samples = 48\n",
-                    d.join(s).display()
-                ),
-            );
-            Guard(Command::new(binary("unifed-agent")).args(["train", "--config"]).arg(&cfg).spawn().unwrap())
-        })
-        .collect();
-    for (a, s) in agents.iter_mut().zip(sites) {
-        let status = a.wait_for(Duration::from_secs(60));
-        assert!(status.is_some_and(|s| s.success()), "agent {s}: {status:?}");
-    }
-    let status = agg.wait_for(Duration::from_secs(60));
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "aggregator: {status:?}"
-    );
-    drop(broker);
+/// Checks everything the judged test asks from the captured packets and the agents' files.
+fn check(fed: &Fed, packets: &[Packet]) {
+    let local = fed.bn_policy == "Local";
+    let spec = fed.spec();
+    let rounds = fed.rounds;
+    let init = checkpoint::load(&fed.model(), &spec).unwrap();
 
-    // The aggregator's final model and every agent's checkpoint.
-    let spec: ModelSpec =
-        serde_json::from_slice(&std::fs::read(d.join("init.safetensors.spec.json")).unwrap())
-            .unwrap();
-    let store = Store::open(&d.join("agg")).unwrap();
-    let global = store.load_model(2, &spec.hash().0).unwrap();
-    let states: Vec<_> = sites
+    // Updates as the sites sent them (client -> broker), reassembled when chunked.
+    let mut updates: BTreeMap<(u64, String), SiteUpdate> = BTreeMap::new();
+    let mut update_msgs = 0;
+    // Per update: messages seen, and the messages one send takes (its chunk count).
+    let mut sent: BTreeMap<(u64, String), (usize, usize)> = BTreeMap::new();
+    let mut uploads = Reassembler::new(u64::MAX, 1 << 30);
+    for p in packets
         .iter()
-        .map(|s| checkpoint::load(&d.join(s).join("model.safetensors"), &spec).unwrap())
-        .collect();
-    for st in &states {
-        for (t, g) in spec.tensors.iter().zip(&global) {
-            if !t.kind.is_bn() {
-                assert_eq!(&st.get(&t.name).unwrap().data, g, "{}", t.name);
+        .filter(|p| p.to_broker && p.topic.starts_with("unifed/v1/e2e/update/"))
+    {
+        update_msgs += 1;
+        let site = p.topic.rsplit('/').next().unwrap().to_string();
+        let env = envelope(p);
+        let whole = match env.kind {
+            MessageKind::UpdateChunk => {
+                let c: Chunk = env.payload_as().unwrap();
+                let e = sent.entry((env.round, site.clone())).or_default();
+                (e.0, e.1) = (e.0 + 1, c.count as usize);
+                uploads
+                    .insert(c, 0)
+                    .unwrap()
+                    .map(|b| Envelope::decode(&b).unwrap())
+            }
+            MessageKind::SiteUpdate => {
+                let e = sent.entry((env.round, site.clone())).or_default();
+                (e.0, e.1) = (e.0 + 1, 1);
+                Some(env)
+            }
+            k => panic!("{k:?} on an update topic"),
+        };
+        if let Some(env) = whole {
+            let u: SiteUpdate = env.payload_as().unwrap();
+            if let Some(prev) = updates.insert((u.round, site.clone()), u.clone()) {
+                assert_eq!(prev, u, "a re-sent update differs");
             }
         }
     }
-    let bn = |s: &unifed_models::state::StateDict| s.filter(Select::BnStats);
-    assert_ne!(bn(&states[0]), bn(&states[1]));
-    assert_ne!(bn(&states[1]), bn(&states[2]));
-    let audit = store.audit_entries().unwrap();
-    assert_eq!(audit.iter().filter(|e| e.event == "accepted").count(), 6);
+    assert_eq!(
+        updates.len() as u64,
+        rounds * SITES.len() as u64,
+        "one update per site per round"
+    );
+    // Updates above the 32 KiB packet limit go in chunks; none was re-sent, so every update took
+    // exactly its chunk count of messages.
+    assert!(update_msgs > updates.len(), "updates were chunked");
+    for ((round, site), (msgs, count)) in &sent {
+        assert_eq!(msgs, count, "{site}: messages of its round-{round} update");
+    }
+    assert_eq!(update_msgs, sent.values().map(|s| s.1).sum::<usize>());
+
+    // The independent weighted mean, round by round, over the tensors the updates carry.
+    let bn_of = |name: &str| {
+        spec.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("`{name}` is not in the spec"))
+            .kind
+            .is_bn()
+    };
+    let mut model: BTreeMap<String, Vec<f32>> = init
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.data.clone()))
+        .collect();
+    let mut expected: Vec<BTreeMap<String, Vec<f32>>> = vec![model.clone()];
+    for r in 1..=rounds {
+        let ups: Vec<&SiteUpdate> = updates
+            .iter()
+            .filter(|((round, _), _)| *round == r)
+            .map(|(_, u)| u)
+            .collect();
+        assert_eq!(ups.len(), SITES.len(), "round {r}");
+        let total: f64 = ups.iter().map(|u| u.samples as f64).sum();
+        let names: Vec<String> = ups[0].delta.iter().map(|t| t.name.clone()).collect();
+        for name in &names {
+            assert_eq!(!local || !bn_of(name), true, "BN tensor `{name}` sent under local");
+        }
+        let carried: usize = spec
+            .tensors
+            .iter()
+            .filter(|t| !local || !t.kind.is_bn())
+            .count();
+        assert_eq!(names.len(), carried, "tensors per update (round {r})");
+        for (k, name) in names.iter().enumerate() {
+            let mut acc = vec![0f64; model[name].len()];
+            // Sites in id order (the BTreeMap's), each delta weighted by its samples.
+            for u in &ups {
+                assert_eq!(&u.delta[k].name, name);
+                let d = decode(&u.delta[k]).unwrap();
+                for (a, x) in acc.iter_mut().zip(&d) {
+                    *a += u.samples as f64 * *x as f64;
+                }
+            }
+            let m = model.get_mut(name).unwrap();
+            for (x, a) in m.iter_mut().zip(&acc) {
+                *x = (*x as f64 + a / total) as f32;
+            }
+        }
+        expected.push(model.clone());
+    }
+
+    // The models each agent was sent (broker -> agent on its chunk reply topic).
+    let mut sets: BTreeMap<String, Reassembler> = BTreeMap::new();
+    let mut received: BTreeMap<(String, u64), ServerBroadcast> = BTreeMap::new();
+    let mut chunk_msgs: BTreeMap<String, usize> = BTreeMap::new();
+    for p in packets
+        .iter()
+        .filter(|p| !p.to_broker && p.topic.starts_with("unifed/v1/e2e/chunks/reply/"))
+    {
+        let site = p.topic.rsplit('/').next().unwrap().to_string();
+        *chunk_msgs.entry(site.clone()).or_default() += 1;
+        let c: Chunk = envelope(p).payload_as().unwrap();
+        let r = sets
+            .entry(site.clone())
+            .or_insert_with(|| Reassembler::new(u64::MAX, 1 << 30));
+        if let Some(bytes) = r.insert(c, 0).unwrap() {
+            let b: ServerBroadcast = postcard::from_bytes(&bytes).unwrap();
+            received.insert((site, b.model_version), b);
+        }
+    }
+    for site in SITES {
+        for (v, want) in expected.iter().enumerate() {
+            let b = received
+                .get(&(site.to_string(), v as u64))
+                .unwrap_or_else(|| panic!("{site} never received model v{v}"));
+            for t in &b.weights {
+                assert!(!local || !bn_of(&t.name), "BN tensor `{}` broadcast", t.name);
+                assert_eq!(
+                    decode(t).unwrap(),
+                    want[&t.name],
+                    "{site}: model v{v} tensor {} differs from the weighted mean",
+                    t.name
+                );
+            }
+        }
+    }
+
+    // Every agent ends with the final mean; under `local` its BN statistics are its own.
+    let last = &expected[rounds as usize];
+    let mut stats = Vec::new();
+    for site in SITES {
+        let st = checkpoint::load(&fed.site_dir(site).join("model.safetensors"), &spec).unwrap();
+        for t in &st.tensors {
+            if !local || !t.kind.is_bn() {
+                assert_eq!(t.data, last[&t.name], "{site}: final {}", t.name);
+            }
+        }
+        stats.push(st.filter(unifed_models::state::Select::BnStats));
+    }
+    if local {
+        assert_ne!(stats[0], stats[1]);
+        assert_ne!(stats[1], stats[2]);
+    }
+
+    // Message counts: one retained manifest per model version; one answer per update, all
+    // accepted; every chunk of every version delivered to every site exactly once.
+    let manifests: Vec<RoundManifest> = packets
+        .iter()
+        .filter(|p| p.to_broker && p.topic == "unifed/v1/e2e/manifest")
+        .map(|p| {
+            assert!(p.retain, "manifests are retained");
+            envelope(p).payload_as().unwrap()
+        })
+        .collect();
+    assert_eq!(manifests.len() as u64, rounds + 1, "manifests published");
+    assert!(manifests.last().unwrap().finished);
+    let answers: Vec<UpdateAnswer> = packets
+        .iter()
+        .filter(|p| p.to_broker && p.topic.starts_with("unifed/v1/e2e/ack/"))
+        .map(|p| envelope(p).payload_as().unwrap())
+        .collect();
+    assert_eq!(answers.len(), updates.len(), "answers sent");
+    assert!(answers.iter().all(|a| a.answer == Answer::Accepted));
+    let per_version: u64 = manifests
+        .iter()
+        .map(|m| m.chunk_count as u64)
+        .sum::<u64>();
+    for site in SITES {
+        assert_eq!(
+            chunk_msgs.get(site).copied().unwrap_or(0) as u64,
+            per_version,
+            "{site}: model chunks delivered"
+        );
+    }
+}
+
+#[test]
+fn local_bn_three_agents_three_rounds_on_the_embedded_broker() {
+    let _one = serial();
+    let (_dir, fed, packets) = run(BrokerKind::Embedded, "Local", 32 << 10);
+    check(&fed, &packets);
+}
+
+#[test]
+fn global_bn_three_agents_three_rounds_on_the_embedded_broker() {
+    let _one = serial();
+    let (_dir, fed, packets) = run(BrokerKind::Embedded, "Global", 32 << 10);
+    check(&fed, &packets);
+}
+
+#[test]
+fn local_bn_three_agents_three_rounds_on_mosquitto() {
+    if mosquitto().is_none() {
+        assert!(
+            std::env::var_os("UNIFED_REQUIRE_MOSQUITTO").is_none(),
+            "UNIFED_REQUIRE_MOSQUITTO is set but mosquitto is not installed"
+        );
+        eprintln!("SKIPPED: mosquitto is not installed (scripts/install-mosquitto.sh)");
+        return;
+    }
+    let _one = serial();
+    let (_dir, fed, packets) = run(BrokerKind::Mosquitto, "Local", 32 << 10);
+    check(&fed, &packets);
 }

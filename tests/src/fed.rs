@@ -1,0 +1,219 @@
+//! A small federation for the end-to-end tests: the initial model, the aggregator's and the
+//! agents' config files, and their processes (each logging to a file in the test's folder).
+
+use crate::{Guard, binary};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Mosquitto's config for the tests and for sites that run their own: loopback listener,
+/// password file, packet limit, a deep queue (the default of 1000 queued messages drops
+/// silently), no persistence, and the user to run as.
+pub fn mosquitto_conf(port: u16, password_file: &Path, max_packet: usize, user: &str) -> String {
+    format!(
+        "per_listener_settings false\nlistener {port} 127.0.0.1\nallow_anonymous false\n\
+         password_file {}\nmax_packet_size {}\nmax_queued_messages 100000\nmax_queued_bytes 0\n\
+         max_inflight_messages 100\npersistence false\nuser {user}\nlog_dest stderr\n",
+        password_file.display(),
+        max_packet + 4096
+    )
+}
+
+/// One federation's settings and folder.
+#[derive(Debug, Clone)]
+pub struct Fed {
+    /// The test's folder (configs, logs, data directories).
+    pub dir: PathBuf,
+    /// The port clients connect to (the proxy's, or the broker's).
+    pub port: u16,
+    /// Packet limit of clients and broker.
+    pub max_packet: usize,
+    /// Broker username and password.
+    pub credentials: Option<(String, String)>,
+    /// Digits CNN conv widths.
+    pub conv: Vec<usize>,
+    /// Digits CNN fc widths.
+    pub fc: Vec<usize>,
+    /// Rounds.
+    pub rounds: u64,
+    /// Sites a round waits for.
+    pub min_sites: usize,
+    /// Round deadline in seconds.
+    pub deadline_secs: u64,
+    /// `Local` or `Global`.
+    pub bn_policy: String,
+    /// Model chunk size.
+    pub chunk_bytes: usize,
+    /// Training images per site.
+    pub train_samples: usize,
+    /// Seconds between an agent's re-sends.
+    pub resend_secs: u64,
+}
+
+impl Fed {
+    /// A small, fast federation in `dir` reaching the broker on `port`.
+    pub fn new(dir: &Path, port: u16, max_packet: usize) -> Fed {
+        Fed {
+            dir: dir.to_path_buf(),
+            port,
+            max_packet,
+            credentials: None,
+            conv: vec![4, 6, 8],
+            fc: vec![64, 16],
+            rounds: 3,
+            min_sites: 3,
+            deadline_secs: 300,
+            bn_policy: "Local".into(),
+            chunk_bytes: 8192,
+            train_samples: 48,
+            resend_secs: 30,
+        }
+    }
+
+    /// The initial model file (written on first use by `unifed-agent init`).
+    pub fn model(&self) -> PathBuf {
+        let p = self.dir.join("init.safetensors");
+        if !p.exists() {
+            let join = |v: &[usize]| {
+                v.iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            let st = Command::new(binary("unifed-agent"))
+                .args(["init", "--arch", "digits", "--conv"])
+                .arg(join(&self.conv))
+                .arg("--fc")
+                .arg(join(&self.fc))
+                .arg("--out")
+                .arg(&p)
+                .status()
+                .expect("unifed-agent init");
+            assert!(st.success(), "unifed-agent init failed");
+        }
+        p
+    }
+
+    /// The model spec written beside the initial model.
+    pub fn spec(&self) -> unifed_protocol::ModelSpec {
+        let p = self.dir.join("init.safetensors.spec.json");
+        self.model();
+        serde_json::from_slice(&std::fs::read(p).expect("spec file")).expect("spec json")
+    }
+
+    fn broker_toml(&self) -> String {
+        let mut s = format!(
+            "[broker]\nhost = \"127.0.0.1\"\nport = {}\nmax_packet_bytes = {}\nkeep_alive_secs = 5\n",
+            self.port, self.max_packet
+        );
+        if let Some((u, p)) = &self.credentials {
+            s += &format!("username = \"{u}\"\npassword = \"{p}\"\n");
+        }
+        s
+    }
+
+    /// The aggregator's data directory.
+    pub fn agg_dir(&self) -> PathBuf {
+        self.dir.join("agg")
+    }
+
+    /// Writes the aggregator's config and starts `unifed-aggregator serve` (log: `agg.log`).
+    pub fn aggregator(&self) -> Guard {
+        let cfg = self.dir.join("agg.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = 3\n{}\n[federation]\nfederation = \"e2e\"\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
+                self.agg_dir().display(),
+                self.model().display(),
+                self.chunk_bytes,
+                self.broker_toml(),
+                self.rounds,
+                self.min_sites,
+                self.deadline_secs,
+                self.bn_policy,
+            ),
+        )
+        .expect("aggregator config");
+        spawn(
+            Command::new(binary("unifed-aggregator"))
+                .args(["serve", "--config"])
+                .arg(&cfg),
+            &self.dir.join("agg.log"),
+        )
+    }
+
+    /// The state folder of `site`'s agent.
+    pub fn site_dir(&self, site: &str) -> PathBuf {
+        self.dir.join(site)
+    }
+
+    /// Writes `site`'s config (data: the built-in domain of that name) and starts
+    /// `unifed-agent train` (log: `<site>.log`, appended across restarts).
+    pub fn agent(&self, site: &str) -> Guard {
+        let cfg = self.dir.join(format!("{site}.toml"));
+        let list = |v: &[usize]| {
+            v.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        std::fs::write(
+            &cfg,
+            format!(
+                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{site}\"\ntrain_samples = {}\n",
+                self.site_dir(site).display(),
+                self.resend_secs,
+                list(&self.conv),
+                list(&self.fc),
+                self.broker_toml(),
+                self.train_samples,
+            ),
+        )
+        .expect("agent config");
+        spawn(
+            Command::new(binary("unifed-agent"))
+                .args(["train", "--config"])
+                .arg(&cfg),
+            &self.dir.join(format!("{site}.log")),
+        )
+    }
+
+    /// Every log file of the test's folder, for a failure message.
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            let mut files: Vec<_> = rd
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                .collect();
+            files.sort();
+            for f in files {
+                let text = std::fs::read_to_string(&f).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(40).collect();
+                out += &format!("==== {} (last 40 lines)\n", f.display());
+                for l in tail.iter().rev() {
+                    out += l;
+                    out.push('\n');
+                }
+            }
+        }
+        out
+    }
+}
+
+fn spawn(cmd: &mut Command, log: &Path) -> Guard {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("log file");
+    let g = f.try_clone().expect("log file");
+    Guard(
+        cmd.env("RUST_LOG", "info,rumqttc=warn")
+            .stdout(Stdio::from(f))
+            .stderr(Stdio::from(g))
+            .spawn()
+            .expect("spawning a workspace binary"),
+    )
+}
