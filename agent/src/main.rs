@@ -7,7 +7,8 @@
 
 mod bench;
 mod singleset;
-mod train;
+
+use unifed_agent::{model, train};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -125,7 +126,7 @@ fn main() -> Result<()> {
         Cmd::Bench(args) => bench::run(&args),
         Cmd::Spec { arch } => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
-            let spec = singleset::spec_for(&arch, &device)?;
+            let spec = model::spec_for(&arch, &device)?;
             println!(
                 "{}",
                 serde_json::to_string_pretty(&serde_json::json!({
@@ -137,18 +138,8 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Train { config } => {
-            let text = std::fs::read_to_string(&config)
-                .with_context(|| format!("reading {}", config.display()))?;
-            let cfg: train::AgentConfig =
-                toml::from_str(&text).with_context(|| format!("parsing {}", config.display()))?;
-            if let (None, Some(t)) = (cli.threads, cfg.threads) {
-                cap_cpu_threads(t).map_err(|e| anyhow::anyhow!("{}: threads: {e}", config.display()))?;
-            }
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
-            rt.block_on(train::run(cfg))?;
+            // `--threads`, applied above, overrides the config's cap.
+            train::run_from_file(&config, cli.threads.is_some())?;
             Ok(())
         }
         Cmd::Init {
@@ -159,17 +150,11 @@ fn main() -> Result<()> {
             out,
         } => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
-            let (spec, state) = singleset::init_state(&arch, &conv, &fc, seed, &device)?;
-            unifed_models::checkpoint::save(&out, &state, &spec)
-                .with_context(|| format!("writing {}", out.display()))?;
-            let mut sp = out.as_os_str().to_owned();
-            sp.push(".spec.json");
-            std::fs::write(&sp, serde_json::to_vec_pretty(&spec)?)
-                .with_context(|| format!("writing {}", sp.to_string_lossy()))?;
+            let spec = model::write_initial(&arch, &conv, &fc, seed, &device, &out)?;
             println!(
                 "wrote {} ({} tensors, spec {})",
                 out.display(),
-                state.tensors.len(),
+                spec.tensors.len(),
                 spec.hash()
             );
             Ok(())

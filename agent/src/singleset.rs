@@ -1,7 +1,7 @@
 //! SingleSet: each built-in training domain trained alone (no federation), evaluated on its
 //! fixed test split every epoch. The main job until the federation lands.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -9,8 +9,7 @@ use std::time::Instant;
 use unifed_models::backend::{Backend, cpu_threads};
 use unifed_models::data::{BuiltinData, Domain, SplitSizes, preview_grid};
 use unifed_models::train::{TrainConfig, TrainEvent, evaluate, train_local};
-use unifed_models::zoo::{DigitsCnnConfig, MlpConfig, ModelConfig, ResNetConfig, seeded, spec_of};
-use unifed_protocol::{Input, ModelSpec, Scaling};
+use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 
 /// Options of the SingleSet demo.
 #[derive(clap::Args, Debug)]
@@ -47,91 +46,6 @@ struct DomainResult {
     epoch_test_accuracy: Vec<f64>,
     final_test_accuracy: f64,
     seconds: f64,
-}
-
-/// The model spec for `arch` (digits, mlp, resnet18) with default sizes.
-pub fn spec_for(arch: &str, device: &unifed_models::backend::Device) -> Result<ModelSpec> {
-    let digits: Vec<String> = (0..10).map(|d| d.to_string()).collect();
-    Ok(match arch {
-        "digits" => {
-            let cfg = ModelConfig::fedbn_digits();
-            spec_of(
-                &DigitsCnnConfig::default().init(device),
-                &cfg.classes,
-                &cfg.input,
-            )
-        }
-        "mlp" => spec_of(
-            &MlpConfig::abide(100, 2).init(device),
-            &["control".into(), "autism".into()],
-            &Input::Features { len: 100 },
-        ),
-        "resnet18" => spec_of(
-            &ResNetConfig::new(1, [64, 64], 10).init(device),
-            &digits,
-            &Input::Image {
-                channels: 1,
-                height: 64,
-                width: 64,
-                scaling: Scaling::MinusOneToOne,
-            },
-        ),
-        other => bail!("unknown architecture `{other}`: expected digits, mlp or resnet18"),
-    })
-}
-
-/// A seeded initial model of `arch` and its spec; `conv`/`fc` override the digits CNN widths.
-pub fn init_state(
-    arch: &str,
-    conv: &[usize],
-    fc: &[usize],
-    seed: u64,
-    device: &unifed_models::backend::Device,
-) -> Result<(ModelSpec, unifed_models::state::StateDict)> {
-    use unifed_models::state::{Select, export};
-    Ok(match arch {
-        "digits" => {
-            let mut cfg = DigitsCnnConfig::default();
-            if !conv.is_empty() {
-                cfg.conv = conv
-                    .try_into()
-                    .map_err(|_| anyhow::anyhow!("--conv takes 3 widths, got {}", conv.len()))?;
-            }
-            if !fc.is_empty() {
-                cfg.fc = fc
-                    .try_into()
-                    .map_err(|_| anyhow::anyhow!("--fc takes 2 widths, got {}", fc.len()))?;
-            }
-            cfg.validate().map_err(anyhow::Error::msg)?;
-            let mc = ModelConfig::fedbn_digits();
-            let net = seeded(device, seed, |d| cfg.init(d));
-            let spec = spec_of(&net, &mc.classes, &mc.input);
-            let state = export(&net, &spec, Select::All);
-            (spec, state)
-        }
-        "mlp" => {
-            let spec = spec_for(arch, device)?;
-            (
-                spec.clone(),
-                export(
-                    &seeded(device, seed, |d| MlpConfig::abide(100, 2).init(d)),
-                    &spec,
-                    Select::All,
-                ),
-            )
-        }
-        _ => {
-            let spec = spec_for(arch, device)?;
-            (
-                spec.clone(),
-                export(
-                    &seeded(device, seed, |d| ResNetConfig::new(1, [64, 64], 10).init(d)),
-                    &spec,
-                    Select::All,
-                ),
-            )
-        }
-    })
 }
 
 pub fn run(backend: Backend, args: &Args) -> Result<()> {

@@ -23,8 +23,12 @@ use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
     Answer, ChunkRequest, RoundManifest, ServerBroadcast, SiteState, SiteStatus, UpdateAnswer,
+    UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
+
+use crate::progress::{Report, training_bar};
+use crate::uplink::{Uplink, Upload};
 
 /// Where a site's labelled data comes from.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -70,6 +74,10 @@ pub struct AgentConfig {
     /// Cap on the CPU backend's worker threads (default: all cores; `--threads` overrides).
     #[serde(default)]
     pub threads: Option<usize>,
+    /// Evaluate on the local test split after every model applied (for convergence curves),
+    /// not only at the end.
+    #[serde(default)]
+    pub evaluate_each_model: bool,
     /// The broker.
     pub broker: BrokerConfig,
     /// The data.
@@ -114,6 +122,25 @@ fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> 
         }
         _ => bail!("[data] needs exactly one of `builtin` or `folder`"),
     }
+}
+
+/// Reads the agent config at `path`, caps the CPU threads at the config's `threads` unless the
+/// caller already capped them (`capped`), and runs the agent on its own runtime until the
+/// federation finishes; returns the final test accuracy.
+pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<f64> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let cfg: AgentConfig =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    if let (false, Some(t)) = (capped, cfg.threads) {
+        unifed_models::backend::cap_cpu_threads(t)
+            .map_err(|e| anyhow::anyhow!("{}: threads: {e}", path.display()))?;
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(run(cfg))
 }
 
 /// Runs the agent until the federation finishes; returns the site's final test accuracy.
@@ -191,7 +218,9 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
     // Chunks asked for at a time: the broker keeps only a few packets per topic in memory, so
     // a whole model requested at once would overrun a slow subscriber.
     const WINDOW: usize = 16;
-    let mut pending: Option<(u64, Vec<u8>, Instant)> = None;
+    let mut pending: Option<Upload> = None;
+    let resend = Duration::from_secs(cfg.resend_secs);
+    let mut fetch_started: Option<Instant> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let t0 = Instant::now();
     let save = |site: &Site<DigitsCnn>, progress: &Progress| -> Result<()> {
@@ -206,6 +235,10 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                 None => bail!("the MQTT event loop stopped"),
                 Some(NetEvent::Connected) => {
                     client.publish(topics.status(&site_id), Qos::AtLeastOnce, true, status(SiteState::Online, "")).await?;
+                    // Chunks in flight when the connection dropped are lost: send them again now.
+                    if let Some(p) = &mut pending {
+                        p.reconnected();
+                    }
                 }
                 Some(NetEvent::Disconnected(_)) => {}
                 Some(NetEvent::Message { topic, payload }) => {
@@ -236,7 +269,18 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                                     progress.applied_version = Some(b.model_version);
                                     save(s, &progress)?;
                                     println!("{site_id}: applied model v{}", b.model_version);
+                                    Report::Applied {
+                                        version: b.model_version,
+                                        bytes: m.payload_len,
+                                        seconds: fetch_started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+                                    }
+                                    .emit();
+                                    fetch_started = None;
                                     last_request = None;
+                                    if cfg.evaluate_each_model && !m.finished {
+                                        let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?.accuracy();
+                                        Report::Evaluated { version: b.model_version, accuracy: acc }.emit();
+                                    }
                                 }
                                 Ok(_) => {}
                                 Err(e) => tracing::warn!(error = %e, "chunk dropped"),
@@ -244,7 +288,8 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                         }
                         MessageKind::UpdateAnswer => {
                             let a: UpdateAnswer = env.payload_as()?;
-                            if pending.as_ref().is_some_and(|p| p.0 == a.round) {
+                            if pending.as_ref().is_some_and(|p| p.round == a.round) {
+                                Report::Answered { round: a.round, accepted: a.answer == Answer::Accepted }.emit();
                                 match a.answer {
                                     Answer::Accepted => println!("{site_id}: update for round {} accepted", a.round),
                                     Answer::Rejected(r) => eprintln!("{site_id}: update for round {} rejected: {r:?}", a.round),
@@ -252,6 +297,13 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                                 pending = None;
                                 progress.answered_rounds.push(a.round);
                                 save(site.as_ref().expect("site present"), &progress)?;
+                            }
+                        }
+                        MessageKind::UpdateReceipt => {
+                            let r: UpdateReceipt = env.payload_as()?;
+                            if let Some(p) = &mut pending {
+                                p.receipt(&r);
+                                uplink.pump(p, resend).await?;
                             }
                         }
                         _ => {}
@@ -262,6 +314,7 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
         let Some(m) = manifest.clone() else { continue };
         let applied = progress.applied_version == Some(m.model_version);
         if !applied {
+            fetch_started.get_or_insert_with(Instant::now);
             // Fetch: ask for what is missing, again if nothing completed within 5 s.
             if outstanding.is_empty()
                 || last_request.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
@@ -301,7 +354,12 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
         }
         if m.finished {
             let s = site.as_ref().expect("site present");
-            let acc = s.evaluate(&spec, &device)?.accuracy();
+            let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?.accuracy();
+            Report::Evaluated {
+                version: m.model_version,
+                accuracy: acc,
+            }
+            .emit();
             println!(
                 "{site_id}: federation finished at model v{}; test accuracy {:.2}%",
                 m.model_version,
@@ -345,6 +403,7 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                     status(SiteState::Training { round: m.round }, ""),
                 )
                 .await?;
+            let bar = training_bar(site_id.as_str(), m.round);
             let (s, bytes) = tokio::task::spawn_blocking(move || {
                 let r = s.train_round(
                     &spec2,
@@ -355,60 +414,28 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                     m.encoding,
                     m.bn_policy,
                     &dev2,
+                    bar,
                 );
                 (s, r)
             })
             .await?;
             site = Some(s);
             let bytes = bytes?;
-            uplink.send(&m, &bytes).await?;
-            pending = Some((m.round, bytes, Instant::now()));
-        } else if let Some((round, bytes, sent)) = &mut pending {
-            if *round != m.round {
+            let mut up = uplink.start(&m, bytes);
+            Report::Uploaded {
+                round: m.round,
+                bytes: up.len() as u64,
+                messages: up.messages() as u64,
+            }
+            .emit();
+            uplink.pump(&mut up, resend).await?;
+            pending = Some(up);
+        } else if let Some(p) = &mut pending {
+            if p.round != m.round {
                 pending = None;
-            } else if sent.elapsed() > Duration::from_secs(cfg.resend_secs) {
-                uplink.send(&m, bytes).await?;
-                *sent = Instant::now();
+            } else {
+                uplink.pump(p, resend).await?;
             }
         }
-    }
-}
-
-/// Where a site's updates go: cut into `UpdateChunk` messages when one would not fit in an
-/// MQTT packet.
-struct Uplink {
-    client: unifed_net::Client,
-    topic: String,
-    fed: Id,
-    site: Id,
-    hash: unifed_protocol::SpecHash,
-    max_packet: usize,
-}
-
-impl Uplink {
-    /// Publishes the update envelope `bytes` for the round of `m`.
-    async fn send(&self, m: &RoundManifest, bytes: &[u8]) -> Result<()> {
-        let limit = self.max_packet.saturating_sub(4096).max(1024);
-        if bytes.len() <= limit {
-            self.client
-                .publish(self.topic.clone(), Qos::AtLeastOnce, false, bytes.to_vec())
-                .await?;
-            return Ok(());
-        }
-        for c in unifed_protocol::chunking::split(bytes, limit - 512) {
-            let env = Envelope::new(
-                MessageKind::UpdateChunk,
-                self.fed.clone(),
-                self.site.clone(),
-                m.round,
-                m.model_version,
-                self.hash,
-                &c,
-            );
-            self.client
-                .publish(self.topic.clone(), Qos::AtLeastOnce, false, env.encode())
-                .await?;
-        }
-        Ok(())
     }
 }

@@ -1,9 +1,9 @@
 //! `unifed-aggregator`: the federation service.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use unifed_aggregator::service::{ServiceConfig, serve};
+use unifed_aggregator::service::serve_from_file;
 
 #[derive(Parser)]
 #[command(name = "unifed-aggregator", version, about = "UniFed Edge aggregator")]
@@ -22,22 +22,11 @@ enum Cmd {
     },
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
     unifed_net::init_logging("warn");
     match Cli::parse().cmd {
         Cmd::Serve { config } => {
-            let text = std::fs::read_to_string(&config)
-                .with_context(|| format!("reading {}", config.display()))?;
-            let cfg: ServiceConfig =
-                toml::from_str(&text).with_context(|| format!("parsing {}", config.display()))?;
-            cfg.federation
-                .validate()
-                .map_err(|e| anyhow::anyhow!("{}: {}", config.display(), e.join("; ")))?;
-            let v = serve(cfg, async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
+            let v = serve_from_file(&config)?;
             println!("final model version {v}");
             Ok(())
         }

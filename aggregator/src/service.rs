@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{Chunk, ChunkRequest, RoundManifest, UpdateAnswer};
+use unifed_protocol::messages::{Chunk, ChunkRequest, RoundManifest, UpdateAnswer, UpdateReceipt};
 use unifed_protocol::topics::Topics;
 use unifed_protocol::{ModelSpec, SpecHash};
 
@@ -100,6 +100,25 @@ fn now_ms() -> u64 {
 struct Served {
     manifest: RoundManifest,
     chunks: Vec<Chunk>,
+}
+
+/// Reads the service config at `path`, validates it, and serves on a runtime of its own until
+/// the federation has finished and lingered, or Ctrl-C; returns the final model version.
+pub fn serve_from_file(path: &Path) -> Result<u64> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let cfg: ServiceConfig =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    cfg.federation
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.join("; ")))?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(serve(cfg, async {
+            let _ = tokio::signal::ctrl_c().await;
+        }))
 }
 
 /// Runs the federation until it has finished and lingered, or `shutdown` resolves. Returns the
@@ -221,8 +240,19 @@ pub async fn serve(
                         // Updates above the packet limit arrive as chunks; the core gets whole messages.
                         let whole = match Envelope::decode_limited(&payload, cfg.broker.max_packet_bytes + 4096) {
                             Ok(env) if env.kind == MessageKind::UpdateChunk => {
-                                match env.payload_as::<Chunk>().map_err(|e| e.to_string()).and_then(|c| uploads.insert(c, now_ms()).map_err(|e| e.to_string())) {
-                                    Ok(done) => done,
+                                let inserted = env.payload_as::<Chunk>().map_err(|e| e.to_string()).and_then(|c| {
+                                    let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
+                                    uploads.insert(c, now_ms()).map(|done| (r, done)).map_err(|e| e.to_string())
+                                });
+                                match inserted {
+                                    Ok((r, done)) => {
+                                        // Receipt first: the site's upload window moves on.
+                                        if let Ok(id) = Id::new(&site) {
+                                            let env = Envelope::new(MessageKind::UpdateReceipt, fed.clone(), me.clone(), r.round, core.model_version(), hash, &r);
+                                            client.publish(topics.ack(&id), Qos::AtLeastOnce, false, env.encode()).await?;
+                                        }
+                                        done
+                                    }
                                     Err(e) => {
                                         tracing::warn!(site, error = %e, "update chunk dropped");
                                         None

@@ -1,136 +1,18 @@
-//! `unifed-broker`: the embedded MQTT broker (rumqttd 0.20) with every setting given
-//! explicitly, as a process of its own so tests and the demo can start, kill and restart it
-//! (rumqttd has no shutdown API, and cannot report an ephemeral port).
-//!
-//! It prints `unifed-broker listening on <addr>` on stdout once the port accepts connections.
-//! Settings and why (see `shared/notes/mqtt-stack.md`):
-//! - `max_payload_size` is rumqttd's limit on a whole packet (remaining length), so it is set to
-//!   the largest application packet plus room for topic and header;
-//! - `dynamic_filters = true`, or a publish to a topic nobody subscribed to disconnects the
-//!   publisher;
-//! - router limits are non-zero (rumqttd's zero defaults panic or refuse every connection), and
-//!   each filter's in-memory log is bounded to 2 segments of at least 4 packets.
+//! `unifed-broker`: the embedded MQTT broker as a process of its own (see the library docs).
 
-use anyhow::{Context, Result, bail};
 use clap::Parser;
-use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "unifed-broker",
     about = "Embedded MQTT broker for UniFed Edge (rumqttd)"
 )]
-struct Args {
-    /// Address to listen on; port 0 picks a free port (printed on stdout).
-    #[arg(long, default_value = "127.0.0.1:1883")]
-    listen: SocketAddr,
-    /// Largest MQTT packet accepted, in bytes (application chunks plus topic and header).
-    #[arg(long, default_value_t = 1 << 20)]
-    max_packet_bytes: usize,
-    /// Maximum client connections.
-    #[arg(long, default_value_t = 1000)]
-    max_connections: usize,
-    /// Username:password pairs allowed to connect (none: anonymous access).
-    #[arg(long = "user")]
-    users: Vec<String>,
+struct Cli {
+    #[command(flatten)]
+    broker: unifed_broker::BrokerArgs,
 }
 
-fn main() -> Result<()> {
-    // rumqttd logs every client disconnect, clean ones included, at ERROR from
-    // `rumqttd::server::broker`; that target is off unless RUST_LOG asks for it.
-    unifed_net::init_logging("warn,rumqttd::server::broker=off");
-    let args = Args::parse();
-    if args.max_packet_bytes < 1024 {
-        bail!(
-            "--max-packet-bytes must be at least 1024, got {}",
-            args.max_packet_bytes
-        );
-    }
-    let listen = if args.listen.port() == 0 {
-        // rumqttd binds inside its own thread and never reports the port: pick a free one.
-        let l =
-            TcpListener::bind(args.listen).with_context(|| format!("binding {}", args.listen))?;
-        l.local_addr()?
-    } else {
-        args.listen
-    };
-    let auth = if args.users.is_empty() {
-        None
-    } else {
-        let mut m = HashMap::new();
-        for u in &args.users {
-            let (user, pass) = u
-                .split_once(':')
-                .with_context(|| format!("--user `{u}` must be user:password"))?;
-            m.insert(user.to_string(), pass.to_string());
-        }
-        Some(m)
-    };
-    let connections = rumqttd::ConnectionSettings {
-        connection_timeout_ms: 60_000,
-        max_payload_size: args.max_packet_bytes + 4096,
-        max_inflight_count: 100,
-        auth,
-        external_auth: None,
-        dynamic_filters: true,
-    };
-    let server = rumqttd::ServerSettings {
-        name: "v4".into(),
-        listen,
-        tls: None,
-        next_connection_delay_ms: 1,
-        connections,
-    };
-    let segment = (4 * (args.max_packet_bytes + 4096)).max(1 << 20);
-    let config = rumqttd::Config {
-        id: 0,
-        router: rumqttd::RouterConfig {
-            max_connections: args.max_connections,
-            max_outgoing_packet_count: 200,
-            max_segment_size: segment,
-            max_segment_count: 2,
-            custom_segment: None,
-            initialized_filters: None,
-            shared_subscriptions_strategy: Default::default(),
-        },
-        v4: Some([("v4".to_string(), server)].into()),
-        ..Default::default()
-    };
-    let mut broker = rumqttd::Broker::new(config);
-    let handle = std::thread::spawn(move || broker.start().map_err(|e| e.to_string()));
-    let t0 = Instant::now();
-    while !listening(listen) {
-        if handle.is_finished() || t0.elapsed() > Duration::from_secs(10) {
-            bail!("the broker did not start listening on {listen}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    println!("unifed-broker listening on {listen}");
-    use std::io::Write;
-    std::io::stdout().flush()?;
-    match handle.join() {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => bail!("broker stopped: {e}"),
-        Err(_) => bail!("broker thread panicked"),
-    }
-}
-
-/// Whether something listens on `addr`. On Linux this reads `/proc/net/tcp{,6}` for a LISTEN
-/// socket on the port, which neither disturbs the broker (a probe connection makes rumqttd log
-/// an aborted connect) nor races with its bind (a probe bind could); elsewhere it connects.
-fn listening(addr: SocketAddr) -> bool {
-    let port = format!(":{:04X}", addr.port());
-    let tables: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .filter_map(|p| std::fs::read_to_string(p).ok())
-        .collect();
-    if tables.is_empty() {
-        return TcpStream::connect(addr).is_ok();
-    }
-    tables.iter().flat_map(|t| t.lines().skip(1)).any(|line| {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        f.len() > 3 && f[1].ends_with(&port) && f[3] == "0A"
-    })
+fn main() -> anyhow::Result<()> {
+    unifed_net::init_logging(unifed_broker::LOG_FILTER);
+    unifed_broker::run(&Cli::parse().broker)
 }

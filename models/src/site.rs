@@ -6,7 +6,7 @@ use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
 use crate::state::{NamedTensor, Select, StateDict, delta, export, import};
-use crate::train::{EvalReport, TrainConfig, evaluate, train_local};
+use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_local};
 use crate::zoo::Net;
 use std::collections::HashMap;
 use unifed_protocol::ModelSpec;
@@ -100,7 +100,8 @@ impl<N: Net> Site<N> {
         Ok(())
     }
 
-    /// Trains locally from the current model and returns the encoded update envelope.
+    /// Trains locally from the current model (reporting to `progress`) and returns the encoded
+    /// update envelope.
     #[allow(clippy::too_many_arguments)]
     pub fn train_round(
         &mut self,
@@ -112,6 +113,7 @@ impl<N: Net> Site<N> {
         encoding: Encoding,
         bn: BnPolicy,
         device: &Device,
+        progress: impl FnMut(TrainEvent),
     ) -> Result<Vec<u8>, SiteError> {
         let select = select_for(bn);
         let base = export(&self.net, spec, select);
@@ -121,7 +123,7 @@ impl<N: Net> Site<N> {
             spec.classes.len(),
             tc,
             device,
-            |_| {},
+            progress,
         )?;
         self.net = net;
         let d = delta(&export(&self.net, spec, select), &base)?;

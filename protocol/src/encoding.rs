@@ -23,6 +23,31 @@ pub enum Encoding {
     },
 }
 
+impl core::str::FromStr for Encoding {
+    type Err = String;
+
+    /// Parses `f32`, `f16`, `q8` or `topk<per-mille>` (e.g. `topk100` keeps 10%).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let e = match s {
+            "f32" => Encoding::F32,
+            "f16" => Encoding::F16,
+            "q8" => Encoding::Q8,
+            t if t.starts_with("topk") => Encoding::TopK {
+                per_mille: t[4..].parse().map_err(|_| {
+                    alloc::format!("`{t}`: topk<per-mille>, e.g. topk100 keeps 10%")
+                })?,
+            },
+            other => {
+                return Err(alloc::format!(
+                    "unknown encoding `{other}`: f32, f16, q8 or topk<per-mille>"
+                ));
+            }
+        };
+        e.validate().map_err(String::from)?;
+        Ok(e)
+    }
+}
+
 /// The values of one tensor in some encoding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Values {

@@ -49,6 +49,9 @@ pub enum MessageKind {
     RegistryGet = 12,
     /// Reserved for onboarding: a new site asks to join the federation.
     Join = 13,
+    /// An [`crate::UpdateReceipt`]: the aggregator holds one chunk of a site's update (the
+    /// site's upload window moves on).
+    UpdateReceipt = 14,
 }
 
 impl MessageKind {
@@ -69,6 +72,7 @@ impl MessageKind {
             11 => RegistryPut,
             12 => RegistryGet,
             13 => Join,
+            14 => UpdateReceipt,
             _ => return None,
         })
     }
@@ -300,7 +304,7 @@ mod tests {
         for v in 0..=20u16 {
             match MessageKind::from_u16(v) {
                 Some(k) => assert_eq!(k.as_u16(), v),
-                None => assert!(v == 0 || v > 13),
+                None => assert!(v == 0 || v > 14),
             }
         }
         assert_eq!(MessageKind::Join.as_u16(), 13);

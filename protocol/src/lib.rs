@@ -59,7 +59,7 @@ pub use envelope::{DecodeError, Envelope, MAGIC, MessageKind, PROTOCOL_VERSION};
 pub use ids::{FederationId, Id, IdError, MAX_ID_LEN, SiteId};
 pub use messages::{
     Answer, BnPolicy, Chunk, ChunkRequest, Extras, RejectReason, RoundManifest, Scalar,
-    ServerBroadcast, SiteState, SiteStatus, SiteUpdate, UpdateAnswer,
+    ServerBroadcast, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
 };
 pub use spec::{Input, ModelSpec, Scaling, SpecError, SpecHash, TensorKind, TensorSpec};
 pub use topics::Topics;

@@ -180,6 +180,19 @@ pub struct UpdateAnswer {
     pub answer: Answer,
 }
 
+/// The aggregator holds chunk `index` of the update whose payload hash is `payload_hash`: the
+/// site's upload window moves on. Chunked uploads are windowed because a broker such as
+/// rumqttd keeps only a bounded log per subscription and skips what a slow subscriber missed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateReceipt {
+    /// Round of the update.
+    pub round: u64,
+    /// SHA-256 of the whole update envelope (the chunk set's id).
+    pub payload_hash: [u8; 32],
+    /// The chunk received.
+    pub index: u32,
+}
+
 /// What a site is doing (the Last Will publishes `Offline`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SiteState {

@@ -137,6 +137,7 @@ pub fn run_federation<N: Net>(
                         encoding,
                         bn,
                         device,
+                        |_| {},
                     )?;
                     update_bytes[k] = bytes.len();
                     observe(Observed::Update {

@@ -4,7 +4,7 @@
 //!   per-site accuracy table (mean and std over seeds), JSON and a convergence chart (SVG).
 //! - `encodings`: FedBN with each update encoding; bytes per site per round and accuracy.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
@@ -75,17 +75,7 @@ enum Cmd {
 }
 
 fn parse_encoding(s: &str) -> Result<Encoding> {
-    Ok(match s {
-        "f32" => Encoding::F32,
-        "f16" => Encoding::F16,
-        "q8" => Encoding::Q8,
-        t if t.starts_with("topk") => Encoding::TopK {
-            per_mille: t[4..]
-                .parse()
-                .context("topk<per-mille>, e.g. topk100 keeps 10%")?,
-        },
-        other => bail!("unknown encoding `{other}`: f32, f16, q8 or topk<per-mille>"),
-    })
+    s.parse().map_err(anyhow::Error::msg)
 }
 
 struct Run {

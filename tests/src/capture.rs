@@ -77,7 +77,10 @@ impl Proxy {
 
     /// Every PUBLISH recorded so far, in the order each direction saw them.
     pub fn packets(&self) -> Vec<Packet> {
-        self.packets.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.packets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
@@ -213,7 +216,14 @@ mod tests {
 
     #[test]
     fn parses_a_multi_byte_remaining_length() {
-        let mut pkt = vec![0x30, 0x80 | (203 % 128) as u8, (203 / 128) as u8, 0, 1, b't'];
+        let mut pkt = vec![
+            0x30,
+            0x80 | (203 % 128) as u8,
+            (203 / 128) as u8,
+            0,
+            1,
+            b't',
+        ];
         pkt.extend(std::iter::repeat_n(9u8, 200));
         let (len, p) = parse(&pkt).unwrap();
         assert_eq!(len, 3 + 203);

@@ -197,10 +197,7 @@ impl Broker {
                 if !st.as_ref().is_ok_and(|s| s.success()) {
                     // mosquitto_passwd lives in /usr/bin on Debian.
                     let st = Command::new("mosquitto_passwd").arg("-U").arg(&pw).status();
-                    assert!(
-                        st.is_ok_and(|s| s.success()),
-                        "mosquitto_passwd -U failed"
-                    );
+                    assert!(st.is_ok_and(|s| s.success()), "mosquitto_passwd -U failed");
                 }
                 let conf = self.dir.path().join("mosquitto.conf");
                 std::fs::write(

@@ -135,7 +135,10 @@ fn check(fed: &Fed, packets: &[Packet]) {
         let total: f64 = ups.iter().map(|u| u.samples as f64).sum();
         let names: Vec<String> = ups[0].delta.iter().map(|t| t.name.clone()).collect();
         for name in &names {
-            assert_eq!(!local || !bn_of(name), true, "BN tensor `{name}` sent under local");
+            assert!(
+                !local || !bn_of(name),
+                "BN tensor `{name}` sent under local"
+            );
         }
         let carried: usize = spec
             .tensors
@@ -186,7 +189,11 @@ fn check(fed: &Fed, packets: &[Packet]) {
                 .get(&(site.to_string(), v as u64))
                 .unwrap_or_else(|| panic!("{site} never received model v{v}"));
             for t in &b.weights {
-                assert!(!local || !bn_of(&t.name), "BN tensor `{}` broadcast", t.name);
+                assert!(
+                    !local || !bn_of(&t.name),
+                    "BN tensor `{}` broadcast",
+                    t.name
+                );
                 assert_eq!(
                     decode(t).unwrap(),
                     want[&t.name],
@@ -226,17 +233,25 @@ fn check(fed: &Fed, packets: &[Packet]) {
         .collect();
     assert_eq!(manifests.len() as u64, rounds + 1, "manifests published");
     assert!(manifests.last().unwrap().finished);
-    let answers: Vec<UpdateAnswer> = packets
+    let acks: Vec<Envelope> = packets
         .iter()
         .filter(|p| p.to_broker && p.topic.starts_with("unifed/v1/e2e/ack/"))
-        .map(|p| envelope(p).payload_as().unwrap())
+        .map(envelope)
+        .collect();
+    let answers: Vec<UpdateAnswer> = acks
+        .iter()
+        .filter(|e| e.kind == MessageKind::UpdateAnswer)
+        .map(|e| e.payload_as().unwrap())
         .collect();
     assert_eq!(answers.len(), updates.len(), "answers sent");
-    assert!(answers.iter().all(|a| a.answer == Answer::Accepted));
-    let per_version: u64 = manifests
+    // One receipt per update chunk: the uploads' flow control.
+    let receipts = acks
         .iter()
-        .map(|m| m.chunk_count as u64)
-        .sum::<u64>();
+        .filter(|e| e.kind == MessageKind::UpdateReceipt)
+        .count();
+    assert_eq!(receipts, update_msgs, "receipts sent");
+    assert!(answers.iter().all(|a| a.answer == Answer::Accepted));
+    let per_version: u64 = manifests.iter().map(|m| m.chunk_count as u64).sum::<u64>();
     for site in SITES {
         assert_eq!(
             chunk_msgs.get(site).copied().unwrap_or(0) as u64,

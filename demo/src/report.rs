@@ -1,0 +1,144 @@
+//! The demo's results: the per-site table of every run side by side, `federation.json` and the
+//! convergence chart `federation.svg`.
+
+use crate::run::{Options, RunResult};
+use anyhow::{Context, Result};
+use serde::Serialize;
+use unifed_sim::chart::{Series, line_chart};
+
+#[derive(Serialize)]
+struct Results<'a> {
+    command: String,
+    rounds: u64,
+    train_samples: usize,
+    epochs: usize,
+    encoding: &'a str,
+    seed: u64,
+    cores: usize,
+    runs: &'a [RunResult],
+}
+
+fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
+    let (s, n) = v
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 { f64::NAN } else { s / n as f64 }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+}
+
+/// Mean bytes one site sends per round.
+pub fn upload_per_site_round(r: &RunResult) -> f64 {
+    mean(
+        r.sites
+            .iter()
+            .flat_map(|s| s.upload_bytes.iter().map(|&b| b as f64)),
+    )
+}
+
+/// Mean bytes of a model one site fetches (the versions after the initial one).
+pub fn download_per_site_round(r: &RunResult) -> f64 {
+    mean(
+        r.sites
+            .iter()
+            .flat_map(|s| s.download_bytes.iter().skip(1).map(|&b| b as f64)),
+    )
+}
+
+/// Prints the table and writes the JSON and the chart.
+pub fn finish(opts: &Options, runs: &[RunResult]) -> Result<()> {
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let mut table = String::new();
+    let head: Vec<String> = runs.iter().map(|r| format!("{:>12}", r.name)).collect();
+    table += &format!("\n{:<26}{}\n", "test accuracy (%)", head.join(""));
+    for (k, s) in runs[0].sites.iter().enumerate() {
+        let cells: Vec<String> = runs
+            .iter()
+            .map(|r| format!("{:>12.2}", 100.0 * r.sites[k].final_accuracy))
+            .collect();
+        table += &format!("{:<26}{}\n", s.site, cells.join(""));
+    }
+    let row = |label: &str, f: &dyn Fn(&RunResult) -> String| {
+        let cells: Vec<String> = runs.iter().map(|r| format!("{:>12}", f(r))).collect();
+        format!("{label:<26}{}\n", cells.join(""))
+    };
+    table += &row("mean", &|r| {
+        format!(
+            "{:.2}",
+            100.0 * mean(r.sites.iter().map(|s| s.final_accuracy))
+        )
+    });
+    table += &row("MB sent /site/round", &|r| {
+        format!("{:.2}", upload_per_site_round(r) / 1e6)
+    });
+    table += &row("MB fetched /site/round", &|r| {
+        format!("{:.2}", download_per_site_round(r) / 1e6)
+    });
+    table += &row("seconds/round", &|r| {
+        format!("{:.1}", mean(r.round_seconds.iter().copied()))
+    });
+    table += &row("peak RSS, all processes", &|r| mib(r.peak_rss_total_bytes));
+    table += &row("peak RSS, aggregator", &|r| {
+        mib(r.peak_rss_bytes.get("aggregator").copied().unwrap_or(0))
+    });
+    table += &row("peak RSS, largest agent", &|r| {
+        mib(r
+            .peak_rss_bytes
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "aggregator" | "broker" | "demo"))
+            .map(|(_, v)| *v)
+            .max()
+            .unwrap_or(0))
+    });
+    table += &row("peak RSS, broker", &|r| {
+        mib(r.peak_rss_bytes.get("broker").copied().unwrap_or(0))
+    });
+    table += &row("wall seconds", &|r| format!("{:.0}", r.wall_seconds));
+    println!("{table}");
+
+    std::fs::create_dir_all(&opts.out)
+        .with_context(|| format!("creating {}", opts.out.display()))?;
+    let json = opts.out.join("federation.json");
+    let results = Results {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        rounds: opts.rounds,
+        train_samples: opts.train_samples,
+        epochs: opts.epochs,
+        encoding: &opts.encoding,
+        seed: opts.seed,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        runs,
+    };
+    std::fs::write(&json, serde_json::to_vec_pretty(&results)?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    let colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
+    let series: Vec<Series> = runs
+        .iter()
+        .zip(colours.iter().cycle())
+        .map(|(r, c)| Series {
+            name: format!("{} (mean of {} sites)", r.name, r.sites.len()),
+            colour: c.to_string(),
+            // Rounds 1..=R: the accuracy after each round's model (index 0 is the initial one).
+            values: (1..=r.rounds as usize)
+                .map(|v| mean(r.sites.iter().filter_map(|s| s.accuracy.get(v).copied())))
+                .collect(),
+            band: Vec::new(),
+        })
+        .collect();
+    let svg = opts.out.join("federation.svg");
+    std::fs::write(
+        &svg,
+        line_chart(
+            "Federation over MQTT: mean site test accuracy per round",
+            "test accuracy",
+            &series,
+        ),
+    )
+    .with_context(|| format!("writing {}", svg.display()))?;
+    println!("wrote {} and {}", json.display(), svg.display());
+    Ok(())
+}

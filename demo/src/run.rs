@@ -1,0 +1,414 @@
+//! One federation of the demo: broker, aggregator and agents started as processes, their
+//! reports followed with progress bars until the last round, and what they measured collected.
+
+use crate::supervise::{Children, Line};
+use anyhow::{Context, Result, bail};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::mpsc::RecvTimeoutError;
+use std::time::{Duration, Instant};
+use unifed_agent::progress::Report;
+use unifed_agent::train::{AgentConfig, DataConfig};
+use unifed_aggregator::config::FederationConfig;
+use unifed_aggregator::service::ServiceConfig;
+use unifed_models::data::Domain;
+use unifed_net::BrokerConfig;
+use unifed_protocol::encoding::Encoding;
+use unifed_protocol::messages::BnPolicy;
+
+/// The demo's options.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Options {
+    /// Federated rounds of each run.
+    #[arg(long, default_value_t = 6)]
+    pub rounds: u64,
+    /// Sites, one built-in training domain each (a domain named twice makes a second site,
+    /// `<domain>-2`, with the same data).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "grey,texture,lowres,fonts,noisy"
+    )]
+    pub sites: Vec<String>,
+    /// BN policies to run, in order: local (FedBN), global (FedAvg).
+    #[arg(long, value_delimiter = ',', default_value = "local,global")]
+    pub policies: Vec<String>,
+    /// Training images per site (FedBN's 10% setting: 743).
+    #[arg(long, default_value_t = 743)]
+    pub train_samples: usize,
+    /// Local epochs per round.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Update encoding: f32, f16, q8 or topk<per-mille>.
+    #[arg(long, default_value = "f32")]
+    pub encoding: String,
+    /// CPU threads per agent process (default: cores / sites, at least 1).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Initialisation and training seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Working folder (configs, logs, checkpoints, the aggregator's data); wiped per run.
+    #[arg(long, default_value = "run/demo")]
+    pub work: PathBuf,
+    /// Results folder (federation.json, federation.svg).
+    #[arg(long, default_value = "results")]
+    pub out: PathBuf,
+}
+
+/// One site's figures from one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct SiteResult {
+    /// Site id.
+    pub site: String,
+    /// Its built-in domain.
+    pub domain: String,
+    /// Test accuracy of the site's model after each version (index = version; v0 = initial).
+    pub accuracy: Vec<f64>,
+    /// Test accuracy at the end.
+    pub final_accuracy: f64,
+    /// Bytes of each round's update (envelope), by round.
+    pub upload_bytes: Vec<u64>,
+    /// MQTT messages of each round's update.
+    pub upload_messages: Vec<u64>,
+    /// Bytes of each model fetched, by version.
+    pub download_bytes: Vec<u64>,
+}
+
+/// One run's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    /// `FedBN` or `FedAvg`.
+    pub name: String,
+    /// `local` or `global`.
+    pub bn_policy: String,
+    /// Rounds run.
+    pub rounds: u64,
+    /// Per site.
+    pub sites: Vec<SiteResult>,
+    /// Seconds each round took (round 1 from the aggregator's start, so it includes the
+    /// agents' start-up and first model fetch).
+    pub round_seconds: Vec<f64>,
+    /// Whole run, seconds.
+    pub wall_seconds: f64,
+    /// Peak of the summed resident memory of all the demo's processes, bytes.
+    pub peak_rss_total_bytes: u64,
+    /// Each process's peak resident memory, bytes.
+    pub peak_rss_bytes: BTreeMap<String, u64>,
+    /// CPU threads per agent.
+    pub threads_per_agent: usize,
+}
+
+/// Site ids and domains of the options (`grey`, `grey-2`, ... for repeats).
+pub fn sites(opts: &Options) -> Result<Vec<(String, Domain)>> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = Vec::new();
+    for s in &opts.sites {
+        let d = Domain::parse(s).map_err(anyhow::Error::msg)?;
+        let n = seen.entry(s.clone()).or_default();
+        *n += 1;
+        let id = if *n == 1 {
+            s.clone()
+        } else {
+            format!("{s}-{n}")
+        };
+        out.push((id, d));
+    }
+    if out.is_empty() {
+        bail!("--sites names no site");
+    }
+    Ok(out)
+}
+
+fn style(t: &str) -> ProgressStyle {
+    ProgressStyle::with_template(t)
+        .expect("static template")
+        .progress_chars("=> ")
+}
+
+/// Runs one federation with `bn` and returns its figures.
+pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
+    let (name, policy) = match bn {
+        BnPolicy::Local => ("FedBN", "local"),
+        BnPolicy::Global => ("FedAvg", "global"),
+    };
+    let sites = sites(opts)?;
+    let encoding: Encoding = opts.encoding.parse().map_err(anyhow::Error::msg)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = opts.threads.unwrap_or((cores / sites.len()).max(1));
+    let work = opts.work.join(policy);
+    if work.exists() {
+        std::fs::remove_dir_all(&work).with_context(|| format!("clearing {}", work.display()))?;
+    }
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let t0 = Instant::now();
+    let mut kids = Children::new();
+
+    // The broker on a free loopback port; its first line names the port.
+    kids.spawn(
+        "broker",
+        &["broker", "--listen", "127.0.0.1:0"],
+        &work.join("broker.log"),
+        &[],
+    )?;
+    let port = loop {
+        match kids.rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Line::Out { who, text }) if who == "broker" => {
+                if let Some(p) = text.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                    break p;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => bail!(
+                "the broker did not start (see {})",
+                work.join("broker.log").display()
+            ),
+        }
+    };
+    let broker = BrokerConfig::new("127.0.0.1", port);
+
+    // The initial model: the same seed for both runs.
+    let device = unifed_models::backend::Backend::Flex
+        .device()
+        .map_err(anyhow::Error::msg)?;
+    let model = work.join("init.safetensors");
+    unifed_agent::model::write_initial("digits", &[], &[], opts.seed, &device, &model)?;
+
+    let mut fc = FederationConfig::new(&format!("demo-{policy}"), opts.rounds, sites.len());
+    fc.deadline_secs = 3600;
+    fc.encoding = encoding;
+    fc.bn_policy = bn;
+    let agg = ServiceConfig {
+        data_dir: work.join("aggregator"),
+        model: model.clone(),
+        chunk_bytes: 256 << 10,
+        linger_secs: 3600,
+        broker: broker.clone(),
+        federation: fc.clone(),
+    };
+    let agg_toml = work.join("aggregator.toml");
+    std::fs::write(&agg_toml, toml::to_string(&agg)?)?;
+    kids.spawn(
+        "aggregator",
+        &["aggregator", "--config", &agg_toml.to_string_lossy()],
+        &work.join("aggregator.log"),
+        &[],
+    )?;
+    for (id, domain) in &sites {
+        let cfg = AgentConfig {
+            site: id.clone(),
+            federation: fc.federation.clone(),
+            state_dir: work.join(id),
+            backend: "flex".into(),
+            model: Default::default(),
+            train: unifed_models::train::TrainConfig {
+                epochs: opts.epochs,
+                seed: opts.seed,
+                ..Default::default()
+            },
+            resend_secs: 120,
+            threads: Some(threads),
+            evaluate_each_model: true,
+            broker: broker.clone(),
+            data: DataConfig {
+                builtin: Some(domain.name().into()),
+                folder: None,
+                train_samples: opts.train_samples,
+            },
+        };
+        let path = work.join(format!("{id}.toml"));
+        std::fs::write(&path, toml::to_string(&cfg)?)?;
+        kids.spawn(
+            id,
+            &["agent", "--config", &path.to_string_lossy()],
+            &work.join(format!("{id}.log")),
+            &[("UNIFED_REPORT", "1")],
+        )?;
+    }
+
+    // Progress: one bar for the rounds, one per site.
+    let mp = MultiProgress::new();
+    let hidden = mp.is_hidden();
+    let say = |s: String| {
+        if hidden {
+            println!("{s}");
+        } else {
+            let _ = mp.println(s);
+        }
+    };
+    say(format!(
+        "{name} ({policy} BN): broker on 127.0.0.1:{port}, aggregator, {} agents x {threads} thread(s), {} rounds; logs in {}",
+        sites.len(),
+        opts.rounds,
+        work.display()
+    ));
+    let rounds_bar = mp.add(ProgressBar::new(opts.rounds).with_style(style(
+        "{prefix:>10} [{bar:30}] round {pos}/{len} {elapsed_precise} {msg}",
+    )));
+    rounds_bar.set_prefix(name);
+    let bars: BTreeMap<String, ProgressBar> = sites
+        .iter()
+        .map(|(id, _)| {
+            let b = mp.add(ProgressBar::new(1).with_style(style("{prefix:>10} [{bar:30}] {msg}")));
+            b.set_prefix(id.clone());
+            b.set_message("starting");
+            (id.clone(), b)
+        })
+        .collect();
+
+    let mut results: BTreeMap<String, SiteResult> = sites
+        .iter()
+        .map(|(id, d)| {
+            (
+                id.clone(),
+                SiteResult {
+                    site: id.clone(),
+                    domain: d.name().into(),
+                    accuracy: Vec::new(),
+                    final_accuracy: f64::NAN,
+                    upload_bytes: Vec::new(),
+                    upload_messages: Vec::new(),
+                    download_bytes: Vec::new(),
+                },
+            )
+        })
+        .collect();
+    let mut round_closed: Vec<f64> = Vec::new();
+    let mut done: BTreeMap<String, bool> = BTreeMap::new();
+    while done.len() < sites.len() {
+        let line = match kids.rx.recv_timeout(Duration::from_millis(500)) {
+            Ok(l) => l,
+            Err(RecvTimeoutError::Timeout) => {
+                for who in ["broker", "aggregator"] {
+                    if let Some(st) = kids.exited(who) {
+                        bail!(
+                            "the {who} stopped ({st}); see {}",
+                            work.join(format!("{who}.log")).display()
+                        );
+                    }
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => bail!("every process stopped"),
+        };
+        match line {
+            Line::Closed { who } if results.contains_key(&who) => {
+                // An agent ended: its exit status tells whether it finished.
+                let st = loop {
+                    if let Some(s) = kids.exited(&who) {
+                        break s;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                };
+                if !st.success() {
+                    bail!(
+                        "agent {who} failed ({st}); see {}",
+                        work.join(format!("{who}.log")).display()
+                    );
+                }
+                bars[&who].finish_with_message(format!(
+                    "finished: {:.2}% test accuracy",
+                    100.0 * results[&who].final_accuracy
+                ));
+                done.insert(who, true);
+            }
+            Line::Closed { who } => {
+                bail!(
+                    "the {who} stopped; see {}",
+                    work.join(format!("{who}.log")).display()
+                )
+            }
+            Line::Out { who, text } if who == "aggregator" => {
+                if text.starts_with("round ") && text.contains(" closed") {
+                    round_closed.push(t0.elapsed().as_secs_f64());
+                    rounds_bar.inc(1);
+                    say(format!("{name}: {text}"));
+                }
+            }
+            Line::Out { who, text } => {
+                let (Some(r), Some(bar)) = (Report::parse(&text), bars.get(&who)) else {
+                    continue;
+                };
+                let site = results.get_mut(&who).expect("known site");
+                match r {
+                    Report::Training {
+                        round,
+                        epoch,
+                        done,
+                        steps,
+                    } => {
+                        bar.set_length(steps as u64);
+                        bar.set_position(done as u64);
+                        bar.set_message(format!("round {round}: training, epoch {}", epoch + 1));
+                    }
+                    Report::Uploaded {
+                        round,
+                        bytes,
+                        messages,
+                    } => {
+                        site.upload_bytes.push(bytes);
+                        site.upload_messages.push(messages);
+                        bar.set_message(format!(
+                            "round {round}: sent {:.1} MB in {messages} messages",
+                            bytes as f64 / 1e6
+                        ));
+                    }
+                    Report::Answered { round, accepted } => {
+                        if !accepted {
+                            bail!("the aggregator rejected {who}'s round-{round} update");
+                        }
+                        bar.set_message(format!("round {round}: accepted, waiting for the others"));
+                    }
+                    Report::Applied {
+                        version,
+                        bytes,
+                        seconds,
+                    } => {
+                        site.download_bytes.push(bytes);
+                        bar.set_message(format!(
+                            "model v{version}: fetched {:.1} MB in {seconds:.1} s",
+                            bytes as f64 / 1e6
+                        ));
+                    }
+                    Report::Evaluated { version, accuracy } => {
+                        if site.accuracy.len() as u64 == version {
+                            site.accuracy.push(accuracy);
+                        }
+                        site.final_accuracy = accuracy;
+                        bar.set_message(format!(
+                            "model v{version}: {:.2}% test accuracy",
+                            100.0 * accuracy
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    rounds_bar.finish();
+    let memory = kids.memory();
+    kids.kill("aggregator");
+    kids.kill("broker");
+    drop(kids);
+    let mut round_seconds = Vec::new();
+    let mut prev = 0.0;
+    for t in round_closed {
+        round_seconds.push(t - prev);
+        prev = t;
+    }
+    Ok(RunResult {
+        name: name.into(),
+        bn_policy: policy.into(),
+        rounds: opts.rounds,
+        sites: sites
+            .iter()
+            .filter_map(|(id, _)| results.remove(id))
+            .collect(),
+        round_seconds,
+        wall_seconds: t0.elapsed().as_secs_f64(),
+        peak_rss_total_bytes: memory.peak_total,
+        peak_rss_bytes: memory.peak_each,
+        threads_per_agent: threads,
+    })
+}

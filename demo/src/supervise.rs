@@ -1,0 +1,171 @@
+//! The demo's child processes: started from this binary in a role, their stdout read line by
+//! line into one channel, their memory sampled together, and killed when dropped.
+
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A line from a child's stdout, or its end.
+#[derive(Debug)]
+pub enum Line {
+    /// One line of output from the child named `who`.
+    Out {
+        /// The child's name.
+        who: String,
+        /// The line.
+        text: String,
+    },
+    /// The child's stdout closed (it exited).
+    Closed {
+        /// The child's name.
+        who: String,
+    },
+}
+
+/// The running children and the channel their lines arrive on.
+pub struct Children {
+    children: Vec<(String, Child)>,
+    tx: Sender<Line>,
+    /// Lines of every child.
+    pub rx: Receiver<Line>,
+    pids: Arc<Mutex<Vec<(String, u32)>>>,
+    stop: Arc<AtomicBool>,
+    memory: Arc<Mutex<Memory>>,
+}
+
+/// Peak memory of the demo's processes, sampled every 100 ms from /proc.
+#[derive(Debug, Default, Clone)]
+pub struct Memory {
+    /// Peak of the summed resident set of all children and the demo itself, in bytes.
+    pub peak_total: u64,
+    /// Each process's own peak resident set (VmHWM), in bytes, by name.
+    pub peak_each: BTreeMap<String, u64>,
+}
+
+fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with(field))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+impl Children {
+    /// No children yet; starts the memory sampler (which includes this process).
+    pub fn new() -> Children {
+        let (tx, rx) = channel();
+        let pids: Arc<Mutex<Vec<(String, u32)>>> =
+            Arc::new(Mutex::new(vec![("demo".into(), std::process::id())]));
+        let stop = Arc::new(AtomicBool::new(false));
+        let memory = Arc::new(Mutex::new(Memory::default()));
+        let (p, s, m) = (pids.clone(), stop.clone(), memory.clone());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                let list = p.lock().map(|l| l.clone()).unwrap_or_default();
+                let mut total = 0;
+                let mut mem = m.lock().unwrap_or_else(|e| e.into_inner());
+                for (name, pid) in &list {
+                    total += status_kib(*pid, "VmRSS:").unwrap_or(0) * 1024;
+                    if let Some(hwm) = status_kib(*pid, "VmHWM:") {
+                        let e = mem.peak_each.entry(name.clone()).or_default();
+                        *e = (*e).max(hwm * 1024);
+                    }
+                }
+                mem.peak_total = mem.peak_total.max(total);
+                drop(mem);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        Children {
+            children: Vec::new(),
+            tx,
+            rx,
+            pids,
+            stop,
+            memory,
+        }
+    }
+
+    /// Starts this binary as `role args...` named `who`; stderr goes to `log`, stdout to the
+    /// channel; `env` is added to its environment.
+    pub fn spawn(
+        &mut self,
+        who: &str,
+        args: &[&str],
+        log: &Path,
+        env: &[(&str, &str)],
+    ) -> Result<()> {
+        let exe = std::env::current_exe().context("finding this executable")?;
+        let err =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let mut child = Command::new(exe)
+            .arg("role")
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(err))
+            .spawn()
+            .with_context(|| format!("starting the {who} process"))?;
+        let out = child.stdout.take().expect("piped stdout");
+        let (tx, name) = (self.tx.clone(), who.to_string());
+        std::thread::spawn(move || {
+            for text in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                if tx
+                    .send(Line::Out {
+                        who: name.clone(),
+                        text,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            let _ = tx.send(Line::Closed { who: name });
+        });
+        if let Ok(mut p) = self.pids.lock() {
+            p.push((who.to_string(), child.id()));
+        }
+        self.children.push((who.to_string(), child));
+        Ok(())
+    }
+
+    /// Whether `who` has exited, and how.
+    pub fn exited(&mut self, who: &str) -> Option<std::process::ExitStatus> {
+        self.children
+            .iter_mut()
+            .find(|(n, _)| n == who)
+            .and_then(|(_, c)| c.try_wait().ok().flatten())
+    }
+
+    /// Kills `who` (if running) and reaps it.
+    pub fn kill(&mut self, who: &str) {
+        if let Some((_, c)) = self.children.iter_mut().find(|(n, _)| n == who) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The memory figures so far.
+    pub fn memory(&self) -> Memory {
+        self.memory.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
