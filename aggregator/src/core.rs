@@ -270,7 +270,14 @@ impl Aggregator {
                     // A crash between the last accept and the round's commit: close it now.
                     return self.close_round(now_ms);
                 }
-                Ok(vec![self.publish()])
+                let mut actions = vec![self.publish()];
+                if self.state.finished {
+                    // Resumed after the last round: serve the final model, and say it is over.
+                    actions.push(Action::Finished {
+                        model_version: self.state.model_version,
+                    });
+                }
+                Ok(actions)
             }
             Event::Tick => {
                 if self.state.round == 0 || self.state.finished || now_ms < self.state.deadline_ms {

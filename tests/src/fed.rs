@@ -47,6 +47,8 @@ pub struct Fed {
     pub train_samples: usize,
     /// Seconds between an agent's re-sends.
     pub resend_secs: u64,
+    /// Training images of particular sites (others: `train_samples`).
+    pub samples: std::collections::BTreeMap<String, usize>,
 }
 
 impl Fed {
@@ -66,6 +68,7 @@ impl Fed {
             chunk_bytes: 8192,
             train_samples: 48,
             resend_secs: 30,
+            samples: Default::default(),
         }
     }
 
@@ -166,7 +169,7 @@ impl Fed {
                 list(&self.conv),
                 list(&self.fc),
                 self.broker_toml(),
-                self.train_samples,
+                self.samples.get(site).copied().unwrap_or(self.train_samples),
             ),
         )
         .expect("agent config");
@@ -176,6 +179,36 @@ impl Fed {
                 .arg(&cfg),
             &self.dir.join(format!("{site}.log")),
         )
+    }
+
+    /// Waits up to `limit` for a line containing `needle` in the log `<name>.log`.
+    pub fn wait_line(&self, name: &str, needle: &str, limit: std::time::Duration) -> bool {
+        let path = self.dir.join(format!("{name}.log"));
+        let t0 = std::time::Instant::now();
+        loop {
+            if std::fs::read_to_string(&path).is_ok_and(|t| t.contains(needle)) {
+                return true;
+            }
+            if t0.elapsed() >= limit {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Waits up to `limit` for a line containing `needle` in any of the logs `<name>.log`.
+    pub fn wait_any(&self, names: &[&str], needle: &str, limit: std::time::Duration) -> bool {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < limit {
+            if names
+                .iter()
+                .any(|n| self.wait_line(n, needle, std::time::Duration::ZERO))
+            {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
     }
 
     /// Every log file of the test's folder, for a failure message.

@@ -1,0 +1,294 @@
+//! Faults with the real binaries: an agent killed mid-federation and restarted, the aggregator
+//! killed between and during rounds, the broker killed mid-round, and a late joiner that gets
+//! a model larger than the packet limit in chunks. Processes are killed with SIGKILL (no
+//! clean-up, no MQTT DISCONNECT). Packets are limited to 32 KiB so that models and updates go in
+//! chunks.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+use unifed_aggregator::store::{AuditEntry, Store};
+use unifed_e2e::fed::Fed;
+use unifed_e2e::{Broker, BrokerKind, Guard, Proxy, serial};
+use unifed_models::checkpoint;
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::messages::{Chunk, RoundManifest};
+
+const SITES: [&str; 3] = ["grey", "texture", "lowres"];
+const PACKET: usize = 32 << 10;
+const LONG: Duration = Duration::from_secs(240);
+
+fn wait_ok(g: &mut Guard, what: &str, fed: &Fed) {
+    let st = g.wait_for(LONG);
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "{what}: {st:?}\n{}",
+        fed.logs()
+    );
+}
+
+fn final_model(fed: &Fed) -> Vec<Vec<f32>> {
+    let store = Store::open(&fed.agg_dir()).unwrap();
+    store.load_model(fed.rounds, &fed.spec().hash().0).unwrap()
+}
+
+fn audit(fed: &Fed) -> Vec<AuditEntry> {
+    Store::open(&fed.agg_dir())
+        .unwrap()
+        .audit_entries()
+        .unwrap()
+}
+
+fn accepted(fed: &Fed, round: u64) -> Vec<String> {
+    let mut v: Vec<String> = audit(fed)
+        .into_iter()
+        .filter(|e| e.event == "accepted" && e.round == round)
+        .map(|e| e.site)
+        .collect();
+    v.sort();
+    v
+}
+
+/// Every agent's non-BN weights equal the aggregator's final model.
+fn agents_hold(fed: &Fed, sites: &[&str], global: &[Vec<f32>]) {
+    let spec = fed.spec();
+    for s in sites {
+        let st = checkpoint::load(&fed.site_dir(s).join("model.safetensors"), &spec).unwrap();
+        for (t, g) in spec.tensors.iter().zip(global) {
+            if !t.kind.is_bn() {
+                assert_eq!(&st.get(&t.name).unwrap().data, g, "{s}: {}", t.name);
+            }
+        }
+    }
+}
+
+/// The final model of an uninterrupted run of the federation the aggregator and broker tests
+/// disturb (computed once).
+fn reference() -> &'static Vec<Vec<f32>> {
+    static REF: OnceLock<Vec<Vec<f32>>> = OnceLock::new();
+    REF.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::start(BrokerKind::Embedded, PACKET);
+        let fed = fed_for(dir.path(), broker.port);
+        let mut agg = fed.aggregator();
+        let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+        for (a, s) in agents.iter_mut().zip(SITES) {
+            wait_ok(a, s, &fed);
+        }
+        wait_ok(&mut agg, "aggregator", &fed);
+        final_model(&fed)
+    })
+}
+
+/// The faults' federation: `lowres` trains on more images than the others, so it reports
+/// last and a round is still open after the first two updates.
+fn fed_for(dir: &std::path::Path, port: u16) -> Fed {
+    let mut fed = Fed::new(dir, port, PACKET);
+    fed.resend_secs = 2;
+    fed.samples.insert("lowres".into(), 743);
+    fed
+}
+
+#[test]
+fn an_agent_killed_mid_federation_is_left_out_at_the_deadline_and_resumes_after_restart() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let mut fed = fed_for(dir.path(), broker.port);
+    fed.deadline_secs = 20;
+    let mut agg = fed.aggregator();
+    let mut grey = fed.agent("grey");
+    let mut texture = fed.agent("texture");
+    let mut lowres = fed.agent("lowres");
+    // Killed as soon as round 1 has its update: it is dead while round 2 runs.
+    assert!(
+        fed.wait_line("lowres", "update for round 1 accepted", LONG),
+        "{}",
+        fed.logs()
+    );
+    lowres.kill();
+    assert!(
+        fed.wait_line("agg", "round 2 closed with 2 update(s)", LONG),
+        "round 2 must close at its deadline with the two live sites\n{}",
+        fed.logs()
+    );
+    // Restarted: it resumes from its checkpoint and trains round 3.
+    let mut lowres = fed.agent("lowres");
+    for (g, s) in [
+        (&mut grey, "grey"),
+        (&mut texture, "texture"),
+        (&mut lowres, "lowres"),
+    ] {
+        wait_ok(g, s, &fed);
+    }
+    wait_ok(&mut agg, "aggregator", &fed);
+    assert_eq!(accepted(&fed, 1), ["grey", "lowres", "texture"]);
+    assert_eq!(accepted(&fed, 2), ["grey", "texture"]);
+    assert_eq!(accepted(&fed, 3), ["grey", "lowres", "texture"]);
+    agents_hold(&fed, &SITES, &final_model(&fed));
+    let log = std::fs::read_to_string(fed.dir.join("lowres.log")).unwrap();
+    assert!(
+        !log.contains("training round 2"),
+        "lowres never trained round 2"
+    );
+    assert_eq!(
+        log.matches("training round 1 ").count(),
+        1,
+        "the restarted agent did not train round 1 again"
+    );
+}
+
+#[test]
+fn the_aggregator_killed_between_and_during_rounds_ends_with_the_uninterrupted_model() {
+    let want = reference().clone();
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let fed = fed_for(dir.path(), broker.port);
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    // Between rounds: right after round 1 closed.
+    assert!(
+        fed.wait_line("agg", "round 1 closed", LONG),
+        "{}",
+        fed.logs()
+    );
+    agg.kill();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut agg = fed.aggregator();
+    // During round 3: as soon as one site's round-3 update was accepted (lowres, the slow
+    // one, is still training then).
+    assert!(
+        fed.wait_any(&SITES, "update for round 3 accepted", LONG),
+        "{}",
+        fed.logs()
+    );
+    agg.kill();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut agg = fed.aggregator();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        wait_ok(a, s, &fed);
+    }
+    wait_ok(&mut agg, "aggregator", &fed);
+    let got = final_model(&fed);
+    assert!(
+        got == want,
+        "the final model differs from the uninterrupted run's"
+    );
+    for r in 1..=3 {
+        assert_eq!(
+            accepted(&fed, r),
+            ["grey", "lowres", "texture"],
+            "round {r}"
+        );
+    }
+    agents_hold(&fed, &SITES, &got);
+}
+
+#[test]
+fn the_broker_killed_mid_round_loses_no_update() {
+    let want = reference().clone();
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let fed = fed_for(dir.path(), broker.port);
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    // Mid-round: round 2 is open and the first site has started on it.
+    assert!(
+        fed.wait_any(&SITES, "training round 2", LONG),
+        "{}",
+        fed.logs()
+    );
+    broker.kill();
+    std::thread::sleep(Duration::from_secs(1));
+    broker.restart();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        wait_ok(a, s, &fed);
+    }
+    wait_ok(&mut agg, "aggregator", &fed);
+    // Rounds wait for all three sites (no deadline passes), so every update arrived.
+    for r in 1..=3 {
+        assert_eq!(
+            accepted(&fed, r),
+            ["grey", "lowres", "texture"],
+            "round {r}"
+        );
+    }
+    let got = final_model(&fed);
+    assert!(
+        got == want,
+        "the final model differs from the uninterrupted run's"
+    );
+    agents_hold(&fed, &SITES, &got);
+}
+
+#[test]
+fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let proxy = Proxy::start(broker.port);
+    let mut fed = fed_for(dir.path(), proxy.port);
+    // Rounds 1 and 2 close at the deadline with the two first sites; rounds 3 and 4 wait for all
+    // three (unless the joiner misses the deadline).
+    fed.deadline_secs = 8;
+    fed.rounds = 4;
+    let mut agg = fed.aggregator();
+    let mut grey = fed.agent("grey");
+    let mut texture = fed.agent("texture");
+    assert!(
+        fed.wait_line("agg", "round 2 closed", LONG),
+        "{}",
+        fed.logs()
+    );
+    let mut late = fed.agent("lowres");
+    for (g, s) in [
+        (&mut grey, "grey"),
+        (&mut texture, "texture"),
+        (&mut late, "lowres"),
+    ] {
+        wait_ok(g, s, &fed);
+    }
+    wait_ok(&mut agg, "aggregator", &fed);
+    let global = final_model(&fed);
+    agents_hold(&fed, &["grey", "texture", "lowres"], &global);
+    // It took part from a round after it joined.
+    let rounds: Vec<u64> = audit(&fed)
+        .into_iter()
+        .filter(|e| e.event == "accepted" && e.site == "lowres")
+        .map(|e| e.round)
+        .collect();
+    assert!(
+        !rounds.is_empty() && rounds.iter().all(|&r| r >= 3),
+        "lowres updates in rounds {rounds:?}"
+    );
+    // Every model it fetched was larger than a packet and came in chunks that each fit one.
+    let packets = proxy.packets();
+    let manifest: RoundManifest = packets
+        .iter()
+        .filter(|p| p.to_broker && p.topic == "unifed/v1/e2e/manifest")
+        .map(|p| Envelope::decode(&p.payload).unwrap().payload_as().unwrap())
+        .next_back()
+        .unwrap();
+    assert!(manifest.payload_len as usize > PACKET);
+    let chunks: Vec<Chunk> = packets
+        .iter()
+        .filter(|p| !p.to_broker && p.topic == "unifed/v1/e2e/chunks/reply/lowres")
+        .map(|p| {
+            assert!(p.payload.len() <= PACKET);
+            let e = Envelope::decode(&p.payload).unwrap();
+            assert_eq!(e.kind, MessageKind::ModelChunk);
+            e.payload_as().unwrap()
+        })
+        .collect();
+    let last: Vec<&Chunk> = chunks
+        .iter()
+        .filter(|c| c.payload_hash == manifest.payload_hash)
+        .collect();
+    assert_eq!(
+        last.len() as u32,
+        manifest.chunk_count,
+        "chunks of the final model"
+    );
+    assert!(manifest.chunk_count > 1);
+}
