@@ -1,9 +1,9 @@
 //! `unifed-agent`: the on-device trainer of UniFed Edge.
 //!
-//! Today it runs local work without a federation: SingleSet training on the built-in domains
-//! (the main job until the federation lands), the built-in data's preview and export, model
-//! specs, and the speed benchmark. `train` over MQTT, `calibrate`, `evaluate` and `predict`
-//! arrive with the federation and onboarding issues.
+//! `train` runs a site of a federation over MQTT; `init` writes a federation's initial model;
+//! `singleset` trains the built-in domains alone (the no-federation baseline); `data` previews
+//! and exports the built-in data; `spec` prints a model spec; `bench` measures speed.
+//! `calibrate`, `evaluate` and `predict` arrive with onboarding.
 
 mod bench;
 mod singleset;
@@ -37,9 +37,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The main job until the federation lands: SingleSet (each training domain trained alone)
-    /// on the built-in data; prints a per-domain accuracy table and writes results.
-    Demo(singleset::Args),
+    /// SingleSet (each training domain trained alone, no federation) on the built-in data;
+    /// prints a per-domain accuracy table and writes results/singleset.json.
+    Singleset(singleset::Args),
     /// Built-in dataset tools.
     #[command(subcommand)]
     Data(DataCmd),
@@ -122,7 +122,7 @@ fn main() -> Result<()> {
     }
     let backend: Backend = cli.backend.parse().map_err(anyhow::Error::msg)?;
     match cli.cmd {
-        Cmd::Demo(args) => singleset::run(backend, &args),
+        Cmd::Singleset(args) => singleset::run(backend, &args),
         Cmd::Bench(args) => bench::run(&args),
         Cmd::Spec { arch } => {
             let device = backend.device().map_err(anyhow::Error::msg)?;

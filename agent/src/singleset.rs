@@ -1,5 +1,5 @@
 //! SingleSet: each built-in training domain trained alone (no federation), evaluated on its
-//! fixed test split every epoch. The main job until the federation lands.
+//! fixed test split every epoch: the no-federation baseline.
 
 use anyhow::{Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};

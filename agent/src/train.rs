@@ -196,7 +196,8 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
     );
     let (client, mut rx) = spawn_event_loop(
         cfg.broker
-            .options(&format!("unifed-agent-{site_id}"), Some(will)),
+            .options(&format!("unifed-agent-{site_id}"), Some(will))
+            .map_err(anyhow::Error::msg)?,
         vec![
             topics.manifest(),
             topics.chunk_reply(&site_id),

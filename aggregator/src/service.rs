@@ -143,7 +143,8 @@ pub async fn serve(
     let request_prefix = format!("unifed/v1/{fed}/chunks/request/");
     let (client, mut rx) = spawn_event_loop(
         cfg.broker
-            .options(&format!("unifed-aggregator-{fed}"), None),
+            .options(&format!("unifed-aggregator-{fed}"), None)
+            .map_err(anyhow::Error::msg)?,
         vec![topics.updates_filter(), format!("{request_prefix}+")],
     );
     let mut served: Option<Served> = None;

@@ -548,3 +548,27 @@ fn the_example_service_config_parses_and_validates() {
         .unwrap();
     assert_eq!(topk.encoding, Encoding::TopK { per_mille: 100 });
 }
+
+#[test]
+fn a_finished_federation_resumed_serves_its_final_model_and_says_it_is_finished() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(1, 1, BnPolicy::Local);
+    let last = {
+        let mut agg = open(dir.path(), cfg.clone());
+        agg.handle(Event::Start, 0).unwrap();
+        let acts = send(&mut agg, "a", good("a", 1, 0, 5, BnPolicy::Local));
+        assert!(
+            acts.iter()
+                .any(|a| matches!(a, Action::Finished { model_version: 1 }))
+        );
+        agg.model().to_vec()
+    };
+    let mut agg = open(dir.path(), cfg);
+    let acts = agg.handle(Event::Start, 0).unwrap();
+    assert_eq!(acts.len(), 2, "{acts:?}");
+    assert!(
+        matches!(&acts[0], Action::Publish { manifest, .. } if manifest.finished && manifest.model_version == 1)
+    );
+    assert_eq!(acts[1], Action::Finished { model_version: 1 });
+    assert_eq!(agg.model(), &last[..]);
+}

@@ -30,6 +30,10 @@ pub struct BrokerConfig {
     /// Keep-alive interval.
     #[serde(default = "default_keep_alive")]
     pub keep_alive_secs: u64,
+    /// TLS: the CA certificate(s), PEM, that the broker's certificate must chain to. Without
+    /// it the connection is plain TCP (loopback or a trusted network only).
+    #[serde(default)]
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 fn default_max_packet() -> usize {
@@ -50,12 +54,34 @@ impl BrokerConfig {
             password: None,
             max_packet_bytes: default_max_packet(),
             keep_alive_secs: default_keep_alive(),
+            ca_file: None,
         }
     }
 
-    /// rumqttc options for `client_id`, with every limit set explicitly and an optional Last Will.
-    pub fn options(&self, client_id: &str, will: Option<LastWill>) -> MqttOptions {
+    /// rumqttc options for `client_id`, with every limit set explicitly, an optional Last Will,
+    /// and TLS when `ca_file` is set. Fails only when the CA file cannot be read or holds no
+    /// certificate.
+    pub fn options(&self, client_id: &str, will: Option<LastWill>) -> Result<MqttOptions, String> {
         let mut o = MqttOptions::new(client_id, self.host.clone(), self.port);
+        if let Some(ca) = &self.ca_file {
+            let pem = std::fs::read(ca)
+                .map_err(|e| format!("reading the CA file {}: {e}", ca.display()))?;
+            if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
+                return Err(format!(
+                    "the CA file {} holds no PEM certificate",
+                    ca.display()
+                ));
+            }
+            // rustls needs one process-wide crypto provider; ring is the one compiled in.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            o.set_transport(rumqttc::Transport::tls_with_config(
+                rumqttc::TlsConfiguration::Simple {
+                    ca: pem,
+                    alpn: None,
+                    client_auth: None,
+                },
+            ));
+        }
         o.set_max_packet_size(self.max_packet_bytes + 4096, self.max_packet_bytes + 4096);
         o.set_keep_alive(Duration::from_secs(self.keep_alive_secs.max(5)));
         o.set_clean_session(true);
@@ -67,7 +93,7 @@ impl BrokerConfig {
         if let Some(w) = will {
             o.set_last_will(w);
         }
-        o
+        Ok(o)
     }
 }
 
@@ -129,7 +155,12 @@ pub fn spawn_event_loop(
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    tracing::debug!(error = %e, backoff_ms = backoff.as_millis() as u64, "MQTT connection lost; backing off");
+                    if backoff == Duration::from_millis(100) {
+                        // First failure after a good connection (or at start): say why once.
+                        tracing::warn!(error = %e, "MQTT connection failed or lost; retrying with backoff");
+                    } else {
+                        tracing::debug!(error = %e, backoff_ms = backoff.as_millis() as u64, "MQTT connection failed; backing off");
+                    }
                     let _ = tx.send(NetEvent::Disconnected(e.to_string()));
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));

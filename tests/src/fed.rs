@@ -7,10 +7,25 @@ use std::process::{Command, Stdio};
 
 /// Mosquitto's config for the tests and for sites that run their own: loopback listener,
 /// password file, packet limit, a deep queue (the default of 1000 queued messages drops
-/// silently), no persistence, and the user to run as.
-pub fn mosquitto_conf(port: u16, password_file: &Path, max_packet: usize, user: &str) -> String {
+/// silently), no persistence, the user to run as, and TLS files when given.
+pub fn mosquitto_conf(
+    port: u16,
+    password_file: &Path,
+    max_packet: usize,
+    user: &str,
+    tls: Option<&crate::TlsFiles>,
+) -> String {
+    let tls = tls.map_or(String::new(), |t| {
+        format!(
+            "cafile {}\ncertfile {}\nkeyfile {}\n",
+            t.ca.display(),
+            t.cert.display(),
+            t.key.display()
+        )
+    });
+    // TLS settings belong to the listener above them.
     format!(
-        "per_listener_settings false\nlistener {port} 127.0.0.1\nallow_anonymous false\n\
+        "per_listener_settings false\nlistener {port} 127.0.0.1\n{tls}allow_anonymous false\n\
          password_file {}\nmax_packet_size {}\nmax_queued_messages 100000\nmax_queued_bytes 0\n\
          max_inflight_messages 100\npersistence false\nuser {user}\nlog_dest stderr\n",
         password_file.display(),
@@ -47,6 +62,8 @@ pub struct Fed {
     pub train_samples: usize,
     /// Seconds between an agent's re-sends.
     pub resend_secs: u64,
+    /// TLS: the CA file clients check the broker's certificate against.
+    pub ca_file: Option<PathBuf>,
     /// Training images of particular sites (others: `train_samples`).
     pub samples: std::collections::BTreeMap<String, usize>,
 }
@@ -69,6 +86,7 @@ impl Fed {
             train_samples: 48,
             resend_secs: 30,
             samples: Default::default(),
+            ca_file: None,
         }
     }
 
@@ -110,6 +128,9 @@ impl Fed {
         );
         if let Some((u, p)) = &self.credentials {
             s += &format!("username = \"{u}\"\npassword = \"{p}\"\n");
+        }
+        if let Some(ca) = &self.ca_file {
+            s += &format!("ca_file = \"{}\"\n", ca.display());
         }
         s
     }

@@ -86,6 +86,31 @@ pub enum BrokerKind {
     Mosquitto,
 }
 
+/// A TLS listener's files (PEM): the CA, the server certificate and its key.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// CA certificate.
+    pub ca: PathBuf,
+    /// Server certificate (for 127.0.0.1 and localhost).
+    pub cert: PathBuf,
+    /// Server private key.
+    pub key: PathBuf,
+}
+
+/// Whether Mosquitto tests can run: true if it is installed; false (after printing SKIPPED)
+/// if not, unless `UNIFED_REQUIRE_MOSQUITTO` is set (CI), where a missing broker fails.
+pub fn mosquitto_available() -> bool {
+    if mosquitto().is_some() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("UNIFED_REQUIRE_MOSQUITTO").is_none(),
+        "UNIFED_REQUIRE_MOSQUITTO is set but mosquitto is not installed"
+    );
+    eprintln!("SKIPPED: mosquitto is not installed (scripts/install-mosquitto.sh)");
+    false
+}
+
 /// A running broker on a loopback port, restartable on the same port.
 #[derive(Debug)]
 pub struct Broker {
@@ -97,6 +122,8 @@ pub struct Broker {
     pub max_packet: usize,
     /// Username and password clients must give (Mosquitto runs with a password file).
     pub credentials: Option<(String, String)>,
+    /// TLS files of the listener (Mosquitto only), if it speaks TLS.
+    pub tls: Option<TlsFiles>,
     dir: tempfile::TempDir,
     process: Option<Guard>,
 }
@@ -123,6 +150,15 @@ fn free_port() -> u16 {
 impl Broker {
     /// Starts a broker of `kind` on a free loopback port with packet limit `max_packet`.
     pub fn start(kind: BrokerKind, max_packet: usize) -> Broker {
+        Self::start_with(kind, max_packet, None)
+    }
+
+    /// Like [`Broker::start`], with a TLS listener (Mosquitto only) when `tls` is given.
+    pub fn start_with(kind: BrokerKind, max_packet: usize, tls: Option<TlsFiles>) -> Broker {
+        assert!(
+            tls.is_none() || kind == BrokerKind::Mosquitto,
+            "TLS tests run on Mosquitto"
+        );
         let dir = tempfile::tempdir().expect("broker dir");
         let credentials = match kind {
             BrokerKind::Embedded => None,
@@ -133,6 +169,7 @@ impl Broker {
             port: 0,
             max_packet,
             credentials,
+            tls,
             dir,
             process: None,
         };
@@ -202,7 +239,13 @@ impl Broker {
                 let conf = self.dir.path().join("mosquitto.conf");
                 std::fs::write(
                     &conf,
-                    fed::mosquitto_conf(self.port, &pw, self.max_packet, &current_user()),
+                    fed::mosquitto_conf(
+                        self.port,
+                        &pw,
+                        self.max_packet,
+                        &current_user(),
+                        self.tls.as_ref(),
+                    ),
                 )
                 .expect("mosquitto.conf");
                 let child = Guard(

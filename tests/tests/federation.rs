@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 use unifed_e2e::fed::Fed;
-use unifed_e2e::{Broker, BrokerKind, Packet, Proxy, mosquitto, serial};
+use unifed_e2e::{Broker, BrokerKind, Packet, Proxy, mosquitto_available, serial};
 use unifed_models::checkpoint;
 use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::decode;
@@ -277,12 +277,7 @@ fn global_bn_three_agents_three_rounds_on_the_embedded_broker() {
 
 #[test]
 fn local_bn_three_agents_three_rounds_on_mosquitto() {
-    if mosquitto().is_none() {
-        assert!(
-            std::env::var_os("UNIFED_REQUIRE_MOSQUITTO").is_none(),
-            "UNIFED_REQUIRE_MOSQUITTO is set but mosquitto is not installed"
-        );
-        eprintln!("SKIPPED: mosquitto is not installed (scripts/install-mosquitto.sh)");
+    if !mosquitto_available() {
         return;
     }
     let _one = serial();
