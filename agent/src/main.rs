@@ -6,6 +6,7 @@
 //! `calibrate`, `evaluate` and `predict` arrive with onboarding.
 
 mod bench;
+mod onboard;
 mod singleset;
 
 use unifed_agent::{model, train};
@@ -74,6 +75,12 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Re-estimates every BN layer's statistics of a model on the site's own unlabelled images
+    /// and writes the calibrated model; with labels, reports accuracy before and after.
+    Calibrate(onboard::CalibrateArgs),
+    /// Test accuracy of a model on labelled images, with BN statistics stored, re-estimated as
+    /// the images stream in (`stream`), or freshly calibrated.
+    Evaluate(onboard::EvaluateArgs),
     /// Training and inference samples/s of the digits CNN per compiled backend, peak RSS, and
     /// PyTorch's figures on the same threads when a Python with torch is found.
     Bench(bench::Args),
@@ -123,6 +130,14 @@ fn main() -> Result<()> {
     let backend: Backend = cli.backend.parse().map_err(anyhow::Error::msg)?;
     match cli.cmd {
         Cmd::Singleset(args) => singleset::run(backend, &args),
+        Cmd::Calibrate(args) => {
+            let device = backend.device().map_err(anyhow::Error::msg)?;
+            onboard::calibrate_cmd(&args, &device)
+        }
+        Cmd::Evaluate(args) => {
+            let device = backend.device().map_err(anyhow::Error::msg)?;
+            onboard::evaluate_cmd(&args, &device).map(|_| ())
+        }
         Cmd::Bench(args) => bench::run(&args),
         Cmd::Spec { arch } => {
             let device = backend.device().map_err(anyhow::Error::msg)?;

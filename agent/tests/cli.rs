@@ -145,3 +145,123 @@ fn init_writes_a_pytorch_style_checkpoint_with_the_spec_hash() {
     assert_eq!(header["bn1.num_batches_tracked"]["dtype"], "I64");
     assert_eq!(header.as_object().unwrap().len(), 1 + 14 + 2);
 }
+
+/// Writes a small seeded model with `init` and returns its path.
+fn small_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let model = dir.join("m.safetensors");
+    let st = agent()
+        .args(["init", "--conv", "4,6,8", "--fc", "32,16", "--out"])
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    model
+}
+
+#[test]
+fn calibrate_rewrites_only_the_bn_statistics_and_the_result_evaluates() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let out = dir.path().join("cal.safetensors");
+    let o = agent()
+        .args(["calibrate", "--builtin", "inverted", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        text.contains("calibrated every BN layer on 642 images"),
+        "{text}"
+    );
+    assert!(text.contains("before") && text.contains("after"), "{text}");
+    let spec: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("cal.safetensors.spec.json")).unwrap(),
+    )
+    .unwrap();
+    let read = |p: &std::path::Path| std::fs::read(p).unwrap();
+    let (a, b) = (read(&model), read(&out));
+    let (a, b) = (
+        safetensors::SafeTensors::deserialize(&a).unwrap(),
+        safetensors::SafeTensors::deserialize(&b).unwrap(),
+    );
+    let mut stats_changed = 0;
+    for t in spec["tensors"].as_array().unwrap() {
+        let name = t["name"].as_str().unwrap();
+        let kind = t["kind"].as_str().unwrap();
+        let same = a.tensor(name).unwrap().data() == b.tensor(name).unwrap().data();
+        if kind.starts_with("BnRunning") {
+            stats_changed += usize::from(!same);
+        } else {
+            assert!(same, "{name} ({kind}) changed");
+        }
+    }
+    assert_eq!(
+        stats_changed, 10,
+        "every running mean and variance of the 5 BN layers"
+    );
+    for bn in ["stored", "stream", "calibrate"] {
+        let o = agent()
+            .args(["evaluate", "--builtin", "inverted", "--bn", bn, "--model"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{bn}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(text.contains("% test accuracy on 1024 images"), "{text}");
+    }
+}
+
+#[test]
+fn calibration_input_errors_name_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let run = |args: &[&str]| {
+        let o = agent()
+            .args(args)
+            .arg("--model")
+            .arg(&model)
+            .arg("--out")
+            .arg(dir.path().join("x.safetensors"))
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let e = run(&["calibrate", "--images", empty.to_str().unwrap()]);
+    assert!(e.contains("empty"), "{e}");
+    let e = run(&[
+        "calibrate",
+        "--builtin",
+        "inverted",
+        "--mode",
+        "stream",
+        "--batch-size",
+        "1",
+    ]);
+    assert!(e.contains("batch"), "{e}");
+    let e = run(&["calibrate", "--builtin", "inverted", "--mode", "sideways"]);
+    assert!(e.contains("--mode `sideways`"), "{e}");
+    let o = agent()
+        .args([
+            "calibrate",
+            "--builtin",
+            "inverted",
+            "--out",
+            "y",
+            "--model",
+        ])
+        .arg(dir.path().join("missing.safetensors"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("missing.safetensors.spec.json"));
+}

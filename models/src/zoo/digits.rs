@@ -57,6 +57,35 @@ pub struct DigitsCnn {
 }
 
 impl DigitsCnnConfig {
+    /// The widths and input a digits-CNN spec describes (read from its tensor shapes), so a
+    /// model file with its spec can be loaded without repeating its widths. The caller checks
+    /// the rebuilt model's spec hash against the file's.
+    pub fn from_spec(spec: &unifed_protocol::ModelSpec) -> Result<Self, String> {
+        let dim = |name: &str, i: usize| -> Result<usize, String> {
+            spec.tensors
+                .iter()
+                .find(|t| t.name == name)
+                .and_then(|t| t.shape.get(i).copied())
+                .ok_or_else(|| format!("not a digits-CNN spec: no tensor `{name}`"))
+        };
+        let unifed_protocol::Input::Image { height, width, .. } = spec.input else {
+            return Err("not a digits-CNN spec: its input is not an image".into());
+        };
+        let cfg = DigitsCnnConfig {
+            in_channels: dim("conv1.weight", 1)?,
+            size: [height as usize, width as usize],
+            conv: [
+                dim("conv1.weight", 0)?,
+                dim("conv2.weight", 0)?,
+                dim("conv3.weight", 0)?,
+            ],
+            fc: [dim("fc1.weight", 0)?, dim("fc2.weight", 0)?],
+            classes: dim("fc3.weight", 0)?,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     /// Checks the sizes, returning a message naming the bad value.
     pub fn validate(&self) -> Result<(), String> {
         if !self.size[0].is_multiple_of(4)

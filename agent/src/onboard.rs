@@ -1,0 +1,297 @@
+//! Onboarding on the device, from a model file: `calibrate` re-estimates every BN layer's
+//! statistics on the site's own unlabelled images and writes the calibrated model; `evaluate`
+//! measures a model on labelled images with its stored BN statistics, under `stream`
+//! re-estimation (UniFed Algorithm 1) or after a fresh `calibrate`. Fetching the onboarding
+//! package from the aggregator and the calibrated-model registry come next (issue 10).
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use std::path::{Path, PathBuf};
+use unifed_models::backend::Device;
+use unifed_models::bn::{BnStart, CalibrateConfig, Estimator, StreamConfig, StreamEstimator};
+use unifed_models::checkpoint;
+use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_split, load_unlabelled};
+use unifed_models::state::{Select, export, import};
+use unifed_models::train::{evaluate, evaluate_stream};
+use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, spec_of};
+use unifed_protocol::ModelSpec;
+
+/// A model file and where its labelled evaluation images come from.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Source {
+    /// Model file (safetensors), its spec beside it as `<file>.spec.json`.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// A built-in domain: its test split is evaluated, its calibration split calibrates.
+    #[arg(long)]
+    pub builtin: Option<String>,
+    /// A labelled dataset folder (`train/ val/ test/`, each `label/file`, or a manifest.csv).
+    #[arg(long)]
+    pub folder: Option<PathBuf>,
+    /// The folder's split to evaluate.
+    #[arg(long, default_value = "test")]
+    pub split: String,
+}
+
+/// BN re-estimation options shared by both commands.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BnArgs {
+    /// `stream`: weight on history in [0, 1]; `calibrate --estimator ema`: the EMA's tau.
+    #[arg(long, default_value_t = 0.9)]
+    pub tau: f64,
+    /// Images per batch (stream: the test batch size; it must leave no batch of one).
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Starting statistics: `stored` (the model's) or `first-batch`. Default: stored for
+    /// stream (Algorithm 1), first-batch for an EMA calibration.
+    #[arg(long)]
+    pub start: Option<String>,
+    /// Seed of the order images arrive in under `stream`.
+    #[arg(long, default_value_t = 0)]
+    pub order_seed: u64,
+}
+
+/// `unifed-agent evaluate`.
+#[derive(clap::Args, Debug)]
+pub struct EvaluateArgs {
+    #[command(flatten)]
+    source: Source,
+    /// BN statistics: `stored`, `stream` or `calibrate`.
+    #[arg(long, default_value = "stored")]
+    bn: String,
+    #[command(flatten)]
+    bn_args: BnArgs,
+    /// Unlabelled images to calibrate on with `--bn calibrate` (default for a built-in domain:
+    /// its calibration split).
+    #[arg(long)]
+    calib_images: Option<PathBuf>,
+}
+
+/// `unifed-agent calibrate`.
+#[derive(clap::Args, Debug)]
+pub struct CalibrateArgs {
+    #[command(flatten)]
+    source: Source,
+    /// Unlabelled images of the site (a flat folder). Default for a built-in domain: its
+    /// calibration split.
+    #[arg(long)]
+    images: Option<PathBuf>,
+    /// `calibrate` (one pass per BN layer) or `stream` (one pass, UniFed Algorithm 1).
+    #[arg(long, default_value = "calibrate")]
+    mode: String,
+    /// `calibrate` pooling: `exact` (population statistics) or `ema` (tau-EMA over batches).
+    #[arg(long, default_value = "exact")]
+    estimator: String,
+    #[command(flatten)]
+    bn_args: BnArgs,
+    /// Where to write the calibrated model (and its spec beside it).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Loads a digits-CNN model file and its spec.
+pub fn load_model(model: &Path, device: &Device) -> Result<(DigitsCnn, ModelSpec)> {
+    let sp = crate::model::spec_path(model);
+    let spec: ModelSpec = serde_json::from_slice(
+        &std::fs::read(&sp)
+            .with_context(|| format!("reading the model's spec {}", sp.display()))?,
+    )
+    .with_context(|| format!("parsing {}", sp.display()))?;
+    let cfg =
+        DigitsCnnConfig::from_spec(&spec).map_err(|e| anyhow::anyhow!("{}: {e}", sp.display()))?;
+    let net = cfg.init(device);
+    let built = spec_of(&net, &spec.classes, &spec.input);
+    if built.hash() != spec.hash() {
+        bail!(
+            "{}: the spec is not one of a digits CNN this agent can build",
+            sp.display()
+        );
+    }
+    let state = checkpoint::load(model, &spec)?;
+    Ok((import(&net, &spec, &state, Select::All)?, spec))
+}
+
+fn start(arg: &Option<String>, default: BnStart) -> Result<BnStart> {
+    Ok(match arg.as_deref() {
+        None => default,
+        Some("stored") => BnStart::Stored,
+        Some("first-batch") => BnStart::FirstBatch,
+        Some(o) => bail!("--start `{o}`: expected stored or first-batch"),
+    })
+}
+
+/// The labelled evaluation set of a source, if it has one.
+fn labelled(src: &Source, spec: &ModelSpec) -> Result<Option<Dataset>> {
+    match (&src.builtin, &src.folder) {
+        (Some(d), None) => {
+            let data = BuiltinData::load().context("loading the built-in data")?;
+            let dd = data.domain(
+                Domain::parse(d).map_err(anyhow::Error::msg)?,
+                &SplitSizes::default(),
+                0,
+            )?;
+            Ok(Some(dd.test.dataset(&format!("{d}/test"), spec)?))
+        }
+        (None, Some(f)) => Ok(Some(load_split(f, &src.split, spec)?)),
+        (None, None) => Ok(None),
+        _ => bail!("give --builtin or --folder, not both"),
+    }
+}
+
+/// Unlabelled calibration images: `images` if given, else the built-in domain's calibration
+/// split (or its test images for a training domain, which has none).
+fn calibration(src: &Source, images: &Option<PathBuf>, spec: &ModelSpec) -> Result<Vec<f32>> {
+    if let Some(dir) = images {
+        return Ok(load_unlabelled(dir, spec)?);
+    }
+    let Some(d) = &src.builtin else {
+        bail!("give --images (a folder of the site's unlabelled images) or --builtin");
+    };
+    let data = BuiltinData::load().context("loading the built-in data")?;
+    let dd = data.domain(
+        Domain::parse(d).map_err(anyhow::Error::msg)?,
+        &SplitSizes::default(),
+        0,
+    )?;
+    let split = if dd.calib.images.is_empty() {
+        &dd.train
+    } else {
+        &dd.calib
+    };
+    Ok(split.dataset(&format!("{d}/calib"), spec)?.x)
+}
+
+fn bar(what: &str) -> ProgressBar {
+    ProgressBar::new(0).with_style(
+        ProgressStyle::with_template(&format!("{what} [{{bar:30}}] {{pos}}/{{len}}"))
+            .expect("static template")
+            .progress_chars("=> "),
+    )
+}
+
+/// Re-estimates `net`'s BN statistics on `images` (`mode` calibrate or stream).
+fn reestimate(
+    net: &DigitsCnn,
+    images: &[f32],
+    mode: &str,
+    estimator: &str,
+    a: &BnArgs,
+    device: &Device,
+) -> Result<DigitsCnn> {
+    let pb = bar("calibrating");
+    let out = match mode {
+        "calibrate" => {
+            let estimator = match estimator {
+                "exact" => Estimator::Exact,
+                "ema" => Estimator::Ema { tau: a.tau },
+                o => bail!("--estimator `{o}`: expected exact or ema"),
+            };
+            let cfg = CalibrateConfig {
+                estimator,
+                batch_size: a.batch_size,
+                start: start(&a.start, BnStart::FirstBatch)?,
+            };
+            unifed_models::bn::calibrate(net, images, device, &cfg, |done, total| {
+                pb.set_length(total as u64);
+                pb.set_position(done as u64);
+            })?
+        }
+        "stream" => {
+            let f = unifed_models::zoo::Net::input_numel(net);
+            let n = images.len() / f;
+            let ranges = unifed_models::bn::bn_batches(n, a.batch_size)?;
+            let mut est = StreamEstimator::new(a.tau, start(&a.start, BnStart::Stored)?)?;
+            let valid = burn::module::Module::valid(net);
+            let dev = device.clone().without_autodiff();
+            pb.set_length(ranges.len() as u64);
+            for r in ranges {
+                let x = burn::tensor::Tensor::<2>::from_data(
+                    burn::tensor::TensorData::new(
+                        images[r.start * f..r.end * f].to_vec(),
+                        [r.len(), f],
+                    ),
+                    &dev,
+                );
+                est.forward(&valid, x)?;
+                pb.inc(1);
+            }
+            est.store_into(&valid)
+        }
+        o => bail!("--mode `{o}`: expected calibrate or stream"),
+    };
+    pb.finish_and_clear();
+    Ok(out)
+}
+
+/// Runs `unifed-agent evaluate`.
+pub fn evaluate_cmd(a: &EvaluateArgs, device: &Device) -> Result<f64> {
+    let (net, spec) = load_model(&a.source.model, device)?;
+    let Some(test) = labelled(&a.source, &spec)? else {
+        bail!("evaluate needs labelled images: --builtin DOMAIN or --folder DIR");
+    };
+    let classes = spec.classes.len();
+    let rep = match a.bn.as_str() {
+        "stored" => evaluate(&net, &test, classes, 256, device)?,
+        "stream" => {
+            let mut order: Vec<usize> = (0..test.len()).collect();
+            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(
+                a.bn_args.order_seed,
+            ));
+            let cfg = StreamConfig {
+                tau: a.bn_args.tau,
+                batch_size: a.bn_args.batch_size,
+                start: start(&a.bn_args.start, BnStart::Stored)?,
+            };
+            evaluate_stream(&net, &test, classes, &cfg, &order, device)?
+        }
+        "calibrate" => {
+            let images = calibration(&a.source, &a.calib_images, &spec)?;
+            let cal = reestimate(&net, &images, "calibrate", "exact", &a.bn_args, device)?;
+            evaluate(&cal, &test, classes, 256, device)?
+        }
+        o => bail!("--bn `{o}`: expected stored, stream or calibrate"),
+    };
+    println!(
+        "{}: {:.2}% test accuracy on {} images (BN: {})",
+        test.name,
+        100.0 * rep.accuracy(),
+        rep.samples,
+        a.bn
+    );
+    Ok(rep.accuracy())
+}
+
+/// Runs `unifed-agent calibrate`.
+pub fn calibrate_cmd(a: &CalibrateArgs, device: &Device) -> Result<()> {
+    let (net, spec) = load_model(&a.source.model, device)?;
+    let images = calibration(&a.source, &a.images, &spec)?;
+    let n = images.len() / spec.input.numel();
+    let test = labelled(&a.source, &spec)?;
+    let before = match &test {
+        Some(t) => Some(evaluate(&net, t, spec.classes.len(), 256, device)?.accuracy()),
+        None => None,
+    };
+    let cal = reestimate(&net, &images, &a.mode, &a.estimator, &a.bn_args, device)?;
+    checkpoint::save(&a.out, &export(&cal, &spec, Select::All), &spec)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    let sp = crate::model::spec_path(&a.out);
+    std::fs::write(&sp, serde_json::to_vec_pretty(&spec)?)
+        .with_context(|| format!("writing {}", sp.display()))?;
+    println!(
+        "calibrated every BN layer on {n} images ({}); wrote {}",
+        a.mode,
+        a.out.display()
+    );
+    if let (Some(t), Some(b)) = (&test, before) {
+        let after = evaluate(&cal, t, spec.classes.len(), 256, device)?.accuracy();
+        println!(
+            "{}: test accuracy {:.2}% before, {:.2}% after",
+            t.name,
+            100.0 * b,
+            100.0 * after
+        );
+    }
+    Ok(())
+}
