@@ -5,6 +5,7 @@
 //! bytes, seconds per round and peak memory, and writes `results/federation.json` and a
 //! convergence chart `results/federation.svg`.
 
+mod onboard;
 mod report;
 mod run;
 mod supervise;
@@ -22,18 +23,27 @@ use unifed_protocol::messages::BnPolicy;
 )]
 struct Cli {
     #[command(subcommand)]
-    role: Option<Role>,
+    role: Option<Command>,
     #[command(flatten)]
     opts: run::Options,
 }
 
 #[derive(Subcommand)]
-enum Role {
+enum Command {
     /// Internal: run one process of the demo (broker, aggregator or agent).
     #[command(hide = true)]
     Role {
         #[command(subcommand)]
         role: Process,
+    },
+    /// Evaluates the never-seen domains again from a finished demo's work folder (both runs),
+    /// and with --sweep the full stream grid; writes results/onboarding.json.
+    Onboarding {
+        #[command(flatten)]
+        opts: run::Options,
+        /// Also sweep stream's tau {0, 0.5, 0.9} x batch {2, 8, 32, 128, 512} x 3 orders.
+        #[arg(long)]
+        sweep: bool,
     },
 }
 
@@ -56,24 +66,25 @@ enum Process {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.role {
-        Some(Role::Role {
+        Some(Command::Role {
             role: Process::Broker(args),
         }) => {
             unifed_net::init_logging(unifed_broker::LOG_FILTER);
             unifed_broker::run(&args)
         }
-        Some(Role::Role {
+        Some(Command::Role {
             role: Process::Aggregator { config },
         }) => {
             unifed_net::init_logging("warn");
             unifed_aggregator::service::serve_from_file(&config).map(|_| ())
         }
-        Some(Role::Role {
+        Some(Command::Role {
             role: Process::Agent { config },
         }) => {
             unifed_net::init_logging("warn");
             unifed_agent::train::run_from_file(&config, false).map(|_| ())
         }
+        Some(Command::Onboarding { opts, sweep }) => never_seen(&opts, sweep),
         None => {
             let opts = cli.opts;
             let mut runs = Vec::new();
@@ -85,7 +96,23 @@ fn main() -> Result<()> {
                 };
                 runs.push(run::federation(&opts, bn)?);
             }
-            report::finish(&opts, &runs)
+            report::finish(&opts, &runs)?;
+            if runs.len() == 2 && runs[0].bn_policy != runs[1].bn_policy {
+                never_seen(&opts, false)?;
+            }
+            Ok(())
         }
     }
+}
+
+/// The never-seen domains' table from the runs in the work folder, printed and written.
+fn never_seen(opts: &run::Options, sweep: bool) -> Result<()> {
+    let sites: Vec<String> = run::sites(opts)?.into_iter().map(|(id, _)| id).collect();
+    let rows = onboard::table(&opts.work, &sites, sweep, |s| println!("{s}"))?;
+    println!("{}", onboard::render(&rows));
+    std::fs::create_dir_all(&opts.out)?;
+    let path = opts.out.join("onboarding.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)?;
+    println!("wrote {}", path.display());
+    Ok(())
 }

@@ -1,0 +1,275 @@
+//! The never-seen domains after a demo: how a new site would fare with the federation's
+//! models, under each baseline of UniFed / FedBN appendix G, from the files the FedBN and FedAvg
+//! runs left in the work folder.
+//!
+//! - (a) `global, own BN`: the FedBN global non-BN weights with the global model's own,
+//!   never-trained BN layers (policy `none`, UniFed's baseline);
+//! - (b) `global, avg affine+stats`: with the sites' BN weight and bias averaged and their
+//!   statistics pooled (policy `affine+stats`). Means are sample-weighted; variances are pooled
+//!   as the variance of the sites' mixture, `sum w_i (var_i + (mean_i - mean)^2)`;
+//! - (c) `FedAvg model`: the `global`-BN run's final model as is;
+//! - (d) `stream`: UniFed Algorithm 1 on the test images themselves, from the package's
+//!   statistics, with the affine parameters of `none` (d-none) or of `affine` (d-affine);
+//! - (e) `calibrate`: exact statistics of the domain's separate unlabelled split, with the
+//!   affine parameters of `none` (e-none) or `affine` (e-affine).
+
+use anyhow::{Context, Result, bail};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use unifed_models::backend::Device;
+use unifed_models::bn::{BnStart, CalibrateConfig, StreamConfig, calibrate};
+use unifed_models::checkpoint;
+use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes};
+use unifed_models::state::{Select, StateDict, import};
+use unifed_models::train::{evaluate, evaluate_stream};
+use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig};
+use unifed_protocol::{ModelSpec, TensorKind};
+
+/// One never-seen domain's accuracies (fractions), by baseline.
+#[derive(Debug, Clone, Serialize)]
+pub struct DomainRow {
+    /// Domain name.
+    pub domain: String,
+    /// Test images.
+    pub test_images: usize,
+    /// Unlabelled calibration images (for e).
+    pub calib_images: usize,
+    /// Baseline name -> accuracy.
+    pub accuracy: BTreeMap<String, f64>,
+    /// Stream sweep (when asked): `(affine, tau, batch, order seed) -> accuracy`.
+    pub stream_sweep: Vec<SweepCell>,
+}
+
+/// One cell of the stream sweep.
+#[derive(Debug, Clone, Serialize)]
+pub struct SweepCell {
+    /// `none` or `affine`.
+    pub affine: String,
+    /// Weight on history.
+    pub tau: f64,
+    /// Test batch size.
+    pub batch: usize,
+    /// Order seed.
+    pub order: u64,
+    /// Accuracy.
+    pub accuracy: f64,
+}
+
+/// The baselines' column names, in table order.
+pub const COLUMNS: [&str; 7] = [
+    "a global, own BN",
+    "b avg affine+stats",
+    "c FedAvg model",
+    "d stream (none)",
+    "d stream (affine)",
+    "e calibrate (none)",
+    "e calibrate (affine)",
+];
+
+fn build(spec: &ModelSpec, state: &StateDict, device: &Device) -> Result<DigitsCnn> {
+    let cfg = DigitsCnnConfig::from_spec(spec).map_err(anyhow::Error::msg)?;
+    Ok(import(&cfg.init(device), spec, state, Select::All)?)
+}
+
+/// `base` with its tensors of the kinds `keep` selects replaced by `from`'s.
+fn with(base: &StateDict, from: &StateDict, keep: Select) -> StateDict {
+    let mut s = base.clone();
+    for (t, f) in s.tensors.iter_mut().zip(&from.tensors) {
+        if keep.keeps(t.kind) {
+            t.data = f.data.clone();
+        }
+    }
+    s
+}
+
+/// The sites' BN tensors combined as policy `affine+stats` would (equal weights: every demo
+/// site trains on the same number of images).
+fn average_bn(sites: &[StateDict]) -> StateDict {
+    let n = sites.len() as f64;
+    let mut out = sites[0].clone();
+    for (k, t) in out.tensors.iter_mut().enumerate() {
+        // Weights, biases and running means: plain means.
+        if !t.kind.is_bn() || t.kind == TensorKind::BnRunningVar {
+            continue;
+        }
+        for (i, x) in t.data.iter_mut().enumerate() {
+            *x = (sites
+                .iter()
+                .map(|s| s.tensors[k].data[i] as f64)
+                .sum::<f64>()
+                / n) as f32;
+        }
+    }
+    // Pooled variances: the mixture's variance, from each site's mean and variance.
+    for k in 0..out.tensors.len() {
+        if out.tensors[k].kind != TensorKind::BnRunningVar {
+            continue;
+        }
+        let prefix = out.tensors[k]
+            .name
+            .trim_end_matches("running_var")
+            .to_string();
+        let m = out
+            .tensors
+            .iter()
+            .position(|t| t.name == format!("{prefix}running_mean"))
+            .expect("a running mean beside every running var");
+        let len = out.tensors[k].data.len();
+        for i in 0..len {
+            let mean = out.tensors[m].data[i] as f64;
+            let v = sites
+                .iter()
+                .map(|s| {
+                    let d = s.tensors[m].data[i] as f64 - mean;
+                    s.tensors[k].data[i] as f64 + d * d
+                })
+                .sum::<f64>()
+                / n;
+            out.tensors[k].data[i] = v as f32;
+        }
+    }
+    out
+}
+
+fn stream(
+    net: &DigitsCnn,
+    test: &Dataset,
+    tau: f64,
+    batch: usize,
+    order_seed: u64,
+    device: &Device,
+) -> Result<f64> {
+    let mut order: Vec<usize> = (0..test.len()).collect();
+    order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(order_seed));
+    let cfg = StreamConfig {
+        tau,
+        batch_size: batch,
+        start: BnStart::Stored,
+    };
+    Ok(evaluate_stream(net, test, 10, &cfg, &order, device)?.accuracy())
+}
+
+/// Evaluates every baseline on every never-seen domain from the runs in `work` (sites `sites`);
+/// with `sweep`, also the full stream grid: tau {0, 0.5, 0.9} x batch {2, 8, 32, 128, 512} x
+/// 3 orders, for both affine choices.
+pub fn table(
+    work: &Path,
+    sites: &[String],
+    sweep: bool,
+    mut say: impl FnMut(String),
+) -> Result<Vec<DomainRow>> {
+    let device = unifed_models::backend::Backend::Flex
+        .device()
+        .map_err(anyhow::Error::msg)?;
+    let local = work.join("local");
+    let spec: ModelSpec = serde_json::from_slice(
+        &std::fs::read(local.join("init.safetensors.spec.json"))
+            .with_context(|| format!("reading the FedBN run in {}", local.display()))?,
+    )?;
+    let load = |p: &Path| checkpoint::load(p, &spec).with_context(|| format!("{}", p.display()));
+    let init = load(&local.join("init.safetensors"))?;
+    let site_states: Vec<StateDict> = sites
+        .iter()
+        .map(|s| load(&local.join(s).join("model.safetensors")))
+        .collect::<Result<_>>()?;
+    if site_states.is_empty() {
+        bail!("no site checkpoints in {}", local.display());
+    }
+    // Every FedBN site holds the same final non-BN weights; the BN layers are each its own.
+    let global_own_bn = with(&init, &site_states[0], Select::NonBn);
+    let avg = average_bn(&site_states);
+    let avg_all = with(&global_own_bn, &avg, Select::Bn);
+    let avg_affine = with(&global_own_bn, &avg, Select::BnAffine);
+    let fedavg = load(
+        &work
+            .join("global")
+            .join(&sites[0])
+            .join("model.safetensors"),
+    )
+    .context("the FedAvg run's model")?;
+    let net_a = build(&spec, &global_own_bn, &device)?;
+    let net_b = build(&spec, &avg_all, &device)?;
+    let net_c = build(&spec, &fedavg, &device)?;
+    let net_aff = build(&spec, &avg_affine, &device)?;
+
+    let data = BuiltinData::load().context("loading the built-in data")?;
+    let mut rows = Vec::new();
+    for d in Domain::UNSEEN {
+        let dd = data.domain(d, &SplitSizes::default(), 0)?;
+        let test = dd.test.dataset(&format!("{}/test", d.name()), &spec)?;
+        let calib = dd.calib.dataset(&format!("{}/calib", d.name()), &spec)?;
+        let acc = |net: &DigitsCnn| -> Result<f64> {
+            Ok(evaluate(net, &test, 10, 256, &device)?.accuracy())
+        };
+        let cal = |net: &DigitsCnn| -> Result<DigitsCnn> {
+            Ok(calibrate(
+                net,
+                &calib.x,
+                &device,
+                &CalibrateConfig::default(),
+                |_, _| {},
+            )?)
+        };
+        let mut accuracy = BTreeMap::new();
+        let vals = [
+            acc(&net_a)?,
+            acc(&net_b)?,
+            acc(&net_c)?,
+            stream(&net_a, &test, 0.9, 32, 0, &device)?,
+            stream(&net_aff, &test, 0.9, 32, 0, &device)?,
+            acc(&cal(&net_a)?)?,
+            acc(&cal(&net_aff)?)?,
+        ];
+        for (c, v) in COLUMNS.iter().zip(vals) {
+            accuracy.insert(c.to_string(), v);
+        }
+        let mut cells = Vec::new();
+        if sweep {
+            for (affine, net) in [("none", &net_a), ("affine", &net_aff)] {
+                for tau in [0.0, 0.5, 0.9] {
+                    for batch in [2, 8, 32, 128, 512] {
+                        for order in 0..3 {
+                            let accuracy = stream(net, &test, tau, batch, order, &device)?;
+                            cells.push(SweepCell {
+                                affine: affine.into(),
+                                tau,
+                                batch,
+                                order,
+                                accuracy,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        say(format!("never-seen domain {} evaluated", d.name()));
+        rows.push(DomainRow {
+            domain: d.name().into(),
+            test_images: test.len(),
+            calib_images: calib.len(),
+            accuracy,
+            stream_sweep: cells,
+        });
+    }
+    Ok(rows)
+}
+
+/// The table as text: one row per domain, one column per baseline (percent).
+pub fn render(rows: &[DomainRow]) -> String {
+    let mut s = format!("\n{:<10}", "never-seen");
+    for c in COLUMNS {
+        s += &format!("{c:>21}");
+    }
+    s.push('\n');
+    for r in rows {
+        s += &format!("{:<10}", r.domain);
+        for c in COLUMNS {
+            s += &format!("{:>21.2}", 100.0 * r.accuracy[c]);
+        }
+        s.push('\n');
+    }
+    s
+}
