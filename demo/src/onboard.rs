@@ -273,3 +273,36 @@ pub fn render(rows: &[DomainRow]) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unifed_models::state::NamedTensor;
+
+    fn site(w: f32, mean: f32, var: f32) -> StateDict {
+        let t = |name: &str, kind, v: f32| NamedTensor {
+            name: name.into(),
+            shape: vec![1],
+            kind,
+            data: vec![v],
+        };
+        StateDict {
+            spec_hash: unifed_protocol::SpecHash([0; 32]),
+            tensors: vec![
+                t("fc.weight", TensorKind::NonBn, w),
+                t("bn.weight", TensorKind::BnWeight, w),
+                t("bn.running_mean", TensorKind::BnRunningMean, mean),
+                t("bn.running_var", TensorKind::BnRunningVar, var),
+            ],
+        }
+    }
+
+    #[test]
+    fn averaged_bn_pools_variances_as_the_sites_mixture_and_leaves_non_bn_alone() {
+        let avg = average_bn(&[site(1.0, 0.0, 1.0), site(3.0, 2.0, 3.0)]);
+        let v: Vec<f32> = avg.tensors.iter().map(|t| t.data[0]).collect();
+        // Non-BN from the first site; affine and means averaged; variance = mean of the
+        // variances (2) + the spread of the means around their mean 1 (1).
+        assert_eq!(v, vec![1.0, 2.0, 1.0, 3.0]);
+    }
+}
