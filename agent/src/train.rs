@@ -78,10 +78,26 @@ pub struct AgentConfig {
     /// not only at the end.
     #[serde(default)]
     pub evaluate_each_model: bool,
+    /// BN of a site joining a running federation (its first model is past version 0) under
+    /// `local` BN: `calibrate` (default) re-estimates the statistics on its own training images
+    /// before it trains; `fresh` keeps the never-trained statistics.
+    #[serde(default)]
+    pub join_bn: JoinBn,
     /// The broker.
     pub broker: BrokerConfig,
     /// The data.
     pub data: DataConfig,
+}
+
+/// How a late joiner's BN statistics start (FedBN appendix G gives no rule; this is ours).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JoinBn {
+    /// Re-estimated on the site's own training images (exact `calibrate`).
+    #[default]
+    Calibrate,
+    /// The model's never-trained statistics.
+    Fresh,
 }
 
 fn default_backend() -> String {
@@ -164,7 +180,8 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
             .with_context(|| format!("parsing {}", progress_path.display()))?,
         Err(_) => Progress::default(),
     };
-    let net = if ckpt.exists() {
+    let resumed = ckpt.exists();
+    let net = if resumed {
         let state = checkpoint::load(&ckpt, &spec)?;
         import(&net, &spec, &state, Select::All)?
     } else {
@@ -267,6 +284,14 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                                     let b: ServerBroadcast = postcard::from_bytes(&bytes).context("decoding the model broadcast")?;
                                     let s = site.as_mut().expect("site present");
                                     s.receive(&spec, &b, m.bn_policy)?;
+                                    if !resumed && progress.applied_version.is_none() && b.model_version > 0
+                                        && m.bn_policy == unifed_protocol::messages::BnPolicy::Local
+                                        && cfg.join_bn == JoinBn::Calibrate
+                                    {
+                                        // A late joiner: its BN statistics from its own images.
+                                        s.net = tokio::task::block_in_place(|| unifed_models::bn::calibrate(&s.net, &s.train.x, &device, &Default::default(), |_, _| {}))?;
+                                        println!("{site_id}: joined at model v{}; calibrated BN on {} own images", b.model_version, s.train.len());
+                                    }
                                     progress.applied_version = Some(b.model_version);
                                     save(s, &progress)?;
                                     println!("{site_id}: applied model v{}", b.model_version);

@@ -37,7 +37,8 @@ enum Command {
         role: Process,
     },
     /// Evaluates the never-seen domains again from a finished demo's work folder (both runs),
-    /// and with --sweep the full stream grid; writes results/onboarding.json.
+    /// and with --sweep the full stream grid (results/onboarding.json); then each training
+    /// domain as a late joiner with fresh or calibrated BN (results/late-joiner.json).
     Onboarding {
         #[command(flatten)]
         opts: run::Options,
@@ -84,7 +85,16 @@ fn main() -> Result<()> {
             unifed_net::init_logging("warn");
             unifed_agent::train::run_from_file(&config, false).map(|_| ())
         }
-        Some(Command::Onboarding { opts, sweep }) => never_seen(&opts, sweep),
+        Some(Command::Onboarding { opts, sweep }) => {
+            never_seen(&opts, sweep)?;
+            let sites: Vec<String> = run::sites(&opts)?.into_iter().map(|(id, _)| id).collect();
+            let rows =
+                onboard::late_joiners(&opts.work, &sites, opts.train_samples, |s| println!("{s}"))?;
+            let path = opts.out.join("late-joiner.json");
+            std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
         None => {
             let opts = cli.opts;
             let mut runs = Vec::new();

@@ -257,6 +257,89 @@ pub fn table(
     Ok(rows)
 }
 
+/// A late joiner's first round under the two BN starting rules.
+#[derive(Debug, Clone, Serialize)]
+pub struct LateJoiner {
+    /// The joining site's domain.
+    pub domain: String,
+    /// Test accuracy with the global weights and never-trained BN, before training.
+    pub fresh_before: f64,
+    /// After one local epoch from there.
+    pub fresh_after: f64,
+    /// Test accuracy with BN calibrated on the site's own training images, before training.
+    pub calibrated_before: f64,
+    /// After one local epoch from there.
+    pub calibrated_after: f64,
+}
+
+/// Each training domain as a site joining with the FedBN run's final global weights: its
+/// accuracy before and after one local epoch (FedBN's recipe), starting from never-trained BN
+/// or from BN calibrated on its own training images (the agent's default, `join_bn`).
+pub fn late_joiners(
+    work: &Path,
+    sites: &[String],
+    train_samples: usize,
+    mut say: impl FnMut(String),
+) -> Result<Vec<LateJoiner>> {
+    let device = unifed_models::backend::Backend::Flex
+        .device()
+        .map_err(anyhow::Error::msg)?;
+    let local = work.join("local");
+    let spec: ModelSpec = serde_json::from_slice(
+        &std::fs::read(local.join("init.safetensors.spec.json"))
+            .with_context(|| format!("reading the FedBN run in {}", local.display()))?,
+    )?;
+    let init = checkpoint::load(&local.join("init.safetensors"), &spec)?;
+    let first = sites.first().context("no sites")?;
+    let site0 = checkpoint::load(&local.join(first).join("model.safetensors"), &spec)?;
+    let fresh = build(&spec, &with(&init, &site0, Select::NonBn), &device)?;
+    let data = BuiltinData::load().context("loading the built-in data")?;
+    let tc = unifed_models::train::TrainConfig::default();
+    let mut out = Vec::new();
+    for d in Domain::TRAINING {
+        let dd = data.domain(
+            d,
+            &SplitSizes {
+                train: train_samples,
+                ..SplitSizes::default()
+            },
+            0,
+        )?;
+        let train = dd.train.dataset(&format!("{}/train", d.name()), &spec)?;
+        let test = dd.test.dataset(&format!("{}/test", d.name()), &spec)?;
+        let acc = |net: &DigitsCnn| -> Result<f64> {
+            Ok(evaluate(net, &test, 10, 256, &device)?.accuracy())
+        };
+        let one_epoch = |net: &DigitsCnn| -> Result<DigitsCnn> {
+            Ok(unifed_models::train::train_local(net, &train, 10, &tc, &device, |_| {})?.0)
+        };
+        let cal = calibrate(
+            &fresh,
+            &train.x,
+            &device,
+            &CalibrateConfig::default(),
+            |_, _| {},
+        )?;
+        let row = LateJoiner {
+            domain: d.name().into(),
+            fresh_before: acc(&fresh)?,
+            fresh_after: acc(&one_epoch(&fresh)?)?,
+            calibrated_before: acc(&cal)?,
+            calibrated_after: acc(&one_epoch(&cal)?)?,
+        };
+        say(format!(
+            "late joiner {}: fresh BN {:.2}% -> {:.2}%, calibrated BN {:.2}% -> {:.2}% after one epoch",
+            row.domain,
+            100.0 * row.fresh_before,
+            100.0 * row.fresh_after,
+            100.0 * row.calibrated_before,
+            100.0 * row.calibrated_after
+        ));
+        out.push(row);
+    }
+    Ok(out)
+}
+
 /// The table as text: one row per domain, one column per baseline (percent).
 pub fn render(rows: &[DomainRow]) -> String {
     let mut s = format!("\n{:<10}", "never-seen");

@@ -211,6 +211,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
             resend_secs: 120,
             threads: Some(threads),
             evaluate_each_model: true,
+            join_bn: Default::default(),
             broker: broker.clone(),
             data: DataConfig {
                 builtin: Some(domain.name().into()),

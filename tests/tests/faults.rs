@@ -252,6 +252,9 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
     wait_ok(&mut agg, "aggregator", &fed);
     let global = final_model(&fed);
     agents_hold(&fed, &["grey", "texture", "lowres"], &global);
+    // Joining at a later model version, it calibrated its BN on its own images first.
+    let log = std::fs::read_to_string(fed.dir.join("lowres.log")).unwrap();
+    assert!(log.contains("calibrated BN on 743 own images"), "{log}");
     // It took part from a round after it joined.
     let rounds: Vec<u64> = audit(&fed)
         .into_iter()
