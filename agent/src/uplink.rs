@@ -44,6 +44,7 @@ pub struct Uplink {
 pub struct Upload {
     /// The round it is for.
     pub round: u64,
+    len: usize,
     bytes: Vec<u8>,
     payload_hash: [u8; 32],
     /// Encoded chunk envelopes; empty when the update goes whole.
@@ -56,12 +57,12 @@ pub struct Upload {
 impl Upload {
     /// Bytes of the update envelope.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.len
     }
 
     /// Whether the update is empty (never: an envelope has a header).
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.len == 0
     }
 
     /// MQTT messages one complete send takes.
@@ -113,7 +114,9 @@ impl Uplink {
         Upload {
             round: m.round,
             payload_hash: payload_hash(&bytes),
-            bytes,
+            len: bytes.len(),
+            // A chunked update lives in its chunks only (no second copy of the whole).
+            bytes: if chunks.is_empty() { bytes } else { Vec::new() },
             chunks,
             next: 0,
             inflight: BTreeMap::new(),

@@ -150,8 +150,9 @@ pub fn encode(
     encoding: Encoding,
     residual: Option<&mut Vec<f32>>,
 ) -> EncodedTensor {
-    // With error feedback the tensor to send is `values + residual`.
-    let fed: Option<Vec<f32>> = residual.as_ref().map(|r| {
+    // With error feedback the tensor to send is `values + residual` (an empty residual is all
+    // zeros: nothing to add, and no copy).
+    let fed: Option<Vec<f32>> = residual.as_ref().filter(|r| !r.is_empty()).map(|r| {
         values
             .iter()
             .enumerate()
@@ -202,7 +203,8 @@ pub fn encode(
                     }
                 }
             }
-            Values::F32(_) => r.resize(x.len(), 0.0),
+            // Exact: nothing is left behind (kept empty rather than a model's worth of zeros).
+            Values::F32(_) => {}
             Values::F16(_) => r.extend(x.iter().map(|&v| v - half::f16::from_f32(v).to_f32())),
             Values::Q8 { scale, .. } => r.extend(
                 x.iter()
@@ -547,14 +549,14 @@ mod tests {
     fn every_encoding_keeps_its_rounding_error_as_the_residual() {
         let x = sample(300, 8);
         for enc in [Encoding::F32, Encoding::F16, Encoding::Q8] {
-            let mut residual = vec![0.0; 10]; // wrong length: resized to 300
+            let mut residual = vec![0.0; 10]; // wrong length: replaced
             let d = decode(&encode("w", &[300], &x, enc, Some(&mut residual))).unwrap();
-            assert_eq!(residual.len(), 300);
+            // Exact f32 leaves nothing behind: an empty residual (all zeros, no memory).
+            let want = if enc == Encoding::F32 { 0 } else { 300 };
+            assert_eq!(residual.len(), want, "{enc:?}");
             for i in 0..300 {
-                assert!(
-                    (d[i] + residual[i] - x[i]).abs() <= 1e-6,
-                    "{enc:?} index {i}"
-                );
+                let r = residual.get(i).copied().unwrap_or(0.0);
+                assert!((d[i] + r - x[i]).abs() <= 1e-6, "{enc:?} index {i}");
             }
         }
     }
