@@ -152,6 +152,44 @@ fn stream(
     Ok(evaluate_stream(net, test, 10, &cfg, &order, device)?.accuracy())
 }
 
+/// What a finished FedBN run left in `<work>/local`: the spec, the initial model (whose BN
+/// layers the global model keeps under `local` BN) and every site's final checkpoint.
+struct FedBnRun {
+    device: Device,
+    spec: ModelSpec,
+    init: StateDict,
+    sites: Vec<StateDict>,
+}
+
+impl FedBnRun {
+    fn load(work: &Path, sites: &[String]) -> Result<FedBnRun> {
+        let device = unifed_models::backend::Backend::Flex
+            .device()
+            .map_err(anyhow::Error::msg)?;
+        let local = work.join("local");
+        let spec: ModelSpec = serde_json::from_slice(
+            &std::fs::read(local.join("init.safetensors.spec.json"))
+                .with_context(|| format!("reading the FedBN run in {}", local.display()))?,
+        )?;
+        let load =
+            |p: &Path| checkpoint::load(p, &spec).with_context(|| format!("{}", p.display()));
+        let init = load(&local.join("init.safetensors"))?;
+        let states: Vec<StateDict> = sites
+            .iter()
+            .map(|s| load(&local.join(s).join("model.safetensors")))
+            .collect::<Result<_>>()?;
+        if states.is_empty() {
+            bail!("no site checkpoints in {}", local.display());
+        }
+        Ok(FedBnRun {
+            device,
+            spec,
+            init,
+            sites: states,
+        })
+    }
+}
+
 /// Evaluates every baseline on every never-seen domain from the runs in `work` (sites `sites`);
 /// with `sweep`, also the full stream grid: tau {0, 0.5, 0.9} x batch {2, 8, 32, 128, 512} x
 /// 3 orders, for both affine choices.
@@ -161,23 +199,13 @@ pub fn table(
     sweep: bool,
     mut say: impl FnMut(String),
 ) -> Result<Vec<DomainRow>> {
-    let device = unifed_models::backend::Backend::Flex
-        .device()
-        .map_err(anyhow::Error::msg)?;
-    let local = work.join("local");
-    let spec: ModelSpec = serde_json::from_slice(
-        &std::fs::read(local.join("init.safetensors.spec.json"))
-            .with_context(|| format!("reading the FedBN run in {}", local.display()))?,
-    )?;
+    let FedBnRun {
+        device,
+        spec,
+        init,
+        sites: site_states,
+    } = FedBnRun::load(work, sites)?;
     let load = |p: &Path| checkpoint::load(p, &spec).with_context(|| format!("{}", p.display()));
-    let init = load(&local.join("init.safetensors"))?;
-    let site_states: Vec<StateDict> = sites
-        .iter()
-        .map(|s| load(&local.join(s).join("model.safetensors")))
-        .collect::<Result<_>>()?;
-    if site_states.is_empty() {
-        bail!("no site checkpoints in {}", local.display());
-    }
     // Every FedBN site holds the same final non-BN weights; the BN layers are each its own.
     let global_own_bn = with(&init, &site_states[0], Select::NonBn);
     let avg = average_bn(&site_states);
@@ -281,18 +309,13 @@ pub fn late_joiners(
     train_samples: usize,
     mut say: impl FnMut(String),
 ) -> Result<Vec<LateJoiner>> {
-    let device = unifed_models::backend::Backend::Flex
-        .device()
-        .map_err(anyhow::Error::msg)?;
-    let local = work.join("local");
-    let spec: ModelSpec = serde_json::from_slice(
-        &std::fs::read(local.join("init.safetensors.spec.json"))
-            .with_context(|| format!("reading the FedBN run in {}", local.display()))?,
-    )?;
-    let init = checkpoint::load(&local.join("init.safetensors"), &spec)?;
-    let first = sites.first().context("no sites")?;
-    let site0 = checkpoint::load(&local.join(first).join("model.safetensors"), &spec)?;
-    let fresh = build(&spec, &with(&init, &site0, Select::NonBn), &device)?;
+    let FedBnRun {
+        device,
+        spec,
+        init,
+        sites: site_states,
+    } = FedBnRun::load(work, sites)?;
+    let fresh = build(&spec, &with(&init, &site_states[0], Select::NonBn), &device)?;
     let data = BuiltinData::load().context("loading the built-in data")?;
     let tc = unifed_models::train::TrainConfig::default();
     let mut out = Vec::new();
