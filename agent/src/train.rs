@@ -465,3 +465,27 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_agent_config_parses_with_its_defaults() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../configs/agent.toml"
+        ))
+        .unwrap();
+        let cfg: AgentConfig = toml::from_str(&text).unwrap();
+        assert_eq!(
+            (cfg.site.as_str(), cfg.threads, cfg.join_bn),
+            ("grey", Some(2), JoinBn::Calibrate)
+        );
+        assert_eq!(cfg.broker.max_packet_bytes, 1 << 20);
+        assert!(cfg.broker.ca_file.is_none());
+        let bad = text.replace("resend_secs", "resend_seconds");
+        let err = toml::from_str::<AgentConfig>(&bad).unwrap_err().to_string();
+        assert!(err.contains("resend_seconds"), "{err}");
+    }
+}

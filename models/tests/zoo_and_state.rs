@@ -309,3 +309,28 @@ fn resnet_split_stage_composes_to_the_full_forward() {
     let split = values(net.head(net.high(z, &mut BnPass::standard())));
     assert_eq!(full, split);
 }
+
+#[test]
+fn a_digits_cnn_config_is_read_back_from_its_spec_and_a_foreign_spec_is_refused() {
+    let device = device();
+    let mc = unifed_models::zoo::ModelConfig::fedbn_digits();
+    for cfg in [
+        DigitsCnnConfig::default(),
+        DigitsCnnConfig {
+            conv: [4, 6, 8],
+            fc: [32, 16],
+            ..Default::default()
+        },
+    ] {
+        let spec = unifed_models::zoo::spec_of(&cfg.init(&device), &mc.classes, &mc.input);
+        assert_eq!(DigitsCnnConfig::from_spec(&spec), Ok(cfg));
+    }
+    let mlp = unifed_models::zoo::MlpConfig::abide(100, 2).init(&device);
+    let spec = unifed_models::zoo::spec_of(
+        &mlp,
+        &classes(2),
+        &unifed_protocol::Input::Features { len: 100 },
+    );
+    let err = DigitsCnnConfig::from_spec(&spec).unwrap_err();
+    assert!(err.contains("not a digits-CNN spec"), "{err}");
+}
