@@ -3,7 +3,7 @@
 //! `train` runs a site of a federation over MQTT; `init` writes a federation's initial model;
 //! `singleset` trains the built-in domains alone (the no-federation baseline); `data` previews
 //! and exports the built-in data; `spec` prints a model spec; `bench` measures speed.
-//! `calibrate`, `evaluate` and `predict` arrive with onboarding.
+//! `calibrate`, `evaluate` and `predict` onboard a site from a model file and use it.
 
 mod bench;
 mod onboard;
@@ -81,6 +81,9 @@ enum Cmd {
     /// Test accuracy of a model on labelled images, with BN statistics stored, re-estimated as
     /// the images stream in (`stream`), or freshly calibrated.
     Evaluate(onboard::EvaluateArgs),
+    /// Classifies a folder of images with a model (BN stored, stream or calibrate); prints
+    /// `file,class,probability` lines.
+    Predict(onboard::PredictArgs),
     /// Training and inference samples/s of the digits CNN per compiled backend, peak RSS, and
     /// PyTorch's figures on the same threads when a Python with torch is found.
     Bench(bench::Args),
@@ -133,6 +136,10 @@ fn main() -> Result<()> {
         Cmd::Calibrate(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
             onboard::calibrate_cmd(&args, &device)
+        }
+        Cmd::Predict(args) => {
+            let device = backend.device().map_err(anyhow::Error::msg)?;
+            onboard::predict_cmd(&args, &device)
         }
         Cmd::Evaluate(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;

@@ -91,6 +91,22 @@ pub struct CalibrateArgs {
     out: PathBuf,
 }
 
+/// `unifed-agent predict`.
+#[derive(clap::Args, Debug)]
+pub struct PredictArgs {
+    /// Model file (safetensors), its spec beside it as `<file>.spec.json`.
+    #[arg(long)]
+    model: PathBuf,
+    /// A flat folder of images to classify.
+    #[arg(long)]
+    images: PathBuf,
+    /// BN statistics: `stored`, `stream` (in file order) or `calibrate` (on these images).
+    #[arg(long, default_value = "stored")]
+    bn: String,
+    #[command(flatten)]
+    bn_args: BnArgs,
+}
+
 /// Loads a digits-CNN model file and its spec.
 pub fn load_model(model: &Path, device: &Device) -> Result<(DigitsCnn, ModelSpec)> {
     let sp = crate::model::spec_path(model);
@@ -261,6 +277,64 @@ pub fn evaluate_cmd(a: &EvaluateArgs, device: &Device) -> Result<f64> {
         a.bn
     );
     Ok(rep.accuracy())
+}
+
+/// Runs `unifed-agent predict`: prints `file,class,probability` for every image.
+pub fn predict_cmd(a: &PredictArgs, device: &Device) -> Result<()> {
+    use burn::tensor::activation::softmax;
+    use unifed_models::bn::BnPass;
+    use unifed_models::zoo::Net;
+    let (net, spec) = load_model(&a.model, device)?;
+    let (files, x) = unifed_models::data::load_unlabelled_named(&a.images, &spec)?;
+    let f = spec.input.numel();
+    let dev = device.clone().without_autodiff();
+    let batch = |r: std::ops::Range<usize>| {
+        burn::tensor::Tensor::<2>::from_data(
+            burn::tensor::TensorData::new(x[r.start * f..r.end * f].to_vec(), [r.len(), f]),
+            &dev,
+        )
+    };
+    let n = files.len();
+    let mut probs: Vec<Vec<f32>> = Vec::with_capacity(n);
+    let mut push = |logits: burn::tensor::Tensor<2>| -> Result<()> {
+        let p = softmax(logits, 1)
+            .into_data()
+            .try_to_vec::<f32>()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        probs.extend(p.chunks(spec.classes.len()).map(|c| c.to_vec()));
+        Ok(())
+    };
+    match a.bn.as_str() {
+        "stored" | "calibrate" => {
+            let net = if a.bn == "calibrate" {
+                reestimate(&net, &x, "calibrate", "exact", &a.bn_args, device)?
+            } else {
+                burn::module::Module::valid(&net)
+            };
+            for start in (0..n).step_by(256) {
+                push(net.forward(batch(start..(start + 256).min(n)), &mut BnPass::standard()))?;
+            }
+        }
+        "stream" => {
+            let valid = burn::module::Module::valid(&net);
+            let mut est =
+                StreamEstimator::new(a.bn_args.tau, start(&a.bn_args.start, BnStart::Stored)?)?;
+            for r in unifed_models::bn::bn_batches(n, a.bn_args.batch_size)? {
+                push(est.forward(&valid, batch(r))?)?;
+            }
+        }
+        o => bail!("--bn `{o}`: expected stored, stream or calibrate"),
+    }
+    println!("file,class,probability");
+    for (file, p) in files.iter().zip(&probs) {
+        let (k, v) = p
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .expect("at least one class");
+        println!("{},{},{v:.4}", file.display(), spec.classes[k]);
+    }
+    Ok(())
 }
 
 /// Runs `unifed-agent calibrate`.

@@ -265,3 +265,44 @@ fn calibration_input_errors_name_what_is_wrong() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("missing.safetensors.spec.json"));
 }
+
+#[test]
+fn predict_prints_a_class_and_probability_for_every_image_in_file_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let images = dir.path().join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    for (i, name) in ["b.png", "a.png", "c.png"].iter().enumerate() {
+        image::GrayImage::from_fn(28, 28, |x, y| {
+            image::Luma([((x * 9 + y * 3 + i as u32 * 40) % 256) as u8])
+        })
+        .save(images.join(name))
+        .unwrap();
+    }
+    std::fs::write(images.join("notes.txt"), "not an image").unwrap();
+    for bn in ["stored", "stream", "calibrate"] {
+        let o = agent()
+            .args(["predict", "--batch-size", "3", "--bn", bn, "--model"])
+            .arg(&model)
+            .arg("--images")
+            .arg(&images)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{bn}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let text = String::from_utf8_lossy(&o.stdout);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "file,class,probability");
+        assert_eq!(lines.len(), 4, "{text}");
+        for (line, name) in lines[1..].iter().zip(["a.png", "b.png", "c.png"]) {
+            let f: Vec<&str> = line.split(',').collect();
+            assert!(f[0].ends_with(name), "{line}");
+            assert!(f[1].parse::<u8>().is_ok_and(|c| c < 10), "{line}");
+            let p: f64 = f[2].parse().unwrap();
+            assert!((0.1..=1.0).contains(&p), "{line}");
+        }
+    }
+}

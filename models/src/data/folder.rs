@@ -171,6 +171,14 @@ fn read_manifest(path: &Path, split: Option<&str>) -> Result<Vec<(PathBuf, Strin
 
 /// Loads a flat folder of unlabelled images (sorted by file name) as model input rows.
 pub fn load_unlabelled(dir: &Path, spec: &ModelSpec) -> Result<Vec<f32>, DataError> {
+    Ok(load_unlabelled_named(dir, spec)?.1)
+}
+
+/// Like [`load_unlabelled`], with the image files in row order.
+pub fn load_unlabelled_named(
+    dir: &Path,
+    spec: &ModelSpec,
+) -> Result<(Vec<PathBuf>, Vec<f32>), DataError> {
     let files: Vec<PathBuf> = sorted_entries(dir)?
         .into_iter()
         .filter(|p| is_image(p))
@@ -182,5 +190,5 @@ pub fn load_unlabelled(dir: &Path, spec: &ModelSpec) -> Result<Vec<f32>, DataErr
     for f in &files {
         x.extend(load_image(f, spec)?);
     }
-    Ok(x)
+    Ok((files, x))
 }
