@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use unifed_models::backend::Device;
 use unifed_models::bn::{BnStart, CalibrateConfig, Estimator, StreamConfig, StreamEstimator};
 use unifed_models::checkpoint;
-use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_split, load_unlabelled};
+use unifed_models::data::{
+    BuiltinData, Dataset, Domain, DomainData, SplitSizes, load_split, load_unlabelled,
+};
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{evaluate, evaluate_stream};
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, spec_of};
@@ -138,45 +140,53 @@ fn start(arg: &Option<String>, default: BnStart) -> Result<BnStart> {
     })
 }
 
+/// The built-in domain a source names, rendered once per command (both the labelled test
+/// split and the calibration split come from it).
+fn builtin(src: &Source) -> Result<Option<DomainData>> {
+    let Some(d) = &src.builtin else {
+        return Ok(None);
+    };
+    if src.folder.is_some() {
+        bail!("give --builtin or --folder, not both");
+    }
+    let data = BuiltinData::load().context("loading the built-in data")?;
+    let domain = Domain::parse(d).map_err(anyhow::Error::msg)?;
+    Ok(Some(data.domain(domain, &SplitSizes::default(), 0)?))
+}
+
 /// The labelled evaluation set of a source, if it has one.
-fn labelled(src: &Source, spec: &ModelSpec) -> Result<Option<Dataset>> {
-    match (&src.builtin, &src.folder) {
-        (Some(d), None) => {
-            let data = BuiltinData::load().context("loading the built-in data")?;
-            let dd = data.domain(
-                Domain::parse(d).map_err(anyhow::Error::msg)?,
-                &SplitSizes::default(),
-                0,
-            )?;
-            Ok(Some(dd.test.dataset(&format!("{d}/test"), spec)?))
-        }
+fn labelled(src: &Source, dd: Option<&DomainData>, spec: &ModelSpec) -> Result<Option<Dataset>> {
+    match (dd, &src.folder) {
+        (Some(dd), _) => Ok(Some(
+            dd.test
+                .dataset(&format!("{}/test", dd.domain.name()), spec)?,
+        )),
         (None, Some(f)) => Ok(Some(load_split(f, &src.split, spec)?)),
         (None, None) => Ok(None),
-        _ => bail!("give --builtin or --folder, not both"),
     }
 }
 
 /// Unlabelled calibration images: `images` if given, else the built-in domain's calibration
-/// split (or its test images for a training domain, which has none).
-fn calibration(src: &Source, images: &Option<PathBuf>, spec: &ModelSpec) -> Result<Vec<f32>> {
+/// split (or its training images for a training domain, which has none).
+fn calibration(
+    dd: Option<&DomainData>,
+    images: &Option<PathBuf>,
+    spec: &ModelSpec,
+) -> Result<Vec<f32>> {
     if let Some(dir) = images {
         return Ok(load_unlabelled(dir, spec)?);
     }
-    let Some(d) = &src.builtin else {
+    let Some(dd) = dd else {
         bail!("give --images (a folder of the site's unlabelled images) or --builtin");
     };
-    let data = BuiltinData::load().context("loading the built-in data")?;
-    let dd = data.domain(
-        Domain::parse(d).map_err(anyhow::Error::msg)?,
-        &SplitSizes::default(),
-        0,
-    )?;
     let split = if dd.calib.images.is_empty() {
         &dd.train
     } else {
         &dd.calib
     };
-    Ok(split.dataset(&format!("{d}/calib"), spec)?.x)
+    Ok(split
+        .dataset(&format!("{}/calib", dd.domain.name()), spec)?
+        .x)
 }
 
 fn bar(what: &str) -> ProgressBar {
@@ -244,7 +254,8 @@ fn reestimate(
 /// Runs `unifed-agent evaluate`.
 pub fn evaluate_cmd(a: &EvaluateArgs, device: &Device) -> Result<f64> {
     let (net, spec) = load_model(&a.source.model, device)?;
-    let Some(test) = labelled(&a.source, &spec)? else {
+    let dd = builtin(&a.source)?;
+    let Some(test) = labelled(&a.source, dd.as_ref(), &spec)? else {
         bail!("evaluate needs labelled images: --builtin DOMAIN or --folder DIR");
     };
     let classes = spec.classes.len();
@@ -263,7 +274,7 @@ pub fn evaluate_cmd(a: &EvaluateArgs, device: &Device) -> Result<f64> {
             evaluate_stream(&net, &test, classes, &cfg, &order, device)?
         }
         "calibrate" => {
-            let images = calibration(&a.source, &a.calib_images, &spec)?;
+            let images = calibration(dd.as_ref(), &a.calib_images, &spec)?;
             let cal = reestimate(&net, &images, "calibrate", "exact", &a.bn_args, device)?;
             evaluate(&cal, &test, classes, 256, device)?
         }
@@ -340,9 +351,10 @@ pub fn predict_cmd(a: &PredictArgs, device: &Device) -> Result<()> {
 /// Runs `unifed-agent calibrate`.
 pub fn calibrate_cmd(a: &CalibrateArgs, device: &Device) -> Result<()> {
     let (net, spec) = load_model(&a.source.model, device)?;
-    let images = calibration(&a.source, &a.images, &spec)?;
+    let dd = builtin(&a.source)?;
+    let images = calibration(dd.as_ref(), &a.images, &spec)?;
     let n = images.len() / spec.input.numel();
-    let test = labelled(&a.source, &spec)?;
+    let test = labelled(&a.source, dd.as_ref(), &spec)?;
     let before = match &test {
         Some(t) => Some(evaluate(&net, t, spec.classes.len(), 256, device)?.accuracy()),
         None => None,
