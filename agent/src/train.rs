@@ -356,6 +356,7 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                 let req = ChunkRequest {
                     model_version: m.model_version,
                     indices,
+                    package: false,
                 };
                 let env = Envelope::new(
                     MessageKind::ChunkRequest,
@@ -439,6 +440,7 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                     &tc,
                     m.encoding,
                     m.bn_policy,
+                    m.bn_sharing,
                     &dev2,
                     bar,
                 );

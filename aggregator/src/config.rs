@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::BnPolicy;
+use unifed_protocol::messages::{BnPolicy, BnSharing};
 
 /// How updates are weighted in the mean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +35,10 @@ pub struct FederationConfig {
     pub encoding: Encoding,
     /// `local` (FedBN: BN stays on the sites) or `global` (FedAvg: BN averaged too).
     pub bn_policy: BnPolicy,
+    /// Under `local` BN, which of the sites' BN tensors they send for the onboarding package:
+    /// `none` (default), `affine` or `affine+stats`.
+    #[serde(default)]
+    pub bn_sharing: BnSharing,
     /// Weighting of updates.
     pub weighting: Weighting,
     /// Optional bound on an update's L2 norm.
@@ -60,6 +64,7 @@ impl FederationConfig {
             sites: Vec::new(),
             encoding: Encoding::F32,
             bn_policy: BnPolicy::Local,
+            bn_sharing: BnSharing::None,
             weighting: Weighting::Samples,
             norm_bound: None,
             keep_versions: 3,
@@ -99,6 +104,13 @@ impl FederationConfig {
             errs.push(format!(
                 "fraction must lie in (0, 1], got {}",
                 self.fraction
+            ));
+        }
+        if self.bn_policy == BnPolicy::Global && self.bn_sharing != BnSharing::None {
+            errs.push(format!(
+                "bn_sharing `{}` needs bn_policy local (under global the model's BN is averaged \
+                 already)",
+                self.bn_sharing.name()
             ));
         }
         if let Err(e) = self.encoding.validate() {

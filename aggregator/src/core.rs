@@ -3,6 +3,7 @@
 //! the actions that depend on them are returned (an accept is returned only after its update is
 //! spooled and fsynced; a new model is published only after the state that names it is saved).
 
+use crate::bnshare;
 use crate::config::{FederationConfig, Weighting};
 use crate::fold::Fold;
 use crate::store::{AuditEntry, ClosedRound, FORMAT_VERSION, State, Store, StoreError};
@@ -15,9 +16,12 @@ use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::{Encoding, Values, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
+use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::messages::{
-    Answer, BnPolicy, Chunk, Extras, RejectReason, RoundManifest, ServerBroadcast, SiteUpdate,
+    Answer, BnPolicy, Chunk, Extras, OnboardError, OnboardReply, PackageInfo, RegistryEntry,
+    RejectReason, RoundManifest, Sealing, ServerBroadcast, SiteUpdate,
 };
+use unifed_protocol::{BnSharing, TensorKind};
 use unifed_protocol::{ModelSpec, SpecHash};
 
 /// How many closed rounds' accepted sites are remembered to answer late re-sends.
@@ -117,6 +121,8 @@ pub struct Aggregator {
     model: Vec<Vec<f32>>,
     /// Spec indices of the tensors updates carry and the mean changes.
     update_idx: Vec<usize>,
+    /// Spec indices of the BN tensors sites share (the BN sharing policy under `local` BN).
+    share_idx: Vec<usize>,
     accepted: BTreeSet<String>,
     chunk_bytes: usize,
 }
@@ -159,6 +165,13 @@ impl Aggregator {
             .iter()
             .enumerate()
             .filter(|(_, t)| cfg.bn_policy == BnPolicy::Global || !t.kind.is_bn())
+            .map(|(i, _)| i)
+            .collect();
+        let share_idx: Vec<usize> = spec
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| cfg.bn_policy == BnPolicy::Local && cfg.bn_sharing.shares(t.kind))
             .map(|(i, _)| i)
             .collect();
         let (state, model) = match store.load_state()? {
@@ -215,6 +228,7 @@ impl Aggregator {
             state,
             model,
             update_idx,
+            share_idx,
             accepted,
             chunk_bytes: chunk_bytes.max(1),
         })
@@ -297,6 +311,145 @@ impl Aggregator {
         }
     }
 
+    /// The onboarding package of model `version` (the current one when `None`): every tensor
+    /// in exact f32, the non-BN ones global and the BN ones chosen by the BN sharing policy
+    /// (the sites' pooled BN under `affine` and `affine+stats`, else the global model's own),
+    /// cut into chunks. Versions pruned from disk are refused with the ones still held.
+    pub fn package(
+        &self,
+        version: Option<u64>,
+    ) -> Result<Result<(PackageInfo, Vec<Chunk>), OnboardError>, CoreError> {
+        let available = self.store.model_versions()?;
+        let v = version.unwrap_or(self.state.model_version);
+        if !available.contains(&v) {
+            return Ok(Err(OnboardError::UnknownVersion {
+                requested: v,
+                available,
+            }));
+        }
+        let mut tensors = if v == self.state.model_version {
+            self.model.clone()
+        } else {
+            self.store.load_model(v, &self.hash.0)?
+        };
+        let mut bn_sites = Vec::new();
+        if let Some((sites, share)) = self.store.load_bn_share(v, &self.hash.0)?
+            && share.len() == self.share_idx.len()
+        {
+            for (&i, t) in self.share_idx.iter().zip(share) {
+                tensors[i] = t;
+            }
+            bn_sites = sites.iter().filter_map(|s| Id::new(s).ok()).collect();
+        }
+        let weights = self
+            .spec
+            .tensors
+            .iter()
+            .zip(&tensors)
+            .map(|(t, values)| {
+                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+                encode(&t.name, &shape, values, Encoding::F32, None)
+            })
+            .collect();
+        let payload = postcard::to_allocvec(&ServerBroadcast {
+            model_version: v,
+            weights,
+            extras: Extras::default(),
+        })
+        .expect("package serialises");
+        let chunks = split(&payload, self.chunk_bytes);
+        let info = PackageInfo {
+            model_version: v,
+            bn_sharing: self.cfg.bn_sharing,
+            bn_sites,
+            chunk_count: chunks.len() as u32,
+            payload_len: payload.len() as u64,
+            payload_hash: payload_hash(&payload),
+        };
+        Ok(Ok((info, chunks)))
+    }
+
+    /// Stores `site`'s registry entry (a postcard [`RegistryEntry`]) durably and says so, or
+    /// refuses it with the reason: malformed, too large, for a model version the federation
+    /// has not reached, or in plaintext where the BN sharing policy does not let a site's
+    /// statistics out (anything but `affine+stats`).
+    pub fn registry_put(
+        &self,
+        site: &Id,
+        bytes: &[u8],
+        now_ms: u64,
+    ) -> Result<OnboardReply, CoreError> {
+        let refuse = |m: String| -> Result<OnboardReply, CoreError> {
+            self.audit(
+                now_ms,
+                self.state.round,
+                site.as_str(),
+                "registry-refused",
+                m.clone(),
+            )?;
+            Ok(OnboardReply::Error(OnboardError::Refused(m)))
+        };
+        if bytes.len() > self.cfg.max_update_bytes {
+            return refuse(format!(
+                "a registry entry of {} bytes exceeds max_update_bytes {}",
+                bytes.len(),
+                self.cfg.max_update_bytes
+            ));
+        }
+        let entry: RegistryEntry = match postcard::from_bytes(bytes) {
+            Ok(e) => e,
+            Err(e) => return refuse(format!("malformed registry entry: {e}")),
+        };
+        if entry.model_version > self.state.model_version {
+            return Ok(OnboardReply::Error(OnboardError::UnknownVersion {
+                requested: entry.model_version,
+                available: self.store.model_versions()?,
+            }));
+        }
+        if entry.sealing == Sealing::Plain && self.cfg.bn_sharing != BnSharing::AffineStats {
+            return refuse(format!(
+                "a plaintext BN state is refused under BN sharing policy `{}`: seal it with \
+                 the site key",
+                self.cfg.bn_sharing.name()
+            ));
+        }
+        self.store
+            .registry_put(site.as_str(), entry.model_version, bytes)?;
+        self.audit(
+            now_ms,
+            self.state.round,
+            site.as_str(),
+            "registered",
+            format!("model v{} ({} bytes)", entry.model_version, bytes.len()),
+        )?;
+        Ok(OnboardReply::Registered {
+            model_version: entry.model_version,
+            entry_hash: payload_hash(bytes),
+        })
+    }
+
+    /// `site`'s stored registry entry for `version` (its newest when `None`), as stored.
+    pub fn registry_get(
+        &self,
+        site: &Id,
+        version: Option<u64>,
+    ) -> Result<Result<Vec<u8>, OnboardError>, CoreError> {
+        let available = self.store.registry_versions(site.as_str())?;
+        let Some(v) = version.or(available.last().copied()) else {
+            return Ok(Err(OnboardError::NotRegistered {
+                requested: version,
+                available,
+            }));
+        };
+        match self.store.registry_get(site.as_str(), v)? {
+            Some(bytes) => Ok(Ok(bytes)),
+            None => Ok(Err(OnboardError::NotRegistered {
+                requested: version,
+                available,
+            })),
+        }
+    }
+
     fn open_round(&mut self, now_ms: u64) -> Result<(), CoreError> {
         let round = self.state.round;
         self.state.sampled = if self.cfg.sites.is_empty() {
@@ -350,6 +503,7 @@ impl Aggregator {
             payload_hash: payload_hash(&payload),
             encoding: self.cfg.encoding,
             bn_policy: self.cfg.bn_policy,
+            bn_sharing: self.cfg.bn_sharing,
             sampled: self
                 .state
                 .sampled
@@ -582,13 +736,46 @@ impl Aggregator {
         }
     }
 
-    /// Checks an update's tensors against the spec and policy; returns dense deltas in
-    /// `update_idx` order.
+    /// Checks an update's tensors against the spec and policy; returns its dense deltas in
+    /// `update_idx` order followed by its shared BN tensors in `share_idx` order.
     fn validate_delta(&self, upd: &SiteUpdate) -> Result<Vec<Vec<f32>>, RejectReason> {
-        let mut out: Vec<Option<Vec<f32>>> = vec![None; self.update_idx.len()];
-        for t in &upd.delta {
-            let pos = self
-                .update_idx
+        let mut dense = self.dense(&upd.delta, &self.update_idx, self.cfg.encoding)?;
+        if let Some(bound) = self.cfg.norm_bound {
+            let norm = dense
+                .iter()
+                .flatten()
+                .map(|&x| (x as f64) * (x as f64))
+                .sum::<f64>()
+                .sqrt();
+            if norm > bound {
+                return Err(RejectReason::NormTooLarge { norm, bound });
+            }
+        }
+        let share = self.dense(&upd.bn, &self.share_idx, Encoding::F32)?;
+        for (&i, t) in self.share_idx.iter().zip(&share) {
+            let spec = &self.spec.tensors[i];
+            if spec.kind == TensorKind::BnRunningVar && t.iter().any(|&v| v < 0.0) {
+                return Err(RejectReason::Malformed(format!(
+                    "`{}` holds a negative variance",
+                    spec.name
+                )));
+            }
+        }
+        dense.extend(share);
+        Ok(dense)
+    }
+
+    /// Decodes `tensors` into dense values in the order of the spec indices `idx`: each must
+    /// appear once, with the spec's shape, in `encoding`, and finite.
+    fn dense(
+        &self,
+        tensors: &[EncodedTensor],
+        idx: &[usize],
+        encoding: Encoding,
+    ) -> Result<Vec<Vec<f32>>, RejectReason> {
+        let mut out: Vec<Option<Vec<f32>>> = vec![None; idx.len()];
+        for t in tensors {
+            let pos = idx
                 .iter()
                 .position(|&i| self.spec.tensors[i].name == t.name);
             let Some(pos) = pos else {
@@ -597,7 +784,7 @@ impl Aggregator {
             if out[pos].is_some() {
                 return Err(RejectReason::DuplicateTensor(t.name.clone()));
             }
-            let spec_shape = &self.spec.tensors[self.update_idx[pos]].shape;
+            let spec_shape = &self.spec.tensors[idx[pos]].shape;
             if t.shape.len() != spec_shape.len()
                 || t.shape
                     .iter()
@@ -607,7 +794,7 @@ impl Aggregator {
                 return Err(RejectReason::WrongShape(t.name.clone()));
             }
             let encoding_ok = matches!(
-                (&t.values, self.cfg.encoding),
+                (&t.values, encoding),
                 (Values::F32(_), Encoding::F32)
                     | (Values::F16(_), Encoding::F16)
                     | (Values::Q8 { .. }, Encoding::Q8)
@@ -624,22 +811,10 @@ impl Aggregator {
         }
         if let Some(pos) = out.iter().position(Option::is_none) {
             return Err(RejectReason::MissingTensor(
-                self.spec.tensors[self.update_idx[pos]].name.clone(),
+                self.spec.tensors[idx[pos]].name.clone(),
             ));
         }
-        let dense: Vec<Vec<f32>> = out.into_iter().map(|o| o.expect("checked")).collect();
-        if let Some(bound) = self.cfg.norm_bound {
-            let norm = dense
-                .iter()
-                .flatten()
-                .map(|&x| (x as f64) * (x as f64))
-                .sum::<f64>()
-                .sqrt();
-            if norm > bound {
-                return Err(RejectReason::NormTooLarge { norm, bound });
-            }
-        }
-        Ok(dense)
+        Ok(out.into_iter().map(|o| o.expect("checked")).collect())
     }
 
     /// Folds the spool of the open round in site order into the new model, persists it and the
@@ -653,13 +828,18 @@ impl Aggregator {
             .map(|&i| self.model[i].len())
             .collect();
         let mut fold = Fold::new(&lens);
+        let mut shares: Vec<(f64, Vec<Vec<f32>>)> = Vec::new();
         for site in &sites {
-            let (samples, delta) = self.store.spool_get(round, site)?;
+            let (samples, mut delta) = self.store.spool_get(round, site)?;
             let w = match self.cfg.weighting {
                 Weighting::Samples => samples as f64,
                 Weighting::Uniform => 1.0,
             };
+            let share = delta.split_off(self.update_idx.len().min(delta.len()));
             fold.add(w, &delta);
+            if !self.share_idx.is_empty() && share.len() == self.share_idx.len() {
+                shares.push((w, share));
+            }
         }
         {
             let idx = &self.update_idx;
@@ -674,6 +854,16 @@ impl Aggregator {
         }
         let version = self.state.model_version + 1;
         self.store.save_model(version, &self.hash.0, &self.model)?;
+        if !shares.is_empty() {
+            let specs: Vec<&unifed_protocol::TensorSpec> = self
+                .share_idx
+                .iter()
+                .map(|&i| &self.spec.tensors[i])
+                .collect();
+            let pooled = bnshare::pool(&specs, &shares);
+            self.store
+                .save_bn_share(version, &self.hash.0, &sites, &pooled)?;
+        }
         self.state.recent.push(ClosedRound {
             round,
             accepted: sites.clone(),

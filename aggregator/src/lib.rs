@@ -4,7 +4,8 @@
 //! with an accept or a reject naming the reason, deduplicates re-sends on (round, site), spools
 //! accepted updates to disk (fsync before the accept), and at round close folds the spool in site
 //! order into the weighted mean: FedAvg, with BatchNorm tensors excluded under the `local` BN
-//! policy (FedBN).
+//! policy (FedBN). It also serves new sites: each model version's onboarding package (with BN
+//! layers chosen by the BN sharing policy) and a registry of sites' sealed, calibrated BN.
 //!
 //! # Layout
 //! - [`config`]: [`FederationConfig`] and its validation.
@@ -12,10 +13,12 @@
 //! - [`store`]: the data directory: state, model versions, spool, audit log (all versioned,
 //!   written atomically).
 //! - [`fold`]: the weighted mean over spooled deltas.
+//! - [`bnshare`]: the sites' shared BN tensors pooled for the onboarding package.
 //! - [`service`]: the core on MQTT (`unifed-aggregator serve`).
 //!
 //! The core never needs burn or a network; the service adds MQTT.
 
+pub mod bnshare;
 pub mod config;
 pub mod core;
 pub mod fold;

@@ -11,7 +11,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{Chunk, ChunkRequest, RoundManifest, UpdateAnswer, UpdateReceipt};
+use unifed_protocol::messages::{
+    Chunk, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, RoundManifest, UpdateAnswer,
+    UpdateReceipt,
+};
 use unifed_protocol::topics::Topics;
 use unifed_protocol::{ModelSpec, SpecHash};
 
@@ -102,6 +105,12 @@ struct Served {
     chunks: Vec<Chunk>,
 }
 
+/// The last onboarding package built (packages of a version never change).
+struct Package {
+    info: PackageInfo,
+    chunks: Vec<Chunk>,
+}
+
 /// Reads the service config at `path`, validates it, and serves on a runtime of its own until
 /// the federation has finished and lingered, or Ctrl-C; returns the final model version.
 pub fn serve_from_file(path: &Path) -> Result<u64> {
@@ -141,13 +150,22 @@ pub async fn serve(
     let topics = Topics::new(&fed);
     let update_prefix = format!("unifed/v1/{fed}/update/");
     let request_prefix = format!("unifed/v1/{fed}/chunks/request/");
+    let onboard_prefix = format!("unifed/v1/{fed}/onboard/request/");
     let (client, mut rx) = spawn_event_loop(
         cfg.broker
             .options(&format!("unifed-aggregator-{fed}"), None)
             .map_err(anyhow::Error::msg)?,
-        vec![topics.updates_filter(), format!("{request_prefix}+")],
+        vec![
+            topics.updates_filter(),
+            format!("{request_prefix}+"),
+            topics.onboard_requests_filter(),
+        ],
     );
     let mut served: Option<Served> = None;
+    let mut package: Option<Package> = None;
+    // Registry entries arrive in chunks too (small: one model's BN layers).
+    let mut entries =
+        unifed_protocol::chunking::Reassembler::new(120_000, cfg.federation.max_update_bytes);
     // Reassembly of chunked uploads: bounded memory, incomplete sets dropped after 10 minutes.
     let mut uploads =
         unifed_protocol::chunking::Reassembler::new(600_000, 4 * cfg.federation.max_update_bytes);
@@ -267,7 +285,52 @@ pub async fn serve(
                             pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;
                         }
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
-                        serve_chunks(&client, &topics, &fed, &me, hash, site, &payload, served.as_ref()).await?;
+                        serve_chunks(&client, &topics, &fed, &me, hash, site, &payload, served.as_ref(), &core, &mut package).await?;
+                    } else if let Some(site) = topic.strip_prefix(&onboard_prefix) {
+                        let Ok(site) = Id::new(site) else { continue };
+                        let Ok(env) = Envelope::decode_limited(&payload, cfg.broker.max_packet_bytes + 4096) else {
+                            tracing::warn!(site = %site, "undecodable onboarding message ignored");
+                            continue;
+                        };
+                        let reply = |r: &OnboardReply| Envelope::new(MessageKind::OnboardReply, fed.clone(), me.clone(), 0, core.model_version(), hash, r).encode();
+                        match env.kind {
+                            MessageKind::OnboardRequest => match env.payload_as::<OnboardRequest>() {
+                                Ok(OnboardRequest::Package { model_version }) => {
+                                    let r = match tokio::task::block_in_place(|| cached_package(&core, &mut package, model_version))? {
+                                        Ok(info) => OnboardReply::Package(info),
+                                        Err(e) => OnboardReply::Error(e),
+                                    };
+                                    client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, reply(&r)).await?;
+                                }
+                                Ok(OnboardRequest::RegistryGet { model_version }) => {
+                                    match core.registry_get(&site, model_version)? {
+                                        Ok(bytes) => {
+                                            for c in unifed_protocol::chunking::split(&bytes, cfg.chunk_bytes) {
+                                                let env = Envelope::new(MessageKind::RegistryEntry, fed.clone(), me.clone(), 0, core.model_version(), hash, &c);
+                                                client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, env.encode()).await?;
+                                            }
+                                        }
+                                        Err(e) => client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, reply(&OnboardReply::Error(e))).await?,
+                                    }
+                                }
+                                Err(e) => tracing::warn!(site = %site, error = %e, "bad onboarding request ignored"),
+                            },
+                            MessageKind::RegistryPut => {
+                                let done = env.payload_as::<Chunk>().map_err(|e| e.to_string())
+                                    .and_then(|c| entries.insert(c, now_ms()).map_err(|e| e.to_string()));
+                                entries.expire(now_ms());
+                                match done {
+                                    Ok(Some(bytes)) => {
+                                        let r = core.registry_put(&site, &bytes, now_ms())?;
+                                        tracing::info!(site = %site, reply = ?r, "registry entry");
+                                        client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, reply(&r)).await?;
+                                    }
+                                    Ok(None) => {}
+                                    Err(e) => tracing::warn!(site = %site, error = %e, "registry chunk dropped"),
+                                }
+                            }
+                            k => tracing::warn!(site = %site, kind = ?k, "unexpected message on an onboarding topic ignored"),
+                        }
                     }
                 }
             }
@@ -285,8 +348,10 @@ async fn serve_chunks(
     site: &str,
     payload: &[u8],
     served: Option<&Served>,
+    core: &Aggregator,
+    package: &mut Option<Package>,
 ) -> Result<()> {
-    let (Ok(site), Some(s)) = (Id::new(site), served) else {
+    let Ok(site) = Id::new(site) else {
         return Ok(());
     };
     let req: ChunkRequest =
@@ -297,22 +362,34 @@ async fn serve_chunks(
                 return Ok(());
             }
         };
-    if req.model_version != s.manifest.model_version {
-        return Ok(());
-    }
+    let (round, chunks) = if req.package {
+        if tokio::task::block_in_place(|| cached_package(core, package, Some(req.model_version)))?
+            .is_err()
+        {
+            return Ok(());
+        }
+        (0, &package.as_ref().expect("just built").chunks)
+    } else {
+        match served {
+            Some(s) if s.manifest.model_version == req.model_version => {
+                (s.manifest.round, &s.chunks)
+            }
+            _ => return Ok(()),
+        }
+    };
     let indices: Vec<u32> = if req.indices.is_empty() {
-        (0..s.chunks.len() as u32).collect()
+        (0..chunks.len() as u32).collect()
     } else {
         req.indices
     };
     for i in indices {
-        if let Some(c) = s.chunks.get(i as usize) {
+        if let Some(c) = chunks.get(i as usize) {
             let env = Envelope::new(
                 MessageKind::ModelChunk,
                 fed.clone(),
                 me.clone(),
-                s.manifest.round,
-                s.manifest.model_version,
+                round,
+                req.model_version,
                 hash,
                 c,
             );
@@ -327,4 +404,29 @@ async fn serve_chunks(
         }
     }
     Ok(())
+}
+
+/// The onboarding package of `version` (the newest when `None`), built once and kept until
+/// another version is asked for.
+fn cached_package(
+    core: &Aggregator,
+    cache: &mut Option<Package>,
+    version: Option<u64>,
+) -> Result<Result<PackageInfo, unifed_protocol::messages::OnboardError>> {
+    let v = version.unwrap_or(core.model_version());
+    if let Some(p) = cache.as_ref()
+        && p.info.model_version == v
+    {
+        return Ok(Ok(p.info.clone()));
+    }
+    Ok(match core.package(Some(v))? {
+        Ok((info, chunks)) => {
+            *cache = Some(Package {
+                info: info.clone(),
+                chunks,
+            });
+            Ok(info)
+        }
+        Err(e) => Err(e),
+    })
 }

@@ -4,6 +4,9 @@
 //! ```text
 //! state.json                 round, model version, deadline, sampled sites, recent answers
 //! models/v{N}.bin            model version N (all tensors, spec order), kept by retention
+//! models/v{N}.bn             the sites' pooled BN tensors behind version N's onboarding package
+//!                            (BN sharing `affine` or `affine+stats`), pruned with the model
+//! registry/{site}/v{N}.entry a site's registry entry (calibrated BN, sealed by the site)
 //! spool/r{R}/{site}.upd      an accepted update of round R (written before the accept)
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
@@ -17,6 +20,8 @@ use std::path::{Path, PathBuf};
 pub const FORMAT_VERSION: u32 = 1;
 const MODEL_MAGIC: &[u8; 4] = b"UFEM";
 const SPOOL_MAGIC: &[u8; 4] = b"UFES";
+const SHARE_MAGIC: &[u8; 4] = b"UFEB";
+const ENTRY_MAGIC: &[u8; 4] = b"UFER";
 
 /// Errors of the data directory, naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +138,7 @@ pub struct Store {
 impl Store {
     /// Opens (creating if needed) the data directory `dir`.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        for sub in ["models", "spool"] {
+        for sub in ["models", "spool", "registry"] {
             fs::create_dir_all(dir.join(sub)).map_err(|e| io(&dir.join(sub), e))?;
         }
         Ok(Store { dir: dir.into() })
@@ -215,14 +220,14 @@ impl Store {
         Ok(t)
     }
 
-    /// Deletes model versions older than the newest `keep`.
+    /// Deletes model versions (and their pooled BN) older than the newest `keep`.
     pub fn prune_models(&self, current: u64, keep: usize) -> Result<(), StoreError> {
         let d = self.dir.join("models");
         for e in fs::read_dir(&d).map_err(|e| io(&d, e))?.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
             if let Some(v) = name
                 .strip_prefix('v')
-                .and_then(|n| n.strip_suffix(".bin"))
+                .and_then(|n| n.strip_suffix(".bin").or_else(|| n.strip_suffix(".bn")))
                 .and_then(|n| n.parse::<u64>().ok())
                 && v + (keep as u64) <= current
             {
@@ -230,6 +235,158 @@ impl Store {
             }
         }
         Ok(())
+    }
+
+    /// The model versions on disk, ascending.
+    pub fn model_versions(&self) -> Result<Vec<u64>, StoreError> {
+        let d = self.dir.join("models");
+        let mut v: Vec<u64> = fs::read_dir(&d)
+            .map_err(|e| io(&d, e))?
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .strip_prefix('v')
+                    .and_then(|n| n.strip_suffix(".bin"))
+                    .and_then(|n| n.parse::<u64>().ok())
+            })
+            .collect();
+        v.sort_unstable();
+        Ok(v)
+    }
+
+    fn share_path(&self, version: u64) -> PathBuf {
+        self.dir.join("models").join(format!("v{version}.bn"))
+    }
+
+    /// Writes the pooled BN tensors behind version `version`'s onboarding package and the
+    /// sites they came from.
+    pub fn save_bn_share(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+        sites: &[String],
+        tensors: &[Vec<f32>],
+    ) -> Result<(), StoreError> {
+        let mut b = Vec::new();
+        b.extend_from_slice(SHARE_MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(spec_hash);
+        b.extend_from_slice(&version.to_le_bytes());
+        b.extend_from_slice(&(sites.len() as u32).to_le_bytes());
+        for s in sites {
+            b.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            b.extend_from_slice(s.as_bytes());
+        }
+        put_tensors(&mut b, tensors);
+        write_atomic(&self.share_path(version), &b)
+    }
+
+    /// Reads the pooled BN of version `version`: `None` if it has none (policy `none`, or
+    /// version 0).
+    #[allow(clippy::type_complexity)]
+    pub fn load_bn_share(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+    ) -> Result<Option<(Vec<String>, Vec<Vec<f32>>)>, StoreError> {
+        let p = self.share_path(version);
+        let bytes = match fs::read(&p) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(&p, e)),
+        };
+        let mut r = Reader {
+            b: &bytes,
+            at: 0,
+            path: &p,
+        };
+        r.magic(SHARE_MAGIC)?;
+        if r.take(32)? != spec_hash {
+            return Err(corrupt(&p, "spec hash differs from the federation's"));
+        }
+        if r.u64()? != version {
+            return Err(corrupt(&p, "version in the file differs from its name"));
+        }
+        let n = r.u32()? as usize;
+        let mut sites = Vec::with_capacity(n.min(4096));
+        for _ in 0..n {
+            let len = r.u32()? as usize;
+            let s = std::str::from_utf8(r.take(len)?)
+                .map_err(|_| corrupt(&p, "a site id is not UTF-8"))?;
+            sites.push(s.to_string());
+        }
+        let t = r.tensors()?;
+        r.end()?;
+        Ok(Some((sites, t)))
+    }
+
+    fn entry_path(&self, site: &str, version: u64) -> PathBuf {
+        self.dir
+            .join("registry")
+            .join(site)
+            .join(format!("v{version}.entry"))
+    }
+
+    /// Durably stores `site`'s registry entry (opaque bytes) for model `version`, replacing
+    /// an earlier one of the same version.
+    pub fn registry_put(&self, site: &str, version: u64, entry: &[u8]) -> Result<(), StoreError> {
+        let d = self.dir.join("registry").join(site);
+        fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
+        let mut b = Vec::with_capacity(entry.len() + 24);
+        b.extend_from_slice(ENTRY_MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&version.to_le_bytes());
+        b.extend_from_slice(&(entry.len() as u64).to_le_bytes());
+        b.extend_from_slice(entry);
+        write_atomic(&self.entry_path(site, version), &b)?;
+        File::open(self.dir.join("registry"))
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io(&self.dir.join("registry"), e))
+    }
+
+    /// `site`'s registry entry for model `version`, if stored.
+    pub fn registry_get(&self, site: &str, version: u64) -> Result<Option<Vec<u8>>, StoreError> {
+        let p = self.entry_path(site, version);
+        let bytes = match fs::read(&p) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(&p, e)),
+        };
+        let mut r = Reader {
+            b: &bytes,
+            at: 0,
+            path: &p,
+        };
+        r.magic(ENTRY_MAGIC)?;
+        if r.u64()? != version {
+            return Err(corrupt(&p, "version in the file differs from its name"));
+        }
+        let len = r.u64()? as usize;
+        let entry = r.take(len)?.to_vec();
+        r.end()?;
+        Ok(Some(entry))
+    }
+
+    /// The model versions `site` has registry entries for, ascending.
+    pub fn registry_versions(&self, site: &str) -> Result<Vec<u64>, StoreError> {
+        let d = self.dir.join("registry").join(site);
+        if !d.exists() {
+            return Ok(Vec::new());
+        }
+        let mut v: Vec<u64> = fs::read_dir(&d)
+            .map_err(|e| io(&d, e))?
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .strip_prefix('v')
+                    .and_then(|n| n.strip_suffix(".entry"))
+                    .and_then(|n| n.parse::<u64>().ok())
+            })
+            .collect();
+        v.sort_unstable();
+        Ok(v)
     }
 
     fn spool_dir(&self, round: u64) -> PathBuf {

@@ -90,6 +90,7 @@ fn update_bytes(u: &Upd, tweak: impl FnOnce(&mut SiteUpdate, &mut Envelope)) -> 
         base_version: u.version,
         samples: u.samples,
         delta,
+        bn: vec![],
         extras: Extras::default(),
     };
     let fed = Id::new("fed1").unwrap();

@@ -9,7 +9,7 @@ use crate::state::{NamedTensor, Select, StateDict, delta, export, import};
 use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_local};
 use crate::zoo::Net;
 use std::collections::HashMap;
-use unifed_protocol::ModelSpec;
+use unifed_protocol::{BnSharing, ModelSpec};
 use unifed_protocol::encoding::{Encoding, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
@@ -101,7 +101,8 @@ impl<N: Net> Site<N> {
     }
 
     /// Trains locally from the current model (reporting to `progress`) and returns the encoded
-    /// update envelope.
+    /// update envelope. Under `local` BN it carries the trained BN tensors that `sharing` lets
+    /// leave the site, as exact f32 values.
     #[allow(clippy::too_many_arguments)]
     pub fn train_round(
         &mut self,
@@ -112,6 +113,7 @@ impl<N: Net> Site<N> {
         tc: &TrainConfig,
         encoding: Encoding,
         bn: BnPolicy,
+        sharing: BnSharing,
         device: &Device,
         progress: impl FnMut(TrainEvent),
     ) -> Result<Vec<u8>, SiteError> {
@@ -136,11 +138,25 @@ impl<N: Net> Site<N> {
                 encode(&t.name, &shape, &t.data, encoding, Some(res))
             })
             .collect();
+        let shared = if bn == BnPolicy::Local {
+            export(&self.net, spec, Select::Bn)
+                .tensors
+                .into_iter()
+                .filter(|t| sharing.shares(t.kind))
+                .map(|t| {
+                    let shape: Vec<u32> = t.shape.iter().map(|&x| x as u32).collect();
+                    encode(&t.name, &shape, &t.data, Encoding::F32, None)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let upd = SiteUpdate {
             round,
             base_version: version,
             samples: self.train.len() as u64,
             delta: encoded,
+            bn: shared,
             extras: Extras {
                 tensors: Vec::new(),
                 scalars: vec![

@@ -39,16 +39,17 @@ pub enum MessageKind {
     ServerBroadcast = 7,
     /// A [`crate::Chunk`] of a site update too large for one packet.
     UpdateChunk = 8,
-    /// Reserved for onboarding: the model package a new site calibrates from.
-    OnboardingPackage = 9,
-    /// Reserved for onboarding: a site's BatchNorm statistics contribution.
+    /// An [`crate::OnboardRequest`] (package description or registry entry wanted).
+    OnboardRequest = 9,
+    /// Reserved: BN contributions ride inside [`crate::SiteUpdate`]`::bn` (one per version,
+    /// delivered as reliably as the update itself).
     BnContribution = 10,
-    /// Reserved for onboarding: store a calibrated model in the registry.
+    /// A [`crate::Chunk`] of a [`crate::RegistryEntry`] a site stores in the registry.
     RegistryPut = 11,
-    /// Reserved for onboarding: fetch a model from the registry.
-    RegistryGet = 12,
-    /// Reserved for onboarding: a new site asks to join the federation.
-    Join = 13,
+    /// A [`crate::Chunk`] of a [`crate::RegistryEntry`] the registry sends back.
+    RegistryEntry = 12,
+    /// An [`crate::OnboardReply`].
+    OnboardReply = 13,
     /// An [`crate::UpdateReceipt`]: the aggregator holds one chunk of a site's update (the
     /// site's upload window moves on).
     UpdateReceipt = 14,
@@ -67,11 +68,11 @@ impl MessageKind {
             6 => SiteStatus,
             7 => ServerBroadcast,
             8 => UpdateChunk,
-            9 => OnboardingPackage,
+            9 => OnboardRequest,
             10 => BnContribution,
             11 => RegistryPut,
-            12 => RegistryGet,
-            13 => Join,
+            12 => RegistryEntry,
+            13 => OnboardReply,
             14 => UpdateReceipt,
             _ => return None,
         })
@@ -279,6 +280,7 @@ mod tests {
             &ChunkRequest {
                 model_version: 7,
                 indices: vec![1, 5, 9],
+                package: false,
             },
         )
     }
@@ -307,7 +309,7 @@ mod tests {
                 None => assert!(v == 0 || v > 14),
             }
         }
-        assert_eq!(MessageKind::Join.as_u16(), 13);
+        assert_eq!(MessageKind::OnboardReply.as_u16(), 13);
         assert_eq!(MessageKind::SiteUpdate.as_u16(), 4);
     }
 

@@ -13,6 +13,7 @@
 //!     base_version: 1,
 //!     samples: 10,
 //!     delta: vec![encode("fc.weight", &[2], &[0.5, -0.25], Encoding::F16, None)],
+//!     bn: vec![],
 //!     extras: Extras::default(),
 //! };
 //! let fed = Id::new("demo").unwrap();
@@ -58,7 +59,8 @@ pub use encoding::{EncodedTensor, Encoding, TensorError, Values, decode, encode}
 pub use envelope::{DecodeError, Envelope, MAGIC, MessageKind, PROTOCOL_VERSION};
 pub use ids::{FederationId, Id, IdError, MAX_ID_LEN, SiteId};
 pub use messages::{
-    Answer, BnPolicy, Chunk, ChunkRequest, Extras, RejectReason, RoundManifest, Scalar,
+    Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, Extras, OnboardError, OnboardReply,
+    OnboardRequest, PackageInfo, RegistryEntry, RejectReason, RoundManifest, Scalar, Sealing,
     ServerBroadcast, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
 };
 pub use spec::{Input, ModelSpec, Scaling, SpecError, SpecHash, TensorKind, TensorSpec};

@@ -3,7 +3,7 @@
 
 use crate::encoding::{EncodedTensor, Encoding};
 use crate::ids::SiteId;
-use crate::spec::SpecHash;
+use crate::spec::{SpecHash, TensorKind};
 use alloc::string::String;
 use alloc::vec::Vec;
 use serde::{Deserialize, Serialize};
@@ -15,6 +15,61 @@ pub enum BnPolicy {
     Local,
     /// FedAvg-style: BN affine parameters and running statistics are averaged like any tensor.
     Global,
+}
+
+/// Which of a site's BatchNorm tensors leave it under `local` BN: the federation's BN sharing
+/// policy. BN statistics help gradient-inversion attacks (UniFed section 5), so the default
+/// shares nothing. What a site shares feeds the onboarding package new sites calibrate from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BnSharing {
+    /// Nothing of any site's BN leaves the site; the onboarding package carries the global
+    /// model's own, never-trained BN layers (UniFed's global model under client-specific BN).
+    #[default]
+    #[serde(rename = "none")]
+    None,
+    /// Sites also send their BN weight and bias with each update; the package carries their
+    /// sample-weighted mean (FedBN appendix G).
+    #[serde(rename = "affine")]
+    Affine,
+    /// Running statistics too: means averaged, variances pooled as the variance of the sites'
+    /// mixture, `sum w_i (var_i + (mean_i - mean)^2) / sum w_i`.
+    #[serde(rename = "affine+stats")]
+    AffineStats,
+}
+
+impl BnSharing {
+    /// True if a site's tensor of `kind` leaves it under this policy.
+    pub fn shares(self, kind: TensorKind) -> bool {
+        match self {
+            BnSharing::None => false,
+            BnSharing::Affine => kind.is_bn_affine(),
+            BnSharing::AffineStats => kind.is_bn(),
+        }
+    }
+
+    /// The policy's name in configs: `none`, `affine` or `affine+stats`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BnSharing::None => "none",
+            BnSharing::Affine => "affine",
+            BnSharing::AffineStats => "affine+stats",
+        }
+    }
+}
+
+impl core::str::FromStr for BnSharing {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(BnSharing::None),
+            "affine" => Ok(BnSharing::Affine),
+            "affine+stats" => Ok(BnSharing::AffineStats),
+            o => Err(alloc::format!(
+                "unknown BN sharing policy `{o}`: expected none, affine or affine+stats"
+            )),
+        }
+    }
 }
 
 /// A named scalar an algorithm sends beside the weights (local steps, training loss, ...).
@@ -55,6 +110,8 @@ pub struct RoundManifest {
     pub encoding: Encoding,
     /// BN policy of the federation.
     pub bn_policy: BnPolicy,
+    /// Which BN tensors sites send with their updates (under `local` BN).
+    pub bn_sharing: BnSharing,
     /// Sites sampled for this round (empty: every site may report).
     pub sampled: Vec<SiteId>,
     /// Round deadline, milliseconds since the Unix epoch.
@@ -85,6 +142,8 @@ pub struct ChunkRequest {
     pub model_version: u64,
     /// Chunk indices wanted; empty means all.
     pub indices: Vec<u32>,
+    /// Chunks of that version's onboarding package instead of the round model.
+    pub package: bool,
 }
 
 /// The server's model for a round: weights (non-BN only under `local` BN) and extras.
@@ -110,6 +169,9 @@ pub struct SiteUpdate {
     pub samples: u64,
     /// `trained - base`, tensor by tensor.
     pub delta: Vec<EncodedTensor>,
+    /// The site's BN tensors after training, as values (not deltas) in exact f32: exactly
+    /// those the federation's [`BnSharing`] policy shares, none under `none`.
+    pub bn: Vec<EncodedTensor>,
     /// Algorithm extras.
     pub extras: Extras,
 }
@@ -214,4 +276,99 @@ pub struct SiteStatus {
     pub state: SiteState,
     /// Free-form detail for operators.
     pub detail: String,
+}
+
+/// A request on a site's onboarding topic (`onboard/request/{site}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OnboardRequest {
+    /// Describe the onboarding package of `model_version` (the newest when `None`); its chunks
+    /// are then fetched with [`ChunkRequest`]s whose `package` is set.
+    Package {
+        /// The model version, or `None` for the newest.
+        model_version: Option<u64>,
+    },
+    /// Send this site's registry entry for `model_version` (the newest registered when `None`).
+    RegistryGet {
+        /// The model version, or `None` for the newest registered.
+        model_version: Option<u64>,
+    },
+}
+
+/// The onboarding package of one model version: what a new site fetches and calibrates.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PackageInfo {
+    /// The model version.
+    pub model_version: u64,
+    /// The sharing policy that chose its BN layers.
+    pub bn_sharing: BnSharing,
+    /// Sites whose BN tensors were averaged into it (empty under `none`).
+    pub bn_sites: Vec<SiteId>,
+    /// Number of chunks of the payload (a postcard [`ServerBroadcast`] with every tensor).
+    pub chunk_count: u32,
+    /// Length of the payload in bytes.
+    pub payload_len: u64,
+    /// SHA-256 of the payload.
+    pub payload_hash: [u8; 32],
+}
+
+/// How a registry entry's data is protected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Sealing {
+    /// Plaintext (allowed only when the sharing policy is `affine+stats`).
+    Plain,
+    /// ChaCha20-Poly1305 with a key only the site's devices hold; the associated data binds
+    /// the federation, site, model version and spec hash.
+    ChaCha20Poly1305 {
+        /// The 96-bit nonce.
+        nonce: [u8; 12],
+    },
+}
+
+/// A site's calibrated BN state for one model version, as stored in the aggregator's registry.
+/// Sent in [`Chunk`]s (kinds `RegistryPut` and `RegistryEntry`) because it can exceed a packet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegistryEntry {
+    /// The model version the BN state was calibrated for.
+    pub model_version: u64,
+    /// How `data` is protected.
+    pub sealing: Sealing,
+    /// The postcard list of the site's BN [`EncodedTensor`]s, sealed or plain.
+    pub data: Vec<u8>,
+}
+
+/// Why an onboarding request was refused. Every refusal names one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OnboardError {
+    /// The aggregator holds no package of the version asked for.
+    UnknownVersion {
+        /// The version asked for.
+        requested: u64,
+        /// The versions it holds.
+        available: Vec<u64>,
+    },
+    /// The site has no registry entry of the version asked for.
+    NotRegistered {
+        /// The version asked for (`None`: any).
+        requested: Option<u64>,
+        /// The versions registered for the site.
+        available: Vec<u64>,
+    },
+    /// A registry entry was refused (malformed, too large, plaintext not allowed, ...).
+    Refused(String),
+}
+
+/// The aggregator's answer on a site's onboarding reply topic (`onboard/reply/{site}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OnboardReply {
+    /// The package asked for.
+    Package(PackageInfo),
+    /// A registry entry was stored durably.
+    Registered {
+        /// Its model version.
+        model_version: u64,
+        /// SHA-256 of the stored entry.
+        entry_hash: [u8; 32],
+    },
+    /// The request was refused.
+    Error(OnboardError),
 }

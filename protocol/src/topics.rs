@@ -58,9 +58,20 @@ impl Topics {
         format!("unifed/v1/{}/status/+", self.federation)
     }
 
-    /// `unifed/v1/{fed}/onboard/{site}`: onboarding messages for a new site.
-    pub fn onboard(&self, site: &SiteId) -> String {
-        format!("unifed/v1/{}/onboard/{site}", self.federation)
+    /// `unifed/v1/{fed}/onboard/request/{site}`: a site's onboarding requests and registry
+    /// entries.
+    pub fn onboard_request(&self, site: &SiteId) -> String {
+        format!("unifed/v1/{}/onboard/request/{site}", self.federation)
+    }
+
+    /// `unifed/v1/{fed}/onboard/request/+`: every site's onboarding requests.
+    pub fn onboard_requests_filter(&self) -> String {
+        format!("unifed/v1/{}/onboard/request/+", self.federation)
+    }
+
+    /// `unifed/v1/{fed}/onboard/reply/{site}`: the aggregator's onboarding replies to a site.
+    pub fn onboard_reply(&self, site: &SiteId) -> String {
+        format!("unifed/v1/{}/onboard/reply/{site}", self.federation)
     }
 
     /// The site id at the end of an update, status, ack or chunk-request topic of this
@@ -70,7 +81,13 @@ impl Topics {
             .strip_prefix("unifed/v1/")?
             .strip_prefix(self.federation.as_str())?
             .strip_prefix('/')?;
-        let site = ["update/", "status/", "ack/", "chunks/request/"]
+        let site = [
+            "update/",
+            "status/",
+            "ack/",
+            "chunks/request/",
+            "onboard/request/",
+        ]
             .iter()
             .find_map(|kind| rest.strip_prefix(kind))?;
         Id::new(site).ok().map(|_| site)
@@ -97,14 +114,28 @@ mod tests {
         assert_eq!(t.ack(&s), "unifed/v1/fed1/ack/site-a");
         assert_eq!(t.status(&s), "unifed/v1/fed1/status/site-a");
         assert_eq!(t.status_filter(), "unifed/v1/fed1/status/+");
-        assert_eq!(t.onboard(&s), "unifed/v1/fed1/onboard/site-a");
+        assert_eq!(
+            t.onboard_request(&s),
+            "unifed/v1/fed1/onboard/request/site-a"
+        );
+        assert_eq!(
+            t.onboard_requests_filter(),
+            "unifed/v1/fed1/onboard/request/+"
+        );
+        assert_eq!(t.onboard_reply(&s), "unifed/v1/fed1/onboard/reply/site-a");
     }
 
     #[test]
     fn site_of_reads_the_site_back_from_its_topics() {
         let t = Topics::new(&id("fed1"));
         let s = id("site.a_1");
-        for topic in [t.update(&s), t.status(&s), t.ack(&s), t.chunk_request(&s)] {
+        for topic in [
+            t.update(&s),
+            t.status(&s),
+            t.ack(&s),
+            t.chunk_request(&s),
+            t.onboard_request(&s),
+        ] {
             assert_eq!(t.site_of(&topic), Some("site.a_1"), "{topic}");
         }
     }
@@ -115,7 +146,7 @@ mod tests {
         let s = id("site");
         assert_eq!(t.site_of(&t.manifest()), None);
         assert_eq!(t.site_of(&t.chunk_reply(&s)), None);
-        assert_eq!(t.site_of(&t.onboard(&s)), None);
+        assert_eq!(t.site_of(&t.onboard_reply(&s)), None);
         assert_eq!(t.site_of(&Topics::new(&id("fed2")).update(&s)), None);
         assert_eq!(t.site_of(&Topics::new(&id("fed10")).update(&s)), None);
         assert_eq!(t.site_of("unifed/v1/fed1/update/"), None);

@@ -85,6 +85,7 @@ fn sample_update() -> SiteUpdate {
                 None,
             ),
         ],
+        bn: vec![encode("bn.weight", &[2], &[1.0, 0.5], Encoding::F32, None)],
         extras: Extras {
             tensors: vec![encode("x", &[1], &[4.0], Encoding::F32, None)],
             scalars: vec![Scalar {

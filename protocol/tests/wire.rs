@@ -52,6 +52,7 @@ fn update(encoding: Encoding) -> SiteUpdate {
                 encode(name, shape, &values(n, 31 + i as u32), encoding, None)
             })
             .collect(),
+        bn: vec![],
         extras: Extras::default(),
     }
 }
@@ -67,6 +68,7 @@ fn a_round_manifest_round_trips_through_an_envelope() {
         payload_hash: payload_hash(b"model"),
         encoding: Encoding::TopK { per_mille: 10 },
         bn_policy: BnPolicy::Local,
+        bn_sharing: BnSharing::Affine,
         sampled: vec![id("a"), id("b.c")],
         deadline_ms: 1_700_000_000_000,
         finished: false,
@@ -107,8 +109,55 @@ fn every_other_payload_round_trips_through_an_envelope() {
         &ChunkRequest {
             model_version: 9,
             indices: vec![],
+            package: true,
         },
     );
+    for req in [
+        OnboardRequest::Package {
+            model_version: None,
+        },
+        OnboardRequest::RegistryGet {
+            model_version: Some(3),
+        },
+    ] {
+        through_envelope(MessageKind::OnboardRequest, &req);
+    }
+    for reply in [
+        OnboardReply::Package(PackageInfo {
+            model_version: 3,
+            bn_sharing: BnSharing::AffineStats,
+            bn_sites: vec![id("a"), id("b")],
+            chunk_count: 4,
+            payload_len: 1000,
+            payload_hash: payload_hash(b"package"),
+        }),
+        OnboardReply::Registered {
+            model_version: 3,
+            entry_hash: payload_hash(b"entry"),
+        },
+        OnboardReply::Error(OnboardError::UnknownVersion {
+            requested: 9,
+            available: vec![2, 3],
+        }),
+        OnboardReply::Error(OnboardError::NotRegistered {
+            requested: None,
+            available: vec![],
+        }),
+    ] {
+        through_envelope(MessageKind::OnboardReply, &reply);
+    }
+    let entry = RegistryEntry {
+        model_version: 3,
+        sealing: Sealing::ChaCha20Poly1305 { nonce: [7; 12] },
+        data: vec![1, 2, 3],
+    };
+    let bytes = postcard::to_allocvec(&entry).unwrap();
+    assert_eq!(postcard::from_bytes::<RegistryEntry>(&bytes).unwrap(), entry);
+    for chunk in split(&bytes, 4) {
+        through_envelope(MessageKind::RegistryPut, &chunk);
+        through_envelope(MessageKind::RegistryEntry, &chunk);
+    }
+
     for answer in [
         Answer::Accepted,
         Answer::Rejected(RejectReason::WrongRound {
@@ -170,4 +219,29 @@ fn a_site_update_costs_what_its_encoding_promises() {
     // Top-k at 1 % sends 1 % of the values as f32 plus short delta-coded indices.
     let topk = ratio(Encoding::TopK { per_mille: 10 });
     assert!(topk < 0.02, "top-k {topk}");
+}
+
+#[test]
+fn bn_sharing_policies_parse_and_select_their_tensors() {
+    for p in [BnSharing::None, BnSharing::Affine, BnSharing::AffineStats] {
+        assert_eq!(p.name().parse::<BnSharing>(), Ok(p));
+    }
+    assert!("stats".parse::<BnSharing>().unwrap_err().contains("affine+stats"));
+    let kinds = [
+        TensorKind::NonBn,
+        TensorKind::BnWeight,
+        TensorKind::BnBias,
+        TensorKind::BnRunningMean,
+        TensorKind::BnRunningVar,
+    ];
+    let shared = |p: BnSharing| kinds.map(|k| p.shares(k));
+    assert_eq!(shared(BnSharing::None), [false; 5]);
+    assert_eq!(
+        shared(BnSharing::Affine),
+        [false, true, true, false, false]
+    );
+    assert_eq!(
+        shared(BnSharing::AffineStats),
+        [false, true, true, true, true]
+    );
 }

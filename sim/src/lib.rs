@@ -136,6 +136,7 @@ pub fn run_federation<N: Net>(
                         &tc,
                         encoding,
                         bn,
+                        manifest.bn_sharing,
                         device,
                         |_| {},
                     )?;

@@ -1,0 +1,336 @@
+//! The onboarding side of the federation core: BN tensors shared under each BN sharing policy,
+//! the onboarding package they give, and the registry of sites' calibrated BN.
+
+use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel};
+use unifed_protocol::chunking::Reassembler;
+use unifed_protocol::encoding::{Encoding, decode, encode};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{
+    Answer, BnSharing, Extras, OnboardError, OnboardReply, RegistryEntry, RejectReason, Sealing,
+    ServerBroadcast, SiteUpdate,
+};
+use unifed_protocol::{Input, ModelSpec, TensorKind, TensorSpec};
+
+fn spec() -> ModelSpec {
+    let t = |n: &str, k| TensorSpec {
+        name: n.into(),
+        shape: vec![2],
+        kind: k,
+    };
+    ModelSpec {
+        architecture: "toy".into(),
+        tensors: vec![
+            t("fc.weight", TensorKind::NonBn),
+            t("bn.weight", TensorKind::BnWeight),
+            t("bn.bias", TensorKind::BnBias),
+            t("bn.running_mean", TensorKind::BnRunningMean),
+            t("bn.running_var", TensorKind::BnRunningVar),
+        ],
+        classes: vec!["a".into(), "b".into()],
+        input: Input::Features { len: 2 },
+    }
+}
+
+fn initial() -> GlobalModel {
+    GlobalModel {
+        spec: spec(),
+        tensors: vec![
+            vec![0.5, 0.5],
+            vec![1.0; 2],
+            vec![0.0; 2],
+            vec![0.0; 2],
+            vec![1.0; 2],
+        ],
+    }
+}
+
+fn open(dir: &std::path::Path, sharing: BnSharing) -> Aggregator {
+    let cfg = FederationConfig {
+        bn_sharing: sharing,
+        ..FederationConfig::new("fed1", 3, 2)
+    };
+    Aggregator::open(dir, cfg, initial(), 16).unwrap()
+}
+
+/// Site `s`'s BN tensors after training: weight, bias, running mean, running variance.
+fn site_bn(s: &str) -> [Vec<f32>; 4] {
+    match s {
+        "a" => [vec![1.5, 0.5], vec![0.25, -1.0], vec![0.0, 4.0], vec![1.0, 1.0]],
+        _ => [vec![0.5, 1.5], vec![-0.75, 1.0], vec![4.0, 4.0], vec![3.0, 1.0]],
+    }
+}
+
+const NAMES: [&str; 4] = [
+    "bn.weight",
+    "bn.bias",
+    "bn.running_mean",
+    "bn.running_var",
+];
+
+/// An update of site `s` in `round` carrying the BN tensors named by `bn`.
+fn update(s: &str, round: u64, samples: u64, bn: &[&str]) -> Vec<u8> {
+    let vals = site_bn(s);
+    let upd = SiteUpdate {
+        round,
+        base_version: round - 1,
+        samples,
+        delta: vec![encode("fc.weight", &[2], &[0.25, -0.25], Encoding::F32, None)],
+        bn: bn
+            .iter()
+            .map(|n| {
+                let k = NAMES.iter().position(|m| m == n).unwrap();
+                encode(n, &[2], &vals[k], Encoding::F32, None)
+            })
+            .collect(),
+        extras: Extras::default(),
+    };
+    Envelope::new(
+        MessageKind::SiteUpdate,
+        Id::new("fed1").unwrap(),
+        Id::new(s).unwrap(),
+        round,
+        round - 1,
+        spec().hash(),
+        &upd,
+    )
+    .encode()
+}
+
+fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
+    let actions = agg
+        .handle(
+            Event::Update {
+                site: s.into(),
+                bytes,
+            },
+            1_000,
+        )
+        .unwrap();
+    actions
+        .iter()
+        .find_map(|a| match a {
+            Action::Answer { answer, .. } => Some(answer.clone()),
+            _ => None,
+        })
+        .unwrap()
+}
+
+/// The package of `version` reassembled from its chunks: name -> values.
+fn package(agg: &Aggregator, version: Option<u64>) -> (Vec<String>, Vec<(String, Vec<f32>)>) {
+    let (info, chunks) = agg.package(version).unwrap().unwrap();
+    assert_eq!(info.chunk_count as usize, chunks.len());
+    let mut r = Reassembler::new(1_000, 1 << 20);
+    let mut bytes = None;
+    for c in chunks {
+        bytes = r.insert(c, 0).unwrap();
+    }
+    let bytes = bytes.unwrap();
+    assert_eq!(unifed_protocol::payload_hash(&bytes), info.payload_hash);
+    let b: ServerBroadcast = postcard::from_bytes(&bytes).unwrap();
+    assert_eq!(b.model_version, info.model_version);
+    let sites = info.bn_sites.iter().map(|s| s.to_string()).collect();
+    let tensors = b
+        .weights
+        .iter()
+        .map(|t| (t.name.clone(), decode(t).unwrap()))
+        .collect();
+    (sites, tensors)
+}
+
+fn get<'a>(p: &'a [(String, Vec<f32>)], name: &str) -> &'a [f32] {
+    &p.iter().find(|(n, _)| n == name).unwrap().1
+}
+
+#[test]
+fn each_policy_accepts_exactly_the_bn_tensors_it_shares() {
+    let all = NAMES.as_slice();
+    let affine = &NAMES[..2];
+    for (sharing, want) in [
+        (BnSharing::None, &[][..]),
+        (BnSharing::Affine, affine),
+        (BnSharing::AffineStats, all),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut agg = open(dir.path(), sharing);
+        agg.handle(Event::Start, 0).unwrap();
+        // One more tensor than the policy shares: the first one it does not share.
+        if let Some(extra) = NAMES.iter().find(|n| !want.contains(n)) {
+            let mut more = want.to_vec();
+            more.push(extra);
+            assert_eq!(
+                answer(&mut agg, "a", update("a", 1, 10, &more)),
+                Answer::Rejected(RejectReason::UnexpectedTensor(extra.to_string())),
+                "{sharing:?}"
+            );
+        }
+        if let Some(first) = want.first() {
+            assert_eq!(
+                answer(&mut agg, "a", update("a", 1, 10, &want[1..])),
+                Answer::Rejected(RejectReason::MissingTensor(first.to_string())),
+                "{sharing:?}"
+            );
+        }
+        assert_eq!(
+            answer(&mut agg, "a", update("a", 1, 10, want)),
+            Answer::Accepted
+        );
+    }
+}
+
+#[test]
+fn shared_bn_reaches_only_the_package_affine_averaged_and_variances_pooled() {
+    for sharing in [BnSharing::None, BnSharing::Affine, BnSharing::AffineStats] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut agg = open(dir.path(), sharing);
+        agg.handle(Event::Start, 0).unwrap();
+        let shared: Vec<&str> = NAMES
+            .iter()
+            .zip([
+                TensorKind::BnWeight,
+                TensorKind::BnBias,
+                TensorKind::BnRunningMean,
+                TensorKind::BnRunningVar,
+            ])
+            .filter(|(_, k)| sharing.shares(*k))
+            .map(|(n, _)| *n)
+            .collect();
+        assert_eq!(answer(&mut agg, "b", update("b", 1, 30, &shared)), Answer::Accepted);
+        assert_eq!(answer(&mut agg, "a", update("a", 1, 10, &shared)), Answer::Accepted);
+        assert_eq!(agg.model_version(), 1);
+        // The global model's BN is never touched under local BN.
+        assert_eq!(&agg.model()[1..], &initial().tensors[1..]);
+        let (sites, p) = package(&agg, None);
+        assert_eq!(get(&p, "fc.weight"), agg.model()[0].as_slice());
+        let (w, b, m, v) = (
+            get(&p, "bn.weight"),
+            get(&p, "bn.bias"),
+            get(&p, "bn.running_mean"),
+            get(&p, "bn.running_var"),
+        );
+        match sharing {
+            BnSharing::None => {
+                assert!(sites.is_empty());
+                assert_eq!([w, b, m, v], [&[1.0f32, 1.0][..], &[0.0, 0.0], &[0.0, 0.0], &[1.0, 1.0]]);
+            }
+            _ => {
+                assert_eq!(sites, vec!["a", "b"]);
+                // Weights 10 and 30.
+                assert_eq!(w, &[0.75, 1.25]);
+                assert_eq!(b, &[-0.5, 0.5]);
+                if sharing == BnSharing::Affine {
+                    assert_eq!([m, v], [&[0.0f32, 0.0][..], &[1.0, 1.0]]);
+                } else {
+                    assert_eq!(m, &[3.0, 4.0]);
+                    // Channel 0: (10 (1 + 9) + 30 (3 + 1)) / 40 = 5.5.
+                    assert_eq!(v, &[5.5, 1.0]);
+                }
+            }
+        }
+        // Version 0's package is the initial model, whatever the policy.
+        let (_, p0) = package(&agg, Some(0));
+        let want: Vec<Vec<f32>> = initial().tensors;
+        let got: Vec<Vec<f32>> = p0.iter().map(|(_, v)| v.clone()).collect();
+        assert_eq!(got, want);
+        // A version the federation has not reached is refused with those it holds.
+        assert_eq!(
+            agg.package(Some(7)).unwrap().unwrap_err(),
+            OnboardError::UnknownVersion {
+                requested: 7,
+                available: vec![0, 1]
+            }
+        );
+    }
+}
+
+fn entry(version: u64, sealing: Sealing, data: &[u8]) -> Vec<u8> {
+    postcard::to_allocvec(&RegistryEntry {
+        model_version: version,
+        sealing,
+        data: data.to_vec(),
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_registry_stores_sealed_entries_durably_and_refuses_what_it_must() {
+    let dir = tempfile::tempdir().unwrap();
+    let site = Id::new("new-site").unwrap();
+    let sealed = entry(0, Sealing::ChaCha20Poly1305 { nonce: [3; 12] }, b"ciphertext");
+    {
+        let mut agg = open(dir.path(), BnSharing::None);
+        agg.handle(Event::Start, 0).unwrap();
+        assert_eq!(
+            agg.registry_get(&site, None).unwrap().unwrap_err(),
+            OnboardError::NotRegistered {
+                requested: None,
+                available: vec![]
+            }
+        );
+        let r = agg.registry_put(&site, &sealed, 5).unwrap();
+        assert_eq!(
+            r,
+            OnboardReply::Registered {
+                model_version: 0,
+                entry_hash: unifed_protocol::payload_hash(&sealed)
+            }
+        );
+        let plain = entry(0, Sealing::Plain, b"stats");
+        match agg.registry_put(&site, &plain, 5).unwrap() {
+            OnboardReply::Error(OnboardError::Refused(m)) => {
+                assert!(m.contains("plaintext") && m.contains("`none`"), "{m}")
+            }
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(
+            agg.registry_put(&site, &entry(4, Sealing::Plain, b""), 5).unwrap(),
+            OnboardReply::Error(OnboardError::UnknownVersion {
+                requested: 4,
+                available: vec![0]
+            })
+        );
+        match agg.registry_put(&site, b"\xff\xff", 5).unwrap() {
+            OnboardReply::Error(OnboardError::Refused(m)) => assert!(m.contains("malformed"), "{m}"),
+            o => panic!("{o:?}"),
+        }
+    }
+    // A restarted aggregator serves the same bytes.
+    let agg = open(dir.path(), BnSharing::None);
+    assert_eq!(agg.registry_get(&site, None).unwrap().unwrap(), sealed);
+    assert_eq!(agg.registry_get(&site, Some(0)).unwrap().unwrap(), sealed);
+    assert_eq!(
+        agg.registry_get(&site, Some(2)).unwrap().unwrap_err(),
+        OnboardError::NotRegistered {
+            requested: Some(2),
+            available: vec![0]
+        }
+    );
+    assert_eq!(
+        agg.registry_get(&Id::new("other").unwrap(), None)
+            .unwrap()
+            .unwrap_err(),
+        OnboardError::NotRegistered {
+            requested: None,
+            available: vec![]
+        }
+    );
+    // Under affine+stats a site may store its BN in plaintext.
+    let dir2 = tempfile::tempdir().unwrap();
+    let agg = open(dir2.path(), BnSharing::AffineStats);
+    assert!(matches!(
+        agg.registry_put(&site, &entry(0, Sealing::Plain, b"stats"), 5)
+            .unwrap(),
+        OnboardReply::Registered { .. }
+    ));
+}
+
+#[test]
+fn sharing_needs_local_bn() {
+    let cfg = FederationConfig {
+        bn_sharing: BnSharing::Affine,
+        bn_policy: unifed_protocol::BnPolicy::Global,
+        ..FederationConfig::new("fed1", 3, 2)
+    };
+    let errs = cfg.validate().unwrap_err();
+    assert!(errs.iter().any(|e| e.contains("bn_sharing `affine` needs bn_policy local")), "{errs:?}");
+}
