@@ -3,5 +3,6 @@
 
 pub mod model;
 pub mod progress;
+pub mod registry;
 pub mod train;
 pub mod uplink;

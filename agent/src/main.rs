@@ -3,7 +3,9 @@
 //! `train` runs a site of a federation over MQTT; `init` writes a federation's initial model;
 //! `singleset` trains the built-in domains alone (the no-federation baseline); `data` previews
 //! and exports the built-in data; `spec` prints a model spec; `bench` measures speed.
-//! `calibrate`, `evaluate` and `predict` onboard a site from a model file and use it.
+//! `calibrate` onboards a site (from a model file, or from the federation's onboarding
+//! package with `--config`), `fetch-calibrated` brings its registered model to another device,
+//! `keygen` makes the site key, and `evaluate` and `predict` use a model.
 
 mod bench;
 mod onboard;
@@ -78,6 +80,15 @@ enum Cmd {
     /// Re-estimates every BN layer's statistics of a model on the site's own unlabelled images
     /// and writes the calibrated model; with labels, reports accuracy before and after.
     Calibrate(onboard::CalibrateArgs),
+    /// Fetches this site's calibrated model from the aggregator's registry (another device of
+    /// the site: same site, federation and site key) and writes it.
+    FetchCalibrated(onboard::FetchArgs),
+    /// Writes a new random site key (64 hex digits, owner-only) for sealing registry entries.
+    Keygen {
+        /// Key file to create (never overwritten).
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Test accuracy of a model on labelled images, with BN statistics stored, re-estimated as
     /// the images stream in (`stream`), or freshly calibrated.
     Evaluate(onboard::EvaluateArgs),
@@ -136,6 +147,18 @@ fn main() -> Result<()> {
         Cmd::Calibrate(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
             onboard::calibrate_cmd(&args, &device)
+        }
+        Cmd::FetchCalibrated(args) => {
+            let device = backend.device().map_err(anyhow::Error::msg)?;
+            onboard::fetch_calibrated_cmd(&args, &device)
+        }
+        Cmd::Keygen { out } => {
+            unifed_agent::registry::SiteKey::generate().save(&out)?;
+            println!(
+                "wrote a new site key to {}; copy it to this site's devices only",
+                out.display()
+            );
+            Ok(())
         }
         Cmd::Predict(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;

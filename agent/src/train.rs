@@ -28,7 +28,9 @@ use unifed_protocol::messages::{
 use unifed_protocol::topics::Topics;
 
 use crate::progress::{Report, training_bar};
+use crate::registry::{OnboardClient, Owner};
 use crate::uplink::{Uplink, Upload};
+use unifed_protocol::BnSharing;
 
 /// Where a site's labelled data comes from.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -83,13 +85,25 @@ pub struct AgentConfig {
     /// before it trains; `fresh` keeps the never-trained statistics.
     #[serde(default)]
     pub join_bn: JoinBn,
+    /// File holding the site's registry key (64 hex digits, from `unifed-agent keygen`): seals
+    /// the calibrated BN this site registers with the aggregator. Only the site's devices hold it.
+    #[serde(default)]
+    pub site_key: Option<PathBuf>,
     /// The broker.
     pub broker: BrokerConfig,
     /// The data.
     pub data: DataConfig,
 }
 
-/// How a late joiner's BN statistics start (FedBN appendix G gives no rule; this is ours).
+/// Reads and parses an agent config file, naming the file in errors.
+pub fn load_config(path: &std::path::Path) -> Result<AgentConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// How a late joiner's BN starts (FedBN appendix G gives no rule; this is ours). Under a BN
+/// sharing policy other than `none` its BN layers first come from the onboarding package.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum JoinBn {
@@ -144,10 +158,7 @@ fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> 
 /// caller already capped them (`capped`), and runs the agent on its own runtime until the
 /// federation finishes; returns the final test accuracy.
 pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<f64> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let cfg: AgentConfig =
-        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let cfg = load_config(path)?;
     if let (false, Some(t)) = (capped, cfg.threads) {
         unifed_models::backend::cap_cpu_threads(t)
             .map_err(|e| anyhow::anyhow!("{}: threads: {e}", path.display()))?;
@@ -278,6 +289,10 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                         MessageKind::ModelChunk => {
                             let chunk: unifed_protocol::messages::Chunk = env.payload_as()?;
                             let Some(m) = &manifest else { continue };
+                            if chunk.payload_hash != m.payload_hash {
+                                // An older model's, or an onboarding package's.
+                                continue;
+                            }
                             outstanding.remove(&chunk.index);
                             match reasm.insert(chunk, t0.elapsed().as_millis() as u64) {
                                 Ok(Some(bytes)) if unifed_protocol::chunking::payload_hash(&bytes) == m.payload_hash => {
@@ -288,7 +303,24 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                                         && m.bn_policy == unifed_protocol::messages::BnPolicy::Local
                                         && cfg.join_bn == JoinBn::Calibrate
                                     {
-                                        // A late joiner: its BN statistics from its own images.
+                                        // A late joiner: BN from the onboarding package (the sites'
+                                        // shared BN, if the policy shares any), statistics then
+                                        // re-estimated on its own images.
+                                        if m.bn_sharing != BnSharing::None {
+                                            let owner = Owner { federation: fed.clone(), site: site_id.clone(), spec: spec.hash() };
+                                            let mut c = OnboardClient::connect(&cfg.broker, owner, Duration::from_secs(30)).await?;
+                                            let r = c.package(Some(b.model_version), |_, _| {}).await;
+                                            c.close().await;
+                                            let (info, pkg) = r?;
+                                            let sd = unifed_models::state::from_encoded(&spec, &pkg.weights)?;
+                                            s.net = import(&s.net, &spec, &sd, Select::Bn)?;
+                                            println!(
+                                                "{site_id}: BN from the onboarding package of model v{} ({} of {})",
+                                                info.model_version,
+                                                info.bn_sharing.name(),
+                                                info.bn_sites.iter().map(|x| x.as_str()).collect::<Vec<_>>().join(", ")
+                                            );
+                                        }
                                         s.net = tokio::task::block_in_place(|| unifed_models::bn::calibrate(&s.net, &s.train.x, &device, &Default::default(), |_, _| {}))?;
                                         println!("{site_id}: joined at model v{}; calibrated BN on {} own images", b.model_version, s.train.len());
                                     }

@@ -13,10 +13,10 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::chunking::{payload_hash, split};
+use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::encoding::{Encoding, Values, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::messages::{
     Answer, BnPolicy, Chunk, Extras, OnboardError, OnboardReply, PackageInfo, RegistryEntry,
     RejectReason, RoundManifest, Sealing, ServerBroadcast, SiteUpdate,

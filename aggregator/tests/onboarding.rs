@@ -56,17 +56,22 @@ fn open(dir: &std::path::Path, sharing: BnSharing) -> Aggregator {
 /// Site `s`'s BN tensors after training: weight, bias, running mean, running variance.
 fn site_bn(s: &str) -> [Vec<f32>; 4] {
     match s {
-        "a" => [vec![1.5, 0.5], vec![0.25, -1.0], vec![0.0, 4.0], vec![1.0, 1.0]],
-        _ => [vec![0.5, 1.5], vec![-0.75, 1.0], vec![4.0, 4.0], vec![3.0, 1.0]],
+        "a" => [
+            vec![1.5, 0.5],
+            vec![0.25, -1.0],
+            vec![0.0, 4.0],
+            vec![1.0, 1.0],
+        ],
+        _ => [
+            vec![0.5, 1.5],
+            vec![-0.75, 1.0],
+            vec![4.0, 4.0],
+            vec![3.0, 1.0],
+        ],
     }
 }
 
-const NAMES: [&str; 4] = [
-    "bn.weight",
-    "bn.bias",
-    "bn.running_mean",
-    "bn.running_var",
-];
+const NAMES: [&str; 4] = ["bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"];
 
 /// An update of site `s` in `round` carrying the BN tensors named by `bn`.
 fn update(s: &str, round: u64, samples: u64, bn: &[&str]) -> Vec<u8> {
@@ -75,7 +80,13 @@ fn update(s: &str, round: u64, samples: u64, bn: &[&str]) -> Vec<u8> {
         round,
         base_version: round - 1,
         samples,
-        delta: vec![encode("fc.weight", &[2], &[0.25, -0.25], Encoding::F32, None)],
+        delta: vec![encode(
+            "fc.weight",
+            &[2],
+            &[0.25, -0.25],
+            Encoding::F32,
+            None,
+        )],
         bn: bn
             .iter()
             .map(|n| {
@@ -195,8 +206,14 @@ fn shared_bn_reaches_only_the_package_affine_averaged_and_variances_pooled() {
             .filter(|(_, k)| sharing.shares(*k))
             .map(|(n, _)| *n)
             .collect();
-        assert_eq!(answer(&mut agg, "b", update("b", 1, 30, &shared)), Answer::Accepted);
-        assert_eq!(answer(&mut agg, "a", update("a", 1, 10, &shared)), Answer::Accepted);
+        assert_eq!(
+            answer(&mut agg, "b", update("b", 1, 30, &shared)),
+            Answer::Accepted
+        );
+        assert_eq!(
+            answer(&mut agg, "a", update("a", 1, 10, &shared)),
+            Answer::Accepted
+        );
         assert_eq!(agg.model_version(), 1);
         // The global model's BN is never touched under local BN.
         assert_eq!(&agg.model()[1..], &initial().tensors[1..]);
@@ -211,7 +228,10 @@ fn shared_bn_reaches_only_the_package_affine_averaged_and_variances_pooled() {
         match sharing {
             BnSharing::None => {
                 assert!(sites.is_empty());
-                assert_eq!([w, b, m, v], [&[1.0f32, 1.0][..], &[0.0, 0.0], &[0.0, 0.0], &[1.0, 1.0]]);
+                assert_eq!(
+                    [w, b, m, v],
+                    [&[1.0f32, 1.0][..], &[0.0, 0.0], &[0.0, 0.0], &[1.0, 1.0]]
+                );
             }
             _ => {
                 assert_eq!(sites, vec!["a", "b"]);
@@ -256,7 +276,11 @@ fn entry(version: u64, sealing: Sealing, data: &[u8]) -> Vec<u8> {
 fn the_registry_stores_sealed_entries_durably_and_refuses_what_it_must() {
     let dir = tempfile::tempdir().unwrap();
     let site = Id::new("new-site").unwrap();
-    let sealed = entry(0, Sealing::ChaCha20Poly1305 { nonce: [3; 12] }, b"ciphertext");
+    let sealed = entry(
+        0,
+        Sealing::ChaCha20Poly1305 { nonce: [3; 12] },
+        b"ciphertext",
+    );
     {
         let mut agg = open(dir.path(), BnSharing::None);
         agg.handle(Event::Start, 0).unwrap();
@@ -283,14 +307,17 @@ fn the_registry_stores_sealed_entries_durably_and_refuses_what_it_must() {
             o => panic!("{o:?}"),
         }
         assert_eq!(
-            agg.registry_put(&site, &entry(4, Sealing::Plain, b""), 5).unwrap(),
+            agg.registry_put(&site, &entry(4, Sealing::Plain, b""), 5)
+                .unwrap(),
             OnboardReply::Error(OnboardError::UnknownVersion {
                 requested: 4,
                 available: vec![0]
             })
         );
         match agg.registry_put(&site, b"\xff\xff", 5).unwrap() {
-            OnboardReply::Error(OnboardError::Refused(m)) => assert!(m.contains("malformed"), "{m}"),
+            OnboardReply::Error(OnboardError::Refused(m)) => {
+                assert!(m.contains("malformed"), "{m}")
+            }
             o => panic!("{o:?}"),
         }
     }
@@ -332,5 +359,9 @@ fn sharing_needs_local_bn() {
         ..FederationConfig::new("fed1", 3, 2)
     };
     let errs = cfg.validate().unwrap_err();
-    assert!(errs.iter().any(|e| e.contains("bn_sharing `affine` needs bn_policy local")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("bn_sharing `affine` needs bn_policy local")),
+        "{errs:?}"
+    );
 }

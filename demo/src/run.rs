@@ -212,6 +212,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
             threads: Some(threads),
             evaluate_each_model: true,
             join_bn: Default::default(),
+            site_key: None,
             broker: broker.clone(),
             data: DataConfig {
                 builtin: Some(domain.name().into()),

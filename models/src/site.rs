@@ -5,15 +5,15 @@
 use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
-use crate::state::{NamedTensor, Select, StateDict, delta, export, import};
+use crate::state::{Select, delta, export, import};
 use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_local};
 use crate::zoo::Net;
 use std::collections::HashMap;
-use unifed_protocol::{BnSharing, ModelSpec};
-use unifed_protocol::encoding::{Encoding, decode, encode};
+use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{BnPolicy, Extras, Scalar, ServerBroadcast, SiteUpdate};
+use unifed_protocol::{BnSharing, ModelSpec};
 
 /// Errors of a site's federated work.
 #[derive(Debug, thiserror::Error)]
@@ -21,12 +21,6 @@ pub enum SiteError {
     /// The site id is not valid.
     #[error("site id `{0}`: {1}")]
     Id(String, String),
-    /// A broadcast named a tensor the model does not have.
-    #[error("broadcast tensor `{0}` is not in the model spec")]
-    UnknownTensor(String),
-    /// A broadcast tensor could not be decoded.
-    #[error("broadcast tensor: {0}")]
-    Tensor(String),
     /// Moving tensors in or out of the model failed.
     #[error(transparent)]
     State(#[from] StateError),
@@ -77,25 +71,7 @@ impl<N: Net> Site<N> {
         b: &ServerBroadcast,
         bn: BnPolicy,
     ) -> Result<(), SiteError> {
-        let tensors = b
-            .weights
-            .iter()
-            .map(|t| {
-                let s = spec
-                    .tensor(&t.name)
-                    .ok_or_else(|| SiteError::UnknownTensor(t.name.clone()))?;
-                Ok(NamedTensor {
-                    name: t.name.clone(),
-                    shape: s.shape.clone(),
-                    kind: s.kind,
-                    data: decode(t).map_err(|e| SiteError::Tensor(e.to_string()))?,
-                })
-            })
-            .collect::<Result<Vec<_>, SiteError>>()?;
-        let sd = StateDict {
-            spec_hash: spec.hash(),
-            tensors,
-        };
+        let sd = crate::state::from_encoded(spec, &b.weights)?;
         self.net = import(&self.net, spec, &sd, select_for(bn))?;
         Ok(())
     }

@@ -312,6 +312,34 @@ pub fn import<N: Net>(
     Ok(copy.clone().map(&mut w))
 }
 
+/// The tensors of a message (a broadcast, an onboarding package, a registry entry) decoded into
+/// a state dict of `spec`, in the message's order. A name outside the spec or undecodable
+/// values are errors naming the tensor.
+pub fn from_encoded(
+    spec: &ModelSpec,
+    tensors: &[unifed_protocol::EncodedTensor],
+) -> Result<StateDict, StateError> {
+    let tensors = tensors
+        .iter()
+        .map(|t| {
+            let s = spec
+                .tensor(&t.name)
+                .ok_or_else(|| StateError::Unexpected(t.name.clone()))?;
+            Ok(NamedTensor {
+                name: t.name.clone(),
+                shape: s.shape.clone(),
+                kind: s.kind,
+                data: unifed_protocol::decode(t)
+                    .map_err(|e| StateError::Mismatch(format!("tensor `{}`: {e}", t.name)))?,
+            })
+        })
+        .collect::<Result<Vec<_>, StateError>>()?;
+    Ok(StateDict {
+        spec_hash: spec.hash(),
+        tensors,
+    })
+}
+
 /// Applies new non-BN weights (e.g. the federation's average) to a copy of `net`, leaving every
 /// BN tensor (affine and statistics) bit-identical.
 pub fn apply_non_bn<N: Net>(

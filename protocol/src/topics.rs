@@ -88,8 +88,8 @@ impl Topics {
             "chunks/request/",
             "onboard/request/",
         ]
-            .iter()
-            .find_map(|kind| rest.strip_prefix(kind))?;
+        .iter()
+        .find_map(|kind| rest.strip_prefix(kind))?;
         Id::new(site).ok().map(|_| site)
     }
 }

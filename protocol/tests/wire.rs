@@ -152,7 +152,10 @@ fn every_other_payload_round_trips_through_an_envelope() {
         data: vec![1, 2, 3],
     };
     let bytes = postcard::to_allocvec(&entry).unwrap();
-    assert_eq!(postcard::from_bytes::<RegistryEntry>(&bytes).unwrap(), entry);
+    assert_eq!(
+        postcard::from_bytes::<RegistryEntry>(&bytes).unwrap(),
+        entry
+    );
     for chunk in split(&bytes, 4) {
         through_envelope(MessageKind::RegistryPut, &chunk);
         through_envelope(MessageKind::RegistryEntry, &chunk);
@@ -226,7 +229,12 @@ fn bn_sharing_policies_parse_and_select_their_tensors() {
     for p in [BnSharing::None, BnSharing::Affine, BnSharing::AffineStats] {
         assert_eq!(p.name().parse::<BnSharing>(), Ok(p));
     }
-    assert!("stats".parse::<BnSharing>().unwrap_err().contains("affine+stats"));
+    assert!(
+        "stats"
+            .parse::<BnSharing>()
+            .unwrap_err()
+            .contains("affine+stats")
+    );
     let kinds = [
         TensorKind::NonBn,
         TensorKind::BnWeight,
@@ -236,10 +244,7 @@ fn bn_sharing_policies_parse_and_select_their_tensors() {
     ];
     let shared = |p: BnSharing| kinds.map(|k| p.shares(k));
     assert_eq!(shared(BnSharing::None), [false; 5]);
-    assert_eq!(
-        shared(BnSharing::Affine),
-        [false, true, true, false, false]
-    );
+    assert_eq!(shared(BnSharing::Affine), [false, true, true, false, false]);
     assert_eq!(
         shared(BnSharing::AffineStats),
         [false, true, true, true, true]

@@ -56,6 +56,10 @@ pub struct Fed {
     pub deadline_secs: u64,
     /// `Local` or `Global`.
     pub bn_policy: String,
+    /// BN sharing policy: `none`, `affine` or `affine+stats`.
+    pub bn_sharing: String,
+    /// Seconds the aggregator keeps serving after the last round.
+    pub linger_secs: u64,
     /// Model chunk size.
     pub chunk_bytes: usize,
     /// Training images per site.
@@ -82,6 +86,8 @@ impl Fed {
             min_sites: 3,
             deadline_secs: 300,
             bn_policy: "Local".into(),
+            bn_sharing: "none".into(),
+            linger_secs: 3,
             chunk_bytes: 8192,
             train_samples: 48,
             resend_secs: 30,
@@ -146,15 +152,17 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = 3\n{}\n[federation]\nfederation = \"e2e\"\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
+                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
                 self.agg_dir().display(),
                 self.model().display(),
                 self.chunk_bytes,
+                self.linger_secs,
                 self.broker_toml(),
                 self.rounds,
                 self.min_sites,
                 self.deadline_secs,
                 self.bn_policy,
+                self.bn_sharing,
             ),
         )
         .expect("aggregator config");
@@ -171,21 +179,24 @@ impl Fed {
         self.dir.join(site)
     }
 
-    /// Writes `site`'s config (data: the built-in domain of that name) and starts
-    /// `unifed-agent train` (log: `<site>.log`, appended across restarts).
-    pub fn agent(&self, site: &str) -> Guard {
-        let cfg = self.dir.join(format!("{site}.toml"));
+    /// Writes the config of one device of `site` (data: the built-in domain of that name):
+    /// `<device>.toml`, with state folder `<device>/` and the site key file `key` if given.
+    pub fn device_config(&self, site: &str, device: &str, key: Option<&Path>) -> PathBuf {
+        let cfg = self.dir.join(format!("{device}.toml"));
         let list = |v: &[usize]| {
             v.iter()
                 .map(|x| x.to_string())
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let key = key.map_or(String::new(), |k| {
+            format!("site_key = \"{}\"\n", k.display())
+        });
         std::fs::write(
             &cfg,
             format!(
-                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{site}\"\ntrain_samples = {}\n",
-                self.site_dir(site).display(),
+                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{site}\"\ntrain_samples = {}\n",
+                self.site_dir(device).display(),
                 self.resend_secs,
                 list(&self.conv),
                 list(&self.fc),
@@ -194,6 +205,13 @@ impl Fed {
             ),
         )
         .expect("agent config");
+        cfg
+    }
+
+    /// Writes `site`'s config and starts `unifed-agent train` (log: `<site>.log`, appended
+    /// across restarts).
+    pub fn agent(&self, site: &str) -> Guard {
+        let cfg = self.device_config(site, site, None);
         spawn(
             Command::new(binary("unifed-agent"))
                 .args(["train", "--config"])

@@ -10,8 +10,10 @@ use unifed_aggregator::store::{AuditEntry, Store};
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, Guard, Proxy, serial};
 use unifed_models::checkpoint;
+use unifed_protocol::chunking::Reassembler;
+use unifed_protocol::encoding::decode;
 use unifed_protocol::envelope::{Envelope, MessageKind};
-use unifed_protocol::messages::{Chunk, RoundManifest};
+use unifed_protocol::messages::{Chunk, RoundManifest, ServerBroadcast, SiteUpdate};
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
 const PACKET: usize = 32 << 10;
@@ -233,6 +235,8 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
     // three (unless the joiner misses the deadline).
     fed.deadline_secs = 8;
     fed.rounds = 4;
+    // The sites share their BN weight and bias: the joiner's BN starts from their average.
+    fed.bn_sharing = "affine".into();
     let mut agg = fed.aggregator();
     let mut grey = fed.agent("grey");
     let mut texture = fed.agent("texture");
@@ -252,8 +256,13 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
     wait_ok(&mut agg, "aggregator", &fed);
     let global = final_model(&fed);
     agents_hold(&fed, &["grey", "texture", "lowres"], &global);
-    // Joining at a later model version, it calibrated its BN on its own images first.
+    // Joining at a later model version, it took its BN from the onboarding package (the two
+    // sites' averaged affine) and calibrated the statistics on its own images.
     let log = std::fs::read_to_string(fed.dir.join("lowres.log")).unwrap();
+    assert!(
+        log.contains("BN from the onboarding package of model v2 (affine of grey, texture)"),
+        "{log}"
+    );
     assert!(log.contains("calibrated BN on 743 own images"), "{log}");
     // It took part from a round after it joined.
     let rounds: Vec<u64> = audit(&fed)
@@ -294,4 +303,57 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
         "chunks of the final model"
     );
     assert!(manifest.chunk_count > 1);
+    // The package it was sent carries the sample-weighted mean of the BN weight and bias the
+    // two sites sent with their round-2 updates.
+    let mut sets = Reassembler::new(u64::MAX, 1 << 30);
+    let package: ServerBroadcast = chunks
+        .iter()
+        .filter_map(|c| sets.insert(c.clone(), 0).unwrap())
+        .map(|b| postcard::from_bytes::<ServerBroadcast>(&b).unwrap())
+        .find(|b| b.weights.iter().any(|t| t.name.ends_with("running_mean")))
+        .expect("the onboarding package reached the joiner");
+    assert_eq!(package.model_version, 2);
+    let mut uploads = Reassembler::new(u64::MAX, 1 << 30);
+    // (site, update) of round 2, in site-id order as the aggregator folds them.
+    let mut round2: Vec<(String, SiteUpdate)> = packets
+        .iter()
+        .filter(|p| p.to_broker && p.topic.starts_with("unifed/v1/e2e/update/"))
+        .filter_map(|p| {
+            let e = Envelope::decode(&p.payload).unwrap();
+            match e.kind {
+                MessageKind::UpdateChunk => uploads
+                    .insert(e.payload_as().unwrap(), 0)
+                    .unwrap()
+                    .map(|b| Envelope::decode(&b).unwrap()),
+                _ => Some(e),
+            }
+        })
+        .map(|e| (e.sender.to_string(), e.payload_as::<SiteUpdate>().unwrap()))
+        .filter(|(_, u)| u.round == 2)
+        .collect();
+    round2.sort_by(|a, b| a.0.cmp(&b.0));
+    round2.dedup_by(|a, b| a.0 == b.0);
+    assert_eq!(round2.len(), 2, "grey and texture in round 2");
+    let total: f64 = round2.iter().map(|(_, u)| u.samples as f64).sum();
+    let shared: Vec<&str> = round2[0].1.bn.iter().map(|b| b.name.as_str()).collect();
+    assert!(
+        shared
+            .iter()
+            .all(|n| n.ends_with(".weight") || n.ends_with(".bias"))
+    );
+    for t in package
+        .weights
+        .iter()
+        .filter(|t| shared.contains(&t.name.as_str()))
+    {
+        let mut acc = vec![0f64; decode(t).unwrap().len()];
+        for (_, u) in &round2 {
+            let b = u.bn.iter().find(|b| b.name == t.name).unwrap();
+            for (a, x) in acc.iter_mut().zip(decode(b).unwrap()) {
+                *a += u.samples as f64 * x as f64;
+            }
+        }
+        let want: Vec<f32> = acc.iter().map(|a| (a / total) as f32).collect();
+        assert_eq!(decode(t).unwrap(), want, "package `{}`", t.name);
+    }
 }
