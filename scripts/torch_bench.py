@@ -49,6 +49,7 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5, help="training warmup steps")
     p.add_argument("--steps", type=int, default=50, help="timed training steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (timings synchronise with the GPU)")
     return p.parse_args()
 
 
@@ -67,8 +68,8 @@ from make_torch_fixtures import DigitModel  # noqa: E402
 
 
 def bench_train(model, batch, warmup, steps, gen):
-    x = torch.randn(batch, 3, 28, 28, generator=gen)
-    y = torch.randint(0, 10, (batch,), generator=gen)
+    x = torch.randn(batch, 3, 28, 28, generator=gen).to(args.device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(args.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.0)
     model.train()
 
@@ -92,15 +93,15 @@ def bench_train(model, batch, warmup, steps, gen):
 
 
 def bench_infer(model, batch, warmup, iters, gen):
-    x = torch.randn(batch, 3, 28, 28, generator=gen)
+    x = torch.randn(batch, 3, 28, 28, generator=gen).to(args.device)
     model.eval()
     sink = None
     with torch.inference_mode():
         for _ in range(warmup):
-            sink = model(x).numpy().copy()
+            sink = model(x).cpu().numpy().copy()
         t0 = time.perf_counter()
         for _ in range(iters):
-            sink = model(x).numpy().copy()
+            sink = model(x).cpu().numpy().copy()
         dt = time.perf_counter() - t0
     assert sink.shape == (batch, 10)
     return iters * batch / dt, dt
@@ -110,9 +111,9 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    model = DigitModel()
+    model = DigitModel().to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, "
+    print(f"torch {torch.__version__} on {args.device}, threads={torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, params={n_params}", file=sys.stderr)
 
     train_sps, train_s, last_loss = bench_train(model, args.batch, args.warmup, args.steps, gen)
@@ -125,6 +126,7 @@ def main():
 
     result = {
         "framework": "pytorch",
+        "backend": args.device,
         "torch_version": torch.__version__,
         "threads": args.threads,
         "batch": args.batch,

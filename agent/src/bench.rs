@@ -13,9 +13,18 @@ use unifed_models::zoo::{DigitsCnnConfig, Net, seeded};
 /// Options of the benchmark.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Timed training steps (after 5 warm-up steps).
+    /// Timed training steps.
     #[arg(long, default_value_t = 50)]
     steps: usize,
+    /// Untimed warm-up training steps first (GPU backends compile and autotune kernels then).
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Backends to measure (default: every compiled one), e.g. `flex,vulkan`.
+    #[arg(long, value_delimiter = ',')]
+    backends: Vec<String>,
+    /// Device of the PyTorch reference: `cpu` (same threads) or `cuda`.
+    #[arg(long, default_value = "cpu")]
+    torch_device: String,
     /// Result file (JSON).
     #[arg(long, default_value = "results/bench.json")]
     out: PathBuf,
@@ -69,7 +78,7 @@ fn input(
     )
 }
 
-fn bench_backend(backend: Backend, steps: usize) -> Result<Value> {
+fn bench_backend(backend: Backend, warmup: usize, steps: usize) -> Result<Value> {
     use burn::module::Module;
     use burn::nn::loss::CrossEntropyLossConfig;
     use burn::optim::{GradientsParams, SgdConfig};
@@ -86,7 +95,7 @@ fn bench_backend(backend: Backend, steps: usize) -> Result<Value> {
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         optim.step(0.01, model, grads)
     };
-    for _ in 0..5 {
+    for _ in 0..warmup {
         model = step(model);
     }
     let t0 = Instant::now();
@@ -110,8 +119,8 @@ fn bench_backend(backend: Backend, steps: usize) -> Result<Value> {
         }
         (n * iters) as f64 / t0.elapsed().as_secs_f64()
     };
-    let b32 = infer(32, 5, 50);
-    let b256 = infer(256, 2, 10);
+    let b32 = infer(32, warmup.max(5), 50);
+    let b256 = infer(256, warmup.max(2), 10);
     Ok(json!({
         "framework": "burn 0.22.1",
         "backend": backend.to_string(),
@@ -147,10 +156,19 @@ fn find_python(explicit: &Option<PathBuf>) -> Option<PathBuf> {
 
 pub fn run(args: &Args) -> Result<()> {
     let mut rows = Vec::new();
-    for backend in Backend::compiled() {
+    let backends: Vec<Backend> = if args.backends.is_empty() {
+        Backend::compiled()
+    } else {
+        args.backends
+            .iter()
+            .map(|b| b.parse().map_err(anyhow::Error::msg))
+            .collect::<Result<_>>()?
+    };
+    for backend in backends {
         println!("benchmarking burn on {backend} ...");
         rows.push(
-            bench_backend(backend, args.steps).with_context(|| format!("backend {backend}"))?,
+            bench_backend(backend, args.warmup, args.steps)
+                .with_context(|| format!("backend {backend}"))?,
         );
     }
     let torch = if args.no_torch {
@@ -165,6 +183,10 @@ pub fn run(args: &Args) -> Result<()> {
                 &cpu_threads().to_string(),
                 "--steps",
                 &args.steps.to_string(),
+                "--warmup",
+                &args.warmup.to_string(),
+                "--device",
+                &args.torch_device,
             ])
             .env("OMP_WAIT_POLICY", "PASSIVE")
             .output()
@@ -227,11 +249,24 @@ pub fn run(args: &Args) -> Result<()> {
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
         })
         .unwrap_or_default();
+    // The GPU, where there is one (best effort: nvidia-smi).
+    let gpu = Command::new("nvidia-smi")
+        .args(["--query-gpu=name,driver_version", "--format=csv,noheader"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
     std::fs::write(
         &args.out,
-        serde_json::to_string_pretty(
-            &json!({ "cpu": host, "steps": args.steps, "burn": rows, "pytorch": torch, "ratio_burn_over_pytorch": ratios }),
-        )?,
+        serde_json::to_string_pretty(&json!({
+            "cpu": host,
+            "gpu": gpu,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "burn": rows,
+            "pytorch": torch,
+            "ratio_burn_over_pytorch": ratios,
+        }))?,
     )?;
     println!("wrote {}", args.out.display());
     Ok(())

@@ -26,7 +26,7 @@ use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes};
 use unifed_models::state::{Select, StateDict, import};
 use unifed_models::train::{evaluate, evaluate_stream};
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig};
-use unifed_protocol::{ModelSpec, TensorKind};
+use unifed_protocol::{ModelSpec, TensorSpec};
 
 /// One never-seen domain's accuracies (fractions), by baseline.
 #[derive(Debug, Clone, Serialize)]
@@ -85,51 +85,34 @@ fn with(base: &StateDict, from: &StateDict, keep: Select) -> StateDict {
     s
 }
 
-/// The sites' BN tensors combined as policy `affine+stats` would (equal weights: every demo
-/// site trains on the same number of images).
+/// The sites' BN tensors combined as the aggregator does under policy `affine+stats`
+/// (`unifed_aggregator::bnshare::pool`), with equal weights: every demo site trains on the same
+/// number of images.
 fn average_bn(sites: &[StateDict]) -> StateDict {
-    let n = sites.len() as f64;
     let mut out = sites[0].clone();
-    for (k, t) in out.tensors.iter_mut().enumerate() {
-        // Weights, biases and running means: plain means.
-        if !t.kind.is_bn() || t.kind == TensorKind::BnRunningVar {
-            continue;
-        }
-        for (i, x) in t.data.iter_mut().enumerate() {
-            *x = (sites
-                .iter()
-                .map(|s| s.tensors[k].data[i] as f64)
-                .sum::<f64>()
-                / n) as f32;
-        }
-    }
-    // Pooled variances: the mixture's variance, from each site's mean and variance.
-    for k in 0..out.tensors.len() {
-        if out.tensors[k].kind != TensorKind::BnRunningVar {
-            continue;
-        }
-        let prefix = out.tensors[k]
-            .name
-            .trim_end_matches("running_var")
-            .to_string();
-        let m = out
-            .tensors
-            .iter()
-            .position(|t| t.name == format!("{prefix}running_mean"))
-            .expect("a running mean beside every running var");
-        let len = out.tensors[k].data.len();
-        for i in 0..len {
-            let mean = out.tensors[m].data[i] as f64;
-            let v = sites
-                .iter()
-                .map(|s| {
-                    let d = s.tensors[m].data[i] as f64 - mean;
-                    s.tensors[k].data[i] as f64 + d * d
-                })
-                .sum::<f64>()
-                / n;
-            out.tensors[k].data[i] = v as f32;
-        }
+    let idx: Vec<usize> = (0..out.tensors.len())
+        .filter(|&k| out.tensors[k].kind.is_bn())
+        .collect();
+    let specs: Vec<TensorSpec> = idx
+        .iter()
+        .map(|&k| TensorSpec {
+            name: out.tensors[k].name.clone(),
+            shape: out.tensors[k].shape.clone(),
+            kind: out.tensors[k].kind,
+        })
+        .collect();
+    let per_site: Vec<(f64, Vec<Vec<f32>>)> = sites
+        .iter()
+        .map(|s| {
+            (
+                1.0,
+                idx.iter().map(|&k| s.tensors[k].data.clone()).collect(),
+            )
+        })
+        .collect();
+    let pooled = unifed_aggregator::bnshare::pool(&specs.iter().collect::<Vec<_>>(), &per_site);
+    for (&k, t) in idx.iter().zip(pooled) {
+        out.tensors[k].data = t;
     }
     out
 }
@@ -384,6 +367,7 @@ pub fn render(rows: &[DomainRow]) -> String {
 mod tests {
     use super::*;
     use unifed_models::state::NamedTensor;
+    use unifed_protocol::TensorKind;
 
     fn site(w: f32, mean: f32, var: f32) -> StateDict {
         let t = |name: &str, kind, v: f32| NamedTensor {

@@ -1,6 +1,6 @@
 //! Onboarding a shifted domain by BN re-estimation: a model trained on grey digits, deployed on
-//! shifted images with its stored statistics, against `calibrate` on a separate unlabelled
-//! split and `stream` on the test images themselves.
+//! shifted images with its stored statistics (baseline b) or never-trained BN layers (baseline
+//! a), against `calibrate` on a separate unlabelled split and `stream` on the test images.
 //!
 //! Which shifts BN can undo: a per-channel affine intensity change (contrast and brightness)
 //! becomes an affine change of every first-layer channel, which re-estimated statistics remove
@@ -13,7 +13,7 @@ mod common;
 use common::device;
 use unifed_models::bn::{CalibrateConfig, StreamConfig, calibrate};
 use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes};
-use unifed_models::state::{Select, export};
+use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, evaluate, evaluate_stream, train_local};
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, seeded, spec_of};
 
@@ -54,6 +54,7 @@ fn calibrate_and_stream_recover_shifted_domains_and_touch_only_bn_statistics() {
     let mc = ModelConfig::fedbn_digits();
     let net = seeded(&device, 0, |d| cfg.init(d));
     let spec = spec_of(&net, &mc.classes, &mc.input);
+    let untrained_bn = export(&net, &spec, Select::Bn);
     let grey = data
         .domain(Domain::Grey, &SplitSizes::default(), 0)
         .unwrap();
@@ -85,6 +86,16 @@ fn calibrate_and_stream_recover_shifted_domains_and_touch_only_bn_statistics() {
     eprintln!(
         "dim grey: stored {:.4} calibrate {:.4} stream {:.4} (grey {on_grey:.4})",
         s.stored, s.calibrated, s.streamed
+    );
+    // Baseline (a): the trained weights with never-trained BN layers, as a site gets them under
+    // BN sharing `none`. Baseline (b), the averaged BN of the training sites, is the model's own
+    // (one training site): `stored`.
+    let a = import(&net, &spec, &untrained_bn, Select::Bn).unwrap();
+    let s_a = evaluate(&a, &test, 10, 256, &device).unwrap().accuracy();
+    eprintln!("dim grey: (a) never-trained BN {s_a:.4}");
+    assert!(
+        s.calibrated > s_a + 0.2 && s.streamed > s_a + 0.2,
+        "calibrate and stream beat baseline (a) {s_a}"
     );
     assert!(s.stored < 0.3, "the shift breaks the stored statistics");
     assert!(
