@@ -111,6 +111,41 @@ struct Package {
     chunks: Vec<Chunk>,
 }
 
+/// What every message the aggregator publishes shares: client, topics, ids, spec hash.
+struct Wire {
+    client: unifed_net::Client,
+    topics: Topics,
+    fed: Id,
+    me: Id,
+    hash: SpecHash,
+}
+
+impl Wire {
+    /// Publishes `payload` as a `kind` envelope on `topic` (QoS 1).
+    async fn send(
+        &self,
+        topic: String,
+        kind: MessageKind,
+        (round, version): (u64, u64),
+        payload: &impl Serialize,
+        retain: bool,
+    ) -> Result<()> {
+        let env = Envelope::new(
+            kind,
+            self.fed.clone(),
+            self.me.clone(),
+            round,
+            version,
+            self.hash,
+            payload,
+        );
+        self.client
+            .publish(topic, Qos::AtLeastOnce, retain, env.encode())
+            .await?;
+        Ok(())
+    }
+}
+
 /// Reads the service config at `path`, validates it, and serves on a runtime of its own until
 /// the federation has finished and lingered, or Ctrl-C; returns the final model version.
 pub fn serve_from_file(path: &Path) -> Result<u64> {
@@ -161,6 +196,13 @@ pub async fn serve(
             topics.onboard_requests_filter(),
         ],
     );
+    let wire = Wire {
+        client,
+        topics: topics.clone(),
+        fed: fed.clone(),
+        me,
+        hash,
+    };
     let mut served: Option<Served> = None;
     let mut package: Option<Package> = None;
     // Registry entries arrive in chunks too (small: one model's BN layers).
@@ -182,32 +224,24 @@ pub async fn serve(
                     round,
                     answer,
                 } => {
-                    let env = Envelope::new(
+                    wire.send(
+                        topics.ack(&site),
                         MessageKind::UpdateAnswer,
-                        fed.clone(),
-                        me.clone(),
-                        round,
-                        core.model_version(),
-                        hash,
+                        (round, core.model_version()),
                         &UpdateAnswer { round, answer },
-                    );
-                    client
-                        .publish(topics.ack(&site), Qos::AtLeastOnce, false, env.encode())
-                        .await?;
+                        false,
+                    )
+                    .await?;
                 }
                 Action::Publish { manifest, chunks } => {
-                    let env = Envelope::new(
+                    wire.send(
+                        topics.manifest(),
                         MessageKind::RoundManifest,
-                        fed.clone(),
-                        me.clone(),
-                        manifest.round,
-                        manifest.model_version,
-                        hash,
+                        (manifest.round, manifest.model_version),
                         &manifest,
-                    );
-                    client
-                        .publish(topics.manifest(), Qos::AtLeastOnce, true, env.encode())
-                        .await?;
+                        true,
+                    )
+                    .await?;
                     tracing::info!(
                         round = manifest.round,
                         version = manifest.model_version,
@@ -248,8 +282,7 @@ pub async fn serve(
                     // queued at start.)
                     let again = std::mem::replace(&mut connected_before, true);
                     if let (true, Some(s)) = (again, &served) {
-                        let env = Envelope::new(MessageKind::RoundManifest, fed.clone(), me.clone(), s.manifest.round, s.manifest.model_version, hash, &s.manifest);
-                        client.publish(topics.manifest(), Qos::AtLeastOnce, true, env.encode()).await?;
+                        wire.send(topics.manifest(), MessageKind::RoundManifest, (s.manifest.round, s.manifest.model_version), &s.manifest, true).await?;
                     }
                 }
                 Some(NetEvent::Disconnected(_)) => {}
@@ -267,8 +300,7 @@ pub async fn serve(
                                     Ok((r, done)) => {
                                         // Receipt first: the site's upload window moves on.
                                         if let Ok(id) = Id::new(&site) {
-                                            let env = Envelope::new(MessageKind::UpdateReceipt, fed.clone(), me.clone(), r.round, core.model_version(), hash, &r);
-                                            client.publish(topics.ack(&id), Qos::AtLeastOnce, false, env.encode()).await?;
+                                            wire.send(topics.ack(&id), MessageKind::UpdateReceipt, (r.round, core.model_version()), &r, false).await?;
                                         }
                                         done
                                     }
@@ -285,52 +317,9 @@ pub async fn serve(
                             pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;
                         }
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
-                        serve_chunks(&client, &topics, &fed, &me, hash, site, &payload, served.as_ref(), &core, &mut package).await?;
+                        serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package).await?;
                     } else if let Some(site) = topic.strip_prefix(&onboard_prefix) {
-                        let Ok(site) = Id::new(site) else { continue };
-                        let Ok(env) = Envelope::decode_limited(&payload, cfg.broker.max_packet_bytes + 4096) else {
-                            tracing::warn!(site = %site, "undecodable onboarding message ignored");
-                            continue;
-                        };
-                        let reply = |r: &OnboardReply| Envelope::new(MessageKind::OnboardReply, fed.clone(), me.clone(), 0, core.model_version(), hash, r).encode();
-                        match env.kind {
-                            MessageKind::OnboardRequest => match env.payload_as::<OnboardRequest>() {
-                                Ok(OnboardRequest::Package { model_version }) => {
-                                    let r = match tokio::task::block_in_place(|| cached_package(&core, &mut package, model_version))? {
-                                        Ok(info) => OnboardReply::Package(info),
-                                        Err(e) => OnboardReply::Error(e),
-                                    };
-                                    client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, reply(&r)).await?;
-                                }
-                                Ok(OnboardRequest::RegistryGet { model_version }) => {
-                                    match core.registry_get(&site, model_version)? {
-                                        Ok(bytes) => {
-                                            for c in unifed_protocol::chunking::split(&bytes, cfg.chunk_bytes) {
-                                                let env = Envelope::new(MessageKind::RegistryEntry, fed.clone(), me.clone(), 0, core.model_version(), hash, &c);
-                                                client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, env.encode()).await?;
-                                            }
-                                        }
-                                        Err(e) => client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, reply(&OnboardReply::Error(e))).await?,
-                                    }
-                                }
-                                Err(e) => tracing::warn!(site = %site, error = %e, "bad onboarding request ignored"),
-                            },
-                            MessageKind::RegistryPut => {
-                                let done = env.payload_as::<Chunk>().map_err(|e| e.to_string())
-                                    .and_then(|c| entries.insert(c, now_ms()).map_err(|e| e.to_string()));
-                                entries.expire(now_ms());
-                                match done {
-                                    Ok(Some(bytes)) => {
-                                        let r = core.registry_put(&site, &bytes, now_ms())?;
-                                        tracing::info!(site = %site, reply = ?r, "registry entry");
-                                        client.publish(topics.onboard_reply(&site), Qos::AtLeastOnce, false, reply(&r)).await?;
-                                    }
-                                    Ok(None) => {}
-                                    Err(e) => tracing::warn!(site = %site, error = %e, "registry chunk dropped"),
-                                }
-                            }
-                            k => tracing::warn!(site = %site, kind = ?k, "unexpected message on an onboarding topic ignored"),
-                        }
+                        onboard(&wire, &cfg, &core, &mut package, &mut entries, site, &payload).await?;
                     }
                 }
             }
@@ -338,13 +327,9 @@ pub async fn serve(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Serves the chunks a site asked for: of the round model, or of an onboarding package.
 async fn serve_chunks(
-    client: &unifed_net::Client,
-    topics: &Topics,
-    fed: &Id,
-    me: &Id,
-    hash: SpecHash,
+    wire: &Wire,
     site: &str,
     payload: &[u8],
     served: Option<&Served>,
@@ -384,23 +369,88 @@ async fn serve_chunks(
     };
     for i in indices {
         if let Some(c) = chunks.get(i as usize) {
-            let env = Envelope::new(
+            wire.send(
+                wire.topics.chunk_reply(&site),
                 MessageKind::ModelChunk,
-                fed.clone(),
-                me.clone(),
-                round,
-                req.model_version,
-                hash,
+                (round, req.model_version),
                 c,
-            );
-            client
-                .publish(
-                    topics.chunk_reply(&site),
-                    Qos::AtLeastOnce,
-                    false,
-                    env.encode(),
-                )
-                .await?;
+                false,
+            )
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Handles a message on a site's onboarding topic: a package description or registry entry
+/// asked for, or a chunk of a registry entry to store. Bad input is logged and answered where
+/// it can be, never fatal.
+async fn onboard(
+    wire: &Wire,
+    cfg: &ServiceConfig,
+    core: &Aggregator,
+    package: &mut Option<Package>,
+    entries: &mut unifed_protocol::chunking::Reassembler,
+    site: &str,
+    payload: &[u8],
+) -> Result<()> {
+    let Ok(site) = Id::new(site) else {
+        return Ok(());
+    };
+    let Ok(env) = Envelope::decode_limited(payload, cfg.broker.max_packet_bytes + 4096) else {
+        tracing::warn!(site = %site, "undecodable onboarding message ignored");
+        return Ok(());
+    };
+    let at = (0, core.model_version());
+    let reply = wire.topics.onboard_reply(&site);
+    match env.kind {
+        MessageKind::OnboardRequest => match env.payload_as::<OnboardRequest>() {
+            Ok(OnboardRequest::Package { model_version }) => {
+                let r = match tokio::task::block_in_place(|| {
+                    cached_package(core, package, model_version)
+                })? {
+                    Ok(info) => OnboardReply::Package(info),
+                    Err(e) => OnboardReply::Error(e),
+                };
+                wire.send(reply, MessageKind::OnboardReply, at, &r, false)
+                    .await?;
+            }
+            Ok(OnboardRequest::RegistryGet { model_version }) => {
+                match core.registry_get(&site, model_version)? {
+                    Ok(bytes) => {
+                        for c in unifed_protocol::chunking::split(&bytes, cfg.chunk_bytes) {
+                            wire.send(reply.clone(), MessageKind::RegistryEntry, at, &c, false)
+                                .await?;
+                        }
+                    }
+                    Err(e) => {
+                        let r = OnboardReply::Error(e);
+                        wire.send(reply, MessageKind::OnboardReply, at, &r, false)
+                            .await?;
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(site = %site, error = %e, "bad onboarding request ignored"),
+        },
+        MessageKind::RegistryPut => {
+            let done = env
+                .payload_as::<Chunk>()
+                .map_err(|e| e.to_string())
+                .and_then(|c| entries.insert(c, now_ms()).map_err(|e| e.to_string()));
+            entries.expire(now_ms());
+            match done {
+                Ok(Some(bytes)) => {
+                    let r = core.registry_put(&site, &bytes, now_ms())?;
+                    tracing::info!(site = %site, reply = ?r, "registry entry");
+                    wire.send(reply, MessageKind::OnboardReply, at, &r, false)
+                        .await?;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(site = %site, error = %e, "registry chunk dropped"),
+            }
+        }
+        k => {
+            tracing::warn!(site = %site, kind = ?k, "unexpected message on an onboarding topic ignored")
         }
     }
     Ok(())
