@@ -187,10 +187,7 @@ impl Store {
         tensors: &[Vec<f32>],
     ) -> Result<(), StoreError> {
         let mut b = Vec::with_capacity(64 + tensors.iter().map(|t| 8 + 4 * t.len()).sum::<usize>());
-        b.extend_from_slice(MODEL_MAGIC);
-        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        b.extend_from_slice(spec_hash);
-        b.extend_from_slice(&version.to_le_bytes());
+        put_header(&mut b, MODEL_MAGIC, Some(spec_hash), version);
         put_tensors(&mut b, tensors);
         write_atomic(&self.model_path(version), &b)
     }
@@ -208,13 +205,7 @@ impl Store {
             at: 0,
             path: &p,
         };
-        r.magic(MODEL_MAGIC)?;
-        if r.take(32)? != spec_hash {
-            return Err(corrupt(&p, "spec hash differs from the federation's"));
-        }
-        if r.u64()? != version {
-            return Err(corrupt(&p, "version in the file differs from its name"));
-        }
+        r.header(MODEL_MAGIC, Some(spec_hash), version)?;
         let t = r.tensors()?;
         r.end()?;
         Ok(t)
@@ -239,20 +230,7 @@ impl Store {
 
     /// The model versions on disk, ascending.
     pub fn model_versions(&self) -> Result<Vec<u64>, StoreError> {
-        let d = self.dir.join("models");
-        let mut v: Vec<u64> = fs::read_dir(&d)
-            .map_err(|e| io(&d, e))?
-            .flatten()
-            .filter_map(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .strip_prefix('v')
-                    .and_then(|n| n.strip_suffix(".bin"))
-                    .and_then(|n| n.parse::<u64>().ok())
-            })
-            .collect();
-        v.sort_unstable();
-        Ok(v)
+        versions_in(&self.dir.join("models"), ".bin")
     }
 
     fn share_path(&self, version: u64) -> PathBuf {
@@ -269,10 +247,7 @@ impl Store {
         tensors: &[Vec<f32>],
     ) -> Result<(), StoreError> {
         let mut b = Vec::new();
-        b.extend_from_slice(SHARE_MAGIC);
-        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        b.extend_from_slice(spec_hash);
-        b.extend_from_slice(&version.to_le_bytes());
+        put_header(&mut b, SHARE_MAGIC, Some(spec_hash), version);
         b.extend_from_slice(&(sites.len() as u32).to_le_bytes());
         for s in sites {
             b.extend_from_slice(&(s.len() as u32).to_le_bytes());
@@ -291,23 +266,15 @@ impl Store {
         spec_hash: &[u8; 32],
     ) -> Result<Option<(Vec<String>, Vec<Vec<f32>>)>, StoreError> {
         let p = self.share_path(version);
-        let bytes = match fs::read(&p) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io(&p, e)),
+        let Some(bytes) = read_optional(&p)? else {
+            return Ok(None);
         };
         let mut r = Reader {
             b: &bytes,
             at: 0,
             path: &p,
         };
-        r.magic(SHARE_MAGIC)?;
-        if r.take(32)? != spec_hash {
-            return Err(corrupt(&p, "spec hash differs from the federation's"));
-        }
-        if r.u64()? != version {
-            return Err(corrupt(&p, "version in the file differs from its name"));
-        }
+        r.header(SHARE_MAGIC, Some(spec_hash), version)?;
         let n = r.u32()? as usize;
         let mut sites = Vec::with_capacity(n.min(4096));
         for _ in 0..n {
@@ -334,9 +301,7 @@ impl Store {
         let d = self.dir.join("registry").join(site);
         fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
         let mut b = Vec::with_capacity(entry.len() + 24);
-        b.extend_from_slice(ENTRY_MAGIC);
-        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        b.extend_from_slice(&version.to_le_bytes());
+        put_header(&mut b, ENTRY_MAGIC, None, version);
         b.extend_from_slice(&(entry.len() as u64).to_le_bytes());
         b.extend_from_slice(entry);
         write_atomic(&self.entry_path(site, version), &b)?;
@@ -348,20 +313,15 @@ impl Store {
     /// `site`'s registry entry for model `version`, if stored.
     pub fn registry_get(&self, site: &str, version: u64) -> Result<Option<Vec<u8>>, StoreError> {
         let p = self.entry_path(site, version);
-        let bytes = match fs::read(&p) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io(&p, e)),
+        let Some(bytes) = read_optional(&p)? else {
+            return Ok(None);
         };
         let mut r = Reader {
             b: &bytes,
             at: 0,
             path: &p,
         };
-        r.magic(ENTRY_MAGIC)?;
-        if r.u64()? != version {
-            return Err(corrupt(&p, "version in the file differs from its name"));
-        }
+        r.header(ENTRY_MAGIC, None, version)?;
         let len = r.u64()? as usize;
         let entry = r.take(len)?.to_vec();
         r.end()?;
@@ -370,23 +330,7 @@ impl Store {
 
     /// The model versions `site` has registry entries for, ascending.
     pub fn registry_versions(&self, site: &str) -> Result<Vec<u64>, StoreError> {
-        let d = self.dir.join("registry").join(site);
-        if !d.exists() {
-            return Ok(Vec::new());
-        }
-        let mut v: Vec<u64> = fs::read_dir(&d)
-            .map_err(|e| io(&d, e))?
-            .flatten()
-            .filter_map(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .strip_prefix('v')
-                    .and_then(|n| n.strip_suffix(".entry"))
-                    .and_then(|n| n.parse::<u64>().ok())
-            })
-            .collect();
-        v.sort_unstable();
-        Ok(v)
+        versions_in(&self.dir.join("registry").join(site), ".entry")
     }
 
     fn spool_dir(&self, round: u64) -> PathBuf {
@@ -496,6 +440,45 @@ impl Store {
     }
 }
 
+/// The contents of `p`, or `None` if there is no such file.
+fn read_optional(p: &Path) -> Result<Option<Vec<u8>>, StoreError> {
+    match fs::read(p) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(p, e)),
+    }
+}
+
+/// The versions N of the files `v{N}{suffix}` in `dir`, ascending (none if `dir` is absent).
+fn versions_in(dir: &Path, suffix: &str) -> Result<Vec<u64>, StoreError> {
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
+    let mut v: Vec<u64> = fs::read_dir(dir)
+        .map_err(|e| io(dir, e))?
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .strip_prefix('v')
+                .and_then(|n| n.strip_suffix(suffix))
+                .and_then(|n| n.parse::<u64>().ok())
+        })
+        .collect();
+    v.sort_unstable();
+    Ok(v)
+}
+
+/// Writes the header [`Reader::header`] checks.
+fn put_header(b: &mut Vec<u8>, magic: &[u8; 4], spec_hash: Option<&[u8; 32]>, version: u64) {
+    b.extend_from_slice(magic);
+    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    if let Some(h) = spec_hash {
+        b.extend_from_slice(h);
+    }
+    b.extend_from_slice(&version.to_le_bytes());
+}
+
 fn put_tensors(b: &mut Vec<u8>, tensors: &[Vec<f32>]) {
     b.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
     for t in tensors {
@@ -543,6 +526,32 @@ impl Reader<'_> {
             return Err(corrupt(
                 self.path,
                 format!("format version {v} is not {FORMAT_VERSION}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a file's header: magic and format version, spec hash (when the file has one) and
+    /// the version its name gives.
+    fn header(
+        &mut self,
+        magic: &[u8; 4],
+        spec_hash: Option<&[u8; 32]>,
+        version: u64,
+    ) -> Result<(), StoreError> {
+        self.magic(magic)?;
+        if let Some(h) = spec_hash
+            && self.take(32)? != h
+        {
+            return Err(corrupt(
+                self.path,
+                "spec hash differs from the federation's",
+            ));
+        }
+        if self.u64()? != version {
+            return Err(corrupt(
+                self.path,
+                "version in the file differs from its name",
             ));
         }
         Ok(())

@@ -220,6 +220,17 @@ impl Fed {
         )
     }
 
+    /// Waits up to `limit` for the process `what` to exit successfully; fails the test with
+    /// every log otherwise.
+    pub fn wait_ok(&self, g: &mut Guard, what: &str, limit: std::time::Duration) {
+        let st = g.wait_for(limit);
+        assert!(
+            st.is_some_and(|s| s.success()),
+            "{what}: {st:?}\n{}",
+            self.logs()
+        );
+    }
+
     /// Waits up to `limit` for a line containing `needle` in the log `<name>.log`.
     pub fn wait_line(&self, name: &str, needle: &str, limit: std::time::Duration) -> bool {
         let path = self.dir.join(format!("{name}.log"));

@@ -20,12 +20,7 @@ const PACKET: usize = 32 << 10;
 const LONG: Duration = Duration::from_secs(240);
 
 fn wait_ok(g: &mut Guard, what: &str, fed: &Fed) {
-    let st = g.wait_for(LONG);
-    assert!(
-        st.is_some_and(|s| s.success()),
-        "{what}: {st:?}\n{}",
-        fed.logs()
-    );
+    fed.wait_ok(g, what, LONG);
 }
 
 fn final_model(fed: &Fed) -> Vec<Vec<f32>> {

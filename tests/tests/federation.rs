@@ -30,19 +30,9 @@ fn run(kind: BrokerKind, bn: &str, max_packet: usize) -> (tempfile::TempDir, Fed
     let mut agg = fed.aggregator();
     let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
     for (a, s) in agents.iter_mut().zip(SITES) {
-        let st = a.wait_for(Duration::from_secs(300));
-        assert!(
-            st.is_some_and(|s| s.success()),
-            "agent {s}: {st:?}\n{}",
-            fed.logs()
-        );
+        fed.wait_ok(a, s, Duration::from_secs(300));
     }
-    let st = agg.wait_for(Duration::from_secs(60));
-    assert!(
-        st.is_some_and(|s| s.success()),
-        "aggregator: {st:?}\n{}",
-        fed.logs()
-    );
+    fed.wait_ok(&mut agg, "aggregator", Duration::from_secs(60));
     let packets = proxy.packets();
     drop(broker);
     (dir, fed, packets)

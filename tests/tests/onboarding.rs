@@ -143,12 +143,7 @@ fn federation(sharing: &str, rounds: u64) -> Run {
     let agg = fed.aggregator();
     let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
     for (a, s) in agents.iter_mut().zip(SITES) {
-        let st = a.wait_for(Duration::from_secs(300));
-        assert!(
-            st.is_some_and(|s| s.success()),
-            "agent {s}: {st:?}\n{}",
-            fed.logs()
-        );
+        fed.wait_ok(a, s, Duration::from_secs(300));
     }
     Run {
         _dir: dir,
