@@ -9,6 +9,7 @@
 
 mod bench;
 mod onboard;
+mod onboard_net;
 mod singleset;
 
 use unifed_agent::{model, train};
@@ -150,7 +151,7 @@ fn main() -> Result<()> {
         }
         Cmd::FetchCalibrated(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
-            onboard::fetch_calibrated_cmd(&args, &device)
+            onboard_net::fetch_calibrated_cmd(&args, &device)
         }
         Cmd::Keygen { out } => {
             unifed_agent::registry::SiteKey::generate().save(&out)?;

@@ -11,8 +11,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use std::path::{Path, PathBuf};
-use unifed_agent::registry::{OnboardClient, Owner, SiteKey, must_seal, open, seal};
-use unifed_agent::train::AgentConfig;
 use unifed_models::backend::Device;
 use unifed_models::bn::{BnStart, CalibrateConfig, Estimator, StreamConfig, StreamEstimator};
 use unifed_models::checkpoint;
@@ -21,10 +19,8 @@ use unifed_models::data::{
 };
 use unifed_models::state::{Select, StateDict, export, import};
 use unifed_models::train::{evaluate, evaluate_stream};
-use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, spec_of};
-use unifed_protocol::encoding::{Encoding, encode};
-use unifed_protocol::ids::Id;
-use unifed_protocol::{ModelSpec, PackageInfo};
+use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, spec_of};
+use unifed_protocol::ModelSpec;
 
 /// A model file and where its labelled evaluation images come from.
 #[derive(clap::Args, Debug, Clone)]
@@ -82,33 +78,33 @@ pub struct EvaluateArgs {
 #[derive(clap::Args, Debug)]
 pub struct CalibrateArgs {
     #[command(flatten)]
-    source: Source,
+    pub(crate) source: Source,
     /// Unlabelled images of the site (a flat folder). Default for a built-in domain: its
     /// calibration split.
     #[arg(long)]
-    images: Option<PathBuf>,
+    pub(crate) images: Option<PathBuf>,
     /// `calibrate` (one pass per BN layer) or `stream` (one pass, UniFed Algorithm 1).
     #[arg(long, default_value = "calibrate")]
-    mode: String,
+    pub(crate) mode: String,
     /// `calibrate` pooling: `exact` (population statistics) or `ema` (tau-EMA over batches).
     #[arg(long, default_value = "exact")]
-    estimator: String,
+    pub(crate) estimator: String,
     #[command(flatten)]
-    bn_args: BnArgs,
+    pub(crate) bn_args: BnArgs,
     /// Where to write the calibrated model (and its spec beside it). With `--config` the
     /// default is `<state_dir>/calibrated/v<version>.safetensors`.
     #[arg(long)]
-    out: Option<PathBuf>,
+    pub(crate) out: Option<PathBuf>,
     /// Agent config (broker, federation, site, data, `site_key`): fetch the onboarding package
     /// from the aggregator instead of reading `--model`, and register the calibrated BN.
     #[arg(long, conflicts_with = "model")]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// With `--config`: the model version to calibrate (default: the newest).
     #[arg(long, requires = "config")]
-    version: Option<u64>,
+    pub(crate) version: Option<u64>,
     /// With `--config`: keep the calibrated model on this device only.
     #[arg(long, requires = "config")]
-    no_register: bool,
+    pub(crate) no_register: bool,
 }
 
 /// `unifed-agent fetch-calibrated`.
@@ -117,14 +113,14 @@ pub struct FetchArgs {
     /// Agent config of this device (same site, federation and `site_key` as the device that
     /// calibrated).
     #[arg(long)]
-    config: PathBuf,
+    pub(crate) config: PathBuf,
     /// Model version (default: the newest registered for the site).
     #[arg(long)]
-    version: Option<u64>,
+    pub(crate) version: Option<u64>,
     /// Where to write the calibrated model (default:
     /// `<state_dir>/calibrated/v<version>.safetensors`).
     #[arg(long)]
-    out: Option<PathBuf>,
+    pub(crate) out: Option<PathBuf>,
 }
 
 /// `unifed-agent predict`.
@@ -234,7 +230,7 @@ fn calibration(
         .x)
 }
 
-fn bar(what: &str) -> ProgressBar {
+pub(crate) fn bar(what: &str) -> ProgressBar {
     ProgressBar::new(0).with_style(
         ProgressStyle::with_template(&format!("{what} [{{bar:30}}] {{pos}}/{{len}}"))
             .expect("static template")
@@ -396,7 +392,7 @@ pub fn predict_cmd(a: &PredictArgs, device: &Device) -> Result<()> {
 /// Runs `unifed-agent calibrate`.
 pub fn calibrate_cmd(a: &CalibrateArgs, device: &Device) -> Result<()> {
     if let Some(config) = &a.config {
-        return calibrate_from_federation(a, config, device);
+        return crate::onboard_net::calibrate_from_federation(a, config, device);
     }
     let (net, spec) = load_model(model_arg(&a.source)?, device)?;
     let out = a
@@ -409,7 +405,7 @@ pub fn calibrate_cmd(a: &CalibrateArgs, device: &Device) -> Result<()> {
 
 /// Calibrates `net` on the source's images, reports accuracy before and after when labels
 /// exist, and writes the calibrated model and its spec to `out`.
-fn calibrate_to(
+pub(crate) fn calibrate_to(
     net: &DigitsCnn,
     spec: &ModelSpec,
     a: &CalibrateArgs,
@@ -445,7 +441,7 @@ fn calibrate_to(
 }
 
 /// Writes a model file and its spec beside it, creating the folder.
-fn write_model(out: &Path, state: &StateDict, spec: &ModelSpec) -> Result<()> {
+pub(crate) fn write_model(out: &Path, state: &StateDict, spec: &ModelSpec) -> Result<()> {
     if let Some(parent) = out.parent()
         && !parent.as_os_str().is_empty()
     {
@@ -456,202 +452,5 @@ fn write_model(out: &Path, state: &StateDict, spec: &ModelSpec) -> Result<()> {
     let sp = crate::model::spec_path(out);
     std::fs::write(&sp, serde_json::to_vec_pretty(spec)?)
         .with_context(|| format!("writing {}", sp.display()))?;
-    Ok(())
-}
-
-/// A device of the site named by an agent config: its model, spec, identity and key.
-struct SiteDevice {
-    cfg: AgentConfig,
-    net: DigitsCnn,
-    spec: ModelSpec,
-    owner: Owner,
-    key: Option<SiteKey>,
-}
-
-impl SiteDevice {
-    fn load(path: &Path, device: &Device) -> Result<Self> {
-        let cfg = unifed_agent::train::load_config(path)?;
-        let site = Id::new(&cfg.site).map_err(|e| anyhow::anyhow!("site `{}`: {e}", cfg.site))?;
-        let federation = Id::new(&cfg.federation)
-            .map_err(|e| anyhow::anyhow!("federation `{}`: {e}", cfg.federation))?;
-        cfg.model.validate().map_err(anyhow::Error::msg)?;
-        let mc = ModelConfig::fedbn_digits();
-        let net = cfg.model.init(device);
-        let spec = spec_of(&net, &mc.classes, &mc.input);
-        let key = cfg.site_key.as_deref().map(SiteKey::load).transpose()?;
-        Ok(SiteDevice {
-            owner: Owner {
-                federation,
-                site,
-                spec: spec.hash(),
-            },
-            cfg,
-            net,
-            spec,
-            key,
-        })
-    }
-
-    fn default_out(&self, version: u64) -> PathBuf {
-        self.cfg
-            .state_dir
-            .join("calibrated")
-            .join(format!("v{version}.safetensors"))
-    }
-
-    fn runtime() -> Result<tokio::runtime::Runtime> {
-        Ok(tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?)
-    }
-
-    async fn connect(&self) -> Result<OnboardClient> {
-        OnboardClient::connect(
-            &self.cfg.broker,
-            self.owner.clone(),
-            std::time::Duration::from_secs(30),
-        )
-        .await
-    }
-}
-
-/// The onboarding package of `version` (the newest when `None`) fetched with a progress bar.
-fn fetch_package(
-    dev: &SiteDevice,
-    rt: &tokio::runtime::Runtime,
-    version: Option<u64>,
-) -> Result<(PackageInfo, StateDict)> {
-    let pb = bar("fetching package");
-    let (info, b) = rt.block_on(async {
-        let mut c = dev.connect().await?;
-        let r = c
-            .package(version, |done, total| {
-                pb.set_length(total as u64);
-                pb.set_position(done as u64);
-            })
-            .await;
-        c.close().await;
-        r
-    })?;
-    pb.finish_and_clear();
-    let state = unifed_models::state::from_encoded(&dev.spec, &b.weights)
-        .context("the onboarding package does not fit this agent's model")?;
-    Ok((info, state))
-}
-
-/// `calibrate --config`: package from the aggregator, calibration, local copy, registry.
-fn calibrate_from_federation(a: &CalibrateArgs, config: &Path, device: &Device) -> Result<()> {
-    let dev = SiteDevice::load(config, device)?;
-    let rt = SiteDevice::runtime()?;
-    let (info, state) = fetch_package(&dev, &rt, a.version)?;
-    println!(
-        "fetched the onboarding package of model v{} (BN sharing `{}`{}; {} bytes)",
-        info.model_version,
-        info.bn_sharing.name(),
-        if info.bn_sites.is_empty() {
-            String::new()
-        } else {
-            format!(
-                ", BN of {}",
-                info.bn_sites
-                    .iter()
-                    .map(|s| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        },
-        info.payload_len
-    );
-    let net = import(&dev.net, &dev.spec, &state, Select::All)?;
-    // The images: the command line's, else the config's data.
-    let mut source = a.source.clone();
-    if source.builtin.is_none() && source.folder.is_none() && a.images.is_none() {
-        source.builtin = dev.cfg.data.builtin.clone();
-        source.folder = dev.cfg.data.folder.clone();
-    }
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| dev.default_out(info.model_version));
-    let cal = calibrate_to(&net, &dev.spec, a, &source, &out, device)?;
-    if a.no_register {
-        return Ok(());
-    }
-    let key = match (&dev.key, must_seal(info.bn_sharing)) {
-        (Some(k), _) => Some(k),
-        (None, false) => None,
-        (None, true) => bail!(
-            "{}: set `site_key` (generate one with `unifed-agent keygen --out site.key` and give \
-             it to this site's devices only) to register the calibrated BN sealed, or pass \
-             --no-register",
-            config.display()
-        ),
-    };
-    let bn: Vec<_> = export(&cal, &dev.spec, Select::Bn)
-        .tensors
-        .iter()
-        .map(|t| {
-            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
-            encode(&t.name, &shape, &t.data, Encoding::F32, None)
-        })
-        .collect();
-    let entry = seal(key, &dev.owner, info.model_version, &bn);
-    let hash = rt.block_on(async {
-        let mut c = dev.connect().await?;
-        let r = c.register(&entry, 256 << 10).await;
-        c.close().await;
-        r
-    })?;
-    println!(
-        "registered the calibrated BN of model v{} with the aggregator ({}, entry sha256 {})",
-        info.model_version,
-        if key.is_some() {
-            "sealed with the site key"
-        } else {
-            "plaintext: BN sharing affine+stats"
-        },
-        hash[..8]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    );
-    Ok(())
-}
-
-/// Runs `unifed-agent fetch-calibrated`: the site's registered BN (opened with the site key)
-/// on the package's non-BN weights of the same version, written as a full model.
-pub fn fetch_calibrated_cmd(a: &FetchArgs, device: &Device) -> Result<()> {
-    let dev = SiteDevice::load(&a.config, device)?;
-    let rt = SiteDevice::runtime()?;
-    let entry = rt.block_on(async {
-        let mut c = dev.connect().await?;
-        let r = c.registry_entry(a.version).await;
-        c.close().await;
-        r
-    })?;
-    let bn = open(dev.key.as_ref(), &dev.owner, &entry)?;
-    let bn = unifed_models::state::from_encoded(&dev.spec, &bn)
-        .context("the registry entry does not fit this agent's model")?;
-    let (_, mut state) = fetch_package(&dev, &rt, Some(entry.model_version))?;
-    for t in state.tensors.iter_mut().filter(|t| t.kind.is_bn()) {
-        let Some(b) = bn.tensors.iter().find(|b| b.name == t.name) else {
-            bail!("the registry entry lacks BN tensor `{}`", t.name);
-        };
-        if b.data.len() != t.data.len() {
-            bail!("the registry entry's `{}` has the wrong length", t.name);
-        }
-        t.data = b.data.clone();
-    }
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| dev.default_out(entry.model_version));
-    write_model(&out, &state, &dev.spec)?;
-    println!(
-        "fetched the calibrated model v{} of site {} from the registry; wrote {}",
-        entry.model_version,
-        dev.owner.site,
-        out.display()
-    );
     Ok(())
 }

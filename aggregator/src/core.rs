@@ -12,16 +12,15 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::path::Path;
+use unifed_protocol::TensorKind;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::encoding::{Encoding, Values, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Answer, BnPolicy, Chunk, Extras, OnboardError, OnboardReply, PackageInfo, RegistryEntry,
-    RejectReason, RoundManifest, Sealing, ServerBroadcast, SiteUpdate,
+    Answer, BnPolicy, Chunk, Extras, RejectReason, RoundManifest, ServerBroadcast, SiteUpdate,
 };
-use unifed_protocol::{BnSharing, TensorKind};
 use unifed_protocol::{ModelSpec, SpecHash};
 
 /// How many closed rounds' accepted sites are remembered to answer late re-sends.
@@ -112,19 +111,19 @@ pub enum CoreError {
 /// The federation core.
 #[derive(Debug)]
 pub struct Aggregator {
-    cfg: FederationConfig,
+    pub(crate) cfg: FederationConfig,
     federation: Id,
-    spec: ModelSpec,
-    hash: SpecHash,
-    store: Store,
-    state: State,
-    model: Vec<Vec<f32>>,
+    pub(crate) spec: ModelSpec,
+    pub(crate) hash: SpecHash,
+    pub(crate) store: Store,
+    pub(crate) state: State,
+    pub(crate) model: Vec<Vec<f32>>,
     /// Spec indices of the tensors updates carry and the mean changes.
     update_idx: Vec<usize>,
     /// Spec indices of the BN tensors sites share (the BN sharing policy under `local` BN).
-    share_idx: Vec<usize>,
+    pub(crate) share_idx: Vec<usize>,
     accepted: BTreeSet<String>,
-    chunk_bytes: usize,
+    pub(crate) chunk_bytes: usize,
 }
 
 fn hex(h: &SpecHash) -> String {
@@ -311,145 +310,6 @@ impl Aggregator {
         }
     }
 
-    /// The onboarding package of model `version` (the current one when `None`): every tensor
-    /// in exact f32, the non-BN ones global and the BN ones chosen by the BN sharing policy
-    /// (the sites' pooled BN under `affine` and `affine+stats`, else the global model's own),
-    /// cut into chunks. Versions pruned from disk are refused with the ones still held.
-    pub fn package(
-        &self,
-        version: Option<u64>,
-    ) -> Result<Result<(PackageInfo, Vec<Chunk>), OnboardError>, CoreError> {
-        let available = self.store.model_versions()?;
-        let v = version.unwrap_or(self.state.model_version);
-        if !available.contains(&v) {
-            return Ok(Err(OnboardError::UnknownVersion {
-                requested: v,
-                available,
-            }));
-        }
-        let mut tensors = if v == self.state.model_version {
-            self.model.clone()
-        } else {
-            self.store.load_model(v, &self.hash.0)?
-        };
-        let mut bn_sites = Vec::new();
-        if let Some((sites, share)) = self.store.load_bn_share(v, &self.hash.0)?
-            && share.len() == self.share_idx.len()
-        {
-            for (&i, t) in self.share_idx.iter().zip(share) {
-                tensors[i] = t;
-            }
-            bn_sites = sites.iter().filter_map(|s| Id::new(s).ok()).collect();
-        }
-        let weights = self
-            .spec
-            .tensors
-            .iter()
-            .zip(&tensors)
-            .map(|(t, values)| {
-                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
-                encode(&t.name, &shape, values, Encoding::F32, None)
-            })
-            .collect();
-        let payload = postcard::to_allocvec(&ServerBroadcast {
-            model_version: v,
-            weights,
-            extras: Extras::default(),
-        })
-        .expect("package serialises");
-        let chunks = split(&payload, self.chunk_bytes);
-        let info = PackageInfo {
-            model_version: v,
-            bn_sharing: self.cfg.bn_sharing,
-            bn_sites,
-            chunk_count: chunks.len() as u32,
-            payload_len: payload.len() as u64,
-            payload_hash: payload_hash(&payload),
-        };
-        Ok(Ok((info, chunks)))
-    }
-
-    /// Stores `site`'s registry entry (a postcard [`RegistryEntry`]) durably and says so, or
-    /// refuses it with the reason: malformed, too large, for a model version the federation
-    /// has not reached, or in plaintext where the BN sharing policy does not let a site's
-    /// statistics out (anything but `affine+stats`).
-    pub fn registry_put(
-        &self,
-        site: &Id,
-        bytes: &[u8],
-        now_ms: u64,
-    ) -> Result<OnboardReply, CoreError> {
-        let refuse = |m: String| -> Result<OnboardReply, CoreError> {
-            self.audit(
-                now_ms,
-                self.state.round,
-                site.as_str(),
-                "registry-refused",
-                m.clone(),
-            )?;
-            Ok(OnboardReply::Error(OnboardError::Refused(m)))
-        };
-        if bytes.len() > self.cfg.max_update_bytes {
-            return refuse(format!(
-                "a registry entry of {} bytes exceeds max_update_bytes {}",
-                bytes.len(),
-                self.cfg.max_update_bytes
-            ));
-        }
-        let entry: RegistryEntry = match postcard::from_bytes(bytes) {
-            Ok(e) => e,
-            Err(e) => return refuse(format!("malformed registry entry: {e}")),
-        };
-        if entry.model_version > self.state.model_version {
-            return Ok(OnboardReply::Error(OnboardError::UnknownVersion {
-                requested: entry.model_version,
-                available: self.store.model_versions()?,
-            }));
-        }
-        if entry.sealing == Sealing::Plain && self.cfg.bn_sharing != BnSharing::AffineStats {
-            return refuse(format!(
-                "a plaintext BN state is refused under BN sharing policy `{}`: seal it with \
-                 the site key",
-                self.cfg.bn_sharing.name()
-            ));
-        }
-        self.store
-            .registry_put(site.as_str(), entry.model_version, bytes)?;
-        self.audit(
-            now_ms,
-            self.state.round,
-            site.as_str(),
-            "registered",
-            format!("model v{} ({} bytes)", entry.model_version, bytes.len()),
-        )?;
-        Ok(OnboardReply::Registered {
-            model_version: entry.model_version,
-            entry_hash: payload_hash(bytes),
-        })
-    }
-
-    /// `site`'s stored registry entry for `version` (its newest when `None`), as stored.
-    pub fn registry_get(
-        &self,
-        site: &Id,
-        version: Option<u64>,
-    ) -> Result<Result<Vec<u8>, OnboardError>, CoreError> {
-        let available = self.store.registry_versions(site.as_str())?;
-        let Some(v) = version.or(available.last().copied()) else {
-            return Ok(Err(OnboardError::NotRegistered {
-                requested: version,
-                available,
-            }));
-        };
-        match self.store.registry_get(site.as_str(), v)? {
-            Some(bytes) => Ok(Ok(bytes)),
-            None => Ok(Err(OnboardError::NotRegistered {
-                requested: version,
-                available,
-            })),
-        }
-    }
-
     fn open_round(&mut self, now_ms: u64) -> Result<(), CoreError> {
         let round = self.state.round;
         self.state.sampled = if self.cfg.sites.is_empty() {
@@ -516,7 +376,7 @@ impl Aggregator {
         Action::Publish { manifest, chunks }
     }
 
-    fn audit(
+    pub(crate) fn audit(
         &self,
         now_ms: u64,
         round: u64,

@@ -14,6 +14,7 @@
 //!   written atomically).
 //! - [`fold`]: the weighted mean over spooled deltas.
 //! - [`bnshare`]: the sites' shared BN tensors pooled for the onboarding package.
+//! - [`onboard`]: onboarding packages and the registry of sites' sealed, calibrated BN.
 //! - [`service`]: the core on MQTT (`unifed-aggregator serve`).
 //!
 //! The core never needs burn or a network; the service adds MQTT.
@@ -22,6 +23,7 @@ pub mod bnshare;
 pub mod config;
 pub mod core;
 pub mod fold;
+pub mod onboard;
 pub mod service;
 pub mod store;
 

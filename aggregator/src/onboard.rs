@@ -1,0 +1,153 @@
+//! The aggregator's side of onboarding: each model version's onboarding package (the global
+//! non-BN weights with BN layers chosen by the BN sharing policy) and the registry of sites'
+//! calibrated BN, which sites seal and the aggregator only stores and serves.
+
+use crate::core::{Aggregator, CoreError};
+use unifed_protocol::chunking::{payload_hash, split};
+use unifed_protocol::encoding::{Encoding, encode};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{
+    BnSharing, Chunk, Extras, OnboardError, OnboardReply, PackageInfo, RegistryEntry, Sealing,
+    ServerBroadcast,
+};
+
+impl Aggregator {
+    /// The onboarding package of model `version` (the current one when `None`): every tensor
+    /// in exact f32, the non-BN ones global and the BN ones chosen by the BN sharing policy
+    /// (the sites' pooled BN under `affine` and `affine+stats`, else the global model's own),
+    /// cut into chunks. Versions pruned from disk are refused with the ones still held.
+    pub fn package(
+        &self,
+        version: Option<u64>,
+    ) -> Result<Result<(PackageInfo, Vec<Chunk>), OnboardError>, CoreError> {
+        let available = self.store.model_versions()?;
+        let v = version.unwrap_or(self.state.model_version);
+        if !available.contains(&v) {
+            return Ok(Err(OnboardError::UnknownVersion {
+                requested: v,
+                available,
+            }));
+        }
+        let mut tensors = if v == self.state.model_version {
+            self.model.clone()
+        } else {
+            self.store.load_model(v, &self.hash.0)?
+        };
+        let mut bn_sites = Vec::new();
+        if let Some((sites, share)) = self.store.load_bn_share(v, &self.hash.0)?
+            && share.len() == self.share_idx.len()
+        {
+            for (&i, t) in self.share_idx.iter().zip(share) {
+                tensors[i] = t;
+            }
+            bn_sites = sites.iter().filter_map(|s| Id::new(s).ok()).collect();
+        }
+        let weights = self
+            .spec
+            .tensors
+            .iter()
+            .zip(&tensors)
+            .map(|(t, values)| {
+                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+                encode(&t.name, &shape, values, Encoding::F32, None)
+            })
+            .collect();
+        let payload = postcard::to_allocvec(&ServerBroadcast {
+            model_version: v,
+            weights,
+            extras: Extras::default(),
+        })
+        .expect("package serialises");
+        let chunks = split(&payload, self.chunk_bytes);
+        let info = PackageInfo {
+            model_version: v,
+            bn_sharing: self.cfg.bn_sharing,
+            bn_sites,
+            chunk_count: chunks.len() as u32,
+            payload_len: payload.len() as u64,
+            payload_hash: payload_hash(&payload),
+        };
+        Ok(Ok((info, chunks)))
+    }
+
+    /// Stores `site`'s registry entry (a postcard [`RegistryEntry`]) durably and says so, or
+    /// refuses it with the reason: malformed, too large, for a model version the federation
+    /// has not reached, or in plaintext where the BN sharing policy does not let a site's
+    /// statistics out (anything but `affine+stats`).
+    pub fn registry_put(
+        &self,
+        site: &Id,
+        bytes: &[u8],
+        now_ms: u64,
+    ) -> Result<OnboardReply, CoreError> {
+        let refuse = |m: String| -> Result<OnboardReply, CoreError> {
+            self.audit(
+                now_ms,
+                self.state.round,
+                site.as_str(),
+                "registry-refused",
+                m.clone(),
+            )?;
+            Ok(OnboardReply::Error(OnboardError::Refused(m)))
+        };
+        if bytes.len() > self.cfg.max_update_bytes {
+            return refuse(format!(
+                "a registry entry of {} bytes exceeds max_update_bytes {}",
+                bytes.len(),
+                self.cfg.max_update_bytes
+            ));
+        }
+        let entry: RegistryEntry = match postcard::from_bytes(bytes) {
+            Ok(e) => e,
+            Err(e) => return refuse(format!("malformed registry entry: {e}")),
+        };
+        if entry.model_version > self.state.model_version {
+            return Ok(OnboardReply::Error(OnboardError::UnknownVersion {
+                requested: entry.model_version,
+                available: self.store.model_versions()?,
+            }));
+        }
+        if entry.sealing == Sealing::Plain && self.cfg.bn_sharing != BnSharing::AffineStats {
+            return refuse(format!(
+                "a plaintext BN state is refused under BN sharing policy `{}`: seal it with \
+                 the site key",
+                self.cfg.bn_sharing.name()
+            ));
+        }
+        self.store
+            .registry_put(site.as_str(), entry.model_version, bytes)?;
+        self.audit(
+            now_ms,
+            self.state.round,
+            site.as_str(),
+            "registered",
+            format!("model v{} ({} bytes)", entry.model_version, bytes.len()),
+        )?;
+        Ok(OnboardReply::Registered {
+            model_version: entry.model_version,
+            entry_hash: payload_hash(bytes),
+        })
+    }
+
+    /// `site`'s stored registry entry for `version` (its newest when `None`), as stored.
+    pub fn registry_get(
+        &self,
+        site: &Id,
+        version: Option<u64>,
+    ) -> Result<Result<Vec<u8>, OnboardError>, CoreError> {
+        let available = self.store.registry_versions(site.as_str())?;
+        let Some(v) = version.or(available.last().copied()) else {
+            return Ok(Err(OnboardError::NotRegistered {
+                requested: version,
+                available,
+            }));
+        };
+        match self.store.registry_get(site.as_str(), v)? {
+            Some(bytes) => Ok(Ok(bytes)),
+            None => Ok(Err(OnboardError::NotRegistered {
+                requested: version,
+                available,
+            })),
+        }
+    }
+}
