@@ -6,7 +6,9 @@
 use crate::onboard::{CalibrateArgs, FetchArgs, bar, calibrate_to, write_model};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
-use unifed_agent::registry::{OnboardClient, Owner, SiteKey, must_seal, open, seal};
+use unifed_agent::registry::{
+    OnboardClient, Owner, SiteKey, max_entry_bytes, max_package_bytes, must_seal, open, seal,
+};
 use unifed_agent::train::AgentConfig;
 use unifed_models::backend::Device;
 use unifed_models::state::{Select, StateDict, export, import};
@@ -81,7 +83,7 @@ fn fetch_package(
     let (info, b) = rt.block_on(async {
         let mut c = dev.connect().await?;
         let r = c
-            .package(version, |done, total| {
+            .package(version, max_package_bytes(&dev.spec), |done, total| {
                 pb.set_length(total as u64);
                 pb.set_position(done as u64);
             })
@@ -181,7 +183,9 @@ pub fn fetch_calibrated_cmd(a: &FetchArgs, device: &Device) -> Result<()> {
     let rt = SiteDevice::runtime()?;
     let entry = rt.block_on(async {
         let mut c = dev.connect().await?;
-        let r = c.registry_entry(a.version).await;
+        let r = c
+            .registry_entry(a.version, max_entry_bytes(&dev.spec))
+            .await;
         c.close().await;
         r
     })?;

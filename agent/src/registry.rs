@@ -138,14 +138,20 @@ pub fn seal(
 }
 
 /// Opens an entry sealed by [`seal`]: fails if the key is wrong or missing, or the entry was
-/// altered or belongs to another site, federation, version or model.
+/// altered or belongs to another site, federation, version or model. A site that holds a key
+/// refuses plaintext entries, so a replaced entry cannot downgrade it.
 pub fn open(
     key: Option<&SiteKey>,
     owner: &Owner,
     entry: &RegistryEntry,
 ) -> Result<Vec<EncodedTensor>> {
     let plain = match (&entry.sealing, key) {
-        (Sealing::Plain, _) => entry.data.clone(),
+        (Sealing::Plain, None) => entry.data.clone(),
+        (Sealing::Plain, Some(_)) => bail!(
+            "the registry entry of model v{} is not sealed, but this site seals its entries: \
+             refusing it (it may have been replaced; calibrate again)",
+            entry.model_version
+        ),
         (Sealing::ChaCha20Poly1305 { .. }, None) => {
             bail!("the registry entry is sealed: set `site_key` in the agent config")
         }
@@ -181,6 +187,25 @@ pub fn open(
 /// their statistics anyway.
 pub fn must_seal(sharing: BnSharing) -> bool {
     sharing != BnSharing::AffineStats
+}
+
+/// The largest onboarding package of a model of `spec`: every tensor in f32, plus room for
+/// names, shapes and framing.
+pub fn max_package_bytes(spec: &unifed_protocol::ModelSpec) -> u64 {
+    let values: u64 = spec.tensors.iter().map(|t| 4 * t.numel() as u64).sum();
+    values + 256 * spec.tensors.len() as u64 + (1 << 16)
+}
+
+/// The largest registry entry of a model of `spec`: its BN tensors in f32, names, framing and
+/// the AEAD tag.
+pub fn max_entry_bytes(spec: &unifed_protocol::ModelSpec) -> usize {
+    let bn: usize = spec
+        .tensors
+        .iter()
+        .filter(|t| t.kind.is_bn())
+        .map(|t| 4 * t.numel() + 256)
+        .sum();
+    bn + (1 << 16)
 }
 
 /// How long one onboarding exchange may go without progress before it fails.
@@ -343,10 +368,12 @@ impl OnboardClient {
     }
 
     /// Fetches the onboarding package of `version` (the newest when `None`): its description
-    /// and the model it carries (every tensor). `progress(done, total)` follows the chunks.
+    /// and the model it carries (every tensor). `max_bytes` bounds the package (a model of the
+    /// spec in f32 plus its names); `progress(done, total)` follows the chunks.
     pub async fn package(
         &mut self,
         version: Option<u64>,
+        max_bytes: u64,
         mut progress: impl FnMut(u32, u32),
     ) -> Result<(PackageInfo, ServerBroadcast)> {
         let info = self
@@ -372,6 +399,17 @@ impl OnboardClient {
                 },
             )
             .await?;
+        if info.payload_len > max_bytes
+            || info.chunk_count == 0
+            || u64::from(info.chunk_count) > info.payload_len.max(1)
+        {
+            bail!(
+                "the aggregator describes a package of {} bytes in {} chunks; a model of this \
+                 spec takes at most {max_bytes} bytes",
+                info.payload_len,
+                info.chunk_count
+            );
+        }
         let mut reasm =
             Reassembler::new(STALL.as_millis() as u64 * 10, info.payload_len as usize + 1);
         let t0 = Instant::now();
@@ -382,10 +420,10 @@ impl OnboardClient {
         progress(0, info.chunk_count);
         loop {
             if outstanding.is_empty() || requested.is_none_or(|t| t.elapsed() > RESEND) {
-                let missing = reasm
-                    .missing(&info.payload_hash)
-                    .unwrap_or_else(|| (0..info.chunk_count).collect());
-                let indices: Vec<u32> = missing.into_iter().take(WINDOW).collect();
+                let indices: Vec<u32> = match reasm.missing(&info.payload_hash) {
+                    Some(m) => m.into_iter().take(WINDOW).collect(),
+                    None => (0..info.chunk_count).take(WINDOW).collect(),
+                };
                 outstanding = indices.iter().copied().collect();
                 let req = ChunkRequest {
                     model_version: info.model_version,
@@ -487,9 +525,14 @@ impl OnboardClient {
         }
     }
 
-    /// This site's registry entry for `version` (its newest when `None`).
-    pub async fn registry_entry(&mut self, version: Option<u64>) -> Result<RegistryEntry> {
-        let mut reasm = Reassembler::new(STALL.as_millis() as u64 * 10, 1 << 30);
+    /// This site's registry entry for `version` (its newest when `None`), of at most
+    /// `max_bytes`.
+    pub async fn registry_entry(
+        &mut self,
+        version: Option<u64>,
+        max_bytes: usize,
+    ) -> Result<RegistryEntry> {
+        let mut reasm = Reassembler::new(STALL.as_millis() as u64 * 10, max_bytes);
         let t0 = Instant::now();
         self.exchange(
             &OnboardRequest::RegistryGet {
@@ -581,6 +624,8 @@ mod tests {
         let plain_entry = seal(None, &owner("a", 1), 4, &t);
         assert_eq!(plain_entry.sealing, Sealing::Plain);
         assert_eq!(open(None, &owner("a", 1), &plain_entry).unwrap(), t);
+        // A site with a key never takes a plaintext entry (a downgrade by whoever replaced it).
+        assert!(err(Some(&key), &owner("a", 1), &plain_entry).contains("not sealed"));
     }
 
     #[test]

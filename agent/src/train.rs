@@ -154,6 +154,38 @@ fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> 
     }
 }
 
+/// The BN layers of model `version`'s onboarding package, fetched in a short session of its own,
+/// and a description (policy, sites) for the log.
+async fn package_bn(
+    cfg: &AgentConfig,
+    fed: &Id,
+    site: &Id,
+    spec: &ModelSpec,
+    version: u64,
+) -> Result<(unifed_models::state::StateDict, String)> {
+    let owner = Owner {
+        federation: fed.clone(),
+        site: site.clone(),
+        spec: spec.hash(),
+    };
+    let mut c = OnboardClient::connect(&cfg.broker, owner, Duration::from_secs(30)).await?;
+    let r = c
+        .package(
+            Some(version),
+            crate::registry::max_package_bytes(spec),
+            |_, _| {},
+        )
+        .await;
+    c.close().await;
+    let (info, pkg) = r?;
+    let sd = unifed_models::state::from_encoded(spec, &pkg.weights)?.filter(Select::Bn);
+    let sites: Vec<&str> = info.bn_sites.iter().map(|x| x.as_str()).collect();
+    Ok((
+        sd,
+        format!("{} of {}", info.bn_sharing.name(), sites.join(", ")),
+    ))
+}
+
 /// Reads the agent config at `path`, caps the CPU threads at the config's `threads` unless the
 /// caller already capped them (`capped`), and runs the agent on its own runtime until the
 /// federation finishes; returns the final test accuracy.
@@ -307,19 +339,14 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                                         // shared BN, if the policy shares any), statistics then
                                         // re-estimated on its own images.
                                         if m.bn_sharing != BnSharing::None {
-                                            let owner = Owner { federation: fed.clone(), site: site_id.clone(), spec: spec.hash() };
-                                            let mut c = OnboardClient::connect(&cfg.broker, owner, Duration::from_secs(30)).await?;
-                                            let r = c.package(Some(b.model_version), |_, _| {}).await;
-                                            c.close().await;
-                                            let (info, pkg) = r?;
-                                            let sd = unifed_models::state::from_encoded(&spec, &pkg.weights)?;
-                                            s.net = import(&s.net, &spec, &sd, Select::Bn)?;
-                                            println!(
-                                                "{site_id}: BN from the onboarding package of model v{} ({} of {})",
-                                                info.model_version,
-                                                info.bn_sharing.name(),
-                                                info.bn_sites.iter().map(|x| x.as_str()).collect::<Vec<_>>().join(", ")
-                                            );
+                                            match package_bn(&cfg, &fed, &site_id, &spec, b.model_version).await {
+                                                Ok((sd, detail)) => {
+                                                    s.net = import(&s.net, &spec, &sd, Select::Bn)?;
+                                                    println!("{site_id}: BN from the onboarding package of model v{} ({detail})", b.model_version);
+                                                }
+                                                // Not fatal: the joiner calibrates its own BN instead.
+                                                Err(e) => eprintln!("{site_id}: onboarding package unavailable ({e:#}); calibrating the model's own BN"),
+                                            }
                                         }
                                         s.net = tokio::task::block_in_place(|| unifed_models::bn::calibrate(&s.net, &s.train.x, &device, &Default::default(), |_, _| {}))?;
                                         println!("{site_id}: joined at model v{}; calibrated BN on {} own images", b.model_version, s.train.len());
@@ -377,10 +404,10 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
             if outstanding.is_empty()
                 || last_request.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
             {
-                let missing = reasm
-                    .missing(&m.payload_hash)
-                    .unwrap_or_else(|| (0..m.chunk_count).collect());
-                let indices: Vec<u32> = missing.into_iter().take(WINDOW).collect();
+                let indices: Vec<u32> = match reasm.missing(&m.payload_hash) {
+                    Some(missing) => missing.into_iter().take(WINDOW).collect(),
+                    None => (0..m.chunk_count).take(WINDOW).collect(),
+                };
                 if indices.is_empty() {
                     continue;
                 }

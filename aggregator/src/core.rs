@@ -689,6 +689,7 @@ impl Aggregator {
             .collect();
         let mut fold = Fold::new(&lens);
         let mut shares: Vec<(f64, Vec<Vec<f32>>)> = Vec::new();
+        let mut share_sites: Vec<String> = Vec::new();
         for site in &sites {
             let (samples, mut delta) = self.store.spool_get(round, site)?;
             let w = match self.cfg.weighting {
@@ -699,6 +700,7 @@ impl Aggregator {
             fold.add(w, &delta);
             if !self.share_idx.is_empty() && share.len() == self.share_idx.len() {
                 shares.push((w, share));
+                share_sites.push(site.clone());
             }
         }
         {
@@ -722,7 +724,7 @@ impl Aggregator {
                 .collect();
             let pooled = bnshare::pool(&specs, &shares);
             self.store
-                .save_bn_share(version, &self.hash.0, &sites, &pooled)?;
+                .save_bn_share(version, &self.hash.0, &share_sites, &pooled)?;
         }
         self.state.recent.push(ClosedRound {
             round,
@@ -751,6 +753,7 @@ impl Aggregator {
             actions.push(self.publish());
         }
         self.store.prune_models(version, self.cfg.keep_versions)?;
+        self.store.prune_registry(version, self.cfg.keep_versions)?;
         self.store
             .spool_clear_before(self.state.round.min(round + 1))?;
         self.audit(

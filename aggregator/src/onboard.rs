@@ -12,6 +12,27 @@ use unifed_protocol::messages::{
 };
 
 impl Aggregator {
+    /// The model versions on disk up to the current one: a version written by a round close
+    /// that crashed before its commit is not served.
+    fn committed_versions(&self) -> Result<Vec<u64>, CoreError> {
+        let mut v = self.store.model_versions()?;
+        v.retain(|&x| x <= self.state.model_version);
+        Ok(v)
+    }
+
+    /// The largest registry entry accepted: the model's BN tensors in f32, names, framing and
+    /// an AEAD tag (the agent's `max_entry_bytes` is the same bound).
+    pub fn max_entry_bytes(&self) -> usize {
+        let bn: usize = self
+            .spec
+            .tensors
+            .iter()
+            .filter(|t| t.kind.is_bn())
+            .map(|t| 4 * t.numel() + 256)
+            .sum();
+        bn + (1 << 16)
+    }
+
     /// The onboarding package of model `version` (the current one when `None`): every tensor
     /// in exact f32, the non-BN ones global and the BN ones chosen by the BN sharing policy
     /// (the sites' pooled BN under `affine` and `affine+stats`, else the global model's own),
@@ -20,7 +41,7 @@ impl Aggregator {
         &self,
         version: Option<u64>,
     ) -> Result<Result<(PackageInfo, Vec<Chunk>), OnboardError>, CoreError> {
-        let available = self.store.model_versions()?;
+        let available = self.committed_versions()?;
         let v = version.unwrap_or(self.state.model_version);
         if !available.contains(&v) {
             return Ok(Err(OnboardError::UnknownVersion {
@@ -90,11 +111,12 @@ impl Aggregator {
             )?;
             Ok(OnboardReply::Error(OnboardError::Refused(m)))
         };
-        if bytes.len() > self.cfg.max_update_bytes {
+        if bytes.len() > self.max_entry_bytes() {
             return refuse(format!(
-                "a registry entry of {} bytes exceeds max_update_bytes {}",
+                "a registry entry of {} bytes is larger than this model's BN state could be ({} \
+                 bytes at most)",
                 bytes.len(),
-                self.cfg.max_update_bytes
+                self.max_entry_bytes()
             ));
         }
         let entry: RegistryEntry = match postcard::from_bytes(bytes) {
@@ -104,7 +126,7 @@ impl Aggregator {
         if entry.model_version > self.state.model_version {
             return Ok(OnboardReply::Error(OnboardError::UnknownVersion {
                 requested: entry.model_version,
-                available: self.store.model_versions()?,
+                available: self.committed_versions()?,
             }));
         }
         if entry.sealing == Sealing::Plain && self.cfg.bn_sharing != BnSharing::AffineStats {

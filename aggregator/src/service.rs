@@ -105,6 +105,9 @@ struct Served {
     chunks: Vec<Chunk>,
 }
 
+/// Chunks served per request at most (sites ask for windows of 16).
+const MAX_CHUNKS_PER_REQUEST: usize = 64;
+
 /// The last onboarding package built (packages of a version never change).
 struct Package {
     info: PackageInfo,
@@ -207,7 +210,7 @@ pub async fn serve(
     let mut package: Option<Package> = None;
     // Registry entries arrive in chunks too (small: one model's BN layers).
     let mut entries =
-        unifed_protocol::chunking::Reassembler::new(120_000, cfg.federation.max_update_bytes);
+        unifed_protocol::chunking::Reassembler::new(120_000, 16 * core.max_entry_bytes());
     // Reassembly of chunked uploads: bounded memory, incomplete sets dropped after 10 minutes.
     let mut uploads =
         unifed_protocol::chunking::Reassembler::new(600_000, 4 * cfg.federation.max_update_bytes);
@@ -362,10 +365,17 @@ async fn serve_chunks(
             _ => return Ok(()),
         }
     };
-    let indices: Vec<u32> = if req.indices.is_empty() {
-        (0..chunks.len() as u32).collect()
+    // At most a window's worth per request, each chunk once: a request cannot make the service
+    // flood the broker.
+    let indices: std::collections::BTreeSet<u32> = if req.indices.is_empty() {
+        (0..chunks.len() as u32)
+            .take(MAX_CHUNKS_PER_REQUEST)
+            .collect()
     } else {
         req.indices
+            .into_iter()
+            .take(MAX_CHUNKS_PER_REQUEST)
+            .collect()
     };
     for i in indices {
         if let Some(c) = chunks.get(i as usize) {

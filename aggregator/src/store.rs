@@ -6,7 +6,8 @@
 //! models/v{N}.bin            model version N (all tensors, spec order), kept by retention
 //! models/v{N}.bn             the sites' pooled BN tensors behind version N's onboarding package
 //!                            (BN sharing `affine` or `affine+stats`), pruned with the model
-//! registry/{site}/v{N}.entry a site's registry entry (calibrated BN, sealed by the site)
+//! registry/{site}/v{N}.entry a site's registry entry (calibrated BN, sealed by the site),
+//!                            pruned with model N
 //! spool/r{R}/{site}.upd      an accepted update of round R (written before the accept)
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
@@ -326,6 +327,24 @@ impl Store {
         let entry = r.take(len)?.to_vec();
         r.end()?;
         Ok(Some(entry))
+    }
+
+    /// Deletes every site's registry entries of model versions pruned by
+    /// [`Store::prune_models`] (a calibrated BN is of no use without its version's weights).
+    pub fn prune_registry(&self, current: u64, keep: usize) -> Result<(), StoreError> {
+        let d = self.dir.join("registry");
+        for site in fs::read_dir(&d).map_err(|e| io(&d, e))?.flatten() {
+            let Some(name) = site.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            for v in self.registry_versions(&name)? {
+                if v + (keep as u64) <= current {
+                    let p = self.entry_path(&name, v);
+                    fs::remove_file(&p).map_err(|e| io(&p, e))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The model versions `site` has registry entries for, ascending.

@@ -190,6 +190,81 @@ fn each_policy_accepts_exactly_the_bn_tensors_it_shares() {
 }
 
 #[test]
+fn shared_bn_of_the_wrong_shape_encoding_or_sign_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), BnSharing::AffineStats);
+    agg.handle(Event::Start, 0).unwrap();
+    let with_bn = |bn: Vec<unifed_protocol::EncodedTensor>| {
+        let upd = SiteUpdate {
+            round: 1,
+            base_version: 0,
+            samples: 10,
+            delta: vec![encode(
+                "fc.weight",
+                &[2],
+                &[0.25, -0.25],
+                Encoding::F32,
+                None,
+            )],
+            bn,
+            extras: Extras::default(),
+        };
+        Envelope::new(
+            MessageKind::SiteUpdate,
+            Id::new("fed1").unwrap(),
+            Id::new("a").unwrap(),
+            1,
+            0,
+            spec().hash(),
+            &upd,
+        )
+        .encode()
+    };
+    let good = |n: &str, v: &[f32]| encode(n, &[2], v, Encoding::F32, None);
+    let base = || {
+        vec![
+            good("bn.weight", &[1.0, 1.0]),
+            good("bn.bias", &[0.0, 0.0]),
+            good("bn.running_mean", &[0.0, 0.0]),
+        ]
+    };
+    let mut wrong_shape = base();
+    wrong_shape.push(encode(
+        "bn.running_var",
+        &[1, 2],
+        &[1.0, 1.0],
+        Encoding::F32,
+        None,
+    ));
+    let mut half = base();
+    half.push(encode(
+        "bn.running_var",
+        &[2],
+        &[1.0, 1.0],
+        Encoding::F16,
+        None,
+    ));
+    let mut negative = base();
+    negative.push(good("bn.running_var", &[1.0, -0.5]));
+    let mut dup = base();
+    dup.push(good("bn.bias", &[0.0, 0.0]));
+    for (bn, want) in [
+        (
+            wrong_shape,
+            RejectReason::WrongShape("bn.running_var".into()),
+        ),
+        (half, RejectReason::WrongEncoding),
+        (
+            negative,
+            RejectReason::Malformed("`bn.running_var` holds a negative variance".into()),
+        ),
+        (dup, RejectReason::DuplicateTensor("bn.bias".into())),
+    ] {
+        assert_eq!(answer(&mut agg, "a", with_bn(bn)), Answer::Rejected(want));
+    }
+}
+
+#[test]
 fn shared_bn_reaches_only_the_package_affine_averaged_and_variances_pooled() {
     for sharing in [BnSharing::None, BnSharing::Affine, BnSharing::AffineStats] {
         let dir = tempfile::tempdir().unwrap();
@@ -364,4 +439,46 @@ fn sharing_needs_local_bn() {
             .any(|e| e.contains("bn_sharing `affine` needs bn_policy local")),
         "{errs:?}"
     );
+}
+
+#[test]
+fn registry_entries_are_pruned_with_their_model_and_uncommitted_versions_are_not_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        keep_versions: 1,
+        ..FederationConfig::new("fed1", 3, 1)
+    };
+    let mut agg = Aggregator::open(dir.path(), cfg, initial(), 16).unwrap();
+    agg.handle(Event::Start, 0).unwrap();
+    let site = Id::new("new-site").unwrap();
+    let sealed = entry(0, Sealing::ChaCha20Poly1305 { nonce: [1; 12] }, b"v0");
+    assert!(matches!(
+        agg.registry_put(&site, &sealed, 5).unwrap(),
+        OnboardReply::Registered { .. }
+    ));
+    // A model file past the committed version (a close that crashed before its commit).
+    agg.store()
+        .save_model(5, &spec().hash().0, &initial().tensors)
+        .unwrap();
+    assert_eq!(
+        agg.package(Some(5)).unwrap().unwrap_err(),
+        OnboardError::UnknownVersion {
+            requested: 5,
+            available: vec![0]
+        }
+    );
+    // Round 1 closes: version 0 is pruned (keep 1), and its registry entry with it.
+    assert_eq!(
+        answer(&mut agg, "a", update("a", 1, 10, &[])),
+        Answer::Accepted
+    );
+    assert_eq!(agg.model_version(), 1);
+    assert_eq!(
+        agg.registry_get(&site, None).unwrap().unwrap_err(),
+        OnboardError::NotRegistered {
+            requested: None,
+            available: vec![]
+        }
+    );
+    assert!(agg.package(Some(0)).unwrap().is_err());
 }

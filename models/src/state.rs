@@ -313,8 +313,9 @@ pub fn import<N: Net>(
 }
 
 /// The tensors of a message (a broadcast, an onboarding package, a registry entry) decoded into
-/// a state dict of `spec`, in the message's order. A name outside the spec or undecodable
-/// values are errors naming the tensor.
+/// a state dict of `spec`, in the message's order. A name outside the spec, a shape other than
+/// the spec's (checked before anything is allocated) or undecodable values are errors naming
+/// the tensor.
 pub fn from_encoded(
     spec: &ModelSpec,
     tensors: &[unifed_protocol::EncodedTensor],
@@ -325,6 +326,15 @@ pub fn from_encoded(
             let s = spec
                 .tensor(&t.name)
                 .ok_or_else(|| StateError::Unexpected(t.name.clone()))?;
+            if t.shape.len() != s.shape.len()
+                || t.shape.iter().zip(&s.shape).any(|(&a, &b)| a as usize != b)
+            {
+                return Err(StateError::WrongShape {
+                    name: t.name.clone(),
+                    expected: s.shape.clone(),
+                    found: t.shape.iter().map(|&d| d as usize).collect(),
+                });
+            }
             Ok(NamedTensor {
                 name: t.name.clone(),
                 shape: s.shape.clone(),

@@ -140,7 +140,7 @@ pub struct Chunk {
 pub struct ChunkRequest {
     /// Model version wanted.
     pub model_version: u64,
-    /// Chunk indices wanted; empty means all.
+    /// Chunk indices wanted; empty means all. The aggregator serves at most 64 per request.
     pub indices: Vec<u32>,
     /// Chunks of that version's onboarding package instead of the round model.
     pub package: bool,

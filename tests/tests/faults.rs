@@ -330,11 +330,17 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
     round2.dedup_by(|a, b| a.0 == b.0);
     assert_eq!(round2.len(), 2, "grey and texture in round 2");
     let total: f64 = round2.iter().map(|(_, u)| u.samples as f64).sum();
+    let spec = fed.spec();
     let shared: Vec<&str> = round2[0].1.bn.iter().map(|b| b.name.as_str()).collect();
-    assert!(
-        shared
-            .iter()
-            .all(|n| n.ends_with(".weight") || n.ends_with(".bias"))
+    let affine: Vec<&str> = spec
+        .tensors
+        .iter()
+        .filter(|t| t.kind.is_bn_affine())
+        .map(|t| t.name.as_str())
+        .collect();
+    assert_eq!(
+        shared, affine,
+        "the sites shared exactly their BN weight and bias"
     );
     for t in package
         .weights
