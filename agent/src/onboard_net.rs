@@ -7,7 +7,7 @@ use crate::onboard::{CalibrateArgs, FetchArgs, bar, calibrate_to, write_model};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use unifed_agent::registry::{
-    OnboardClient, Owner, SiteKey, max_entry_bytes, max_package_bytes, must_seal, open, seal,
+    OnboardClient, Owner, SiteKey, max_package_bytes, must_seal, open, seal,
 };
 use unifed_agent::train::AgentConfig;
 use unifed_models::backend::Device;
@@ -184,7 +184,10 @@ pub fn fetch_calibrated_cmd(a: &FetchArgs, device: &Device) -> Result<()> {
     let entry = rt.block_on(async {
         let mut c = dev.connect().await?;
         let r = c
-            .registry_entry(a.version, max_entry_bytes(&dev.spec))
+            .registry_entry(
+                a.version,
+                unifed_protocol::max_registry_entry_bytes(&dev.spec),
+            )
             .await;
         c.close().await;
         r

@@ -196,18 +196,6 @@ pub fn max_package_bytes(spec: &unifed_protocol::ModelSpec) -> u64 {
     values + 256 * spec.tensors.len() as u64 + (1 << 16)
 }
 
-/// The largest registry entry of a model of `spec`: its BN tensors in f32, names, framing and
-/// the AEAD tag.
-pub fn max_entry_bytes(spec: &unifed_protocol::ModelSpec) -> usize {
-    let bn: usize = spec
-        .tensors
-        .iter()
-        .filter(|t| t.kind.is_bn())
-        .map(|t| 4 * t.numel() + 256)
-        .sum();
-    bn + (1 << 16)
-}
-
 /// How long one onboarding exchange may go without progress before it fails.
 const STALL: Duration = Duration::from_secs(60);
 /// Re-send period of an unanswered request.

@@ -8,7 +8,7 @@ use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
     BnSharing, Chunk, Extras, OnboardError, OnboardReply, PackageInfo, RegistryEntry, Sealing,
-    ServerBroadcast,
+    ServerBroadcast, max_registry_entry_bytes,
 };
 
 impl Aggregator {
@@ -20,17 +20,9 @@ impl Aggregator {
         Ok(v)
     }
 
-    /// The largest registry entry accepted: the model's BN tensors in f32, names, framing and
-    /// an AEAD tag (the agent's `max_entry_bytes` is the same bound).
+    /// The largest registry entry accepted (see [`max_registry_entry_bytes`]).
     pub fn max_entry_bytes(&self) -> usize {
-        let bn: usize = self
-            .spec
-            .tensors
-            .iter()
-            .filter(|t| t.kind.is_bn())
-            .map(|t| 4 * t.numel() + 256)
-            .sum();
-        bn + (1 << 16)
+        max_registry_entry_bytes(&self.spec)
     }
 
     /// The onboarding package of model `version` (the current one when `None`): every tensor

@@ -76,6 +76,23 @@ const NAMES: [&str; 4] = ["bn.weight", "bn.bias", "bn.running_mean", "bn.running
 /// An update of site `s` in `round` carrying the BN tensors named by `bn`.
 fn update(s: &str, round: u64, samples: u64, bn: &[&str]) -> Vec<u8> {
     let vals = site_bn(s);
+    let bn = bn
+        .iter()
+        .map(|n| {
+            let k = NAMES.iter().position(|m| m == n).unwrap();
+            encode(n, &[2], &vals[k], Encoding::F32, None)
+        })
+        .collect();
+    update_with(s, round, samples, bn)
+}
+
+/// An update of site `s` in `round` carrying the encoded tensors `bn`.
+fn update_with(
+    s: &str,
+    round: u64,
+    samples: u64,
+    bn: Vec<unifed_protocol::EncodedTensor>,
+) -> Vec<u8> {
     let upd = SiteUpdate {
         round,
         base_version: round - 1,
@@ -87,13 +104,7 @@ fn update(s: &str, round: u64, samples: u64, bn: &[&str]) -> Vec<u8> {
             Encoding::F32,
             None,
         )],
-        bn: bn
-            .iter()
-            .map(|n| {
-                let k = NAMES.iter().position(|m| m == n).unwrap();
-                encode(n, &[2], &vals[k], Encoding::F32, None)
-            })
-            .collect(),
+        bn,
         extras: Extras::default(),
     };
     Envelope::new(
@@ -194,32 +205,7 @@ fn shared_bn_of_the_wrong_shape_encoding_or_sign_is_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let mut agg = open(dir.path(), BnSharing::AffineStats);
     agg.handle(Event::Start, 0).unwrap();
-    let with_bn = |bn: Vec<unifed_protocol::EncodedTensor>| {
-        let upd = SiteUpdate {
-            round: 1,
-            base_version: 0,
-            samples: 10,
-            delta: vec![encode(
-                "fc.weight",
-                &[2],
-                &[0.25, -0.25],
-                Encoding::F32,
-                None,
-            )],
-            bn,
-            extras: Extras::default(),
-        };
-        Envelope::new(
-            MessageKind::SiteUpdate,
-            Id::new("fed1").unwrap(),
-            Id::new("a").unwrap(),
-            1,
-            0,
-            spec().hash(),
-            &upd,
-        )
-        .encode()
-    };
+    let with_bn = |bn| update_with("a", 1, 10, bn);
     let good = |n: &str, v: &[f32]| encode(n, &[2], v, Encoding::F32, None);
     let base = || {
         vec![

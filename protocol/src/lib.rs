@@ -62,6 +62,7 @@ pub use messages::{
     Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, Extras, OnboardError, OnboardReply,
     OnboardRequest, PackageInfo, RegistryEntry, RejectReason, RoundManifest, Scalar, Sealing,
     ServerBroadcast, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
+    max_registry_entry_bytes,
 };
 pub use spec::{Input, ModelSpec, Scaling, SpecError, SpecHash, TensorKind, TensorSpec};
 pub use topics::Topics;

@@ -324,6 +324,19 @@ pub enum Sealing {
     },
 }
 
+/// The largest registry entry of a model of `spec`: its BN tensors in f32 with room for names,
+/// shapes, framing and an AEAD tag. The aggregator refuses larger entries and the agent
+/// accepts no larger ones.
+pub fn max_registry_entry_bytes(spec: &crate::ModelSpec) -> usize {
+    let bn: usize = spec
+        .tensors
+        .iter()
+        .filter(|t| t.kind.is_bn())
+        .map(|t| 4 * t.numel() + 256)
+        .sum();
+    bn + (1 << 16)
+}
+
 /// A site's calibrated BN state for one model version, as stored in the aggregator's registry.
 /// Sent in [`Chunk`]s (kinds `RegistryPut` and `RegistryEntry`) because it can exceed a packet.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

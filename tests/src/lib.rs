@@ -287,3 +287,13 @@ fn current_user() -> String {
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "root".into())
 }
+
+/// The names of a spec's BN weight and bias tensors, in spec order (what sites share under
+/// BN sharing `affine`).
+pub fn bn_affine_names(spec: &unifed_protocol::ModelSpec) -> Vec<&str> {
+    spec.tensors
+        .iter()
+        .filter(|t| t.kind.is_bn_affine())
+        .map(|t| t.name.as_str())
+        .collect()
+}

@@ -332,12 +332,7 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
     let total: f64 = round2.iter().map(|(_, u)| u.samples as f64).sum();
     let spec = fed.spec();
     let shared: Vec<&str> = round2[0].1.bn.iter().map(|b| b.name.as_str()).collect();
-    let affine: Vec<&str> = spec
-        .tensors
-        .iter()
-        .filter(|t| t.kind.is_bn_affine())
-        .map(|t| t.name.as_str())
-        .collect();
+    let affine = unifed_e2e::bn_affine_names(&spec);
     assert_eq!(
         shared, affine,
         "the sites shared exactly their BN weight and bias"

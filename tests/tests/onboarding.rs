@@ -254,12 +254,7 @@ fn under_affine_a_new_site_calibrates_registers_sealed_and_its_other_devices_fet
     let packets = run.proxy.packets();
     let ups = updates(&packets);
     assert_eq!(ups.len(), SITES.len() * fed.rounds as usize);
-    let affine: Vec<&str> = spec
-        .tensors
-        .iter()
-        .filter(|t| t.kind.is_bn_affine())
-        .map(|t| t.name.as_str())
-        .collect();
+    let affine = unifed_e2e::bn_affine_names(&spec);
     for (site, u) in &ups {
         let kind = |n: &str| spec.tensor(n).unwrap().kind;
         assert!(u.delta.iter().all(|t| !kind(&t.name).is_bn()), "{site}");
