@@ -7,14 +7,13 @@ use crate::onboard::{CalibrateArgs, FetchArgs, bar, calibrate_to, write_model};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use unifed_agent::registry::{
-    OnboardClient, Owner, SiteKey, max_package_bytes, must_seal, open, seal,
+    OnboardClient, Owner, SiteKey, fetch_package as fetch, must_seal, open, seal,
 };
 use unifed_agent::train::AgentConfig;
 use unifed_models::backend::Device;
 use unifed_models::state::{Select, StateDict, export, import};
-use unifed_models::zoo::{DigitsCnn, ModelConfig, spec_of};
-use unifed_protocol::encoding::{Encoding, encode};
-use unifed_protocol::ids::Id;
+use unifed_models::zoo::DigitsCnn;
+use unifed_protocol::encoding::Encoding;
 use unifed_protocol::{ModelSpec, PackageInfo};
 
 /// A device of the site named by an agent config: its model, spec, identity and key.
@@ -29,13 +28,8 @@ struct SiteDevice {
 impl SiteDevice {
     fn load(path: &Path, device: &Device) -> Result<Self> {
         let cfg = unifed_agent::train::load_config(path)?;
-        let site = Id::new(&cfg.site).map_err(|e| anyhow::anyhow!("site `{}`: {e}", cfg.site))?;
-        let federation = Id::new(&cfg.federation)
-            .map_err(|e| anyhow::anyhow!("federation `{}`: {e}", cfg.federation))?;
-        cfg.model.validate().map_err(anyhow::Error::msg)?;
-        let mc = ModelConfig::fedbn_digits();
-        let net = cfg.model.init(device);
-        let spec = spec_of(&net, &mc.classes, &mc.input);
+        let (site, federation) = cfg.ids()?;
+        let (net, spec) = cfg.model_and_spec(device)?;
         let key = cfg.site_key.as_deref().map(SiteKey::load).transpose()?;
         Ok(SiteDevice {
             owner: Owner {
@@ -80,21 +74,18 @@ fn fetch_package(
     version: Option<u64>,
 ) -> Result<(PackageInfo, StateDict)> {
     let pb = bar("fetching package");
-    let (info, b) = rt.block_on(async {
-        let mut c = dev.connect().await?;
-        let r = c
-            .package(version, max_package_bytes(&dev.spec), |done, total| {
-                pb.set_length(total as u64);
-                pb.set_position(done as u64);
-            })
-            .await;
-        c.close().await;
-        r
-    })?;
+    let r = rt.block_on(fetch(
+        &dev.cfg.broker,
+        dev.owner.clone(),
+        &dev.spec,
+        version,
+        |done, total| {
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        },
+    ));
     pb.finish_and_clear();
-    let state = unifed_models::state::from_encoded(&dev.spec, &b.weights)
-        .context("the onboarding package does not fit this agent's model")?;
-    Ok((info, state))
+    r
 }
 
 /// `calibrate --config`: package from the aggregator, calibration, local copy, registry.
@@ -148,10 +139,7 @@ pub fn calibrate_from_federation(a: &CalibrateArgs, config: &Path, device: &Devi
     let bn: Vec<_> = export(&cal, &dev.spec, Select::Bn)
         .tensors
         .iter()
-        .map(|t| {
-            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
-            encode(&t.name, &shape, &t.data, Encoding::F32, None)
-        })
+        .map(|t| t.encode(Encoding::F32, None))
         .collect();
     let entry = seal(key, &dev.owner, info.model_version, &bn);
     let hash = rt.block_on(async {

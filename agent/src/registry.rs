@@ -196,6 +196,25 @@ pub fn max_package_bytes(spec: &unifed_protocol::ModelSpec) -> u64 {
     values + 256 * spec.tensors.len() as u64 + (1 << 16)
 }
 
+/// Fetches the onboarding package of `version` (the newest when `None`) in an MQTT session of
+/// its own and decodes it for `spec` (bounded by [`max_package_bytes`]); `progress(done,
+/// total)` follows the chunks.
+pub async fn fetch_package(
+    broker: &BrokerConfig,
+    owner: Owner,
+    spec: &unifed_protocol::ModelSpec,
+    version: Option<u64>,
+    progress: impl FnMut(u32, u32),
+) -> Result<(PackageInfo, unifed_models::state::StateDict)> {
+    let mut c = OnboardClient::connect(broker, owner, Duration::from_secs(30)).await?;
+    let r = c.package(version, max_package_bytes(spec), progress).await;
+    c.close().await;
+    let (info, b) = r?;
+    let state = unifed_models::state::from_encoded(spec, &b.weights)
+        .context("the onboarding package does not fit this agent's model")?;
+    Ok((info, state))
+}
+
 /// How long one onboarding exchange may go without progress before it fails.
 const STALL: Duration = Duration::from_secs(60);
 /// Re-send period of an unanswered request.

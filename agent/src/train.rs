@@ -28,7 +28,7 @@ use unifed_protocol::messages::{
 use unifed_protocol::topics::Topics;
 
 use crate::progress::{Report, training_bar};
-use crate::registry::{OnboardClient, Owner};
+use crate::registry::Owner;
 use crate::uplink::{Uplink, Upload};
 use unifed_protocol::BnSharing;
 
@@ -93,6 +93,25 @@ pub struct AgentConfig {
     pub broker: BrokerConfig,
     /// The data.
     pub data: DataConfig,
+}
+
+impl AgentConfig {
+    /// The site's and the federation's ids, checked.
+    pub fn ids(&self) -> Result<(Id, Id)> {
+        let site = Id::new(&self.site).map_err(|e| anyhow::anyhow!("site `{}`: {e}", self.site))?;
+        let fed = Id::new(&self.federation)
+            .map_err(|e| anyhow::anyhow!("federation `{}`: {e}", self.federation))?;
+        Ok((site, fed))
+    }
+
+    /// The site's model (seeded, as every site and the initial model are) and its spec.
+    pub fn model_and_spec(&self, device: &Device) -> Result<(DigitsCnn, ModelSpec)> {
+        self.model.validate().map_err(anyhow::Error::msg)?;
+        let mc = ModelConfig::fedbn_digits();
+        let net = seeded(device, 0, |d| self.model.init(d));
+        let spec = spec_of(&net, &mc.classes, &mc.input);
+        Ok((net, spec))
+    }
 }
 
 /// Reads and parses an agent config file, naming the file in errors.
@@ -168,17 +187,9 @@ async fn package_bn(
         site: site.clone(),
         spec: spec.hash(),
     };
-    let mut c = OnboardClient::connect(&cfg.broker, owner, Duration::from_secs(30)).await?;
-    let r = c
-        .package(
-            Some(version),
-            crate::registry::max_package_bytes(spec),
-            |_, _| {},
-        )
-        .await;
-    c.close().await;
-    let (info, pkg) = r?;
-    let sd = unifed_models::state::from_encoded(spec, &pkg.weights)?.filter(Select::Bn);
+    let (info, state) =
+        crate::registry::fetch_package(&cfg.broker, owner, spec, Some(version), |_, _| {}).await?;
+    let sd = state.filter(Select::Bn);
     let sites: Vec<&str> = info.bn_sites.iter().map(|x| x.as_str()).collect();
     Ok((
         sd,
@@ -204,15 +215,10 @@ pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<f64> {
 
 /// Runs the agent until the federation finishes; returns the site's final test accuracy.
 pub async fn run(cfg: AgentConfig) -> Result<f64> {
-    let site_id = Id::new(&cfg.site).map_err(|e| anyhow::anyhow!("site `{}`: {e}", cfg.site))?;
-    let fed = Id::new(&cfg.federation)
-        .map_err(|e| anyhow::anyhow!("federation `{}`: {e}", cfg.federation))?;
+    let (site_id, fed) = cfg.ids()?;
     let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
     let device: Device = backend.device().map_err(anyhow::Error::msg)?;
-    cfg.model.validate().map_err(anyhow::Error::msg)?;
-    let mc = ModelConfig::fedbn_digits();
-    let net = seeded(&device, 0, |d| cfg.model.init(d));
-    let spec = spec_of(&net, &mc.classes, &mc.input);
+    let (net, spec) = cfg.model_and_spec(&device)?;
     let (train, test) = load_data(&cfg, &spec)?;
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;

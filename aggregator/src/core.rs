@@ -12,7 +12,6 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::path::Path;
-use unifed_protocol::TensorKind;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::encoding::{Encoding, Values, decode, encode};
@@ -22,6 +21,7 @@ use unifed_protocol::messages::{
     Answer, BnPolicy, Chunk, Extras, RejectReason, RoundManifest, ServerBroadcast, SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, SpecHash};
+use unifed_protocol::{TensorKind, TensorSpec};
 
 /// How many closed rounds' accepted sites are remembered to answer late re-sends.
 const RECENT_ROUNDS: usize = 8;
@@ -334,17 +334,29 @@ impl Aggregator {
     /// The postcard [`ServerBroadcast`] of the current model: every tensor under `global` BN,
     /// the non-BN ones under `local`, always as exact f32 (sites must start from the exact model).
     pub fn broadcast_payload(&self) -> Vec<u8> {
-        let weights = self
-            .update_idx
-            .iter()
-            .map(|&i| {
-                let t = &self.spec.tensors[i];
+        self.exact_broadcast(
+            self.state.model_version,
+            self.update_idx
+                .iter()
+                .map(|&i| (&self.spec.tensors[i], self.model[i].as_slice())),
+        )
+    }
+
+    /// The postcard [`ServerBroadcast`] of model `version` carrying `tensors` in exact f32:
+    /// what round models and onboarding packages are made of.
+    pub(crate) fn exact_broadcast<'a>(
+        &self,
+        version: u64,
+        tensors: impl Iterator<Item = (&'a TensorSpec, &'a [f32])>,
+    ) -> Vec<u8> {
+        let weights = tensors
+            .map(|(t, values)| {
                 let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
-                encode(&t.name, &shape, &self.model[i], Encoding::F32, None)
+                encode(&t.name, &shape, values, Encoding::F32, None)
             })
             .collect();
         let b = ServerBroadcast {
-            model_version: self.state.model_version,
+            model_version: version,
             weights,
             extras: Extras::default(),
         };

@@ -4,11 +4,10 @@
 
 use crate::core::{Aggregator, CoreError};
 use unifed_protocol::chunking::{payload_hash, split};
-use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    BnSharing, Chunk, Extras, OnboardError, OnboardReply, PackageInfo, RegistryEntry, Sealing,
-    ServerBroadcast, max_registry_entry_bytes,
+    BnSharing, Chunk, OnboardError, OnboardReply, PackageInfo, RegistryEntry, Sealing,
+    max_registry_entry_bytes,
 };
 
 impl Aggregator {
@@ -41,36 +40,38 @@ impl Aggregator {
                 available,
             }));
         }
-        let mut tensors = if v == self.state.model_version {
-            self.model.clone()
+        // The current model is served from memory, without a copy; older ones from disk.
+        let loaded;
+        let model: &[Vec<f32>] = if v == self.state.model_version {
+            &self.model
         } else {
-            self.store.load_model(v, &self.hash.0)?
+            loaded = self.store.load_model(v, &self.hash.0)?;
+            &loaded
         };
-        let mut bn_sites = Vec::new();
-        if let Some((sites, share)) = self.store.load_bn_share(v, &self.hash.0)?
-            && share.len() == self.share_idx.len()
-        {
-            for (&i, t) in self.share_idx.iter().zip(share) {
-                tensors[i] = t;
-            }
-            bn_sites = sites.iter().filter_map(|s| Id::new(s).ok()).collect();
-        }
-        let weights = self
-            .spec
-            .tensors
-            .iter()
-            .zip(&tensors)
-            .map(|(t, values)| {
-                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
-                encode(&t.name, &shape, values, Encoding::F32, None)
-            })
-            .collect();
-        let payload = postcard::to_allocvec(&ServerBroadcast {
-            model_version: v,
-            weights,
-            extras: Extras::default(),
-        })
-        .expect("package serialises");
+        let share = self
+            .store
+            .load_bn_share(v, &self.hash.0)?
+            .filter(|(_, share)| share.len() == self.share_idx.len());
+        let values = |i: usize| -> &[f32] {
+            share
+                .as_ref()
+                .and_then(|(_, sh)| {
+                    let k = self.share_idx.iter().position(|&j| j == i)?;
+                    Some(sh[k].as_slice())
+                })
+                .unwrap_or(&model[i])
+        };
+        let payload = self.exact_broadcast(
+            v,
+            self.spec
+                .tensors
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t, values(i))),
+        );
+        let bn_sites = share.as_ref().map_or_else(Vec::new, |(sites, _)| {
+            sites.iter().filter_map(|s| Id::new(s).ok()).collect()
+        });
         let chunks = split(&payload, self.chunk_bytes);
         let info = PackageInfo {
             model_version: v,

@@ -9,7 +9,7 @@ use crate::state::{Select, delta, export, import};
 use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_local};
 use crate::zoo::Net;
 use std::collections::HashMap;
-use unifed_protocol::encoding::{Encoding, encode};
+use unifed_protocol::encoding::Encoding;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{BnPolicy, Extras, Scalar, ServerBroadcast, SiteUpdate};
@@ -109,9 +109,10 @@ impl<N: Net> Site<N> {
             .tensors
             .iter()
             .map(|t| {
-                let shape: Vec<u32> = t.shape.iter().map(|&x| x as u32).collect();
-                let res = self.residual.entry(t.name.clone()).or_default();
-                encode(&t.name, &shape, &t.data, encoding, Some(res))
+                t.encode(
+                    encoding,
+                    Some(self.residual.entry(t.name.clone()).or_default()),
+                )
             })
             .collect();
         let shared = if bn == BnPolicy::Local {
@@ -119,10 +120,7 @@ impl<N: Net> Site<N> {
                 .tensors
                 .into_iter()
                 .filter(|t| sharing.shares(t.kind))
-                .map(|t| {
-                    let shape: Vec<u32> = t.shape.iter().map(|&x| x as u32).collect();
-                    encode(&t.name, &shape, &t.data, Encoding::F32, None)
-                })
+                .map(|t| t.encode(Encoding::F32, None))
                 .collect()
         } else {
             Vec::new()

@@ -34,6 +34,19 @@ pub struct NamedTensor {
     pub data: Vec<f32>,
 }
 
+impl NamedTensor {
+    /// The tensor in a wire encoding, with error feedback through `residual` when given (see
+    /// [`unifed_protocol::encode`]).
+    pub fn encode(
+        &self,
+        encoding: unifed_protocol::Encoding,
+        residual: Option<&mut Vec<f32>>,
+    ) -> unifed_protocol::EncodedTensor {
+        let shape: Vec<u32> = self.shape.iter().map(|&d| d as u32).collect();
+        unifed_protocol::encode(&self.name, &shape, &self.data, encoding, residual)
+    }
+}
+
 /// A model's tensors (all of them, or a subset such as the non-BN ones), tagged with the hash
 /// of the spec they belong to.
 #[derive(Debug, Clone, PartialEq)]
