@@ -113,9 +113,4 @@ pub fn write_initial(
     Ok(spec)
 }
 
-/// `<model>.spec.json`, where the aggregator looks for a model file's spec.
-pub fn spec_path(model: &Path) -> std::path::PathBuf {
-    let mut p = model.as_os_str().to_owned();
-    p.push(".spec.json");
-    p.into()
-}
+pub use unifed_protocol::spec_path;

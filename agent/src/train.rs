@@ -206,11 +206,7 @@ pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<f64> {
         unifed_models::backend::cap_cpu_threads(t)
             .map_err(|e| anyhow::anyhow!("{}: threads: {e}", path.display()))?;
     }
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?
-        .block_on(run(cfg))
+    unifed_net::block_on(run(cfg))?
 }
 
 /// Runs the agent until the federation finishes; returns the site's final test accuracy.

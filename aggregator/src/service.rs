@@ -47,12 +47,7 @@ fn default_linger() -> u64 {
     30
 }
 
-/// Path of the spec file that accompanies a model file.
-pub fn spec_path(model: &Path) -> PathBuf {
-    let mut p = model.as_os_str().to_owned();
-    p.push(".spec.json");
-    PathBuf::from(p)
-}
+pub use unifed_protocol::spec_path;
 
 /// Reads a model file and its spec into a [`GlobalModel`] (no burn: safetensors and JSON).
 pub fn load_model(model: &Path) -> Result<GlobalModel> {
@@ -159,13 +154,9 @@ pub fn serve_from_file(path: &Path) -> Result<u64> {
     cfg.federation
         .validate()
         .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.join("; ")))?;
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?
-        .block_on(serve(cfg, async {
-            let _ = tokio::signal::ctrl_c().await;
-        }))
+    unifed_net::block_on(serve(cfg, async {
+        let _ = tokio::signal::ctrl_c().await;
+    }))?
 }
 
 /// Runs the federation until it has finished and lingered, or `shutdown` resolves. Returns the

@@ -86,10 +86,9 @@ fn main() -> Result<()> {
             unifed_agent::train::run_from_file(&config, false).map(|_| ())
         }
         Some(Command::Onboarding { opts, sweep }) => {
-            never_seen(&opts, sweep)?;
-            let sites: Vec<String> = run::sites(&opts)?.into_iter().map(|(id, _)| id).collect();
-            let rows =
-                onboard::late_joiners(&opts.work, &sites, opts.train_samples, |s| println!("{s}"))?;
+            let fedbn = fedbn_run(&opts)?;
+            never_seen(&opts, &fedbn, sweep)?;
+            let rows = onboard::late_joiners(&fedbn, opts.train_samples, |s| println!("{s}"))?;
             let path = opts.out.join("late-joiner.json");
             std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)?;
             println!("wrote {}", path.display());
@@ -108,17 +107,22 @@ fn main() -> Result<()> {
             }
             report::finish(&opts, &runs)?;
             if runs.len() == 2 && runs[0].bn_policy != runs[1].bn_policy {
-                never_seen(&opts, false)?;
+                never_seen(&opts, &fedbn_run(&opts)?, false)?;
             }
             Ok(())
         }
     }
 }
 
-/// The never-seen domains' table from the runs in the work folder, printed and written.
-fn never_seen(opts: &run::Options, sweep: bool) -> Result<()> {
+/// The finished FedBN run in the work folder, its sites named as the options name them.
+fn fedbn_run(opts: &run::Options) -> Result<onboard::FedBnRun> {
     let sites: Vec<String> = run::sites(opts)?.into_iter().map(|(id, _)| id).collect();
-    let rows = onboard::table(&opts.work, &sites, sweep, |s| println!("{s}"))?;
+    onboard::FedBnRun::load(&opts.work, &sites)
+}
+
+/// The never-seen domains' table from the runs in the work folder, printed and written.
+fn never_seen(opts: &run::Options, fedbn: &onboard::FedBnRun, sweep: bool) -> Result<()> {
+    let rows = onboard::table(fedbn, sweep, |s| println!("{s}"))?;
     println!("{}", onboard::render(&rows));
     std::fs::create_dir_all(&opts.out)?;
     let path = opts.out.join("onboarding.json");

@@ -136,22 +136,27 @@ fn stream(
 }
 
 /// What a finished FedBN run left in `<work>/local`: the spec, the initial model (whose BN
-/// layers the global model keeps under `local` BN) and every site's final checkpoint.
-struct FedBnRun {
+/// layers the global model keeps under `local` BN) and every site's final checkpoint; with the
+/// built-in data, loaded once for the table and the late joiners.
+pub struct FedBnRun {
+    work: std::path::PathBuf,
+    site_names: Vec<String>,
     device: Device,
     spec: ModelSpec,
     init: StateDict,
     sites: Vec<StateDict>,
+    data: BuiltinData,
 }
 
 impl FedBnRun {
-    fn load(work: &Path, sites: &[String]) -> Result<FedBnRun> {
+    /// Loads the run in `work` with its sites `sites`, and the built-in data.
+    pub fn load(work: &Path, sites: &[String]) -> Result<FedBnRun> {
         let device = unifed_models::backend::Backend::Flex
             .device()
             .map_err(anyhow::Error::msg)?;
         let local = work.join("local");
         let spec: ModelSpec = serde_json::from_slice(
-            &std::fs::read(local.join("init.safetensors.spec.json"))
+            &std::fs::read(unifed_protocol::spec_path(&local.join("init.safetensors")))
                 .with_context(|| format!("reading the FedBN run in {}", local.display()))?,
         )?;
         let load =
@@ -165,33 +170,34 @@ impl FedBnRun {
             bail!("no site checkpoints in {}", local.display());
         }
         Ok(FedBnRun {
+            work: work.to_path_buf(),
+            site_names: sites.to_vec(),
             device,
             spec,
             init,
             sites: states,
+            data: BuiltinData::load().context("loading the built-in data")?,
         })
     }
 }
 
-/// Evaluates every baseline on every never-seen domain from the runs in `work` (sites `sites`);
-/// with `sweep`, also the full stream grid: tau {0, 0.5, 0.9} x batch {2, 8, 32, 128, 512} x
-/// 3 orders, for both affine choices.
-pub fn table(
-    work: &Path,
-    sites: &[String],
-    sweep: bool,
-    mut say: impl FnMut(String),
-) -> Result<Vec<DomainRow>> {
+/// Evaluates every baseline on every never-seen domain from the FedBN run and the FedAvg run
+/// beside it; with `sweep`, also the full stream grid: tau {0, 0.5, 0.9} x batch {2, 8, 32,
+/// 128, 512} x 3 orders, for both affine choices.
+pub fn table(run: &FedBnRun, sweep: bool, mut say: impl FnMut(String)) -> Result<Vec<DomainRow>> {
     let FedBnRun {
+        work,
+        site_names: sites,
         device,
         spec,
         init,
         sites: site_states,
-    } = FedBnRun::load(work, sites)?;
-    let load = |p: &Path| checkpoint::load(p, &spec).with_context(|| format!("{}", p.display()));
+        data,
+    } = run;
+    let load = |p: &Path| checkpoint::load(p, spec).with_context(|| format!("{}", p.display()));
     // Every FedBN site holds the same final non-BN weights; the BN layers are each its own.
-    let global_own_bn = with(&init, &site_states[0], Select::NonBn);
-    let avg = average_bn(&site_states);
+    let global_own_bn = with(init, &site_states[0], Select::NonBn);
+    let avg = average_bn(site_states);
     let avg_all = with(&global_own_bn, &avg, Select::Bn);
     let avg_affine = with(&global_own_bn, &avg, Select::BnAffine);
     let fedavg = load(
@@ -201,25 +207,24 @@ pub fn table(
             .join("model.safetensors"),
     )
     .context("the FedAvg run's model")?;
-    let net_a = build(&spec, &global_own_bn, &device)?;
-    let net_b = build(&spec, &avg_all, &device)?;
-    let net_c = build(&spec, &fedavg, &device)?;
-    let net_aff = build(&spec, &avg_affine, &device)?;
+    let net_a = build(spec, &global_own_bn, device)?;
+    let net_b = build(spec, &avg_all, device)?;
+    let net_c = build(spec, &fedavg, device)?;
+    let net_aff = build(spec, &avg_affine, device)?;
 
-    let data = BuiltinData::load().context("loading the built-in data")?;
     let mut rows = Vec::new();
     for d in Domain::UNSEEN {
         let dd = data.domain(d, &SplitSizes::default(), 0)?;
-        let test = dd.test.dataset(&format!("{}/test", d.name()), &spec)?;
-        let calib = dd.calib.dataset(&format!("{}/calib", d.name()), &spec)?;
+        let test = dd.test.dataset(&format!("{}/test", d.name()), spec)?;
+        let calib = dd.calib.dataset(&format!("{}/calib", d.name()), spec)?;
         let acc = |net: &DigitsCnn| -> Result<f64> {
-            Ok(evaluate(net, &test, 10, 256, &device)?.accuracy())
+            Ok(evaluate(net, &test, 10, 256, device)?.accuracy())
         };
         let cal = |net: &DigitsCnn| -> Result<DigitsCnn> {
             Ok(calibrate(
                 net,
                 &calib.x,
-                &device,
+                device,
                 &CalibrateConfig::default(),
                 |_, _| {},
             )?)
@@ -229,8 +234,8 @@ pub fn table(
             acc(&net_a)?,
             acc(&net_b)?,
             acc(&net_c)?,
-            stream(&net_a, &test, 0.9, 32, 0, &device)?,
-            stream(&net_aff, &test, 0.9, 32, 0, &device)?,
+            stream(&net_a, &test, 0.9, 32, 0, device)?,
+            stream(&net_aff, &test, 0.9, 32, 0, device)?,
             acc(&cal(&net_a)?)?,
             acc(&cal(&net_aff)?)?,
         ];
@@ -243,7 +248,7 @@ pub fn table(
                 for tau in [0.0, 0.5, 0.9] {
                     for batch in [2, 8, 32, 128, 512] {
                         for order in 0..3 {
-                            let accuracy = stream(net, &test, tau, batch, order, &device)?;
+                            let accuracy = stream(net, &test, tau, batch, order, device)?;
                             cells.push(SweepCell {
                                 affine: affine.into(),
                                 tau,
@@ -287,8 +292,7 @@ pub struct LateJoiner {
 /// accuracy before and after one local epoch (FedBN's recipe), starting from never-trained BN
 /// or from BN calibrated on its own training images (the agent's default, `join_bn`).
 pub fn late_joiners(
-    work: &Path,
-    sites: &[String],
+    run: &FedBnRun,
     train_samples: usize,
     mut say: impl FnMut(String),
 ) -> Result<Vec<LateJoiner>> {
@@ -297,9 +301,10 @@ pub fn late_joiners(
         spec,
         init,
         sites: site_states,
-    } = FedBnRun::load(work, sites)?;
-    let fresh = build(&spec, &with(&init, &site_states[0], Select::NonBn), &device)?;
-    let data = BuiltinData::load().context("loading the built-in data")?;
+        data,
+        ..
+    } = run;
+    let fresh = build(spec, &with(init, &site_states[0], Select::NonBn), device)?;
     let tc = unifed_models::train::TrainConfig::default();
     let mut out = Vec::new();
     for d in Domain::TRAINING {
@@ -311,18 +316,18 @@ pub fn late_joiners(
             },
             0,
         )?;
-        let train = dd.train.dataset(&format!("{}/train", d.name()), &spec)?;
-        let test = dd.test.dataset(&format!("{}/test", d.name()), &spec)?;
+        let train = dd.train.dataset(&format!("{}/train", d.name()), spec)?;
+        let test = dd.test.dataset(&format!("{}/test", d.name()), spec)?;
         let acc = |net: &DigitsCnn| -> Result<f64> {
-            Ok(evaluate(net, &test, 10, 256, &device)?.accuracy())
+            Ok(evaluate(net, &test, 10, 256, device)?.accuracy())
         };
         let one_epoch = |net: &DigitsCnn| -> Result<DigitsCnn> {
-            Ok(unifed_models::train::train_local(net, &train, 10, &tc, &device, |_| {})?.0)
+            Ok(unifed_models::train::train_local(net, &train, 10, &tc, device, |_| {})?.0)
         };
         let cal = calibrate(
             &fresh,
             &train.x,
-            &device,
+            device,
             &CalibrateConfig::default(),
             |_, _| {},
         )?;

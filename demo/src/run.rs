@@ -390,8 +390,6 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     }
     rounds_bar.finish();
     let memory = kids.memory();
-    kids.kill("aggregator");
-    kids.kill("broker");
     drop(kids);
     let mut round_seconds = Vec::new();
     let mut prev = 0.0;

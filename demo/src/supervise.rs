@@ -48,14 +48,18 @@ pub struct Memory {
     pub peak_each: BTreeMap<String, u64>,
 }
 
-fn status_kib(pid: u32, field: &str) -> Option<u64> {
+/// `VmRSS` and `VmHWM` of `pid` in KiB, from one read of `/proc/<pid>/status`.
+fn rss_and_peak_kib(pid: u32) -> Option<(Option<u64>, Option<u64>)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find(|l| l.starts_with(field))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
+    let field = |name: &str| -> Option<u64> {
+        s.lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    Some((field("VmRSS:"), field("VmHWM:")))
 }
 
 impl Children {
@@ -73,8 +77,9 @@ impl Children {
                 let mut total = 0;
                 let mut mem = m.lock().unwrap_or_else(|e| e.into_inner());
                 for (name, pid) in &list {
-                    total += status_kib(*pid, "VmRSS:").unwrap_or(0) * 1024;
-                    if let Some(hwm) = status_kib(*pid, "VmHWM:") {
+                    let (rss, hwm) = rss_and_peak_kib(*pid).unwrap_or((None, None));
+                    total += rss.unwrap_or(0) * 1024;
+                    if let Some(hwm) = hwm {
                         let e = mem.peak_each.entry(name.clone()).or_default();
                         *e = (*e).max(hwm * 1024);
                     }
@@ -146,14 +151,6 @@ impl Children {
             .and_then(|(_, c)| c.try_wait().ok().flatten())
     }
 
-    /// Kills `who` (if running) and reaps it.
-    pub fn kill(&mut self, who: &str) {
-        if let Some((_, c)) = self.children.iter_mut().find(|(n, _)| n == who) {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
     /// The memory figures so far.
     pub fn memory(&self) -> Memory {
         self.memory.lock().map(|m| m.clone()).unwrap_or_default()
@@ -163,7 +160,8 @@ impl Children {
 impl Drop for Children {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        for (_, c) in &mut self.children {
+        // Last started first: agents and aggregator go before the broker they talk to.
+        for (_, c) in self.children.iter_mut().rev() {
             let _ = c.kill();
             let _ = c.wait();
         }

@@ -173,6 +173,16 @@ pub fn spawn_event_loop(
 
 pub use rumqttc::{AsyncClient as Client, LastWill as Will, QoS as Qos};
 
+/// Runs `fut` on the services' runtime: two worker threads (one for the MQTT event loop, one
+/// for the service), timers and I/O enabled.
+pub fn block_on<F: std::future::Future>(fut: F) -> std::io::Result<F::Output> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(fut))
+}
+
 /// Installs the binaries' log subscriber: `RUST_LOG` if set, else `default_filter`; logs go to
 /// stderr so stdout stays for results.
 pub fn init_logging(default_filter: &str) {

@@ -64,5 +64,7 @@ pub use messages::{
     ServerBroadcast, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
     max_registry_entry_bytes,
 };
+#[cfg(feature = "std")]
+pub use spec::spec_path;
 pub use spec::{Input, ModelSpec, Scaling, SpecError, SpecHash, TensorKind, TensorSpec};
 pub use topics::Topics;

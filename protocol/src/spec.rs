@@ -255,6 +255,14 @@ fn put_str(h: &mut Sha256, s: &str) {
     h.update(s.as_bytes());
 }
 
+/// `<model>.spec.json`: where a model file's spec is kept, beside it.
+#[cfg(feature = "std")]
+pub fn spec_path(model: &std::path::Path) -> std::path::PathBuf {
+    let mut p = model.as_os_str().to_owned();
+    p.push(".spec.json");
+    p.into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

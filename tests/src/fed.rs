@@ -122,8 +122,7 @@ impl Fed {
 
     /// The model spec written beside the initial model.
     pub fn spec(&self) -> unifed_protocol::ModelSpec {
-        let p = self.dir.join("init.safetensors.spec.json");
-        self.model();
+        let p = unifed_protocol::spec_path(&self.model());
         serde_json::from_slice(&std::fs::read(p).expect("spec file")).expect("spec json")
     }
 
@@ -233,10 +232,19 @@ impl Fed {
 
     /// Waits up to `limit` for a line containing `needle` in the log `<name>.log`.
     pub fn wait_line(&self, name: &str, needle: &str, limit: std::time::Duration) -> bool {
-        let path = self.dir.join(format!("{name}.log"));
+        self.wait_any(&[name], needle, limit)
+    }
+
+    /// Waits up to `limit` for a line containing `needle` in any of the logs `<name>.log`
+    /// (each checked at least once).
+    pub fn wait_any(&self, names: &[&str], needle: &str, limit: std::time::Duration) -> bool {
         let t0 = std::time::Instant::now();
         loop {
-            if std::fs::read_to_string(&path).is_ok_and(|t| t.contains(needle)) {
+            let found = names.iter().any(|n| {
+                std::fs::read_to_string(self.dir.join(format!("{n}.log")))
+                    .is_ok_and(|t| t.contains(needle))
+            });
+            if found {
                 return true;
             }
             if t0.elapsed() >= limit {
@@ -244,21 +252,6 @@ impl Fed {
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-    }
-
-    /// Waits up to `limit` for a line containing `needle` in any of the logs `<name>.log`.
-    pub fn wait_any(&self, names: &[&str], needle: &str, limit: std::time::Duration) -> bool {
-        let t0 = std::time::Instant::now();
-        while t0.elapsed() < limit {
-            if names
-                .iter()
-                .any(|n| self.wait_line(n, needle, std::time::Duration::ZERO))
-            {
-                return true;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        false
     }
 
     /// Every log file of the test's folder, for a failure message.
