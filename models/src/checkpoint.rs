@@ -72,7 +72,48 @@ pub fn to_bytes(state: &StateDict, spec: &ModelSpec) -> Result<Vec<u8>, StateErr
         (META_ARCH.to_string(), spec.architecture.clone()),
         ("format".to_string(), "pt".to_string()),
     ]);
-    safetensors::serialize(views, Some(meta)).map_err(|e| StateError::Mismatch(e.to_string()))
+    let bytes = safetensors::serialize(views, Some(meta))
+        .map_err(|e| StateError::Mismatch(e.to_string()))?;
+    Ok(canonical_header(bytes))
+}
+
+/// The file with its JSON header's keys sorted (the metadata map is a `HashMap`, whose order
+/// changes from process to process), so the same state always gives the same bytes. Tensor
+/// offsets are relative to the data section and stay valid.
+fn canonical_header(bytes: Vec<u8>) -> Vec<u8> {
+    use serde_json::Value;
+    use std::collections::BTreeMap;
+    fn sorted(v: Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let b: BTreeMap<String, Value> =
+                    m.into_iter().map(|(k, v)| (k, sorted(v))).collect();
+                serde_json::to_value(b).expect("a map of values serialises")
+            }
+            other => other,
+        }
+    }
+    let Some(n) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+    else {
+        return bytes;
+    };
+    let Some(Ok(header)) = bytes.get(8..8 + n).map(serde_json::from_slice::<Value>) else {
+        return bytes;
+    };
+    // `to_value` of a BTreeMap builds a serde_json map in the BTreeMap's (sorted) order, and
+    // serialising it keeps that order with or without serde_json's `preserve_order`.
+    let mut text = serde_json::to_vec(&sorted(header)).expect("a JSON value serialises");
+    // safetensors pads the header with spaces to a multiple of 8 bytes.
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + text.len() + bytes.len() - 8 - n);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    out
 }
 
 /// Writes `state` to `path` as safetensors, atomically and durably (temporary file, fsync,
