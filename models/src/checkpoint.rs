@@ -106,7 +106,7 @@ fn canonical_header(bytes: Vec<u8>) -> Vec<u8> {
     // serialising it keeps that order with or without serde_json's `preserve_order`.
     let mut text = serde_json::to_vec(&sorted(header)).expect("a JSON value serialises");
     // safetensors pads the header with spaces to a multiple of 8 bytes.
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + text.len() + bytes.len() - 8 - n);
