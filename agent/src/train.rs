@@ -219,6 +219,7 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
     let ckpt = cfg.state_dir.join("model.safetensors");
+    let residual_path = cfg.state_dir.join("residual.bin");
     let progress_path = cfg.state_dir.join("progress.json");
     let mut progress: Progress = match std::fs::read(&progress_path) {
         Ok(b) => serde_json::from_slice(&b)
@@ -234,6 +235,12 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
         net
     };
     let mut site: Option<Site<DigitsCnn>> = Some(Site::new(&cfg.site, net, train, test)?);
+    if resumed {
+        // The error-feedback residual of the last accepted update (none under exact f32).
+        site.as_mut()
+            .expect("site present")
+            .load_residual(&residual_path, &spec)?;
+    }
     let topics = Topics::new(&fed);
     let status = |state: SiteState, detail: &str| {
         Envelope::new(
@@ -288,6 +295,7 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
     let t0 = Instant::now();
     let save = |site: &Site<DigitsCnn>, progress: &Progress| -> Result<()> {
         checkpoint::save(&ckpt, &export(&site.net, &spec, Select::All), &spec)?;
+        site.save_residual(&residual_path)?;
         std::fs::write(&progress_path, serde_json::to_vec_pretty(progress)?)?;
         Ok(())
     };
@@ -305,23 +313,46 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                 }
                 Some(NetEvent::Disconnected(_)) => {}
                 Some(NetEvent::Message { topic, payload }) => {
+                    // Bad input from the network is logged and dropped here: only local
+                    // failures end the agent.
                     let env = match Envelope::decode(&payload) {
                         Ok(e) => e,
                         Err(e) => {
-                            tracing::warn!(topic, error = %e, "undecodable message ignored");
+                            tracing::warn!(topic, error = %e, "undecodable message dropped");
                             continue;
                         }
                     };
+                    if env.federation != fed || env.sender.as_str() != unifed_protocol::AGGREGATOR_ID {
+                        tracing::warn!(topic, federation = %env.federation, sender = %env.sender, "message from another federation or sender dropped");
+                        continue;
+                    }
                     match env.kind {
                         MessageKind::RoundManifest => {
-                            let m: RoundManifest = env.payload_as()?;
-                            if m.spec_hash != spec.hash() {
-                                bail!("the federation's model spec {} differs from this agent's {} (check [model])", m.spec_hash, spec.hash());
+                            let m: RoundManifest = match env.payload_as() {
+                                Ok(m) => m,
+                                Err(e) => {
+                                    tracing::warn!(topic, error = %e, "malformed manifest dropped");
+                                    continue;
+                                }
+                            };
+                            if m.spec_hash != spec.hash() || env.spec_hash != spec.hash() {
+                                tracing::warn!(theirs = %m.spec_hash, ours = %spec.hash(), "a manifest for another model spec dropped (check [model] if the federation's spec differs)");
+                                continue;
+                            }
+                            if let Err(e) = m.plan.objective.validate() {
+                                tracing::warn!(error = %e, "a manifest with an invalid plan dropped");
+                                continue;
                             }
                             manifest = Some(m);
                         }
                         MessageKind::ModelChunk => {
-                            let chunk: unifed_protocol::messages::Chunk = env.payload_as()?;
+                            let chunk: unifed_protocol::messages::Chunk = match env.payload_as() {
+                                Ok(c) => c,
+                                Err(e) => {
+                                    tracing::warn!(topic, error = %e, "malformed chunk dropped");
+                                    continue;
+                                }
+                            };
                             let Some(m) = &manifest else { continue };
                             if chunk.payload_hash != m.payload_hash {
                                 // An older model's, or an onboarding package's.
@@ -330,9 +361,22 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                             outstanding.remove(&chunk.index);
                             match reasm.insert(chunk, t0.elapsed().as_millis() as u64) {
                                 Ok(Some(bytes)) if unifed_protocol::chunking::payload_hash(&bytes) == m.payload_hash => {
-                                    let b: ServerBroadcast = postcard::from_bytes(&bytes).context("decoding the model broadcast")?;
+                                    let b: ServerBroadcast = match postcard::from_bytes(&bytes) {
+                                        Ok(b) => b,
+                                        Err(e) => {
+                                            tracing::warn!(error = %e, "model payload that does not decode dropped");
+                                            continue;
+                                        }
+                                    };
                                     let s = site.as_mut().expect("site present");
-                                    s.receive(&spec, &b, m.bn_policy)?;
+                                    if b.model_version != m.model_version {
+                                        tracing::warn!(got = b.model_version, want = m.model_version, "model payload of another version dropped");
+                                        continue;
+                                    }
+                                    if let Err(e) = s.receive(&spec, &b, m.bn_policy) {
+                                        tracing::warn!(error = %e, "model payload that does not fit the spec dropped");
+                                        continue;
+                                    }
                                     if !resumed && progress.applied_version.is_none() && b.model_version > 0
                                         && m.bn_policy == unifed_protocol::messages::BnPolicy::Local
                                         && cfg.join_bn == JoinBn::Calibrate
@@ -374,9 +418,17 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                             }
                         }
                         MessageKind::UpdateAnswer => {
-                            let a: UpdateAnswer = env.payload_as()?;
+                            let a: UpdateAnswer = match env.payload_as() {
+                                Ok(a) => a,
+                                Err(e) => {
+                                    tracing::warn!(topic, error = %e, "malformed answer dropped");
+                                    continue;
+                                }
+                            };
                             if pending.as_ref().is_some_and(|p| p.round == a.round) {
-                                Report::Answered { round: a.round, accepted: a.answer == Answer::Accepted }.emit();
+                                let accepted = a.answer == Answer::Accepted;
+                                site.as_mut().expect("site present").answered(a.round, accepted);
+                                Report::Answered { round: a.round, accepted }.emit();
                                 match a.answer {
                                     Answer::Accepted => println!("{site_id}: update for round {} accepted", a.round),
                                     Answer::Rejected(r) => eprintln!("{site_id}: update for round {} rejected: {r:?}", a.round),
@@ -387,7 +439,13 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                             }
                         }
                         MessageKind::UpdateReceipt => {
-                            let r: UpdateReceipt = env.payload_as()?;
+                            let r: UpdateReceipt = match env.payload_as() {
+                                Ok(r) => r,
+                                Err(e) => {
+                                    tracing::warn!(topic, error = %e, "malformed receipt dropped");
+                                    continue;
+                                }
+                            };
                             if let Some(p) = &mut pending {
                                 p.receipt(&r);
                                 uplink.pump(p, resend).await?;
@@ -470,14 +528,12 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
         let sampled = m.sampled.is_empty() || m.sampled.contains(&site_id);
         if pending.is_none() && sampled && !progress.answered_rounds.contains(&m.round) {
             let mut s = site.take().expect("site present");
-            let (spec2, fed2, dev2, tc) = (
+            let (spec2, fed2, dev2, tc, m2) = (
                 spec.clone(),
                 fed.clone(),
                 device.clone(),
-                TrainConfig {
-                    seed: cfg.train.seed ^ m.round,
-                    ..cfg.train.clone()
-                },
+                cfg.train.clone(),
+                m.clone(),
             );
             println!(
                 "{site_id}: training round {} from model v{}",
@@ -493,18 +549,7 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
                 .await?;
             let bar = training_bar(site_id.as_str(), m.round);
             let (s, bytes) = tokio::task::spawn_blocking(move || {
-                let r = s.train_round(
-                    &spec2,
-                    &fed2,
-                    m.round,
-                    m.model_version,
-                    &tc,
-                    m.encoding,
-                    m.bn_policy,
-                    m.bn_sharing,
-                    &dev2,
-                    bar,
-                );
+                let r = s.train_round(&spec2, &fed2, &m2, &tc, &dev2, bar);
                 (s, r)
             })
             .await?;

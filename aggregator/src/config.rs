@@ -1,5 +1,6 @@
 //! Federation configuration, validated as one.
 
+use crate::strategy::Algorithm;
 use serde::{Deserialize, Serialize};
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::ids::Id;
@@ -15,6 +16,11 @@ pub enum Weighting {
     Uniform,
 }
 
+/// The default bound on an update's claimed sample count: ten million images.
+pub fn default_max_samples() -> u64 {
+    10_000_000
+}
+
 /// Everything the aggregator needs to run a federation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -23,6 +29,10 @@ pub struct FederationConfig {
     pub federation: String,
     /// Rounds to run.
     pub rounds: u64,
+    /// The algorithm: `{ name = "fedavg" }` (default; FedBN under `bn_policy = "Local"`) or
+    /// `{ name = "fedprox", mu = 0.01 }`.
+    #[serde(default)]
+    pub algorithm: Algorithm,
     /// A round closes as soon as this many sampled sites have reported.
     pub min_sites: usize,
     /// A round closes this long after it opened with the sites that reported by then.
@@ -43,6 +53,10 @@ pub struct FederationConfig {
     pub weighting: Weighting,
     /// Optional bound on an update's L2 norm.
     pub norm_bound: Option<f64>,
+    /// Largest sample count an update may claim: the count is its weight in the mean, so one
+    /// site cannot take all of it by claiming 2^64 - 1.
+    #[serde(default = "default_max_samples")]
+    pub max_samples: u64,
     /// Model versions kept on disk (at least 1).
     pub keep_versions: usize,
     /// Largest update message accepted, in bytes.
@@ -58,6 +72,7 @@ impl FederationConfig {
         FederationConfig {
             federation: federation.into(),
             rounds,
+            algorithm: Algorithm::FedAvg,
             min_sites,
             deadline_secs: 600,
             fraction: 1.0,
@@ -67,6 +82,7 @@ impl FederationConfig {
             bn_sharing: BnSharing::None,
             weighting: Weighting::Samples,
             norm_bound: None,
+            max_samples: default_max_samples(),
             keep_versions: 3,
             max_update_bytes: 256 << 20,
             seed: 0,
@@ -120,6 +136,12 @@ impl FederationConfig {
             && !(b.is_finite() && b > 0.0)
         {
             errs.push(format!("norm_bound must be positive and finite, got {b}"));
+        }
+        if let Err(e) = self.algorithm.validate() {
+            errs.push(format!("algorithm: {e}"));
+        }
+        if self.max_samples == 0 {
+            errs.push("max_samples must be at least 1".into());
         }
         if self.keep_versions == 0 {
             errs.push("keep_versions must be at least 1".into());

@@ -4,9 +4,9 @@
 //! spooled and fsynced; a new model is published only after the state that names it is saved).
 
 use crate::bnshare;
-use crate::config::{FederationConfig, Weighting};
-use crate::fold::Fold;
+use crate::config::FederationConfig;
 use crate::store::{AuditEntry, ClosedRound, FORMAT_VERSION, State, Store, StoreError};
+use crate::strategy::{self, Contribution, RoundReader, Strategy};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -18,7 +18,7 @@ use unifed_protocol::encoding::{Encoding, Values, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Answer, BnPolicy, Chunk, Extras, RejectReason, RoundManifest, ServerBroadcast, SiteUpdate,
+    Answer, BnPolicy, Chunk, RejectReason, RoundManifest, ServerBroadcast, ServerExtras, SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, SpecHash};
 use unifed_protocol::{TensorKind, TensorSpec};
@@ -124,6 +124,8 @@ pub struct Aggregator {
     pub(crate) share_idx: Vec<usize>,
     accepted: BTreeSet<String>,
     pub(crate) chunk_bytes: usize,
+    /// The algorithm's policy: plans rounds, checks extras, aggregates.
+    strategy: Box<dyn Strategy>,
 }
 
 fn hex(h: &SpecHash) -> String {
@@ -208,11 +210,18 @@ impl Aggregator {
                     sampled: Vec::new(),
                     finished: false,
                     recent: Vec::new(),
+                    strategy: Default::default(),
                 };
                 store.save_state(&s)?;
                 (s, initial.tensors)
             }
         };
+        let strategy = strategy::from_config(&cfg.algorithm, &state.strategy).map_err(|m| {
+            CoreError::Mismatch {
+                dir: dir.display().to_string(),
+                message: m,
+            }
+        })?;
         let accepted = if state.round > 0 {
             store.spool_sites(state.round)?.into_iter().collect()
         } else {
@@ -230,6 +239,7 @@ impl Aggregator {
             share_idx,
             accepted,
             chunk_bytes: chunk_bytes.max(1),
+            strategy,
         })
     }
 
@@ -358,7 +368,7 @@ impl Aggregator {
         let b = ServerBroadcast {
             model_version: version,
             weights,
-            extras: Extras::default(),
+            extras: ServerExtras::None,
         };
         postcard::to_allocvec(&b).expect("broadcast serialises")
     }
@@ -382,6 +392,7 @@ impl Aggregator {
                 .iter()
                 .filter_map(|s| Id::new(s).ok())
                 .collect(),
+            plan: self.strategy.plan(self.state.round),
             deadline_ms: self.state.deadline_ms,
             finished: self.state.finished,
         };
@@ -573,13 +584,33 @@ impl Aggregator {
         if upd.samples == 0 {
             return self.reject(now_ms, &site, round, RejectReason::NoSamples);
         }
-        let delta = match self.validate_delta(&upd) {
+        if upd.samples > self.cfg.max_samples {
+            return self.reject(
+                now_ms,
+                &site,
+                round,
+                RejectReason::TooManySamples {
+                    samples: upd.samples,
+                    bound: self.cfg.max_samples,
+                },
+            );
+        }
+        let (delta, bn) = match self.validate_delta(&upd) {
             Ok(d) => d,
             Err(reason) => return self.reject(now_ms, &site, round, reason),
         };
+        if let Err(reason) = self.strategy.check(&upd) {
+            return self.reject(now_ms, &site, round, reason);
+        }
+        let contribution = Contribution {
+            samples: upd.samples,
+            report: upd.report,
+            extras: upd.extras,
+            delta,
+            bn,
+        };
         // Durable first, then the accept.
-        self.store
-            .spool_put(round, site.as_str(), upd.samples, &delta)?;
+        self.store.spool_put(round, site.as_str(), &contribution)?;
         self.audit(
             now_ms,
             round,
@@ -609,9 +640,25 @@ impl Aggregator {
     }
 
     /// Checks an update's tensors against the spec and policy; returns its dense deltas in
-    /// `update_idx` order followed by its shared BN tensors in `share_idx` order.
-    fn validate_delta(&self, upd: &SiteUpdate) -> Result<Vec<Vec<f32>>, RejectReason> {
-        let mut dense = self.dense(&upd.delta, &self.update_idx, self.cfg.encoding)?;
+    /// `update_idx` order and its shared BN tensors in `share_idx` order.
+    #[allow(clippy::type_complexity)]
+    fn validate_delta(
+        &self,
+        upd: &SiteUpdate,
+    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), RejectReason> {
+        let dense = self.dense(&upd.delta, &self.update_idx, self.cfg.encoding)?;
+        // Under `global` BN a running variance must stay a variance: base + delta >= 0.
+        for (&i, d) in self.update_idx.iter().zip(&dense) {
+            let spec = &self.spec.tensors[i];
+            if spec.kind == TensorKind::BnRunningVar
+                && self.model[i]
+                    .iter()
+                    .zip(d)
+                    .any(|(&b, &x)| (b as f64) + (x as f64) < 0.0)
+            {
+                return Err(RejectReason::NegativeVariance(spec.name.clone()));
+            }
+        }
         if let Some(bound) = self.cfg.norm_bound {
             let norm = dense
                 .iter()
@@ -633,12 +680,12 @@ impl Aggregator {
                 )));
             }
         }
-        dense.extend(share);
-        Ok(dense)
+        Ok((dense, share))
     }
 
     /// Decodes `tensors` into dense values in the order of the spec indices `idx`: each must
-    /// appear once, with the spec's shape, in `encoding`, and finite.
+    /// appear once, with the spec's shape, in `encoding` (BN running statistics always in exact
+    /// f32: they never go through a lossy encoding), and finite.
     fn dense(
         &self,
         tensors: &[EncodedTensor],
@@ -665,8 +712,13 @@ impl Aggregator {
             {
                 return Err(RejectReason::WrongShape(t.name.clone()));
             }
+            let expected = if self.spec.tensors[idx[pos]].kind.is_bn_stat() {
+                Encoding::F32
+            } else {
+                encoding
+            };
             let encoding_ok = matches!(
-                (&t.values, encoding),
+                (&t.values, expected),
                 (Values::F32(_), Encoding::F32)
                     | (Values::F16(_), Encoding::F16)
                     | (Values::Q8 { .. }, Encoding::Q8)
@@ -689,32 +741,14 @@ impl Aggregator {
         Ok(out.into_iter().map(|o| o.expect("checked")).collect())
     }
 
-    /// Folds the spool of the open round in site order into the new model, persists it and the
-    /// state (the commit point), then opens the next round or finishes.
+    /// Combines the spool of the open round into the new model by the strategy, checks it,
+    /// persists it and the state with the strategy's (the commit point), then opens the next
+    /// round or finishes. A combined model with NaN, infinity or a negative variance is never
+    /// committed: the round is discarded and the current model stays.
     fn close_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
         let round = self.state.round;
         let sites = self.store.spool_sites(round)?;
-        let lens: Vec<usize> = self
-            .update_idx
-            .iter()
-            .map(|&i| self.model[i].len())
-            .collect();
-        let mut fold = Fold::new(&lens);
-        let mut shares: Vec<(f64, Vec<Vec<f32>>)> = Vec::new();
-        let mut share_sites: Vec<String> = Vec::new();
-        for site in &sites {
-            let (samples, mut delta) = self.store.spool_get(round, site)?;
-            let w = match self.cfg.weighting {
-                Weighting::Samples => samples as f64,
-                Weighting::Uniform => 1.0,
-            };
-            let share = delta.split_off(self.update_idx.len().min(delta.len()));
-            fold.add(w, &delta);
-            if !self.share_idx.is_empty() && share.len() == self.share_idx.len() {
-                shares.push((w, share));
-                share_sites.push(site.clone());
-            }
-        }
+        let reader = RoundReader::new(&self.store, round, sites.clone(), self.cfg.weighting);
         {
             let idx = &self.update_idx;
             let mut targets: Vec<&mut Vec<f32>> = self
@@ -724,20 +758,28 @@ impl Aggregator {
                 .filter(|(i, _)| idx.contains(i))
                 .map(|(_, t)| t)
                 .collect();
-            fold.apply(&mut targets);
+            self.strategy.aggregate(&reader, &mut targets)?;
         }
-        let version = self.state.model_version + 1;
-        self.store.save_model(version, &self.hash.0, &self.model)?;
-        if !shares.is_empty() {
-            let specs: Vec<&unifed_protocol::TensorSpec> = self
-                .share_idx
-                .iter()
-                .map(|&i| &self.spec.tensors[i])
-                .collect();
-            let pooled = bnshare::pool(&specs, &shares);
-            self.store
-                .save_bn_share(version, &self.hash.0, &share_sites, &pooled)?;
-        }
+        let version = match self.check_model() {
+            Ok(()) => {
+                let version = self.state.model_version + 1;
+                self.store.save_model(version, &self.hash.0, &self.model)?;
+                self.pool_shared_bn(&reader, version)?;
+                self.state.strategy = self.strategy.state();
+                version
+            }
+            Err(problem) => {
+                tracing::error!(round, %problem, "combined model refused; round discarded");
+                self.audit(now_ms, round, "-", "round-discarded", problem)?;
+                // Back to the committed model and strategy.
+                self.model = self
+                    .store
+                    .load_model(self.state.model_version, &self.hash.0)?;
+                self.strategy = strategy::from_config(&self.cfg.algorithm, &self.state.strategy)
+                    .map_err(CoreError::Model)?;
+                self.state.model_version
+            }
+        };
         self.state.recent.push(ClosedRound {
             round,
             accepted: sites.clone(),
@@ -776,5 +818,48 @@ impl Aggregator {
             format!("{} updates -> model v{version}", sites.len()),
         )?;
         Ok(actions)
+    }
+
+    /// Checks the model before it is committed: every value finite, every BN running variance
+    /// non-negative. Names the first problem.
+    fn check_model(&self) -> Result<(), String> {
+        for (t, v) in self.spec.tensors.iter().zip(&self.model) {
+            if let Some(x) = v.iter().find(|x| !x.is_finite()) {
+                return Err(format!("`{}` holds {x}", t.name));
+            }
+            if t.kind == TensorKind::BnRunningVar && v.iter().any(|&x| x < 0.0) {
+                return Err(format!("`{}` holds a negative variance", t.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// Pools the BN tensors the sharing policy lets sites send into version `version`'s
+    /// onboarding package (written before the commit point).
+    fn pool_shared_bn(&self, reader: &RoundReader<'_>, version: u64) -> Result<(), CoreError> {
+        if self.share_idx.is_empty() {
+            return Ok(());
+        }
+        let mut shares: Vec<(f64, Vec<Vec<f32>>)> = Vec::new();
+        let mut share_sites: Vec<String> = Vec::new();
+        for c in reader.iter() {
+            let (site, c) = c?;
+            if c.bn.len() == self.share_idx.len() {
+                shares.push((reader.weight(&c), c.bn));
+                share_sites.push(site.to_string());
+            }
+        }
+        if shares.is_empty() {
+            return Ok(());
+        }
+        let specs: Vec<&TensorSpec> = self
+            .share_idx
+            .iter()
+            .map(|&i| &self.spec.tensors[i])
+            .collect();
+        let pooled = bnshare::pool(&specs, &shares);
+        self.store
+            .save_bn_share(version, &self.hash.0, &share_sites, &pooled)?;
+        Ok(())
     }
 }

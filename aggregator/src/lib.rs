@@ -3,7 +3,8 @@
 //! model version, tensor names and shapes, finite values, optional norm bound), answers each
 //! with an accept or a reject naming the reason, deduplicates re-sends on (round, site), spools
 //! accepted updates to disk (fsync before the accept), and at round close folds the spool in site
-//! order into the weighted mean: FedAvg, with BatchNorm tensors excluded under the `local` BN
+//! order by the federation's strategy (FedAvg's weighted mean for FedAvg, FedBN and FedProx),
+//! with BatchNorm tensors excluded under the `local` BN
 //! policy (FedBN). It also serves new sites: each model version's onboarding package (with BN
 //! layers chosen by the BN sharing policy) and a registry of sites' sealed, calibrated BN.
 //!
@@ -12,6 +13,9 @@
 //! - [`core`]: [`Aggregator`], [`Event`], [`Action`].
 //! - [`store`]: the data directory: state, model versions, spool, audit log (all versioned,
 //!   written atomically).
+//! - [`strategy`]: server strategies as typed policy ([`strategy::Strategy`]: plan, check,
+//!   aggregate from a reader over the spool, state committed with the model); FedAvg/FedBN and
+//!   FedProx.
 //! - [`fold`]: the weighted mean over spooled deltas.
 //! - [`bnshare`]: the sites' shared BN tensors pooled for the onboarding package.
 //! - [`onboard`]: onboarding packages and the registry of sites' sealed, calibrated BN.
@@ -26,6 +30,8 @@ pub mod fold;
 pub mod onboard;
 pub mod service;
 pub mod store;
+pub mod strategy;
 
 pub use crate::config::{FederationConfig, Weighting};
 pub use crate::core::{Action, Aggregator, CoreError, Event, GlobalModel};
+pub use crate::strategy::{Algorithm, Strategy};

@@ -175,7 +175,7 @@ pub async fn serve(
     )?;
     let fed =
         Id::new(&cfg.federation.federation).map_err(|e| anyhow::anyhow!("federation: {e}"))?;
-    let me = Id::new("aggregator").expect("valid id");
+    let me = Id::new(unifed_protocol::AGGREGATOR_ID).expect("valid id");
     let topics = Topics::new(&fed);
     let update_prefix = format!("unifed/v1/{fed}/update/");
     let request_prefix = format!("unifed/v1/{fed}/chunks/request/");

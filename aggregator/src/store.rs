@@ -12,6 +12,7 @@
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
 
+use crate::strategy::{Contribution, StrategyState};
 use serde::{Deserialize, Serialize};
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -21,6 +22,8 @@ use std::path::{Path, PathBuf};
 pub const FORMAT_VERSION: u32 = 1;
 const MODEL_MAGIC: &[u8; 4] = b"UFEM";
 const SPOOL_MAGIC: &[u8; 4] = b"UFES";
+/// Format version of spool files: 2 added the typed report and algorithm extras of protocol 2.
+const SPOOL_VERSION: u32 = 2;
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
 
@@ -106,6 +109,9 @@ pub struct State {
     pub finished: bool,
     /// The last closed rounds' accepted sites, to answer late re-sends as before.
     pub recent: Vec<ClosedRound>,
+    /// The server strategy's state as of `model_version`, committed with it in this file.
+    #[serde(default)]
+    pub strategy: StrategyState,
 }
 
 /// One line of the audit log.
@@ -356,22 +362,21 @@ impl Store {
         self.dir.join("spool").join(format!("r{round}"))
     }
 
-    /// Durably stores an accepted update (its dense delta tensors and sample count).
-    pub fn spool_put(
-        &self,
-        round: u64,
-        site: &str,
-        samples: u64,
-        delta: &[Vec<f32>],
-    ) -> Result<(), StoreError> {
+    /// Durably stores an accepted contribution (sample count, report, extras, dense delta and
+    /// shared BN tensors).
+    pub fn spool_put(&self, round: u64, site: &str, c: &Contribution) -> Result<(), StoreError> {
         let d = self.spool_dir(round);
         fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
         let mut b = Vec::new();
         b.extend_from_slice(SPOOL_MAGIC);
-        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&SPOOL_VERSION.to_le_bytes());
         b.extend_from_slice(&round.to_le_bytes());
-        b.extend_from_slice(&samples.to_le_bytes());
-        put_tensors(&mut b, delta);
+        b.extend_from_slice(&c.samples.to_le_bytes());
+        put_tensors(&mut b, &c.delta);
+        put_tensors(&mut b, &c.bn);
+        let typed = postcard::to_allocvec(&(&c.report, &c.extras)).expect("report serialises");
+        b.extend_from_slice(&(typed.len() as u32).to_le_bytes());
+        b.extend_from_slice(&typed);
         write_atomic(&d.join(format!("{site}.upd")), &b)?;
         File::open(self.dir.join("spool"))
             .and_then(|f| f.sync_all())
@@ -398,8 +403,8 @@ impl Store {
         Ok(v)
     }
 
-    /// Reads a spooled update: (samples, delta tensors).
-    pub fn spool_get(&self, round: u64, site: &str) -> Result<(u64, Vec<Vec<f32>>), StoreError> {
+    /// Reads a spooled contribution.
+    pub fn spool_get(&self, round: u64, site: &str) -> Result<Contribution, StoreError> {
         let p = self.spool_dir(round).join(format!("{site}.upd"));
         let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
         let mut r = Reader {
@@ -407,14 +412,24 @@ impl Store {
             at: 0,
             path: &p,
         };
-        r.magic(SPOOL_MAGIC)?;
+        r.magic_version(SPOOL_MAGIC, SPOOL_VERSION)?;
         if r.u64()? != round {
             return Err(corrupt(&p, "round in the file differs from its folder"));
         }
         let samples = r.u64()?;
-        let t = r.tensors()?;
+        let delta = r.tensors()?;
+        let bn = r.tensors()?;
+        let n = r.u32()? as usize;
+        let (report, extras) =
+            postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(&p, e.to_string()))?;
         r.end()?;
-        Ok((samples, t))
+        Ok(Contribution {
+            samples,
+            report,
+            extras,
+            delta,
+            bn,
+        })
     }
 
     /// Removes the spool of every round before `round`.
@@ -537,14 +552,18 @@ impl Reader<'_> {
     }
 
     fn magic(&mut self, m: &[u8; 4]) -> Result<(), StoreError> {
+        self.magic_version(m, FORMAT_VERSION)
+    }
+
+    fn magic_version(&mut self, m: &[u8; 4], want: u32) -> Result<(), StoreError> {
         if self.take(4)? != m {
             return Err(corrupt(self.path, "bad magic"));
         }
         let v = self.u32()?;
-        if v != FORMAT_VERSION {
+        if v != want {
             return Err(corrupt(
                 self.path,
-                format!("format version {v} is not {FORMAT_VERSION}"),
+                format!("format version {v} is not {want}"),
             ));
         }
         Ok(())

@@ -2,11 +2,14 @@
 
 use std::path::Path;
 use unifed_aggregator::store::Store;
+use unifed_aggregator::strategy::Contribution;
 use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel, Weighting};
 use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{Answer, BnPolicy, Extras, RejectReason, SiteUpdate};
+use unifed_protocol::messages::{
+    Answer, BnPolicy, LocalReport, RejectReason, SiteExtras, SiteUpdate,
+};
 use unifed_protocol::{Input, ModelSpec, TensorKind, TensorSpec};
 
 fn spec() -> ModelSpec {
@@ -91,7 +94,8 @@ fn update_bytes(u: &Upd, tweak: impl FnOnce(&mut SiteUpdate, &mut Envelope)) -> 
         samples: u.samples,
         delta,
         bn: vec![],
-        extras: Extras::default(),
+        report: LocalReport::default(),
+        extras: SiteExtras::None,
     };
     let fed = Id::new("fed1").unwrap();
     let site = Id::new(u.site).unwrap();
@@ -448,8 +452,13 @@ fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
         .spool_put(
             1,
             "b",
-            5,
-            &[delta_values("b", 1, 0, 6), delta_values("b", 1, 1, 2)],
+            &Contribution {
+                samples: 5,
+                report: LocalReport::default(),
+                extras: SiteExtras::None,
+                delta: vec![delta_values("b", 1, 0, 6), delta_values("b", 1, 1, 2)],
+                bn: vec![],
+            },
         )
         .unwrap();
     let mut agg = open(dir.path(), cfg);
@@ -572,4 +581,219 @@ fn a_finished_federation_resumed_serves_its_final_model_and_says_it_is_finished(
     );
     assert_eq!(acts[1], Action::Finished { model_version: 1 });
     assert_eq!(agg.model(), &last[..]);
+}
+
+fn with_delta(
+    site: &str,
+    round: u64,
+    samples: u64,
+    bn: BnPolicy,
+    edit: impl FnOnce(&mut Vec<unifed_protocol::EncodedTensor>),
+) -> Vec<u8> {
+    update_bytes(
+        &Upd {
+            site,
+            round,
+            version: round - 1,
+            samples,
+            bn,
+        },
+        |u, _| edit(&mut u.delta),
+    )
+}
+
+#[test]
+fn a_sample_count_above_the_federations_bound_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        max_samples: 1_000,
+        ..config(1, 2, BnPolicy::Local)
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    let acts = send(&mut agg, "a", good("a", 1, 0, u64::MAX, BnPolicy::Local));
+    assert_eq!(
+        answers(&acts),
+        vec![(
+            "a".to_string(),
+            Answer::Rejected(RejectReason::TooManySamples {
+                samples: u64::MAX,
+                bound: 1_000
+            })
+        )]
+    );
+    let acts = send(&mut agg, "a", good("a", 1, 0, 1_000, BnPolicy::Local));
+    assert_eq!(answers(&acts), vec![("a".to_string(), Answer::Accepted)]);
+}
+
+#[test]
+fn bn_running_statistics_must_travel_as_exact_f32_under_a_lossy_encoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        encoding: Encoding::Q8,
+        ..config(1, 2, BnPolicy::Global)
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    let requant = |all: bool| {
+        move |d: &mut Vec<unifed_protocol::EncodedTensor>| {
+            for t in d.iter_mut() {
+                let stat = t.name.contains("running");
+                if all || !stat {
+                    let v = unifed_protocol::decode(t).unwrap();
+                    *t = encode(&t.name, &t.shape, &v, Encoding::Q8, None);
+                }
+            }
+        }
+    };
+    // Statistics in q8 (what an older agent sent): refused.
+    let acts = send(
+        &mut agg,
+        "a",
+        with_delta("a", 1, 10, BnPolicy::Global, requant(true)),
+    );
+    assert_eq!(
+        answers(&acts),
+        vec![(
+            "a".to_string(),
+            Answer::Rejected(RejectReason::WrongEncoding)
+        )]
+    );
+    // Weights in q8, statistics in exact f32: accepted.
+    let acts = send(
+        &mut agg,
+        "a",
+        with_delta("a", 1, 10, BnPolicy::Global, requant(false)),
+    );
+    assert_eq!(answers(&acts), vec![("a".to_string(), Answer::Accepted)]);
+}
+
+#[test]
+fn an_update_that_would_make_a_running_variance_negative_is_rejected_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(1, 2, BnPolicy::Global));
+    agg.handle(Event::Start, 0).unwrap();
+    let acts = send(
+        &mut agg,
+        "a",
+        with_delta("a", 1, 10, BnPolicy::Global, |d| {
+            let t = d.iter_mut().find(|t| t.name == "bn.running_var").unwrap();
+            *t = encode(&t.name, &[2], &[-2.0, 0.1], Encoding::F32, None);
+        }),
+    );
+    assert_eq!(
+        answers(&acts),
+        vec![(
+            "a".to_string(),
+            Answer::Rejected(RejectReason::NegativeVariance("bn.running_var".into()))
+        )]
+    );
+    send(&mut agg, "a", good("a", 1, 0, 10, BnPolicy::Global));
+    send(&mut agg, "b", good("b", 1, 0, 10, BnPolicy::Global));
+    assert!(agg.finished());
+    assert!(agg.model()[5].iter().all(|&v| v >= 0.0));
+}
+
+#[test]
+fn a_combined_model_that_is_not_finite_is_never_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut init = initial();
+    init.tensors[1] = vec![3.0e38, 0.0];
+    let cfg = config(2, 2, BnPolicy::Local);
+    let mut agg = Aggregator::open(dir.path(), cfg.clone(), init.clone(), 64).unwrap();
+    agg.handle(Event::Start, 0).unwrap();
+    // Each update is finite and valid alone; their mean on the base overflows f32.
+    let huge = |s: &str| {
+        with_delta(s, 1, 10, BnPolicy::Local, |d| {
+            let t = d.iter_mut().find(|t| t.name == "fc.bias").unwrap();
+            *t = encode(&t.name, &[2], &[3.0e38, 0.0], Encoding::F32, None);
+        })
+    };
+    send(&mut agg, "a", huge("a"));
+    let acts = send(&mut agg, "b", huge("b"));
+    assert!(
+        acts.iter().any(|a| matches!(
+            a,
+            Action::RoundClosed {
+                round: 1,
+                model_version: 0,
+                ..
+            }
+        )),
+        "{acts:?}"
+    );
+    // The committed model is unchanged, round 2 trains from it, and the audit says why.
+    assert_eq!(agg.model_version(), 0);
+    assert_eq!(agg.model(), &init.tensors[..]);
+    assert!(acts.iter().any(
+        |a| matches!(a, Action::Publish { manifest, .. } if manifest.round == 2 && manifest.model_version == 0)
+    ));
+    let audit = agg.store().audit_entries().unwrap();
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.event == "round-discarded" && e.detail.contains("fc.bias"))
+    );
+    // A restart resumes in round 2 from version 0.
+    drop(agg);
+    let agg = Aggregator::open(dir.path(), cfg, init, 64).unwrap();
+    assert_eq!((agg.round(), agg.model_version()), (2, 0));
+}
+
+#[test]
+fn the_manifest_carries_the_strategys_typed_plan() {
+    use unifed_aggregator::Algorithm;
+    use unifed_protocol::messages::Objective;
+    for (algorithm, objective) in [
+        (Algorithm::FedAvg, Objective::CrossEntropy),
+        (
+            Algorithm::FedProx { mu: 0.01 },
+            Objective::Proximal { mu: 0.01 },
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = FederationConfig {
+            algorithm,
+            ..config(1, 1, BnPolicy::Global)
+        };
+        let mut agg = open(dir.path(), cfg);
+        let acts = agg.handle(Event::Start, 0).unwrap();
+        let Action::Publish { manifest, .. } = &acts[0] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(manifest.plan.objective, objective);
+    }
+}
+
+#[test]
+fn the_algorithm_is_read_from_the_config_and_validated() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/aggregator.toml"
+    ))
+    .unwrap();
+    let fed = &text[text.find("[federation]").unwrap() + 13..];
+    let prox: FederationConfig = toml::from_str(&fed.replace(
+        "algorithm = { name = \"fedavg\" }",
+        "algorithm = { name = \"fedprox\", mu = 0.01 }",
+    ))
+    .unwrap();
+    assert_eq!(
+        prox.algorithm,
+        unifed_aggregator::Algorithm::FedProx { mu: 0.01 }
+    );
+    let bad: FederationConfig = toml::from_str(&fed.replace(
+        "algorithm = { name = \"fedavg\" }",
+        "algorithm = { name = \"fedprox\", mu = -1.0 }",
+    ))
+    .unwrap();
+    let errs = bad.validate().unwrap_err();
+    assert!(errs.iter().any(|e| e.contains("mu")), "{errs:?}");
+    assert!(
+        toml::from_str::<FederationConfig>(&fed.replace(
+            "algorithm = { name = \"fedavg\" }",
+            "algorithm = { name = \"fedsgd\" }",
+        ))
+        .is_err()
+    );
 }

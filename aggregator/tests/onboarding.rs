@@ -7,8 +7,8 @@ use unifed_protocol::encoding::{Encoding, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Answer, BnSharing, Extras, OnboardError, OnboardReply, RegistryEntry, RejectReason, Sealing,
-    ServerBroadcast, SiteUpdate,
+    Answer, BnSharing, LocalReport, OnboardError, OnboardReply, RegistryEntry, RejectReason,
+    Sealing, ServerBroadcast, SiteExtras, SiteUpdate,
 };
 use unifed_protocol::{Input, ModelSpec, TensorKind, TensorSpec};
 
@@ -105,7 +105,8 @@ fn update_with(
             None,
         )],
         bn,
-        extras: Extras::default(),
+        report: LocalReport::default(),
+        extras: SiteExtras::None,
     };
     Envelope::new(
         MessageKind::SiteUpdate,

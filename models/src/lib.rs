@@ -20,6 +20,7 @@
 //! - [`state`]: flat named `f32` tensors in PyTorch names; export, import, delta, apply non-BN.
 //! - [`checkpoint`]: safetensors files (PyTorch-compatible).
 //! - [`train`]: local SGD training and evaluation with a progress hook.
+//! - [`objective`]: local objectives' gradient terms (FedProx's proximal term).
 //! - [`data`]: image folders, CSV manifests, MNIST IDX, built-in domains, site partitioner.
 //! - [`site`]: one federated site (apply a broadcast, train, encode its update).
 //! - [`backend`]: device selection and the CPU thread cap.
@@ -34,6 +35,7 @@ pub mod bn;
 pub mod checkpoint;
 pub mod data;
 pub mod error;
+pub mod objective;
 pub mod site;
 pub mod state;
 pub mod train;

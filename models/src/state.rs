@@ -85,25 +85,27 @@ impl Select {
     }
 }
 
+/// Tracks the module path and owning layer type while a visitor walks a model, so a tensor's
+/// kind comes from its layer's type.
 #[derive(Default)]
-struct Walker {
+pub(crate) struct Walker {
     path: Vec<String>,
     owners: Vec<String>,
 }
 
 impl Walker {
-    fn enter(&mut self, name: &str, container: &str) {
+    pub(crate) fn enter(&mut self, name: &str, container: &str) {
         self.path.push(name.to_string());
         self.owners.push(container.to_string());
     }
 
-    fn exit(&mut self) {
+    pub(crate) fn exit(&mut self) {
         self.path.pop();
         self.owners.pop();
     }
 
     /// (burn path, kind, is a linear weight) of the parameter being visited.
-    fn current(&self) -> (String, TensorKind, bool) {
+    pub(crate) fn current(&self) -> (String, TensorKind, bool) {
         let owner = self.owners.last().map(String::as_str).unwrap_or("");
         let field = self.path.last().map(String::as_str).unwrap_or("");
         let kind = if owner == BN_CONTAINER {

@@ -6,6 +6,8 @@
 use crate::bn::{BnPass, StreamConfig, StreamEstimator};
 use crate::data::Dataset;
 use crate::error::{BnError, TrainError};
+use crate::objective::Term;
+use crate::state::Select;
 use crate::zoo::Net;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::decay::WeightDecayConfig;
@@ -16,6 +18,7 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use unifed_protocol::Objective;
 
 /// Local training hyper-parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -199,12 +202,39 @@ pub fn train_local<N: Net>(
     classes: usize,
     cfg: &TrainConfig,
     device: &Device,
+    progress: impl FnMut(TrainEvent),
+) -> Result<(N, TrainReport), TrainError> {
+    train_objective(
+        net,
+        data,
+        classes,
+        cfg,
+        &Objective::CrossEntropy,
+        Select::All,
+        device,
+        progress,
+    )
+}
+
+/// [`train_local`] with the local objective a round's plan asks for: its term is added to the
+/// gradients of the tensors `scope` selects (those the federation averages) at every step.
+#[allow(clippy::too_many_arguments)]
+pub fn train_objective<N: Net>(
+    net: &N,
+    data: &Dataset,
+    classes: usize,
+    cfg: &TrainConfig,
+    objective: &Objective,
+    scope: Select,
+    device: &Device,
     mut progress: impl FnMut(TrainEvent),
 ) -> Result<(N, TrainReport), TrainError> {
     cfg.validate()?;
+    objective.validate().map_err(TrainError::BadConfig)?;
     check_data(net, data, classes)?;
     let ad = device.clone().autodiff();
     let mut model = net.valid().train();
+    let term = Term::new(objective, &model, scope);
     let mut sgd = SgdConfig::new();
     if cfg.momentum > 0.0 {
         sgd = sgd.with_momentum(Some(
@@ -241,7 +271,8 @@ pub fn train_local<N: Net>(
             let logits = model.forward(x, &mut pass);
             let loss = loss_fn.forward(logits, y);
             loss_sum += loss.clone().into_scalar::<f32>() as f64 * idx.len() as f64;
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            term.apply(&model, &mut grads);
             model = optim.step(cfg.lr, model, grads);
             report.steps += 1;
             report.samples += idx.len();

@@ -321,8 +321,13 @@ fn wrong_length(t: &EncodedTensor, expected: usize, found: usize) -> TensorError
     }
 }
 
-/// `max|x| / 127`, ignoring NaN; 0 for an empty or all-zero tensor.
+/// `max|x| / 127`; 0 for an empty or all-zero tensor. A tensor holding NaN or infinity gets a
+/// NaN scale, so every value decodes as NaN and the receiver rejects it as non-finite: q8 must
+/// never turn a NaN into a plausible 0.
 fn q8_scale(x: &[f32]) -> f32 {
+    if x.iter().any(|v| !v.is_finite()) {
+        return f32::NAN;
+    }
     x.iter().map(|&v| magnitude(v)).fold(0.0f32, f32::max) / 127.0
 }
 
@@ -575,6 +580,17 @@ mod tests {
             assert_eq!(decode(&t).map(|v| v.len()), Ok(5));
             assert!(residual.iter().all(|r| r.is_finite()), "{enc:?}");
         }
+    }
+
+    #[test]
+    fn q8_of_a_tensor_holding_nan_or_infinity_decodes_as_non_finite_not_as_zero() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let t = encode("w", &[3], &[0.5, bad, -1.0], Encoding::Q8, None);
+            let back = decode(&t).unwrap();
+            assert!(back.iter().all(|v| v.is_nan()), "{bad}: {back:?}");
+        }
+        let back = decode(&encode("w", &[2], &[0.5, -1.0], Encoding::Q8, None)).unwrap();
+        assert!(back.iter().all(|v| v.is_finite()));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 4] = *b"UFED";
 
 /// The protocol version this crate speaks; peers refuse envelopes of any other version.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -267,6 +267,7 @@ mod tests {
     use super::*;
     use crate::ids::Id;
     use crate::messages::{ChunkRequest, SiteState, SiteStatus};
+    use alloc::format;
     use alloc::vec;
 
     fn envelope() -> Envelope {
@@ -330,14 +331,17 @@ mod tests {
 
     #[test]
     fn a_message_from_another_protocol_version_is_refused_cleanly() {
-        let mut bytes = envelope().encode();
-        bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
-        let err = Envelope::decode(&bytes).unwrap_err();
-        assert_eq!(err, DecodeError::UnsupportedVersion(2));
-        assert_eq!(
-            err.to_string(),
-            "protocol version 2 is not supported (this peer speaks version 1)"
-        );
+        // Version 1 is the protocol before typed plans and reports: refused by a version 2 peer.
+        for other in [1u16, 3] {
+            let mut bytes = envelope().encode();
+            bytes[4..6].copy_from_slice(&other.to_le_bytes());
+            let err = Envelope::decode(&bytes).unwrap_err();
+            assert_eq!(err, DecodeError::UnsupportedVersion(other));
+            assert_eq!(
+                err.to_string(),
+                format!("protocol version {other} is not supported (this peer speaks version 2)")
+            );
+        }
     }
 
     #[test]

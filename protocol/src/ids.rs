@@ -6,6 +6,10 @@ use serde::{Deserialize, Serialize};
 /// Longest identifier, in bytes.
 pub const MAX_ID_LEN: usize = 64;
 
+/// The sender id of every message the aggregator sends; sites follow no other sender's
+/// manifests, models or answers (telling a forged sender from the real one needs signatures).
+pub const AGGREGATOR_ID: &str = "aggregator";
+
 /// An identifier that is safe in topics and client ids: 1 to 64 bytes of `A-Z a-z 0-9 _ - .`,
 /// not starting with `.` or `-` (so no `+ # $ /`, no spaces, no wildcards).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -14,7 +14,8 @@
 //!     samples: 10,
 //!     delta: vec![encode("fc.weight", &[2], &[0.5, -0.25], Encoding::F16, None)],
 //!     bn: vec![],
-//!     extras: Extras::default(),
+//!     report: LocalReport { local_steps: 24, train_loss: 0.7 },
+//!     extras: SiteExtras::None,
 //! };
 //! let fed = Id::new("demo").unwrap();
 //! let site = Id::new("site-a").unwrap();
@@ -57,12 +58,12 @@ pub mod topics;
 pub use chunking::{ChunkError, Reassembler, payload_hash, split};
 pub use encoding::{EncodedTensor, Encoding, TensorError, Values, decode, encode};
 pub use envelope::{DecodeError, Envelope, MAGIC, MessageKind, PROTOCOL_VERSION};
-pub use ids::{FederationId, Id, IdError, MAX_ID_LEN, SiteId};
+pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, SiteId};
 pub use messages::{
-    Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, Extras, OnboardError, OnboardReply,
-    OnboardRequest, PackageInfo, RegistryEntry, RejectReason, RoundManifest, Scalar, Sealing,
-    ServerBroadcast, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
-    max_registry_entry_bytes,
+    Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, LocalReport, Objective, OnboardError,
+    OnboardReply, OnboardRequest, PackageInfo, RegistryEntry, RejectReason, RoundManifest,
+    RoundPlan, Sealing, ServerBroadcast, ServerExtras, SiteExtras, SiteState, SiteStatus,
+    SiteUpdate, UpdateAnswer, UpdateReceipt, max_registry_entry_bytes,
 };
 #[cfg(feature = "std")]
 pub use spec::spec_path;

@@ -72,23 +72,74 @@ impl core::str::FromStr for BnSharing {
     }
 }
 
-/// A named scalar an algorithm sends beside the weights (local steps, training loss, ...).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Scalar {
-    /// Name, e.g. `local_steps`.
-    pub name: String,
-    /// Value.
-    pub value: f64,
+/// The local objective a sampled site optimises in a round, chosen by the server's strategy.
+/// One variant per family of local terms; the algorithms of UniFed's suite add theirs here
+/// (SCAFFOLD's control-variate correction, MOON's contrastive term, FedDC's drift, FedCD's
+/// mask-gradient matching, FedImpro's synthetic features).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub enum Objective {
+    /// Cross-entropy alone (FedAvg, FedBN, and the FedOpt family, whose difference is on the
+    /// server).
+    #[default]
+    CrossEntropy,
+    /// Cross-entropy plus the FedProx term `mu/2 ||w - w_global||^2` over the tensors the
+    /// federation averages (non-BN under `local` BN; BN affine included under `global`),
+    /// applied as the gradient term `mu (w - w_global)`.
+    Proximal {
+        /// The proximal weight `mu` (FedBN's digits setting: 0.01).
+        mu: f64,
+    },
 }
 
-/// Typed algorithm extras: named auxiliary tensors (control variates, mask gradients, per-class
-/// feature statistics) and named scalars.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct Extras {
-    /// Auxiliary tensors.
-    pub tensors: Vec<EncodedTensor>,
-    /// Scalars.
-    pub scalars: Vec<Scalar>,
+impl Objective {
+    /// Checks the objective's parameters, naming the bad one.
+    pub fn validate(&self) -> Result<(), String> {
+        match *self {
+            Objective::CrossEntropy => Ok(()),
+            Objective::Proximal { mu } if mu.is_finite() && mu >= 0.0 => Ok(()),
+            Objective::Proximal { mu } => Err(alloc::format!(
+                "FedProx mu must be finite and non-negative, got {mu}"
+            )),
+        }
+    }
+}
+
+/// What every sampled site does in a round: the typed plan of the server's strategy, carried
+/// in the round manifest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundPlan {
+    /// The local objective.
+    pub objective: Objective,
+}
+
+/// Typed facts about a site's local training that every algorithm may use (FedNova normalises
+/// by the local step count; FedCD weights sites by their loss).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LocalReport {
+    /// Optimiser steps taken.
+    pub local_steps: u64,
+    /// Mean training loss of the last local epoch.
+    pub train_loss: f64,
+}
+
+/// Algorithm tensors a site sends beside its weight delta. One variant per algorithm that
+/// needs them, validated by the server's strategy: SCAFFOLD's control-variate delta, FedCD's
+/// mask gradient, FedImpro's per-class feature statistics join here.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub enum SiteExtras {
+    /// Nothing beyond the delta (FedAvg, FedBN, FedProx, FedOpt).
+    #[default]
+    None,
+}
+
+/// Algorithm tensors the server sends beside the model. One variant per algorithm that needs
+/// them: SCAFFOLD's server control variate, FedCD's averaged mask gradient, FedImpro's global
+/// per-class feature statistics join here.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub enum ServerExtras {
+    /// Nothing beyond the model.
+    #[default]
+    None,
 }
 
 /// The small retained message that announces the current round and model.
@@ -114,6 +165,8 @@ pub struct RoundManifest {
     pub bn_sharing: BnSharing,
     /// Sites sampled for this round (empty: every site may report).
     pub sampled: Vec<SiteId>,
+    /// What the sampled sites do this round (the strategy's typed plan).
+    pub plan: RoundPlan,
     /// Round deadline, milliseconds since the Unix epoch.
     pub deadline_ms: u64,
     /// True once the federation has run all its rounds.
@@ -153,8 +206,8 @@ pub struct ServerBroadcast {
     pub model_version: u64,
     /// The global weights.
     pub weights: Vec<EncodedTensor>,
-    /// Algorithm extras (e.g. server control variate, global mask gradient).
-    pub extras: Extras,
+    /// Algorithm tensors beside the model (e.g. a server control variate).
+    pub extras: ServerExtras,
 }
 
 /// A site's contribution to a round: the delta of its trained weights against the round's
@@ -165,15 +218,18 @@ pub struct SiteUpdate {
     pub round: u64,
     /// Model version the site trained from.
     pub base_version: u64,
-    /// Training samples behind the update (the FedAvg weight).
+    /// Training samples behind the update (the FedAvg weight), at most the federation's
+    /// `max_samples`.
     pub samples: u64,
     /// `trained - base`, tensor by tensor.
     pub delta: Vec<EncodedTensor>,
     /// The site's BN tensors after training, as values (not deltas) in exact f32: exactly
     /// those the federation's [`BnSharing`] policy shares, none under `none`.
     pub bn: Vec<EncodedTensor>,
-    /// Algorithm extras.
-    pub extras: Extras,
+    /// Facts about the local training (steps, loss).
+    pub report: LocalReport,
+    /// Algorithm tensors beside the delta, as the round's plan asks.
+    pub extras: SiteExtras,
 }
 
 /// Why an update was rejected. Every reject names one.
@@ -220,6 +276,17 @@ pub enum RejectReason {
     },
     /// Zero samples.
     NoSamples,
+    /// More samples claimed than the federation allows (a sample count is a weight in the mean).
+    TooManySamples {
+        /// The count claimed.
+        samples: u64,
+        /// The federation's bound.
+        bound: u64,
+    },
+    /// A BN running variance would become negative (`base + delta < 0`).
+    NegativeVariance(String),
+    /// Algorithm tensors the round's plan does not ask for.
+    UnexpectedExtras(String),
     /// The update is not in the federation's encoding.
     WrongEncoding,
 }

@@ -86,13 +86,11 @@ fn sample_update() -> SiteUpdate {
             ),
         ],
         bn: vec![encode("bn.weight", &[2], &[1.0, 0.5], Encoding::F32, None)],
-        extras: Extras {
-            tensors: vec![encode("x", &[1], &[4.0], Encoding::F32, None)],
-            scalars: vec![Scalar {
-                name: "loss".into(),
-                value: 0.5,
-            }],
+        report: LocalReport {
+            local_steps: 24,
+            train_loss: 0.5,
         },
+        extras: SiteExtras::None,
     }
 }
 
@@ -112,7 +110,7 @@ fn sample_envelope() -> Vec<u8> {
 
 /// Decodes every tensor of an update whose size is plausible, as a receiver would.
 fn decode_update(u: &SiteUpdate) {
-    for t in u.delta.iter().chain(&u.extras.tensors) {
+    for t in u.delta.iter().chain(&u.bn) {
         if t.numel().is_some_and(|n| n <= MAX_FUZZ_NUMEL)
             && let Ok(v) = decode(t)
         {

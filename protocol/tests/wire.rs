@@ -53,7 +53,11 @@ fn update(encoding: Encoding) -> SiteUpdate {
             })
             .collect(),
         bn: vec![],
-        extras: Extras::default(),
+        report: LocalReport {
+            local_steps: 24,
+            train_loss: 0.61,
+        },
+        extras: SiteExtras::None,
     }
 }
 
@@ -70,6 +74,9 @@ fn a_round_manifest_round_trips_through_an_envelope() {
         bn_policy: BnPolicy::Local,
         bn_sharing: BnSharing::Affine,
         sampled: vec![id("a"), id("b.c")],
+        plan: RoundPlan {
+            objective: Objective::Proximal { mu: 0.01 },
+        },
         deadline_ms: 1_700_000_000_000,
         finished: false,
     };
@@ -85,18 +92,12 @@ fn every_other_payload_round_trips_through_an_envelope() {
         Encoding::TopK { per_mille: 100 },
     ] {
         let mut u = update(enc);
-        u.extras = Extras {
-            tensors: vec![encode("c.fc1.weight", &[2], &[1.0, -1.0], enc, None)],
-            scalars: vec![Scalar {
-                name: "local_steps".into(),
-                value: 50.0,
-            }],
-        };
+        u.bn = vec![encode("bn.weight", &[2], &[1.0, -1.0], Encoding::F32, None)];
         through_envelope(MessageKind::SiteUpdate, &u);
         let b = ServerBroadcast {
             model_version: 10,
             weights: u.delta.clone(),
-            extras: u.extras.clone(),
+            extras: ServerExtras::None,
         };
         through_envelope(MessageKind::ServerBroadcast, &b);
     }

@@ -65,7 +65,7 @@ pub fn run_federation<N: Net>(
     let dir = tempfile::tempdir()?;
     let spec = initial.spec.clone();
     let federation = Id::new(&cfg.federation).map_err(|e| anyhow!("{e}"))?;
-    let (bn, encoding) = (cfg.bn_policy, cfg.encoding);
+    let bn = cfg.bn_policy;
     let mut agg = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
     let mut pending = agg.handle(Event::Start, 0)?;
     let mut records = Vec::new();
@@ -82,6 +82,10 @@ pub fn run_federation<N: Net>(
                 answer,
                 round,
             } => {
+                let accepted = answer == Answer::Accepted;
+                if let Some(s) = sites.iter_mut().find(|s| s.id == site) {
+                    s.answered(round, accepted);
+                }
                 if let Answer::Rejected(r) = answer {
                     bail!("update of {site} in round {round} rejected: {r:?}");
                 }
@@ -124,22 +128,12 @@ pub fn run_federation<N: Net>(
                     continue;
                 }
                 for (k, s) in sites.iter_mut().enumerate() {
-                    let tc = TrainConfig {
-                        seed: tc.seed ^ (manifest.round << 16) ^ k as u64,
-                        ..tc.clone()
-                    };
-                    let bytes = s.train_round(
-                        &spec,
-                        &federation,
-                        manifest.round,
-                        manifest.model_version,
-                        &tc,
-                        encoding,
-                        bn,
-                        manifest.bn_sharing,
-                        device,
-                        |_| {},
-                    )?;
+                    // Only the sampled sites train, as agents do.
+                    if !(manifest.sampled.is_empty() || manifest.sampled.contains(&s.id)) {
+                        update_bytes[k] = 0;
+                        continue;
+                    }
+                    let bytes = s.train_round(&spec, &federation, &manifest, tc, device, |_| {})?;
                     update_bytes[k] = bytes.len();
                     observe(Observed::Update {
                         site: s.id.as_str(),

@@ -1,14 +1,16 @@
 //! `unifed-sim`: in-process federations on the built-in domains.
 //!
-//! - `compare`: FedBN (`local` BN) against FedAvg (`global` BN) for R rounds and S seeds; a
-//!   per-site accuracy table (mean and std over seeds), JSON and a convergence chart (SVG).
+//! - `compare`: algorithms (FedAvg, FedProx) x BN policies (`local`: client-specific BN, so
+//!   FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
+//!   over seeds), the gain of `local` over `global` per algorithm, JSON and a convergence chart
+//!   (results/algorithms.{json,svg}).
 //! - `encodings`: FedBN with each update encoding; bytes per site per round and accuracy.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
-use unifed_aggregator::{FederationConfig, GlobalModel};
+use unifed_aggregator::{Algorithm, FederationConfig, GlobalModel};
 use unifed_models::backend::{Backend, cap_cpu_threads};
 use unifed_models::data::{BuiltinData, Domain, SplitSizes};
 use unifed_models::state::{Select, export};
@@ -50,7 +52,8 @@ struct Common {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// FedBN against FedAvg over several seeds.
+    /// Algorithms x BN policies over several seeds: FedAvg and FedProx, each with client-specific
+    /// (`local`, FedBN) and averaged (`global`) BN.
     Compare {
         #[command(flatten)]
         common: Common,
@@ -60,6 +63,15 @@ enum Cmd {
         /// Update encoding: f32, f16, q8 or topk<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
+        /// Algorithms: fedavg, fedprox.
+        #[arg(long, value_delimiter = ',', default_value = "fedavg,fedprox")]
+        algorithms: Vec<String>,
+        /// BN policies: local (client-specific BN), global (averaged BN).
+        #[arg(long, value_delimiter = ',', default_value = "local,global")]
+        policies: Vec<String>,
+        /// FedProx's mu (FedBN's digits setting).
+        #[arg(long, default_value_t = 0.01)]
+        mu: f64,
     },
     /// FedBN with each encoding (one seed): bytes per site per round and accuracy.
     Encodings {
@@ -78,6 +90,32 @@ fn parse_encoding(s: &str) -> Result<Encoding> {
     s.parse().map_err(anyhow::Error::msg)
 }
 
+fn parse_algorithm(s: &str, mu: f64) -> Result<Algorithm> {
+    match s {
+        "fedavg" => Ok(Algorithm::FedAvg),
+        "fedprox" => Ok(Algorithm::FedProx { mu }),
+        o => anyhow::bail!("unknown algorithm `{o}`: fedavg or fedprox"),
+    }
+}
+
+fn parse_policy(s: &str) -> Result<BnPolicy> {
+    match s {
+        "local" => Ok(BnPolicy::Local),
+        "global" => Ok(BnPolicy::Global),
+        o => anyhow::bail!("unknown BN policy `{o}`: local or global"),
+    }
+}
+
+/// A method's name in tables: FedAvg with local BN is FedBN.
+fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
+    match (a, bn) {
+        (Algorithm::FedAvg, BnPolicy::Local) => "FedBN".into(),
+        (Algorithm::FedAvg, BnPolicy::Global) => "FedAvg".into(),
+        (Algorithm::FedProx { .. }, BnPolicy::Local) => "FedProx (local BN)".into(),
+        (Algorithm::FedProx { .. }, BnPolicy::Global) => "FedProx (global BN)".into(),
+    }
+}
+
 struct Run {
     records: Vec<RoundRecord>,
     sites: Vec<String>,
@@ -86,6 +124,7 @@ struct Run {
 fn run_one(
     data: &BuiltinData,
     c: &Common,
+    algorithm: Algorithm,
     bn: BnPolicy,
     encoding: Encoding,
     seed: u64,
@@ -119,6 +158,7 @@ fn run_one(
             .collect(),
     };
     let cfg = FederationConfig {
+        algorithm,
         bn_policy: bn,
         encoding,
         ..FederationConfig::new("sim", c.rounds, sites.len())
@@ -128,10 +168,7 @@ fn run_one(
         seed,
         ..TrainConfig::default()
     };
-    let label = match bn {
-        BnPolicy::Local => "FedBN",
-        BnPolicy::Global => "FedAvg",
-    };
+    let label = method_name(&algorithm, bn);
     let records = run_federation(
         cfg,
         initial,
@@ -161,6 +198,150 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
     (m, if v.len() > 1 { s } else { 0.0 })
 }
 
+const COLOURS: [&str; 6] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+];
+
+/// Final accuracy of each site in a run.
+fn last(r: &Run) -> Vec<f64> {
+    r.records
+        .last()
+        .map(|x| x.accuracy.clone())
+        .unwrap_or_default()
+}
+
+/// Mean over sites of a run's final accuracies.
+fn mean_last(r: &Run) -> f64 {
+    let v = last(r);
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Prints the comparison of the methods run so far and writes results/algorithms.{json,svg}.
+fn write_compare(
+    common: &Common,
+    seeds: u64,
+    encoding: &str,
+    mu: f64,
+    runs: &[(Algorithm, BnPolicy, Vec<Run>)],
+) -> Result<()> {
+    let sites = runs[0].2[0].sites.clone();
+    let names: Vec<String> = runs.iter().map(|(a, bn, _)| method_name(a, *bn)).collect();
+    println!(
+        "\n{} rounds x {} local epoch(s), {} seeds, encoding {encoding}, FedProx mu {mu}: final test accuracy per site, mean (std) over seeds\n",
+        common.rounds, common.epochs, seeds
+    );
+    println!("| site | {} |", names.join(" | "));
+    println!("|---|{}", "---:|".repeat(names.len()));
+    let mut table = Vec::new();
+    for (k, s) in sites.iter().enumerate() {
+        let mut cells = Vec::new();
+        let mut row = serde_json::Map::new();
+        row.insert("site".into(), json!(s));
+        for ((_, _, rs), name) in runs.iter().zip(&names) {
+            let v: Vec<f64> = rs.iter().map(|r| last(r)[k]).collect();
+            let (m, sd) = mean_std(&v);
+            cells.push(format!("{:.2} ({:.2})", 100.0 * m, 100.0 * sd));
+            row.insert(name.clone(), json!(v));
+        }
+        println!("| {s} | {} |", cells.join(" | "));
+        table.push(serde_json::Value::Object(row));
+    }
+    let site_mean = |r: &Run| {
+        r.records
+            .iter()
+            .map(|rec| rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64)
+            .collect::<Vec<_>>()
+    };
+    let mut cells = Vec::new();
+    let mut series = Vec::new();
+    let mut summary = Vec::new();
+    for (((a, bn, rs), name), colour) in runs.iter().zip(&names).zip(COLOURS.iter().cycle()) {
+        let per_seed: Vec<Vec<f64>> = rs.iter().map(site_mean).collect();
+        let rounds = per_seed[0].len();
+        let stats: Vec<(f64, f64)> = (0..rounds)
+            .map(|i| mean_std(&per_seed.iter().map(|v| v[i]).collect::<Vec<_>>()))
+            .collect();
+        let (m, s) = mean_std(&rs.iter().map(mean_last).collect::<Vec<_>>());
+        cells.push(format!("**{:.2} ({:.2})**", 100.0 * m, 100.0 * s));
+        series.push(Series {
+            name: name.clone(),
+            colour: (*colour).into(),
+            values: stats.iter().map(|x| x.0).collect(),
+            band: stats.iter().map(|x| x.1).collect(),
+        });
+        let secs: Vec<f64> = rs
+            .iter()
+            .flat_map(|r| r.records.iter().map(|x| x.seconds))
+            .collect();
+        summary.push(json!({
+            "method": name,
+            "algorithm": a,
+            "bn_policy": bn,
+            "mean_accuracy_per_round": stats.iter().map(|x| x.0).collect::<Vec<_>>(),
+            "std_over_seeds_per_round": stats.iter().map(|x| x.1).collect::<Vec<_>>(),
+            "update_bytes_per_site": rs[0].records[0].update_bytes,
+            "model_bytes": rs[0].records[0].model_bytes,
+            "seconds_per_round_mean": secs.iter().sum::<f64>() / secs.len() as f64,
+            "runs": rs.iter().map(|r| &r.records).collect::<Vec<_>>(),
+        }));
+    }
+    println!("| **mean over sites** | {} |", cells.join(" | "));
+    // The gain of client-specific BN per algorithm (UniFed Table 2's shape), seed by seed.
+    let mut gains = Vec::new();
+    for (a, bn, local) in runs {
+        if *bn != BnPolicy::Local {
+            continue;
+        }
+        let Some((_, _, global)) = runs
+            .iter()
+            .find(|(b, p, _)| b == a && *p == BnPolicy::Global)
+        else {
+            continue;
+        };
+        let d: Vec<f64> = local
+            .iter()
+            .zip(global)
+            .map(|(l, g)| mean_last(l) - mean_last(g))
+            .collect();
+        let (m, s) = mean_std(&d);
+        println!(
+            "local - global BN, {}: {:+.2} ({:.2}) points",
+            a.name(),
+            100.0 * m,
+            100.0 * s
+        );
+        gains.push(json!({"algorithm": a.name(), "local_minus_global_per_seed": d}));
+    }
+    let svg = line_chart(
+        &format!("Algorithms x BN policy on the built-in domains ({seeds} seeds)"),
+        "mean test accuracy over sites",
+        &series,
+    );
+    let (jp, sp) = (
+        common.out.join("algorithms.json"),
+        common.out.join("algorithms.svg"),
+    );
+    std::fs::write(
+        &jp,
+        serde_json::to_string_pretty(&json!({
+            "rounds": common.rounds,
+            "epochs": common.epochs,
+            "train_samples": common.train_samples,
+            "seeds": seeds,
+            "encoding": encoding,
+            "fedprox_mu": mu,
+            "sites": sites,
+            "seed_rule": "site seed ^ round (unifed_models::site::round_seed), as agents train",
+            "final": table,
+            "methods": summary,
+            "local_minus_global": gains,
+        }))?,
+    )?;
+    std::fs::write(&sp, svg)?;
+    println!("\nwrote {} and {}", jp.display(), sp.display());
+    Ok(())
+}
+
 fn main() -> Result<()> {
     unifed_net::init_logging("warn");
     let cli = Cli::parse();
@@ -173,111 +354,28 @@ fn main() -> Result<()> {
             common,
             seeds,
             encoding,
+            algorithms,
+            policies,
+            mu,
         } => {
             let enc = parse_encoding(&encoding)?;
+            let mut methods = Vec::new();
+            for a in &algorithms {
+                for p in &policies {
+                    methods.push((parse_algorithm(a, mu)?, parse_policy(p)?));
+                }
+            }
             std::fs::create_dir_all(&common.out)?;
-            let mut runs: Vec<(BnPolicy, Vec<Run>)> = Vec::new();
-            for bn in [BnPolicy::Local, BnPolicy::Global] {
+            let mut runs: Vec<(Algorithm, BnPolicy, Vec<Run>)> = Vec::new();
+            for &(a, bn) in &methods {
                 let mut rs = Vec::new();
                 for seed in 0..seeds {
-                    rs.push(run_one(&data, &common, bn, enc, seed)?);
+                    rs.push(run_one(&data, &common, a, bn, enc, seed)?);
                 }
-                runs.push((bn, rs));
+                runs.push((a, bn, rs));
+                // Written after every method, so a long run cut short keeps what it finished.
+                write_compare(&common, seeds, &encoding, mu, &runs)?;
             }
-            let sites = runs[0].1[0].sites.clone();
-            let last = |r: &Run| {
-                r.records
-                    .last()
-                    .expect("at least one round")
-                    .accuracy
-                    .clone()
-            };
-            println!(
-                "\nFedBN vs FedAvg, {} rounds x {} local epoch(s), {} seeds, encoding {encoding}: final test accuracy, mean (std) over seeds",
-                common.rounds, common.epochs, seeds
-            );
-            println!("\n| site | FedBN | FedAvg | FedBN - FedAvg |\n|---|---:|---:|---:|");
-            let mut table = Vec::new();
-            for (k, s) in sites.iter().enumerate() {
-                let a: Vec<f64> = runs[0].1.iter().map(|r| last(r)[k]).collect();
-                let b: Vec<f64> = runs[1].1.iter().map(|r| last(r)[k]).collect();
-                let ((ma, sa), (mb, sb)) = (mean_std(&a), mean_std(&b));
-                let diff: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
-                let (md, sd) = mean_std(&diff);
-                println!(
-                    "| {s} | {:.2} ({:.2}) | {:.2} ({:.2}) | {:+.2} ({:.2}) |",
-                    100.0 * ma,
-                    100.0 * sa,
-                    100.0 * mb,
-                    100.0 * sb,
-                    100.0 * md,
-                    100.0 * sd
-                );
-                table.push(json!({"site": s, "fedbn": a, "fedavg": b}));
-            }
-            let site_mean = |r: &Run| {
-                r.records
-                    .iter()
-                    .map(|rec| rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64)
-                    .collect::<Vec<_>>()
-            };
-            let mut series = Vec::new();
-            let mut summary = Vec::new();
-            for ((bn, rs), colour) in runs.iter().zip(["#1f77b4", "#d62728"]) {
-                let per_seed: Vec<Vec<f64>> = rs.iter().map(site_mean).collect();
-                let rounds = per_seed[0].len();
-                let stats: Vec<(f64, f64)> = (0..rounds)
-                    .map(|i| mean_std(&per_seed.iter().map(|v| v[i]).collect::<Vec<_>>()))
-                    .collect();
-                let name = if *bn == BnPolicy::Local {
-                    "FedBN (local BN)"
-                } else {
-                    "FedAvg (global BN)"
-                };
-                let (m, s) = stats.last().copied().unwrap_or((0.0, 0.0));
-                println!(
-                    "| **mean** ({name}) | {:.2} ({:.2}) | | |",
-                    100.0 * m,
-                    100.0 * s
-                );
-                series.push(Series {
-                    name: name.into(),
-                    colour: colour.into(),
-                    values: stats.iter().map(|x| x.0).collect(),
-                    band: stats.iter().map(|x| x.1).collect(),
-                });
-                let bytes = rs[0].records[0].update_bytes.clone();
-                let secs: Vec<f64> = rs
-                    .iter()
-                    .flat_map(|r| r.records.iter().map(|x| x.seconds))
-                    .collect();
-                summary.push(json!({
-                    "policy": name,
-                    "mean_accuracy_per_round": stats.iter().map(|x| x.0).collect::<Vec<_>>(),
-                    "std_over_seeds_per_round": stats.iter().map(|x| x.1).collect::<Vec<_>>(),
-                    "update_bytes_per_site": bytes,
-                    "model_bytes": rs[0].records[0].model_bytes,
-                    "seconds_per_round_mean": secs.iter().sum::<f64>() / secs.len() as f64,
-                    "runs": rs.iter().map(|r| &r.records).collect::<Vec<_>>(),
-                }));
-            }
-            let svg = line_chart(
-                &format!("FedBN vs FedAvg on the built-in domains ({} seeds)", seeds),
-                "mean test accuracy over sites",
-                &series,
-            );
-            let (jp, sp) = (
-                common.out.join("fedbn-vs-fedavg.json"),
-                common.out.join("fedbn-vs-fedavg.svg"),
-            );
-            std::fs::write(
-                &jp,
-                serde_json::to_string_pretty(
-                    &json!({"rounds": common.rounds, "epochs": common.epochs, "seeds": seeds, "encoding": encoding, "sites": sites, "final": table, "policies": summary}),
-                )?,
-            )?;
-            std::fs::write(&sp, svg)?;
-            println!("\nwrote {} and {}", jp.display(), sp.display());
         }
         Cmd::Encodings {
             common,
@@ -291,7 +389,14 @@ fn main() -> Result<()> {
             let mut rows = Vec::new();
             let mut base_bytes = None;
             for e in &encodings {
-                let run = run_one(&data, &common, BnPolicy::Local, parse_encoding(e)?, seed)?;
+                let run = run_one(
+                    &data,
+                    &common,
+                    Algorithm::FedAvg,
+                    BnPolicy::Local,
+                    parse_encoding(e)?,
+                    seed,
+                )?;
                 let bytes: Vec<f64> = run
                     .records
                     .iter()

@@ -1,0 +1,134 @@
+//! Local objectives: the terms a federation's algorithm adds to a site's training. Each term is
+//! applied to the gradients after backpropagation, not through autodiff over the whole model
+//! (an autograd proximal term doubled the round time of our PyTorch reference).
+//!
+//! The round's plan names the objective ([`Objective`]); [`Term::new`] prepares it from the
+//! model the site starts training from, and [`Term::apply`] adjusts each step's gradients.
+
+use crate::state::{Select, Walker};
+use crate::zoo::Net;
+use burn::module::{ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use std::collections::HashMap;
+use unifed_protocol::Objective;
+
+/// The trainable tensors a term covers, as they were when local training started (the round's
+/// global model for every averaged tensor), keyed by parameter.
+#[derive(Debug, Clone, Default)]
+pub struct Reference {
+    tensors: HashMap<ParamId, Tensor<1>>,
+}
+
+impl Reference {
+    /// Snapshots the tensors of `net` that `scope` selects, leaving out BN running statistics
+    /// (they are not trained by gradients).
+    pub fn of<N: Net>(net: &N, scope: Select) -> Self {
+        struct Snap {
+            walk: Walker,
+            scope: Select,
+            out: HashMap<ParamId, Tensor<1>>,
+        }
+        impl ModuleVisitor for Snap {
+            fn enter_module(&mut self, name: &str, container_type: &str) {
+                self.walk.enter(name, container_type);
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.walk.exit();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let (_, kind, _) = self.walk.current();
+                if self.scope.keeps(kind) && !kind.is_bn_stat() {
+                    let t = param.val().inner();
+                    let n = t.dims().iter().product::<usize>();
+                    self.out.insert(param.id, t.reshape([n]));
+                }
+            }
+        }
+        let mut snap = Snap {
+            walk: Walker::default(),
+            scope,
+            out: HashMap::new(),
+        };
+        net.visit(&mut snap);
+        Reference { tensors: snap.out }
+    }
+
+    /// Number of tensors held.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// True when no tensor is held.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+}
+
+/// Adds FedProx's gradient term `mu (w - w_ref)` (the gradient of `mu/2 ||w - w_ref||^2`) to
+/// the gradient of every parameter of `net` that `reference` holds and `grads` has.
+pub fn add_proximal<N: Net>(net: &N, grads: &mut GradientsParams, reference: &Reference, mu: f64) {
+    struct Prox<'a> {
+        grads: &'a mut GradientsParams,
+        reference: &'a Reference,
+        mu: f32,
+    }
+    impl ModuleVisitor for Prox<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(r) = self.reference.tensors.get(&param.id) else {
+                return;
+            };
+            let Some(g) = self.grads.remove::<D>(param.id) else {
+                return;
+            };
+            let w = param.val().inner();
+            let r = r.clone().reshape(w.dims());
+            self.grads
+                .register(param.id, g + (w - r).mul_scalar(self.mu));
+        }
+    }
+    net.visit(&mut Prox {
+        grads,
+        reference,
+        mu: mu as f32,
+    });
+}
+
+/// An objective prepared for one local training run.
+#[derive(Debug, Clone, Default)]
+pub enum Term {
+    /// Nothing beyond the loss's own gradients.
+    #[default]
+    None,
+    /// FedProx's proximal term toward the starting tensors.
+    Proximal {
+        /// The weight `mu`.
+        mu: f64,
+        /// The starting tensors.
+        reference: Reference,
+    },
+}
+
+impl Term {
+    /// Prepares `objective` for training that starts from `net`; `scope` selects the tensors
+    /// the federation averages (the proximal term covers the trainable ones among them).
+    pub fn new<N: Net>(objective: &Objective, net: &N, scope: Select) -> Self {
+        match *objective {
+            Objective::CrossEntropy => Term::None,
+            // mu = 0 is FedAvg exactly: no term, no snapshot, the same bits.
+            Objective::Proximal { mu: 0.0 } => Term::None,
+            Objective::Proximal { mu } => Term::Proximal {
+                mu,
+                reference: Reference::of(net, scope),
+            },
+        }
+    }
+
+    /// Adjusts one step's gradients of `net`.
+    pub fn apply<N: Net>(&self, net: &N, grads: &mut GradientsParams) {
+        match self {
+            Term::None => {}
+            Term::Proximal { mu, reference } => add_proximal(net, grads, reference, *mu),
+        }
+    }
+}

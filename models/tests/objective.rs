@@ -1,0 +1,312 @@
+//! Local objectives and the site's update: FedProx's gradient term on hand-computed values, its
+//! effect on a real training step, and the error-feedback residual that only an accepted update
+//! advances.
+
+mod common;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use common::*;
+use unifed_models::data::Dataset;
+use unifed_models::objective::{Reference, add_proximal};
+use unifed_models::site::Site;
+use unifed_models::state::{Select, export, import};
+use unifed_models::train::{TrainConfig, train_objective};
+use unifed_models::zoo::{Mlp, MlpConfig, seeded};
+use unifed_protocol::messages::{BnPolicy, BnSharing, Objective, RoundManifest, RoundPlan};
+use unifed_protocol::{Encoding, Envelope, Id, Input, ModelSpec, SiteUpdate, SpecHash, Values};
+
+fn tiny() -> (Mlp, ModelSpec) {
+    let net = seeded(&device(), 3, |d| {
+        MlpConfig {
+            inputs: 4,
+            hidden: [3, 3],
+            classes: 2,
+        }
+        .init(d)
+    });
+    let spec = spec(&net, 2, Input::Features { len: 4 });
+    (net, spec)
+}
+
+fn data(n: usize) -> Dataset {
+    Dataset {
+        name: "tiny".into(),
+        features: 4,
+        x: noise(4 * n, 11),
+        y: (0..n).map(|i| i % 2).collect(),
+    }
+}
+
+/// Every float parameter's gradient, with whether a BatchNorm layer owns it and whether it is a
+/// running statistic, in visiting order.
+struct Grads<'a> {
+    grads: &'a GradientsParams,
+    owners: Vec<String>,
+    field: Vec<String>,
+    out: Vec<(bool, bool, Vec<f32>)>,
+}
+
+impl ModuleVisitor for Grads<'_> {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.owners.push(container.into());
+        self.field.push(name.into());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.owners.pop();
+        self.field.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let bn = self.owners.last().is_some_and(|o| o == "Struct:BatchNorm");
+        let stat = self.field.last().is_some_and(|f| f.starts_with("running"));
+        let g = self.grads.get::<D>(param.id).unwrap();
+        self.out
+            .push((bn, stat, g.into_data().try_into_vec_as::<f32>().unwrap()));
+    }
+}
+
+/// Registers a gradient of 0.25 everywhere for every float parameter.
+struct Quarter<'a>(&'a mut GradientsParams);
+
+impl ModuleVisitor for Quarter<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let g = param.val().inner().zeros_like().add_scalar(0.25);
+        self.0.register(param.id, g);
+    }
+}
+
+fn proximal_grads(scope: Select) -> Vec<(bool, bool, Vec<f32>)> {
+    let (net0, spec) = tiny();
+    let reference = Reference::of(&net0, scope);
+    // Every trainable tensor moves 0.5 away from where training started.
+    let mut sd = export(&net0, &spec, Select::All);
+    for t in &mut sd.tensors {
+        if !t.kind.is_bn_stat() {
+            t.data.iter_mut().for_each(|v| *v += 0.5);
+        }
+    }
+    let net1 = import(&net0, &spec, &sd, Select::All).unwrap();
+    let mut grads = GradientsParams::new();
+    net1.visit(&mut Quarter(&mut grads));
+    add_proximal(&net1, &mut grads, &reference, 0.1);
+    let mut v = Grads {
+        grads: &grads,
+        owners: Vec::new(),
+        field: Vec::new(),
+        out: Vec::new(),
+    };
+    net1.visit(&mut v);
+    v.out
+}
+
+#[test]
+fn the_proximal_term_adds_mu_times_the_distance_to_the_reference_to_each_gradient() {
+    // g + mu (w - w_ref) = 0.25 + 0.1 * 0.5 = 0.30 on the non-BN tensors; BN untouched (local).
+    let local = proximal_grads(Select::NonBn);
+    assert_eq!(local.len(), 3 * 2 + 2 * 4); // three linear layers, two BN layers
+    for (bn, _, g) in &local {
+        let want = if *bn { 0.25 } else { 0.30 };
+        assert!(g.iter().all(|x| (x - want).abs() < 1e-6), "{bn}: {g:?}");
+    }
+    // Under global BN the BN affine parameters are averaged, so the term covers them too;
+    // running statistics are never trained by gradients.
+    let global = proximal_grads(Select::All);
+    for (bn, stat, g) in &global {
+        let want = if *stat { 0.25 } else { 0.30 };
+        assert!(
+            g.iter().all(|x| (x - want).abs() < 1e-6),
+            "{bn} {stat}: {g:?}"
+        );
+    }
+}
+
+#[test]
+fn a_fedprox_step_pulls_the_averaged_weights_toward_the_round_model_and_leaves_local_bn_alone() {
+    let (net0, spec) = tiny();
+    let d = data(8);
+    let tc = |epochs| TrainConfig {
+        lr: 0.1,
+        batch_size: 8,
+        epochs,
+        seed: 5,
+        ..TrainConfig::default()
+    };
+    let run = |epochs, objective: Objective, scope| {
+        let (n, _) = train_objective(
+            &net0,
+            &d,
+            2,
+            &tc(epochs),
+            &objective,
+            scope,
+            &device(),
+            |_| {},
+        )
+        .unwrap();
+        export(&n, &spec, Select::All).tensors
+    };
+    let w0 = export(&net0, &spec, Select::All).tensors;
+    let w1 = run(1, Objective::CrossEntropy, Select::NonBn);
+    let plain = run(2, Objective::CrossEntropy, Select::NonBn);
+    let (mu, lr) = (0.5f32, 0.1f32);
+    let prox = run(2, Objective::Proximal { mu: 0.5 }, Select::NonBn);
+    // Step 1 starts at the reference, so the term is zero; step 2 adds lr * mu * (w1 - w0).
+    let mut moved = 0;
+    for k in 0..w0.len() {
+        let (a, b) = (&prox[k], &plain[k]);
+        if a.kind.is_bn() {
+            assert_eq!(
+                a.data, b.data,
+                "{}: BN must not feel the term under local",
+                a.name
+            );
+            continue;
+        }
+        for i in 0..a.data.len() {
+            let want = -lr * mu * (w1[k].data[i] - w0[k].data[i]);
+            moved += usize::from(want.abs() > 1e-6);
+            assert!(
+                ((a.data[i] - b.data[i]) - want).abs() < 1e-6,
+                "{}[{i}]: {} vs {want}",
+                a.name,
+                a.data[i] - b.data[i]
+            );
+        }
+    }
+    // (A linear bias feeding a BN layer has no gradient; every other weight moves.)
+    assert!(moved > 20, "only {moved} values felt the term");
+    // mu = 0 is FedAvg bit for bit.
+    assert_eq!(
+        run(2, Objective::Proximal { mu: 0.0 }, Select::NonBn),
+        plain
+    );
+    // Under global BN the affine parameters feel it too.
+    let prox_all = run(2, Objective::Proximal { mu: 0.5 }, Select::All);
+    let gamma = prox_all.iter().position(|t| t.kind.is_bn_affine()).unwrap();
+    assert_ne!(prox_all[gamma].data, plain[gamma].data);
+}
+
+fn manifest(round: u64, encoding: Encoding, bn: BnPolicy) -> RoundManifest {
+    RoundManifest {
+        round,
+        model_version: round - 1,
+        spec_hash: SpecHash([0; 32]),
+        chunk_count: 1,
+        payload_len: 1,
+        payload_hash: [0; 32],
+        encoding,
+        bn_policy: bn,
+        bn_sharing: BnSharing::None,
+        sampled: vec![],
+        plan: RoundPlan::default(),
+        deadline_ms: 0,
+        finished: false,
+    }
+}
+
+fn update(bytes: &[u8]) -> SiteUpdate {
+    Envelope::decode(bytes).unwrap().payload_as().unwrap()
+}
+
+#[test]
+fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_a_restart() {
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let topk = Encoding::TopK { per_mille: 100 };
+    let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+    let w = spec.tensors[0].name.clone();
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    site.train_round(
+        &spec,
+        &fed,
+        &manifest(1, topk, BnPolicy::Local),
+        &tc,
+        &device(),
+        |_| {},
+    )
+    .unwrap();
+    assert!(site.residual(&w).is_empty(), "advanced before any answer");
+    site.answered(1, false);
+    assert!(
+        site.residual(&w).is_empty(),
+        "a rejected update advanced it"
+    );
+    site.train_round(
+        &spec,
+        &fed,
+        &manifest(2, topk, BnPolicy::Local),
+        &tc,
+        &device(),
+        |_| {},
+    )
+    .unwrap();
+    site.answered(1, true); // an answer for another round changes nothing
+    assert!(site.residual(&w).is_empty());
+    site.answered(2, true);
+    let kept = site.residual(&w).to_vec();
+    assert_eq!(kept.len(), spec.tensors[0].numel());
+    assert!(kept.iter().any(|&v| v != 0.0));
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("residual.bin");
+    site.save_residual(&path).unwrap();
+    let mut again = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+    again.load_residual(&path, &spec).unwrap();
+    assert_eq!(again.residual(&w), &kept[..]);
+    // A residual file of another model is refused, naming the file.
+    let (other, other_spec) = {
+        let n = seeded(&device(), 3, |d| {
+            MlpConfig {
+                inputs: 5,
+                hidden: [3, 3],
+                classes: 2,
+            }
+            .init(d)
+        });
+        let s = common::spec(&n, 2, Input::Features { len: 5 });
+        (n, s)
+    };
+    let err = Site::new("a", other, data(16), data(8))
+        .unwrap()
+        .load_residual(&path, &other_spec)
+        .unwrap_err();
+    assert!(err.to_string().contains("residual.bin"), "{err}");
+}
+
+#[test]
+fn bn_running_statistics_travel_as_exact_f32_whatever_the_update_encoding() {
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let mut site = Site::new("a", net, data(16), data(8)).unwrap();
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    for enc in [
+        Encoding::Q8,
+        Encoding::F16,
+        Encoding::TopK { per_mille: 100 },
+    ] {
+        let bytes = site
+            .train_round(
+                &spec,
+                &fed,
+                &manifest(1, enc, BnPolicy::Global),
+                &tc,
+                &device(),
+                |_| {},
+            )
+            .unwrap();
+        let u = update(&bytes);
+        assert_eq!(u.delta.len(), spec.tensors.len());
+        for (t, s) in u.delta.iter().zip(&spec.tensors) {
+            let exact = matches!(t.values, Values::F32(_));
+            assert_eq!(exact, s.kind.is_bn_stat(), "{enc:?} {}", t.name);
+        }
+        assert!(u.report.local_steps == 2 && u.report.train_loss.is_finite());
+    }
+}
