@@ -5,4 +5,3 @@ pub mod model;
 pub mod progress;
 pub mod registry;
 pub mod train;
-pub mod uplink;

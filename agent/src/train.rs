@@ -1,9 +1,9 @@
-//! `unifed-agent train`: the on-device trainer on MQTT. It follows the retained round manifest,
-//! fetches each new model by its chunks (re-requesting missing ones), applies the non-BN weights
-//! (every tensor under `global` BN) while its own BN layers and statistics stay on the device,
-//! trains when its round opens, uploads its delta in the federation's encoding and re-sends it
-//! until the aggregator answers. It checkpoints after every model and answer, so a restarted
-//! agent resumes.
+//! `unifed-agent train`: the on-device trainer on MQTT, a driver of the site engine
+//! ([`unifed_site::SiteEngine`], which owns the round: manifest, windowed fetch, upload window,
+//! answers, and drops bad network input). This module does the I/O and the work the engine asks
+//! for: MQTT, applying models (the non-BN weights under `local` BN, so the site's BN layers and
+//! statistics stay on the device), training under the round's plan, checkpoints after every
+//! model and answer (so a restarted agent resumes), and a clean stop on SIGINT/SIGTERM.
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -18,19 +18,16 @@ use unifed_models::train::TrainConfig;
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_net::{BrokerConfig, NetEvent, Qos, Will, spawn_event_loop};
 use unifed_protocol::ModelSpec;
-use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Answer, ChunkRequest, RoundManifest, ServerBroadcast, SiteState, SiteStatus, UpdateAnswer,
-    UpdateReceipt,
+    Answer, BnPolicy, BnSharing, RoundManifest, SiteState, SiteStatus,
 };
 use unifed_protocol::topics::Topics;
+use unifed_site::{Action as SiteAction, EngineConfig, Event, Progress, SiteEngine};
 
 use crate::progress::{Report, training_bar};
 use crate::registry::Owner;
-use crate::uplink::{Uplink, Upload};
-use unifed_protocol::BnSharing;
 
 /// Where a site's labelled data comes from.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -141,12 +138,6 @@ fn default_resend() -> u64 {
     10
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct Progress {
-    applied_version: Option<u64>,
-    answered_rounds: Vec<u64>,
-}
-
 fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> {
     match (&cfg.data.builtin, &cfg.data.folder) {
         (Some(d), None) => {
@@ -199,18 +190,24 @@ async fn package_bn(
 
 /// Reads the agent config at `path`, caps the CPU threads at the config's `threads` unless the
 /// caller already capped them (`capped`), and runs the agent on its own runtime until the
-/// federation finishes; returns the final test accuracy.
-pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<f64> {
+/// federation finishes (returns the final test accuracy) or SIGINT/SIGTERM stops it (`None`).
+pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<Option<f64>> {
     let cfg = load_config(path)?;
     if let (false, Some(t)) = (capped, cfg.threads) {
         unifed_models::backend::cap_cpu_threads(t)
             .map_err(|e| anyhow::anyhow!("{}: threads: {e}", path.display()))?;
     }
-    unifed_net::block_on(run(cfg))?
+    unifed_net::block_on(run(cfg, unifed_net::stop_signal()))?
 }
 
-/// Runs the agent until the federation finishes; returns the site's final test accuracy.
-pub async fn run(cfg: AgentConfig) -> Result<f64> {
+/// Runs the agent until the federation finishes (returns the site's final test accuracy) or
+/// `shutdown` resolves (returns `None`). On shutdown, even mid-training, the agent stops at
+/// once: its files hold the last checkpoint (model, residual and progress, each replaced
+/// atomically), from which a restart resumes and trains the interrupted round again.
+pub async fn run(
+    cfg: AgentConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<Option<f64>> {
     let (site_id, fed) = cfg.ids()?;
     let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
     let device: Device = backend.device().map_err(anyhow::Error::msg)?;
@@ -221,17 +218,20 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
     let ckpt = cfg.state_dir.join("model.safetensors");
     let residual_path = cfg.state_dir.join("residual.bin");
     let progress_path = cfg.state_dir.join("progress.json");
-    let mut progress: Progress = match std::fs::read(&progress_path) {
-        Ok(b) => serde_json::from_slice(&b)
-            .with_context(|| format!("parsing {}", progress_path.display()))?,
-        Err(_) => Progress::default(),
-    };
     let resumed = ckpt.exists();
+    let progress: Option<Progress> = if resumed {
+        Some(match std::fs::read(&progress_path) {
+            Ok(b) => serde_json::from_slice(&b)
+                .with_context(|| format!("parsing {}", progress_path.display()))?,
+            Err(_) => Progress::default(),
+        })
+    } else {
+        None
+    };
     let net = if resumed {
         let state = checkpoint::load(&ckpt, &spec)?;
         import(&net, &spec, &state, Select::All)?
     } else {
-        progress = Progress::default();
         net
     };
     let mut site: Option<Site<DigitsCnn>> = Some(Site::new(&cfg.site, net, train, test)?);
@@ -241,6 +241,17 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
             .expect("site present")
             .load_residual(&residual_path, &spec)?;
     }
+    let mut engine = SiteEngine::new(
+        EngineConfig {
+            site: site_id.clone(),
+            federation: fed.clone(),
+            spec_hash: spec.hash(),
+            max_packet: cfg.broker.max_packet_bytes,
+            resend_ms: cfg.resend_secs.saturating_mul(1000),
+            max_model_bytes: unifed_protocol::max_broadcast_bytes(&spec),
+        },
+        progress,
+    );
     let topics = Topics::new(&fed);
     let status = |state: SiteState, detail: &str| {
         Envelope::new(
@@ -267,311 +278,239 @@ pub async fn run(cfg: AgentConfig) -> Result<f64> {
         cfg.broker
             .options(&format!("unifed-agent-{site_id}"), Some(will))
             .map_err(anyhow::Error::msg)?,
-        vec![
-            topics.manifest(),
-            topics.chunk_reply(&site_id),
-            topics.ack(&site_id),
-        ],
+        engine.subscriptions(),
     );
-    let uplink = Uplink {
-        client: client.clone(),
-        topic: topics.update(&site_id),
-        fed: fed.clone(),
-        site: site_id.clone(),
-        hash: spec.hash(),
-        max_packet: cfg.broker.max_packet_bytes,
-    };
-    let mut manifest: Option<RoundManifest> = None;
-    let mut reasm = Reassembler::new(120_000, 1 << 31);
-    let mut last_request: Option<Instant> = None;
-    let mut outstanding: std::collections::BTreeSet<u32> = Default::default();
-    // Chunks asked for at a time: the broker keeps only a few packets per topic in memory, so
-    // a whole model requested at once would overrun a slow subscriber.
-    const WINDOW: usize = 16;
-    let mut pending: Option<Upload> = None;
-    let resend = Duration::from_secs(cfg.resend_secs);
-    let mut fetch_started: Option<Instant> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    let t0 = Instant::now();
-    let save = |site: &Site<DigitsCnn>, progress: &Progress| -> Result<()> {
-        checkpoint::save(&ckpt, &export(&site.net, &spec, Select::All), &spec)?;
-        site.save_residual(&residual_path)?;
-        std::fs::write(&progress_path, serde_json::to_vec_pretty(progress)?)?;
-        Ok(())
-    };
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            ev = rx.recv() => match ev {
-                None => bail!("the MQTT event loop stopped"),
-                Some(NetEvent::Connected) => {
-                    client.publish(topics.status(&site_id), Qos::AtLeastOnce, true, status(SiteState::Online, "")).await?;
-                    // Chunks in flight when the connection dropped are lost: send them again now.
-                    if let Some(p) = &mut pending {
-                        p.reconnected();
-                    }
-                }
-                Some(NetEvent::Disconnected(_)) => {}
-                Some(NetEvent::Message { topic, payload }) => {
-                    // Bad input from the network is logged and dropped here: only local
-                    // failures end the agent.
-                    let env = match Envelope::decode(&payload) {
-                        Ok(e) => e,
-                        Err(e) => {
-                            tracing::warn!(topic, error = %e, "undecodable message dropped");
-                            continue;
-                        }
-                    };
-                    if env.federation != fed || env.sender.as_str() != unifed_protocol::AGGREGATOR_ID {
-                        tracing::warn!(topic, federation = %env.federation, sender = %env.sender, "message from another federation or sender dropped");
-                        continue;
-                    }
-                    match env.kind {
-                        MessageKind::RoundManifest => {
-                            let m: RoundManifest = match env.payload_as() {
-                                Ok(m) => m,
-                                Err(e) => {
-                                    tracing::warn!(topic, error = %e, "malformed manifest dropped");
-                                    continue;
-                                }
-                            };
-                            if m.spec_hash != spec.hash() || env.spec_hash != spec.hash() {
-                                tracing::warn!(theirs = %m.spec_hash, ours = %spec.hash(), "a manifest for another model spec dropped (check [model] if the federation's spec differs)");
-                                continue;
-                            }
-                            if let Err(e) = m.plan.objective.validate() {
-                                tracing::warn!(error = %e, "a manifest with an invalid plan dropped");
-                                continue;
-                            }
-                            manifest = Some(m);
-                        }
-                        MessageKind::ModelChunk => {
-                            let chunk: unifed_protocol::messages::Chunk = match env.payload_as() {
-                                Ok(c) => c,
-                                Err(e) => {
-                                    tracing::warn!(topic, error = %e, "malformed chunk dropped");
-                                    continue;
-                                }
-                            };
-                            let Some(m) = &manifest else { continue };
-                            if chunk.payload_hash != m.payload_hash {
-                                // An older model's, or an onboarding package's.
-                                continue;
-                            }
-                            outstanding.remove(&chunk.index);
-                            match reasm.insert(chunk, t0.elapsed().as_millis() as u64) {
-                                Ok(Some(bytes)) if unifed_protocol::chunking::payload_hash(&bytes) == m.payload_hash => {
-                                    let b: ServerBroadcast = match postcard::from_bytes(&bytes) {
-                                        Ok(b) => b,
-                                        Err(e) => {
-                                            tracing::warn!(error = %e, "model payload that does not decode dropped");
-                                            continue;
-                                        }
-                                    };
-                                    let s = site.as_mut().expect("site present");
-                                    if b.model_version != m.model_version {
-                                        tracing::warn!(got = b.model_version, want = m.model_version, "model payload of another version dropped");
-                                        continue;
-                                    }
-                                    if let Err(e) = s.receive(&spec, &b, m.bn_policy) {
-                                        tracing::warn!(error = %e, "model payload that does not fit the spec dropped");
-                                        continue;
-                                    }
-                                    if !resumed && progress.applied_version.is_none() && b.model_version > 0
-                                        && m.bn_policy == unifed_protocol::messages::BnPolicy::Local
-                                        && cfg.join_bn == JoinBn::Calibrate
-                                    {
-                                        // A late joiner: BN from the onboarding package (the sites'
-                                        // shared BN, if the policy shares any), statistics then
-                                        // re-estimated on its own images.
-                                        if m.bn_sharing != BnSharing::None {
-                                            match package_bn(&cfg, &fed, &site_id, &spec, b.model_version).await {
-                                                Ok((sd, detail)) => {
-                                                    s.net = import(&s.net, &spec, &sd, Select::Bn)?;
-                                                    println!("{site_id}: BN from the onboarding package of model v{} ({detail})", b.model_version);
-                                                }
-                                                // Not fatal: the joiner calibrates its own BN instead.
-                                                Err(e) => eprintln!("{site_id}: onboarding package unavailable ({e:#}); calibrating the model's own BN"),
-                                            }
-                                        }
-                                        s.net = tokio::task::block_in_place(|| unifed_models::bn::calibrate(&s.net, &s.train.x, &device, &Default::default(), |_, _| {}))?;
-                                        println!("{site_id}: joined at model v{}; calibrated BN on {} own images", b.model_version, s.train.len());
-                                    }
-                                    progress.applied_version = Some(b.model_version);
-                                    save(s, &progress)?;
-                                    println!("{site_id}: applied model v{}", b.model_version);
-                                    Report::Applied {
-                                        version: b.model_version,
-                                        bytes: m.payload_len,
-                                        seconds: fetch_started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
-                                    }
-                                    .emit();
-                                    fetch_started = None;
-                                    last_request = None;
-                                    if cfg.evaluate_each_model && !m.finished {
-                                        let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?.accuracy();
-                                        Report::Evaluated { version: b.model_version, accuracy: acc }.emit();
-                                    }
-                                }
-                                Ok(_) => {}
-                                Err(e) => tracing::warn!(error = %e, "chunk dropped"),
-                            }
-                        }
-                        MessageKind::UpdateAnswer => {
-                            let a: UpdateAnswer = match env.payload_as() {
-                                Ok(a) => a,
-                                Err(e) => {
-                                    tracing::warn!(topic, error = %e, "malformed answer dropped");
-                                    continue;
-                                }
-                            };
-                            if pending.as_ref().is_some_and(|p| p.round == a.round) {
-                                let accepted = a.answer == Answer::Accepted;
-                                site.as_mut().expect("site present").answered(a.round, accepted);
-                                Report::Answered { round: a.round, accepted }.emit();
-                                match a.answer {
-                                    Answer::Accepted => println!("{site_id}: update for round {} accepted", a.round),
-                                    Answer::Rejected(r) => eprintln!("{site_id}: update for round {} rejected: {r:?}", a.round),
-                                }
-                                pending = None;
-                                progress.answered_rounds.push(a.round);
-                                save(site.as_ref().expect("site present"), &progress)?;
-                            }
-                        }
-                        MessageKind::UpdateReceipt => {
-                            let r: UpdateReceipt = match env.payload_as() {
-                                Ok(r) => r,
-                                Err(e) => {
-                                    tracing::warn!(topic, error = %e, "malformed receipt dropped");
-                                    continue;
-                                }
-                            };
-                            if let Some(p) = &mut pending {
-                                p.receipt(&r);
-                                uplink.pump(p, resend).await?;
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        }
-        let Some(m) = manifest.clone() else { continue };
-        let applied = progress.applied_version == Some(m.model_version);
-        if !applied {
-            fetch_started.get_or_insert_with(Instant::now);
-            // Fetch: ask for what is missing, again if nothing completed within 5 s.
-            if outstanding.is_empty()
-                || last_request.is_none_or(|t| t.elapsed() > Duration::from_secs(5))
-            {
-                let indices: Vec<u32> = match reasm.missing(&m.payload_hash) {
-                    Some(missing) => missing.into_iter().take(WINDOW).collect(),
-                    None => (0..m.chunk_count).take(WINDOW).collect(),
-                };
-                if indices.is_empty() {
-                    continue;
-                }
-                outstanding = indices.iter().copied().collect();
-                let req = ChunkRequest {
-                    model_version: m.model_version,
-                    indices,
-                    package: false,
-                };
-                let env = Envelope::new(
-                    MessageKind::ChunkRequest,
-                    fed.clone(),
-                    site_id.clone(),
-                    m.round,
-                    m.model_version,
-                    spec.hash(),
-                    &req,
-                );
-                client
-                    .publish(
-                        topics.chunk_request(&site_id),
-                        Qos::AtLeastOnce,
-                        false,
-                        env.encode(),
-                    )
-                    .await?;
-                last_request = Some(Instant::now());
-            }
-            continue;
-        }
-        if m.finished {
-            let s = site.as_ref().expect("site present");
-            let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?.accuracy();
-            Report::Evaluated {
-                version: m.model_version,
-                accuracy: acc,
-            }
-            .emit();
-            println!(
-                "{site_id}: federation finished at model v{}; test accuracy {:.2}%",
-                m.model_version,
-                100.0 * acc
-            );
-            client
-                .publish(
-                    topics.status(&site_id),
-                    Qos::AtLeastOnce,
-                    true,
-                    status(SiteState::Offline, "finished"),
-                )
-                .await?;
+    let goodbye = |detail: &'static str| {
+        let (client, topic, msg) = (
+            client.clone(),
+            topics.status(&site_id),
+            status(SiteState::Offline, detail),
+        );
+        async move {
+            let _ = client.publish(topic, Qos::AtLeastOnce, true, msg).await;
             // A clean DISCONNECT (after the status is out) instead of a reset connection.
             tokio::time::sleep(Duration::from_millis(200)).await;
             let _ = client.disconnect().await;
             tokio::time::sleep(Duration::from_millis(100)).await;
-            return Ok(acc);
         }
-        let sampled = m.sampled.is_empty() || m.sampled.contains(&site_id);
-        if pending.is_none() && sampled && !progress.answered_rounds.contains(&m.round) {
-            let mut s = site.take().expect("site present");
-            let (spec2, fed2, dev2, tc, m2) = (
-                spec.clone(),
-                fed.clone(),
-                device.clone(),
-                cfg.train.clone(),
-                m.clone(),
-            );
-            println!(
-                "{site_id}: training round {} from model v{}",
-                m.round, m.model_version
-            );
-            client
-                .publish(
-                    topics.status(&site_id),
-                    Qos::AtLeastOnce,
-                    true,
-                    status(SiteState::Training { round: m.round }, ""),
-                )
-                .await?;
-            let bar = training_bar(site_id.as_str(), m.round);
-            let (s, bytes) = tokio::task::spawn_blocking(move || {
-                let r = s.train_round(&spec2, &fed2, &m2, &tc, &dev2, bar);
-                (s, r)
-            })
-            .await?;
-            site = Some(s);
-            let bytes = bytes?;
-            let mut up = uplink.start(&m, bytes);
-            Report::Uploaded {
-                round: m.round,
-                bytes: up.len() as u64,
-                messages: up.messages() as u64,
-            }
-            .emit();
-            uplink.pump(&mut up, resend).await?;
-            pending = Some(up);
-        } else if let Some(p) = &mut pending {
-            if p.round != m.round {
-                pending = None;
-            } else {
-                uplink.pump(p, resend).await?;
+    };
+    let save = |site: &Site<DigitsCnn>, progress: &Progress| -> Result<()> {
+        checkpoint::save(&ckpt, &export(&site.net, &spec, Select::All), &spec)?;
+        site.save_residual(&residual_path)?;
+        write_atomic(&progress_path, &serde_json::to_vec_pretty(progress)?)
+    };
+    let t0 = Instant::now();
+    let now = || t0.elapsed().as_millis() as u64;
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tokio::pin!(shutdown);
+    // Events the driver itself produced (applied, trained), handled before new input.
+    let mut queue: std::collections::VecDeque<Event> = std::collections::VecDeque::new();
+    // What to announce once the checkpoint that follows an applied model is written.
+    let mut announce: Option<(RoundManifest, u64)> = None;
+    loop {
+        let event = match queue.pop_front() {
+            Some(e) => e,
+            None => tokio::select! {
+                _ = &mut shutdown => {
+                    println!("{site_id}: stopping on request; the checkpoint holds model v{}", engine.progress().applied_version.map_or("-".to_string(), |v| v.to_string()));
+                    goodbye("stopped").await;
+                    return Ok(None);
+                }
+                _ = tick.tick() => Event::Tick,
+                ev = rx.recv() => match ev {
+                    None => bail!("the MQTT event loop stopped"),
+                    Some(NetEvent::Connected) => {
+                        client.publish(topics.status(&site_id), Qos::AtLeastOnce, true, status(SiteState::Online, "")).await?;
+                        Event::Connected
+                    }
+                    Some(NetEvent::Disconnected(_)) => continue,
+                    Some(NetEvent::Message { topic, payload }) => Event::Message { topic, payload },
+                },
+            },
+        };
+        for action in engine.handle(event, now()) {
+            match action {
+                SiteAction::Publish { topic, payload } => {
+                    client
+                        .publish(topic, Qos::AtLeastOnce, false, payload)
+                        .await?;
+                }
+                SiteAction::Apply {
+                    manifest: m,
+                    broadcast,
+                    joining,
+                    fetch_ms,
+                } => {
+                    let s = site.as_mut().expect("site present");
+                    if let Err(e) = s.receive(&spec, &broadcast, m.bn_policy) {
+                        queue.push_back(Event::ApplyFailed {
+                            version: m.model_version,
+                            error: e.to_string(),
+                        });
+                        continue;
+                    }
+                    if joining && m.bn_policy == BnPolicy::Local && cfg.join_bn == JoinBn::Calibrate
+                    {
+                        // A late joiner: BN from the onboarding package (the sites' shared BN,
+                        // if the policy shares any), statistics then re-estimated on its own
+                        // images.
+                        if m.bn_sharing != BnSharing::None {
+                            match package_bn(&cfg, &fed, &site_id, &spec, m.model_version).await {
+                                Ok((sd, detail)) => {
+                                    s.net = import(&s.net, &spec, &sd, Select::Bn)?;
+                                    println!(
+                                        "{site_id}: BN from the onboarding package of model v{} ({detail})",
+                                        m.model_version
+                                    );
+                                }
+                                // Not fatal: the joiner calibrates its own BN instead.
+                                Err(e) => eprintln!(
+                                    "{site_id}: onboarding package unavailable ({e:#}); calibrating the model's own BN"
+                                ),
+                            }
+                        }
+                        s.net = tokio::task::block_in_place(|| {
+                            unifed_models::bn::calibrate(
+                                &s.net,
+                                &s.train.x,
+                                &device,
+                                &Default::default(),
+                                |_, _| {},
+                            )
+                        })?;
+                        println!(
+                            "{site_id}: joined at model v{}; calibrated BN on {} own images",
+                            m.model_version,
+                            s.train.len()
+                        );
+                    }
+                    queue.push_back(Event::Applied {
+                        version: m.model_version,
+                    });
+                    announce = Some((m, fetch_ms));
+                }
+                SiteAction::Train { manifest: m } => {
+                    println!(
+                        "{site_id}: training round {} from model v{}",
+                        m.round, m.model_version
+                    );
+                    client
+                        .publish(
+                            topics.status(&site_id),
+                            Qos::AtLeastOnce,
+                            true,
+                            status(SiteState::Training { round: m.round }, ""),
+                        )
+                        .await?;
+                    let mut s = site.take().expect("site present");
+                    let (spec2, fed2, dev2, tc, m2) = (
+                        spec.clone(),
+                        fed.clone(),
+                        device.clone(),
+                        cfg.train.clone(),
+                        m.clone(),
+                    );
+                    let bar = training_bar(site_id.as_str(), m.round);
+                    let job = tokio::task::spawn_blocking(move || {
+                        let r = s.train_round(&spec2, &fed2, &m2, &tc, &dev2, bar);
+                        (s, r)
+                    });
+                    let (s, update) = tokio::select! {
+                        // Stop now: the checkpoint still holds the applied model, and the round
+                        // is trained again after a restart.
+                        _ = &mut shutdown => {
+                            println!("{site_id}: stopping on request during round {}; it is trained again after a restart", m.round);
+                            goodbye("stopped").await;
+                            return Ok(None);
+                        }
+                        r = job => r?,
+                    };
+                    site = Some(s);
+                    queue.push_back(Event::Trained {
+                        round: m.round,
+                        update: update?,
+                    });
+                }
+                SiteAction::Uploading {
+                    round,
+                    bytes,
+                    messages,
+                } => Report::Uploaded {
+                    round,
+                    bytes,
+                    messages,
+                }
+                .emit(),
+                SiteAction::Answered { round, answer } => {
+                    let accepted = answer == Answer::Accepted;
+                    site.as_mut()
+                        .expect("site present")
+                        .answered(round, accepted);
+                    Report::Answered { round, accepted }.emit();
+                    match answer {
+                        Answer::Accepted => {
+                            println!("{site_id}: update for round {round} accepted")
+                        }
+                        Answer::Rejected(r) => {
+                            eprintln!("{site_id}: update for round {round} rejected: {r:?}")
+                        }
+                    }
+                }
+                SiteAction::Checkpoint => {
+                    let s = site.as_ref().expect("site present");
+                    save(s, engine.progress())?;
+                    if let Some((m, fetch_ms)) = announce.take() {
+                        println!("{site_id}: applied model v{}", m.model_version);
+                        Report::Applied {
+                            version: m.model_version,
+                            bytes: m.payload_len,
+                            seconds: fetch_ms as f64 / 1000.0,
+                        }
+                        .emit();
+                        if cfg.evaluate_each_model && !m.finished {
+                            let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?
+                                .accuracy();
+                            Report::Evaluated {
+                                version: m.model_version,
+                                accuracy: acc,
+                            }
+                            .emit();
+                        }
+                    }
+                }
+                SiteAction::Finished { manifest: m } => {
+                    let s = site.as_ref().expect("site present");
+                    let acc =
+                        tokio::task::block_in_place(|| s.evaluate(&spec, &device))?.accuracy();
+                    Report::Evaluated {
+                        version: m.model_version,
+                        accuracy: acc,
+                    }
+                    .emit();
+                    println!(
+                        "{site_id}: federation finished at model v{}; test accuracy {:.2}%",
+                        m.model_version,
+                        100.0 * acc
+                    );
+                    goodbye("finished").await;
+                    return Ok(Some(acc));
+                }
             }
         }
     }
+}
+
+/// Writes `bytes` to `path` through a temporary file, fsync and rename: a crash leaves the old
+/// file or the new one, never half of one.
+fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let mut f =
+        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
 }
 
 #[cfg(test)]

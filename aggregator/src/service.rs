@@ -155,7 +155,7 @@ pub fn serve_from_file(path: &Path) -> Result<u64> {
         .validate()
         .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.join("; ")))?;
     unifed_net::block_on(serve(cfg, async {
-        let _ = tokio::signal::ctrl_c().await;
+        unifed_net::stop_signal().await;
     }))?
 }
 

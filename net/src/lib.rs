@@ -183,6 +183,29 @@ pub fn block_on<F: std::future::Future>(fut: F) -> std::io::Result<F::Output> {
         .block_on(fut))
 }
 
+/// Resolves when the process is asked to stop: SIGINT (Ctrl-C) or SIGTERM (systemd, `kill`).
+pub async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
 /// Installs the binaries' log subscriber: `RUST_LOG` if set, else `default_filter`; logs go to
 /// stderr so stdout stays for results.
 pub fn init_logging(default_filter: &str) {

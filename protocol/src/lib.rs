@@ -63,7 +63,7 @@ pub use messages::{
     Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, LocalReport, Objective, OnboardError,
     OnboardReply, OnboardRequest, PackageInfo, RegistryEntry, RejectReason, RoundManifest,
     RoundPlan, Sealing, ServerBroadcast, ServerExtras, SiteExtras, SiteState, SiteStatus,
-    SiteUpdate, UpdateAnswer, UpdateReceipt, max_registry_entry_bytes,
+    SiteUpdate, UpdateAnswer, UpdateReceipt, max_broadcast_bytes, max_registry_entry_bytes,
 };
 #[cfg(feature = "std")]
 pub use spec::spec_path;

@@ -404,6 +404,16 @@ pub fn max_registry_entry_bytes(spec: &crate::ModelSpec) -> usize {
     bn + (1 << 16)
 }
 
+/// The largest model payload (a postcard [`ServerBroadcast`] of every tensor in exact f32) of a
+/// model of `spec`, with room for names, shapes and framing. Sites accept no larger manifest.
+pub fn max_broadcast_bytes(spec: &crate::ModelSpec) -> u64 {
+    spec.tensors
+        .iter()
+        .map(|t| 4 * t.numel() as u64 + 256)
+        .sum::<u64>()
+        + (1 << 16)
+}
+
 /// A site's calibrated BN state for one model version, as stored in the aggregator's registry.
 /// Sent in [`Chunk`]s (kinds `RegistryPut` and `RegistryEntry`) because it can exceed a packet.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

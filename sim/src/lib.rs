@@ -1,20 +1,25 @@
-//! In-process federation: the aggregator core and one trainer per site, each with its own model
-//! and BN state, exchanging the same encoded messages the network will carry (envelopes, model
-//! chunks, postcard updates) over an in-memory transport. The experiment runner of the algorithm
-//! suite grows from here.
+//! In-process federation: the aggregator core and one site engine per site (the MQTT agent's
+//! engine, so one client round and one seed rule), each site with its own model and BN state,
+//! exchanging the same encoded messages the network carries (envelopes, manifests, model chunks
+//! on request, postcard updates, answers) over an in-memory transport. The experiment runner of
+//! the algorithm suite grows from here.
 
 pub mod chart;
 
 use anyhow::{Context, Result, anyhow, bail};
+use std::collections::VecDeque;
 use std::time::Instant;
 use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel};
 use unifed_models::backend::Device;
 pub use unifed_models::site::{Site, select_for};
 use unifed_models::train::TrainConfig;
 use unifed_models::zoo::Net;
-use unifed_protocol::chunking::Reassembler;
-use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{Answer, ServerBroadcast};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::{AGGREGATOR_ID, Id};
+use unifed_protocol::max_broadcast_bytes;
+use unifed_protocol::messages::{Answer, Chunk, ChunkRequest, RoundManifest, UpdateAnswer};
+use unifed_protocol::topics::Topics;
+use unifed_site::{Action as SiteAction, EngineConfig, Event as SiteEvent, SiteEngine};
 
 /// What a federation run did in one round.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -51,8 +56,13 @@ pub enum Observed<'a> {
 }
 
 /// Runs a federation of `sites` under `cfg` from `initial` in a fresh data directory, and calls
-/// `observe` with every message it passes, and `on_round` after each round with the round's record
-/// and the sites (each holding the new model). Returns one record per round.
+/// `observe` with every message it passes, and `on_round` after each new model with the round's
+/// record and the sites (each holding the new model). Returns one record per model version
+/// after the initial one.
+///
+/// Each site is driven by the same [`SiteEngine`] as the MQTT agent, over an in-memory
+/// transport that plays the aggregator service's part: it serves model chunks on request and
+/// carries manifests, updates and answers as the encoded envelopes the broker would.
 pub fn run_federation<N: Net>(
     cfg: FederationConfig,
     initial: GlobalModel,
@@ -65,90 +75,227 @@ pub fn run_federation<N: Net>(
     let dir = tempfile::tempdir()?;
     let spec = initial.spec.clone();
     let federation = Id::new(&cfg.federation).map_err(|e| anyhow!("{e}"))?;
-    let bn = cfg.bn_policy;
+    let me = Id::new(AGGREGATOR_ID).map_err(|e| anyhow!("{e}"))?;
+    let topics = Topics::new(&federation);
+    let hash = spec.hash();
+    let wire = Wire {
+        federation: federation.clone(),
+        me,
+        hash,
+    };
     let mut agg = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
-    let mut pending = agg.handle(Event::Start, 0)?;
+    let mut engines: Vec<SiteEngine> = sites
+        .iter()
+        .map(|s| {
+            SiteEngine::new(
+                EngineConfig {
+                    site: s.id.clone(),
+                    federation: federation.clone(),
+                    spec_hash: hash,
+                    // In memory every update goes whole, and nothing is re-sent.
+                    max_packet: usize::MAX >> 8,
+                    resend_ms: u64::MAX >> 8,
+                    max_model_bytes: max_broadcast_bytes(&spec),
+                },
+                None,
+            )
+        })
+        .collect();
+    let mut served: Option<(RoundManifest, Vec<Chunk>)> = None;
+    let mut agg_actions = agg.handle(Event::Start, 0)?;
+    let mut inbox: VecDeque<(usize, SiteEvent)> = VecDeque::new();
     let mut records = Vec::new();
     let mut t0 = Instant::now();
     let mut update_bytes = vec![0; sites.len()];
+    let mut model_bytes = 0;
+    let mut applied: Vec<Option<u64>> = vec![None; sites.len()];
+    let mut recorded = 0u64;
+    let mut done = vec![false; sites.len()];
     let mut now = 0u64;
     loop {
-        let Some(action) = (!pending.is_empty()).then(|| pending.remove(0)) else {
-            bail!("the aggregator stopped without finishing");
-        };
-        match action {
-            Action::Answer {
-                site,
-                answer,
-                round,
-            } => {
-                let accepted = answer == Answer::Accepted;
-                if let Some(s) = sites.iter_mut().find(|s| s.id == site) {
-                    s.answered(round, accepted);
-                }
-                if let Answer::Rejected(r) = answer {
-                    bail!("update of {site} in round {round} rejected: {r:?}");
-                }
-            }
-            Action::RoundClosed { .. } => {}
-            Action::Finished { .. } => return Ok(records),
-            Action::Publish { manifest, chunks } => {
-                // The transport: chunks reassembled exactly as a site would.
-                let mut re = Reassembler::new(60_000, 1 << 30);
-                let mut payload = None;
-                for c in chunks {
-                    payload = re.insert(c, now)?.or(payload);
-                }
-                let payload = payload.context("model chunks did not reassemble")?;
-                observe(Observed::Model {
-                    version: manifest.model_version,
-                    payload: &payload,
-                });
-                let b: ServerBroadcast = postcard::from_bytes(&payload)?;
-                for s in sites.iter_mut() {
-                    s.receive(&spec, &b, bn)?;
-                }
-                if manifest.model_version > 0 {
-                    let accuracy = sites
+        for action in agg_actions.drain(..) {
+            match action {
+                Action::Answer {
+                    site,
+                    round,
+                    answer,
+                } => {
+                    let k = sites
                         .iter()
-                        .map(|s| s.evaluate(&spec, device).map(|e| e.accuracy()))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let rec = RoundRecord {
-                        round: manifest.model_version,
-                        accuracy,
-                        update_bytes: update_bytes.clone(),
-                        model_bytes: payload.len(),
-                        seconds: t0.elapsed().as_secs_f64(),
-                    };
-                    on_round(&rec, sites);
-                    records.push(rec);
-                    t0 = Instant::now();
-                }
-                if manifest.finished {
-                    continue;
-                }
-                for (k, s) in sites.iter_mut().enumerate() {
-                    // Only the sampled sites train, as agents do.
-                    if !(manifest.sampled.is_empty() || manifest.sampled.contains(&s.id)) {
-                        update_bytes[k] = 0;
-                        continue;
-                    }
-                    let bytes = s.train_round(&spec, &federation, &manifest, tc, device, |_| {})?;
-                    update_bytes[k] = bytes.len();
-                    observe(Observed::Update {
-                        site: s.id.as_str(),
-                        bytes: &bytes,
-                    });
-                    now += 1;
-                    pending.extend(agg.handle(
-                        Event::Update {
-                            site: s.id.to_string(),
-                            bytes,
+                        .position(|s| s.id == site)
+                        .context("an answer for an unknown site")?;
+                    let bytes = wire.envelope(
+                        MessageKind::UpdateAnswer,
+                        round,
+                        agg.model_version(),
+                        &UpdateAnswer { round, answer },
+                    );
+                    inbox.push_back((
+                        k,
+                        SiteEvent::Message {
+                            topic: topics.ack(&site),
+                            payload: bytes,
                         },
-                        now,
-                    )?);
+                    ));
                 }
+                Action::Publish { manifest, chunks } => {
+                    let payload: Vec<u8> = chunks.iter().flat_map(|c| c.data.clone()).collect();
+                    observe(Observed::Model {
+                        version: manifest.model_version,
+                        payload: &payload,
+                    });
+                    model_bytes = payload.len();
+                    let bytes = wire.envelope(
+                        MessageKind::RoundManifest,
+                        manifest.round,
+                        manifest.model_version,
+                        &manifest,
+                    );
+                    for k in 0..sites.len() {
+                        inbox.push_back((
+                            k,
+                            SiteEvent::Message {
+                                topic: topics.manifest(),
+                                payload: bytes.clone(),
+                            },
+                        ));
+                    }
+                    served = Some((manifest, chunks));
+                }
+                Action::RoundClosed { .. } | Action::Finished { .. } => {}
             }
         }
+        let Some((k, event)) = inbox.pop_front() else {
+            if done.iter().all(|&d| d) {
+                return Ok(records);
+            }
+            bail!("the federation stalled: no message in flight and not every site finished");
+        };
+        for action in engines[k].handle(event, now) {
+            match action {
+                SiteAction::Publish { topic, payload } => {
+                    let site = &sites[k].id;
+                    if topic == topics.chunk_request(site) {
+                        let req: ChunkRequest = Envelope::decode(&payload)?.payload_as()?;
+                        let Some((m, chunks)) = &served else { continue };
+                        if m.model_version != req.model_version {
+                            continue;
+                        }
+                        for i in req.indices {
+                            let c = chunks.get(i as usize).context("a chunk out of range")?;
+                            inbox.push_back((
+                                k,
+                                SiteEvent::Message {
+                                    topic: topics.chunk_reply(site),
+                                    payload: wire.envelope(
+                                        MessageKind::ModelChunk,
+                                        m.round,
+                                        m.model_version,
+                                        c,
+                                    ),
+                                },
+                            ));
+                        }
+                    } else if topic == topics.update(site) {
+                        observe(Observed::Update {
+                            site: site.as_str(),
+                            bytes: &payload,
+                        });
+                        update_bytes[k] = payload.len();
+                        now += 1;
+                        agg_actions.extend(agg.handle(
+                            Event::Update {
+                                site: site.to_string(),
+                                bytes: payload,
+                            },
+                            now,
+                        )?);
+                    } else {
+                        bail!("a site published on an unexpected topic `{topic}`");
+                    }
+                }
+                SiteAction::Apply {
+                    manifest,
+                    broadcast,
+                    ..
+                } => {
+                    sites[k].receive(&spec, &broadcast, manifest.bn_policy)?;
+                    applied[k] = Some(manifest.model_version);
+                    inbox.push_back((
+                        k,
+                        SiteEvent::Applied {
+                            version: manifest.model_version,
+                        },
+                    ));
+                    // Every site holds the new model: evaluate the round.
+                    let v = manifest.model_version;
+                    if v > recorded && applied.iter().all(|a| *a == Some(v)) {
+                        recorded = v;
+                        let accuracy = sites
+                            .iter()
+                            .map(|s| s.evaluate(&spec, device).map(|e| e.accuracy()))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        let rec = RoundRecord {
+                            round: v,
+                            accuracy,
+                            update_bytes: update_bytes.clone(),
+                            model_bytes,
+                            seconds: t0.elapsed().as_secs_f64(),
+                        };
+                        on_round(&rec, sites);
+                        records.push(rec);
+                        t0 = Instant::now();
+                    }
+                }
+                SiteAction::Train { manifest } => {
+                    let update =
+                        sites[k].train_round(&spec, &federation, &manifest, tc, device, |_| {})?;
+                    inbox.push_back((
+                        k,
+                        SiteEvent::Trained {
+                            round: manifest.round,
+                            update,
+                        },
+                    ));
+                }
+                SiteAction::Answered { round, answer } => {
+                    let accepted = answer == Answer::Accepted;
+                    sites[k].answered(round, accepted);
+                    if let Answer::Rejected(r) = answer {
+                        bail!("update of {} in round {round} rejected: {r:?}", sites[k].id);
+                    }
+                }
+                SiteAction::Finished { .. } => done[k] = true,
+                SiteAction::Uploading { .. } | SiteAction::Checkpoint => {}
+            }
+        }
+    }
+}
+
+/// The aggregator's side of the in-memory transport: its envelopes.
+struct Wire {
+    federation: Id,
+    me: Id,
+    hash: unifed_protocol::SpecHash,
+}
+
+impl Wire {
+    fn envelope<T: serde::Serialize>(
+        &self,
+        kind: MessageKind,
+        round: u64,
+        version: u64,
+        payload: &T,
+    ) -> Vec<u8> {
+        Envelope::new(
+            kind,
+            self.federation.clone(),
+            self.me.clone(),
+            round,
+            version,
+            self.hash,
+            payload,
+        )
+        .encode()
     }
 }

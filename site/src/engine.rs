@@ -1,0 +1,512 @@
+//! The site engine: one client round as a state machine, `handle(event, now) -> actions`, with
+//! no I/O. It follows the round manifest, fetches each new model by its chunks in windows,
+//! asks its driver to apply it, to train when the site's round opens, sends the update through
+//! an upload window until the aggregator answers, and says when to checkpoint.
+//!
+//! Bad input from the network stops here: an envelope that does not decode, of another
+//! federation, spec or protocol version, not from the aggregator, on the wrong topic, a
+//! manifest that contradicts itself, a chunk that contradicts its manifest or a payload that
+//! does not decode is logged and dropped. The engine never fails; only the driver's own work
+//! (training, files) can.
+
+use crate::upload::Upload;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use unifed_protocol::SpecHash;
+use unifed_protocol::chunking::{Reassembler, payload_hash};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::{AGGREGATOR_ID, Id};
+use unifed_protocol::messages::{
+    Answer, Chunk, ChunkRequest, RoundManifest, ServerBroadcast, UpdateAnswer, UpdateReceipt,
+};
+use unifed_protocol::topics::Topics;
+
+/// Chunks of a model asked for at a time: the broker keeps only a few packets per topic in
+/// memory, so a whole model requested at once would overrun a slow subscriber.
+pub const FETCH_WINDOW: usize = 16;
+/// A fetch window that completed nothing for this long (ms) is asked for again.
+pub const FETCH_RETRY_MS: u64 = 5_000;
+/// An incomplete model fetch is dropped after this long (ms) without a chunk.
+const FETCH_TIMEOUT_MS: u64 = 120_000;
+
+/// What the engine needs to know about its site.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// This site.
+    pub site: Id,
+    /// The federation.
+    pub federation: Id,
+    /// The hash of the model spec the site runs.
+    pub spec_hash: SpecHash,
+    /// Largest MQTT packet the broker takes (updates above it go in chunks).
+    pub max_packet: usize,
+    /// Milliseconds between re-sends of an unanswered update.
+    pub resend_ms: u64,
+    /// Largest model payload the site accepts (from the spec: every tensor in f32 plus
+    /// framing); a manifest announcing more is dropped before anything is allocated.
+    pub max_model_bytes: u64,
+}
+
+/// What the site has done, persisted beside its checkpoint so a restart resumes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// The model version the checkpoint holds, once one was applied.
+    pub applied_version: Option<u64>,
+    /// Rounds whose update the aggregator answered.
+    pub answered_rounds: Vec<u64>,
+}
+
+/// Something that happened to the site.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The connection to the broker is (re-)established.
+    Connected,
+    /// A message arrived.
+    Message {
+        /// Its topic.
+        topic: String,
+        /// Its bytes.
+        payload: Vec<u8>,
+    },
+    /// The driver applied the model of an [`Action::Apply`].
+    Applied {
+        /// Its version.
+        version: u64,
+    },
+    /// The driver could not apply a model (it does not fit the site's spec): it is not fetched
+    /// again until the manifest changes.
+    ApplyFailed {
+        /// Its version.
+        version: u64,
+        /// Why.
+        error: String,
+    },
+    /// The driver trained for an [`Action::Train`] and encoded the update envelope.
+    Trained {
+        /// The round.
+        round: u64,
+        /// The update envelope.
+        update: Vec<u8>,
+    },
+    /// Time passed: re-requests and re-sends fall due.
+    Tick,
+}
+
+/// Something the driver must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Publish `payload` on `topic` (QoS 1, not retained).
+    Publish {
+        /// The topic.
+        topic: String,
+        /// The message.
+        payload: Vec<u8>,
+    },
+    /// Apply the broadcast's weights (the non-BN ones under `local` BN), then report
+    /// [`Event::Applied`] or [`Event::ApplyFailed`].
+    Apply {
+        /// The manifest that announced it.
+        manifest: RoundManifest,
+        /// The model.
+        broadcast: ServerBroadcast,
+        /// True for a site whose first model is past version 0 and that has no checkpoint: a
+        /// late joiner, whose BN may need calibrating first.
+        joining: bool,
+        /// Milliseconds from the first chunk request to the complete model.
+        fetch_ms: u64,
+    },
+    /// Train for the manifest's round under its plan and report [`Event::Trained`].
+    Train {
+        /// The round's manifest.
+        manifest: RoundManifest,
+    },
+    /// The first send of an update.
+    Uploading {
+        /// Its round.
+        round: u64,
+        /// Bytes of the update envelope.
+        bytes: u64,
+        /// MQTT messages one send takes.
+        messages: u64,
+    },
+    /// The aggregator answered the update of `round` (the site's error feedback advances on an
+    /// accept).
+    Answered {
+        /// The round.
+        round: u64,
+        /// Accepted, or rejected with the reason.
+        answer: Answer,
+    },
+    /// Persist the model and [`SiteEngine::progress`] (they changed).
+    Checkpoint,
+    /// The federation has finished and the site holds the final model.
+    Finished {
+        /// The final manifest.
+        manifest: RoundManifest,
+    },
+}
+
+/// The site engine.
+#[derive(Debug)]
+pub struct SiteEngine {
+    cfg: EngineConfig,
+    topics: Topics,
+    progress: Progress,
+    /// A checkpoint existed when the engine started (the site is not joining).
+    resumed: bool,
+    manifest: Option<RoundManifest>,
+    reasm: Reassembler,
+    outstanding: BTreeSet<u32>,
+    last_request_ms: Option<u64>,
+    fetch_started_ms: Option<u64>,
+    /// A model payload the driver could not apply: not fetched again.
+    refused: Option<[u8; 32]>,
+    /// An [`Action::Apply`] is out and not yet reported.
+    applying: bool,
+    /// An [`Action::Train`] is out and not yet reported.
+    training: Option<u64>,
+    pending: Option<Upload>,
+    finished: bool,
+}
+
+impl SiteEngine {
+    /// An engine for the site of `cfg`, resuming from `progress` when the site has a
+    /// checkpoint (`None`: a new site).
+    pub fn new(cfg: EngineConfig, progress: Option<Progress>) -> Self {
+        let max = cfg.max_model_bytes.saturating_mul(2).max(1 << 20);
+        SiteEngine {
+            topics: Topics::new(&cfg.federation),
+            resumed: progress.is_some(),
+            progress: progress.unwrap_or_default(),
+            manifest: None,
+            reasm: Reassembler::new(FETCH_TIMEOUT_MS, usize::try_from(max).unwrap_or(usize::MAX)),
+            outstanding: BTreeSet::new(),
+            last_request_ms: None,
+            fetch_started_ms: None,
+            refused: None,
+            applying: false,
+            training: None,
+            pending: None,
+            finished: false,
+            cfg,
+        }
+    }
+
+    /// The topics the driver subscribes to: the manifest, the site's chunk replies and answers.
+    pub fn subscriptions(&self) -> Vec<String> {
+        vec![
+            self.topics.manifest(),
+            self.topics.chunk_reply(&self.cfg.site),
+            self.topics.ack(&self.cfg.site),
+        ]
+    }
+
+    /// What the site has done (persist it on [`Action::Checkpoint`]).
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    /// The manifest the site follows.
+    pub fn manifest(&self) -> Option<&RoundManifest> {
+        self.manifest.as_ref()
+    }
+
+    /// Handles one event at `now_ms` (a monotonic clock in milliseconds) and returns what to do.
+    pub fn handle(&mut self, event: Event, now_ms: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        match event {
+            Event::Connected => {
+                // Chunks in flight when the connection dropped are lost: send them again now.
+                if let Some(p) = &mut self.pending {
+                    p.reconnected();
+                }
+                self.last_request_ms = None;
+            }
+            Event::Message { topic, payload } => {
+                self.on_message(&topic, &payload, now_ms, &mut out)
+            }
+            Event::Applied { version } => {
+                self.applying = false;
+                self.progress.applied_version = Some(version);
+                self.fetch_started_ms = None;
+                self.last_request_ms = None;
+                out.push(Action::Checkpoint);
+            }
+            Event::ApplyFailed { version, error } => {
+                self.applying = false;
+                tracing::warn!(
+                    version,
+                    error,
+                    "model refused by the site; waiting for another"
+                );
+                self.refused = self.manifest.as_ref().map(|m| m.payload_hash);
+            }
+            Event::Trained { round, update } => {
+                self.training = None;
+                let version = self.manifest.as_ref().map_or(0, |m| m.model_version);
+                if self.manifest.as_ref().is_some_and(|m| m.round == round) {
+                    let up = Upload::new(
+                        (&self.cfg.federation, &self.cfg.site, self.cfg.spec_hash),
+                        round,
+                        version,
+                        update,
+                        self.cfg.max_packet,
+                    );
+                    out.push(Action::Uploading {
+                        round,
+                        bytes: up.len() as u64,
+                        messages: up.messages() as u64,
+                    });
+                    self.pending = Some(up);
+                } else {
+                    tracing::info!(round, "the round moved on while training; update dropped");
+                }
+            }
+            Event::Tick => {}
+        }
+        self.advance(now_ms, &mut out);
+        out
+    }
+
+    /// Checks a message's envelope and hands its payload on; anything else is dropped.
+    fn on_message(&mut self, topic: &str, payload: &[u8], now_ms: u64, out: &mut Vec<Action>) {
+        let env = match Envelope::decode_limited(payload, self.cfg.max_packet + 4096) {
+            Ok(e) => e,
+            Err(e) => return drop_msg(topic, &e.to_string()),
+        };
+        if env.federation != self.cfg.federation {
+            return drop_msg(topic, &format!("federation `{}`", env.federation));
+        }
+        if env.sender.as_str() != AGGREGATOR_ID {
+            return drop_msg(
+                topic,
+                &format!("sender `{}` is not the aggregator", env.sender),
+            );
+        }
+        if env.spec_hash != self.cfg.spec_hash {
+            return drop_msg(
+                topic,
+                &format!("model spec {} is not this site's", env.spec_hash),
+            );
+        }
+        let expected = if topic == self.topics.manifest() {
+            &[MessageKind::RoundManifest][..]
+        } else if topic == self.topics.chunk_reply(&self.cfg.site) {
+            &[MessageKind::ModelChunk][..]
+        } else if topic == self.topics.ack(&self.cfg.site) {
+            &[MessageKind::UpdateAnswer, MessageKind::UpdateReceipt][..]
+        } else {
+            return drop_msg(topic, "not a topic the site follows");
+        };
+        if !expected.contains(&env.kind) {
+            return drop_msg(topic, &format!("a {:?} on this topic", env.kind));
+        }
+        match env.kind {
+            MessageKind::RoundManifest => match env.payload_as::<RoundManifest>() {
+                Ok(m) => self.on_manifest(m, &env),
+                Err(e) => drop_msg(topic, &e.to_string()),
+            },
+            MessageKind::ModelChunk => match env.payload_as::<Chunk>() {
+                Ok(c) => self.on_chunk(c, now_ms, out),
+                Err(e) => drop_msg(topic, &e.to_string()),
+            },
+            MessageKind::UpdateAnswer => match env.payload_as::<UpdateAnswer>() {
+                Ok(a) => self.on_answer(a, out),
+                Err(e) => drop_msg(topic, &e.to_string()),
+            },
+            MessageKind::UpdateReceipt => match env.payload_as::<UpdateReceipt>() {
+                Ok(r) => {
+                    if let Some(p) = &mut self.pending {
+                        p.receipt(&r, now_ms);
+                    }
+                }
+                Err(e) => drop_msg(topic, &e.to_string()),
+            },
+            _ => {}
+        }
+    }
+
+    fn on_manifest(&mut self, m: RoundManifest, env: &Envelope) {
+        let problem = if m.spec_hash != self.cfg.spec_hash {
+            Some("it names another model spec".to_string())
+        } else if m.round != env.round || m.model_version != env.model_version {
+            Some("its round or version differ from its envelope's".into())
+        } else if m.payload_len > self.cfg.max_model_bytes {
+            Some(format!(
+                "its model of {} bytes exceeds this site's {}",
+                m.payload_len, self.cfg.max_model_bytes
+            ))
+        } else if m.chunk_count == 0 || u64::from(m.chunk_count) > m.payload_len.max(1) {
+            Some(format!(
+                "{} chunks for {} bytes",
+                m.chunk_count, m.payload_len
+            ))
+        } else if let Err(e) = m.plan.objective.validate() {
+            Some(e)
+        } else if self
+            .manifest
+            .as_ref()
+            .is_some_and(|cur| m.round < cur.round || m.model_version < cur.model_version)
+        {
+            Some("it is older than the manifest the site follows".into())
+        } else {
+            None
+        };
+        if let Some(p) = problem {
+            tracing::warn!(round = m.round, "manifest dropped: {p}");
+            return;
+        }
+        if self
+            .manifest
+            .as_ref()
+            .is_none_or(|cur| cur.payload_hash != m.payload_hash)
+        {
+            self.refused = None;
+            self.outstanding.clear();
+            self.last_request_ms = None;
+        }
+        self.manifest = Some(m);
+    }
+
+    fn on_chunk(&mut self, chunk: Chunk, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(m) = &self.manifest else { return };
+        if chunk.payload_hash != m.payload_hash {
+            // An older model's, or an onboarding package's.
+            return;
+        }
+        if chunk.count != m.chunk_count || chunk.total_len != m.payload_len {
+            return drop_msg("chunk", "its count or length contradict the manifest");
+        }
+        if self.applying || self.progress.applied_version == Some(m.model_version) {
+            return;
+        }
+        self.outstanding.remove(&chunk.index);
+        let bytes = match self.reasm.insert(chunk, now_ms) {
+            Ok(Some(b)) => b,
+            Ok(None) => return,
+            Err(e) => return drop_msg("chunk", &e.to_string()),
+        };
+        if payload_hash(&bytes) != m.payload_hash {
+            return drop_msg(
+                "model",
+                "the reassembled payload's hash differs from the manifest's",
+            );
+        }
+        let broadcast: ServerBroadcast = match postcard::from_bytes(&bytes) {
+            Ok(b) => b,
+            Err(e) => return drop_msg("model", &e.to_string()),
+        };
+        if broadcast.model_version != m.model_version {
+            return drop_msg("model", "its version differs from the manifest's");
+        }
+        let joining =
+            !self.resumed && self.progress.applied_version.is_none() && m.model_version > 0;
+        self.applying = true;
+        out.push(Action::Apply {
+            manifest: m.clone(),
+            broadcast,
+            joining,
+            fetch_ms: self
+                .fetch_started_ms
+                .map_or(0, |t| now_ms.saturating_sub(t)),
+        });
+    }
+
+    fn on_answer(&mut self, a: UpdateAnswer, out: &mut Vec<Action>) {
+        if self.pending.as_ref().is_some_and(|p| p.round == a.round) {
+            self.pending = None;
+            self.progress.answered_rounds.push(a.round);
+            out.push(Action::Answered {
+                round: a.round,
+                answer: a.answer,
+            });
+            out.push(Action::Checkpoint);
+        }
+    }
+
+    /// What is due now: fetch the current model, train, re-send, or finish.
+    fn advance(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(m) = self.manifest.clone() else {
+            return;
+        };
+        if self.applying || self.training.is_some() {
+            return;
+        }
+        if self.progress.applied_version != Some(m.model_version) {
+            if self.refused == Some(m.payload_hash) {
+                return;
+            }
+            self.fetch_started_ms.get_or_insert(now_ms);
+            // Ask for what is missing, again if nothing completed within FETCH_RETRY_MS.
+            let stale = self
+                .last_request_ms
+                .is_none_or(|t| now_ms.saturating_sub(t) > FETCH_RETRY_MS);
+            if self.outstanding.is_empty() || stale {
+                self.reasm.expire(now_ms);
+                let indices: Vec<u32> = match self.reasm.missing(&m.payload_hash) {
+                    Some(missing) => missing.into_iter().take(FETCH_WINDOW).collect(),
+                    None => (0..m.chunk_count).take(FETCH_WINDOW).collect(),
+                };
+                if indices.is_empty() {
+                    return;
+                }
+                self.outstanding = indices.iter().copied().collect();
+                let req = ChunkRequest {
+                    model_version: m.model_version,
+                    indices,
+                    package: false,
+                };
+                out.push(Action::Publish {
+                    topic: self.topics.chunk_request(&self.cfg.site),
+                    payload: self.envelope(MessageKind::ChunkRequest, &m, &req),
+                });
+                self.last_request_ms = Some(now_ms);
+            }
+            return;
+        }
+        if m.finished {
+            if !self.finished {
+                self.finished = true;
+                out.push(Action::Finished { manifest: m });
+            }
+            return;
+        }
+        let sampled = m.sampled.is_empty() || m.sampled.contains(&self.cfg.site);
+        if let Some(p) = &mut self.pending {
+            if p.round != m.round {
+                // A new round opened without an answer: the old update is moot.
+                self.pending = None;
+            } else {
+                let topic = self.topics.update(&self.cfg.site);
+                for payload in p.pump(now_ms, self.cfg.resend_ms) {
+                    out.push(Action::Publish {
+                        topic: topic.clone(),
+                        payload,
+                    });
+                }
+                return;
+            }
+        }
+        if sampled && !self.progress.answered_rounds.contains(&m.round) {
+            self.training = Some(m.round);
+            out.push(Action::Train { manifest: m });
+        }
+    }
+
+    fn envelope(&self, kind: MessageKind, m: &RoundManifest, payload: &impl Serialize) -> Vec<u8> {
+        Envelope::new(
+            kind,
+            self.cfg.federation.clone(),
+            self.cfg.site.clone(),
+            m.round,
+            m.model_version,
+            self.cfg.spec_hash,
+            payload,
+        )
+        .encode()
+    }
+}
+
+fn drop_msg(topic: &str, why: &str) {
+    tracing::warn!(topic, "message dropped: {why}");
+}
