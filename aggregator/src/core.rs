@@ -60,6 +60,8 @@ pub enum Action {
         site: Id,
         /// The round of the answered update.
         round: u64,
+        /// SHA-256 of the answered message.
+        update_hash: [u8; 32],
         /// Accepted or rejected with a reason.
         answer: Answer,
     },
@@ -421,7 +423,7 @@ impl Aggregator {
     fn reject(
         &self,
         now_ms: u64,
-        site: &Id,
+        (site, update_hash): (&Id, [u8; 32]),
         round: u64,
         reason: RejectReason,
     ) -> Result<Vec<Action>, CoreError> {
@@ -436,6 +438,7 @@ impl Aggregator {
         Ok(vec![Action::Answer {
             site: site.clone(),
             round,
+            update_hash,
             answer: Answer::Rejected(reason),
         }])
     }
@@ -454,16 +457,24 @@ impl Aggregator {
             return Ok(Vec::new());
         };
         let open = self.state.round;
+        // Every answer names the bytes it answers, so a site never takes another message's
+        // answer (a reject of someone's garbage on its topic) for its own update's.
+        let hash = payload_hash(bytes);
         let env = match Envelope::decode_limited(bytes, self.cfg.max_update_bytes) {
             Ok(e) => e,
             Err(e) => {
-                return self.reject(now_ms, &site, open, RejectReason::Malformed(e.to_string()));
+                return self.reject(
+                    now_ms,
+                    (&site, hash),
+                    open,
+                    RejectReason::Malformed(e.to_string()),
+                );
             }
         };
         if env.kind != MessageKind::SiteUpdate {
             return self.reject(
                 now_ms,
-                &site,
+                (&site, hash),
                 open,
                 RejectReason::Malformed(format!(
                     "message kind {:?} where an update was expected",
@@ -474,7 +485,7 @@ impl Aggregator {
         if env.sender != site {
             return self.reject(
                 now_ms,
-                &site,
+                (&site, hash),
                 open,
                 RejectReason::Malformed(format!(
                     "sender `{}` differs from the topic's site",
@@ -485,7 +496,7 @@ impl Aggregator {
         if env.federation != self.federation {
             return self.reject(
                 now_ms,
-                &site,
+                (&site, hash),
                 open,
                 RejectReason::Malformed(format!(
                     "federation `{}` is not `{}`",
@@ -494,14 +505,19 @@ impl Aggregator {
             );
         }
         if env.spec_hash != self.hash {
-            return self.reject(now_ms, &site, env.round, RejectReason::SpecHashMismatch);
+            return self.reject(
+                now_ms,
+                (&site, hash),
+                env.round,
+                RejectReason::SpecHashMismatch,
+            );
         }
         let upd: SiteUpdate = match env.payload_as() {
             Ok(u) => u,
             Err(e) => {
                 return self.reject(
                     now_ms,
-                    &site,
+                    (&site, hash),
                     env.round,
                     RejectReason::Malformed(e.to_string()),
                 );
@@ -511,7 +527,7 @@ impl Aggregator {
         if round != env.round {
             return self.reject(
                 now_ms,
-                &site,
+                (&site, hash),
                 round,
                 RejectReason::Malformed("envelope and update name different rounds".into()),
             );
@@ -534,15 +550,21 @@ impl Aggregator {
                 return Ok(vec![Action::Answer {
                     site,
                     round,
+                    update_hash: hash,
                     answer: Answer::Accepted,
                 }]);
             }
-            return self.reject(now_ms, &site, round, RejectReason::RoundClosed(round));
+            return self.reject(
+                now_ms,
+                (&site, hash),
+                round,
+                RejectReason::RoundClosed(round),
+            );
         }
         if round > open || open == 0 {
             return self.reject(
                 now_ms,
-                &site,
+                (&site, hash),
                 round,
                 RejectReason::WrongRound {
                     expected: open,
@@ -561,19 +583,20 @@ impl Aggregator {
             return Ok(vec![Action::Answer {
                 site,
                 round,
+                update_hash: hash,
                 answer: Answer::Accepted,
             }]);
         }
         if !self.state.sampled.is_empty() && !self.state.sampled.iter().any(|s| s == site.as_str())
         {
-            return self.reject(now_ms, &site, round, RejectReason::NotSampled);
+            return self.reject(now_ms, (&site, hash), round, RejectReason::NotSampled);
         }
         if upd.base_version != self.state.model_version
             || env.model_version != self.state.model_version
         {
             return self.reject(
                 now_ms,
-                &site,
+                (&site, hash),
                 round,
                 RejectReason::WrongModelVersion {
                     expected: self.state.model_version,
@@ -582,12 +605,12 @@ impl Aggregator {
             );
         }
         if upd.samples == 0 {
-            return self.reject(now_ms, &site, round, RejectReason::NoSamples);
+            return self.reject(now_ms, (&site, hash), round, RejectReason::NoSamples);
         }
         if upd.samples > self.cfg.max_samples {
             return self.reject(
                 now_ms,
-                &site,
+                (&site, hash),
                 round,
                 RejectReason::TooManySamples {
                     samples: upd.samples,
@@ -597,10 +620,10 @@ impl Aggregator {
         }
         let (delta, bn) = match self.validate_delta(&upd) {
             Ok(d) => d,
-            Err(reason) => return self.reject(now_ms, &site, round, reason),
+            Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
         if let Err(reason) = self.strategy.check(&upd) {
-            return self.reject(now_ms, &site, round, reason);
+            return self.reject(now_ms, (&site, hash), round, reason);
         }
         let contribution = Contribution {
             samples: upd.samples,
@@ -622,6 +645,7 @@ impl Aggregator {
         let mut actions = vec![Action::Answer {
             site,
             round,
+            update_hash: hash,
             answer: Answer::Accepted,
         }];
         if self.accepted.len() >= self.needed() {

@@ -216,13 +216,18 @@ pub async fn serve(
                 Action::Answer {
                     site,
                     round,
+                    update_hash,
                     answer,
                 } => {
                     wire.send(
                         topics.ack(&site),
                         MessageKind::UpdateAnswer,
                         (round, core.model_version()),
-                        &UpdateAnswer { round, answer },
+                        &UpdateAnswer {
+                            round,
+                            update_hash,
+                            answer,
+                        },
                         false,
                     )
                     .await?;

@@ -305,6 +305,9 @@ pub enum Answer {
 pub struct UpdateAnswer {
     /// Round of the answered update.
     pub round: u64,
+    /// SHA-256 of the answered message (the whole update envelope, reassembled if it came in
+    /// chunks): a site takes only the answer to its own bytes as its update's.
+    pub update_hash: [u8; 32],
     /// Outcome.
     pub answer: Answer,
 }

@@ -176,7 +176,11 @@ fn every_other_payload_round_trips_through_an_envelope() {
     ] {
         through_envelope(
             MessageKind::UpdateAnswer,
-            &UpdateAnswer { round: 4, answer },
+            &UpdateAnswer {
+                round: 4,
+                update_hash: [3; 32],
+                answer,
+            },
         );
     }
     for state in [

@@ -118,6 +118,7 @@ pub fn run_federation<N: Net>(
                 Action::Answer {
                     site,
                     round,
+                    update_hash,
                     answer,
                 } => {
                     let k = sites
@@ -128,7 +129,11 @@ pub fn run_federation<N: Net>(
                         MessageKind::UpdateAnswer,
                         round,
                         agg.model_version(),
-                        &UpdateAnswer { round, answer },
+                        &UpdateAnswer {
+                            round,
+                            update_hash,
+                            answer,
+                        },
                     );
                     inbox.push_back((
                         k,

@@ -413,7 +413,11 @@ impl SiteEngine {
     }
 
     fn on_answer(&mut self, a: UpdateAnswer, out: &mut Vec<Action>) {
-        if self.pending.as_ref().is_some_and(|p| p.round == a.round) {
+        if self
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.round == a.round && p.hash() == a.update_hash)
+        {
             self.pending = None;
             self.progress.answered_rounds.push(a.round);
             out.push(Action::Answered {

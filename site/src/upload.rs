@@ -89,6 +89,11 @@ impl Upload {
         self.len == 0
     }
 
+    /// SHA-256 of the update envelope (what the aggregator's answer names).
+    pub fn hash(&self) -> [u8; 32] {
+        self.payload_hash
+    }
+
     /// MQTT messages one complete send takes.
     pub fn messages(&self) -> usize {
         self.chunks.len().max(1)

@@ -61,6 +61,15 @@ impl Guard {
         }
     }
 
+    /// Asks the process to stop (SIGTERM, as systemd or `kill` do) without waiting for it.
+    pub fn terminate(&self) {
+        let st = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .expect("kill -TERM");
+        assert!(st.success(), "kill -TERM failed");
+    }
+
     /// Kills the process (SIGKILL: no clean-up, no MQTT DISCONNECT) and reaps it.
     pub fn kill(&mut self) {
         let _ = self.0.kill();

@@ -1,0 +1,315 @@
+//! The site engine driven by scripted messages: no broker, no model, no clock.
+
+use unifed_protocol::SpecHash;
+use unifed_protocol::chunking::{payload_hash, split};
+use unifed_protocol::encoding::{Encoding, encode};
+use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{
+    Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, RejectReason, RoundManifest, RoundPlan,
+    ServerBroadcast, ServerExtras, UpdateAnswer,
+};
+use unifed_protocol::topics::Topics;
+use unifed_site::{Action, EngineConfig, Event, Progress, SiteEngine};
+
+const HASH: SpecHash = SpecHash([7; 32]);
+
+fn id(s: &str) -> Id {
+    Id::new(s).unwrap()
+}
+
+fn topics() -> Topics {
+    Topics::new(&id("fed"))
+}
+
+fn engine(progress: Option<Progress>) -> SiteEngine {
+    SiteEngine::new(
+        EngineConfig {
+            site: id("a"),
+            federation: id("fed"),
+            spec_hash: HASH,
+            max_packet: 1 << 16,
+            resend_ms: 10_000,
+            max_model_bytes: 1 << 16,
+        },
+        progress,
+    )
+}
+
+/// Model version `v`: its broadcast payload cut into chunks, and its manifest for `round`.
+fn model(round: u64, v: u64, sampled: &[&str]) -> (RoundManifest, Vec<Chunk>) {
+    let b = ServerBroadcast {
+        model_version: v,
+        weights: vec![encode(
+            "fc.weight",
+            &[40],
+            &[v as f32 * 0.5; 40],
+            Encoding::F32,
+            None,
+        )],
+        extras: ServerExtras::None,
+    };
+    let payload = postcard::to_allocvec(&b).unwrap();
+    let chunks = split(&payload, 64);
+    let m = RoundManifest {
+        round,
+        model_version: v,
+        spec_hash: HASH,
+        chunk_count: chunks.len() as u32,
+        payload_len: payload.len() as u64,
+        payload_hash: payload_hash(&payload),
+        encoding: Encoding::F32,
+        bn_policy: BnPolicy::Local,
+        bn_sharing: BnSharing::None,
+        sampled: sampled.iter().map(|s| id(s)).collect(),
+        plan: RoundPlan::default(),
+        deadline_ms: 0,
+        finished: false,
+    };
+    (m, chunks)
+}
+
+fn from(
+    sender: &str,
+    fed: &str,
+    kind: MessageKind,
+    round: u64,
+    v: u64,
+    p: &impl serde::Serialize,
+) -> Vec<u8> {
+    Envelope::new(kind, id(fed), id(sender), round, v, HASH, p).encode()
+}
+
+fn agg(kind: MessageKind, round: u64, v: u64, p: &impl serde::Serialize) -> Vec<u8> {
+    from("aggregator", "fed", kind, round, v, p)
+}
+
+fn msg(topic: String, payload: Vec<u8>) -> Event {
+    Event::Message { topic, payload }
+}
+
+fn manifest_msg(m: &RoundManifest) -> Event {
+    msg(
+        topics().manifest(),
+        agg(MessageKind::RoundManifest, m.round, m.model_version, m),
+    )
+}
+
+fn chunk_msg(m: &RoundManifest, c: &Chunk) -> Event {
+    msg(
+        topics().chunk_reply(&id("a")),
+        agg(MessageKind::ModelChunk, m.round, m.model_version, c),
+    )
+}
+
+/// Delivers every chunk and returns the actions of the last one.
+fn deliver(e: &mut SiteEngine, m: &RoundManifest, chunks: &[Chunk]) -> Vec<Action> {
+    let mut last = Vec::new();
+    for c in chunks {
+        last = e.handle(chunk_msg(m, c), 1);
+    }
+    last
+}
+
+#[test]
+fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
+    let mut e = engine(None);
+    let (m, chunks) = model(1, 0, &[]);
+    let acts = e.handle(manifest_msg(&m), 0);
+    let [Action::Publish { topic, payload }] = &acts[..] else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(topic, &topics().chunk_request(&id("a")));
+    let req: ChunkRequest = Envelope::decode(payload).unwrap().payload_as().unwrap();
+    assert_eq!(req.indices, (0..chunks.len() as u32).collect::<Vec<_>>());
+    let acts = deliver(&mut e, &m, &chunks);
+    let [
+        Action::Apply {
+            broadcast,
+            joining: false,
+            ..
+        },
+    ] = &acts[..]
+    else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(broadcast.model_version, 0);
+    let acts = e.handle(Event::Applied { version: 0 }, 2);
+    assert!(
+        matches!(&acts[..], [Action::Checkpoint, Action::Train { manifest }] if manifest.round == 1)
+    );
+    assert_eq!(e.progress().applied_version, Some(0));
+    let acts = e.handle(
+        Event::Trained {
+            round: 1,
+            update: vec![1, 2, 3],
+        },
+        3,
+    );
+    assert!(
+        matches!(&acts[..], [Action::Uploading { round: 1, bytes: 3, messages: 1 }, Action::Publish { topic, payload }] if topic == &topics().update(&id("a")) && payload == &vec![1, 2, 3])
+    );
+    // Unanswered: sent again after the re-send interval, not before.
+    assert!(e.handle(Event::Tick, 5_000).is_empty());
+    assert_eq!(e.handle(Event::Tick, 10_004).len(), 1);
+    // An answer to other bytes (someone's garbage on this site's topic) is not this update's.
+    let other = UpdateAnswer {
+        round: 1,
+        update_hash: payload_hash(b"garbage"),
+        answer: Answer::Rejected(RejectReason::NoSamples),
+    };
+    let acts = e.handle(
+        msg(
+            topics().ack(&id("a")),
+            agg(MessageKind::UpdateAnswer, 1, 0, &other),
+        ),
+        10_005,
+    );
+    assert!(acts.is_empty(), "{acts:?}");
+    let answer = UpdateAnswer {
+        round: 1,
+        update_hash: payload_hash(&[1, 2, 3]),
+        answer: Answer::Rejected(RejectReason::NoSamples),
+    };
+    let acts = e.handle(
+        msg(
+            topics().ack(&id("a")),
+            agg(MessageKind::UpdateAnswer, 1, 0, &answer),
+        ),
+        10_005,
+    );
+    assert_eq!(
+        acts,
+        vec![
+            Action::Answered {
+                round: 1,
+                answer: answer.answer.clone()
+            },
+            Action::Checkpoint
+        ]
+    );
+    assert_eq!(e.progress().answered_rounds, vec![1]);
+    // Answered: nothing more to do in round 1.
+    assert!(e.handle(Event::Tick, 20_000).is_empty());
+}
+
+#[test]
+fn bad_input_on_every_topic_is_dropped_and_changes_nothing() {
+    let mut e = engine(None);
+    let (m, chunks) = model(1, 0, &[]);
+    e.handle(manifest_msg(&m), 0);
+    let good = agg(MessageKind::RoundManifest, 1, 0, &m);
+    let mut other_version = good.clone();
+    other_version[4..6].copy_from_slice(&(PROTOCOL_VERSION - 1).to_le_bytes());
+    let mut garbage_payload = Envelope::decode(&good).unwrap();
+    garbage_payload.payload = vec![0xff; 40];
+    let (bigger, _) = model(2, 1, &[]);
+    let mut wrong_count = chunks[0].clone();
+    wrong_count.count += 1;
+    let mut wrong_len = chunks[0].clone();
+    wrong_len.total_len += 1;
+    let mut liar = m.clone();
+    liar.payload_len = 1 << 30; // more than the site accepts
+    let mut bad_plan = m.clone();
+    bad_plan.round = 2;
+    bad_plan.plan.objective = unifed_protocol::Objective::Proximal { mu: f64::NAN };
+    let junk: Vec<Vec<u8>> = vec![
+        vec![],
+        vec![0x42; 3],
+        (0..200u32).map(|i| (i * 37 % 251) as u8).collect(),
+        good[..good.len() / 2].to_vec(),
+        garbage_payload.encode(),
+        other_version,
+        from(
+            "aggregator",
+            "other-fed",
+            MessageKind::RoundManifest,
+            2,
+            1,
+            &bigger,
+        ),
+        from("mallory", "fed", MessageKind::RoundManifest, 2, 1, &bigger),
+        agg(MessageKind::RoundManifest, 2, 1, &liar),
+        agg(MessageKind::RoundManifest, 2, 1, &bad_plan),
+        agg(MessageKind::ModelChunk, 1, 0, &chunks[0]),
+        agg(
+            MessageKind::UpdateAnswer,
+            1,
+            0,
+            &UpdateAnswer {
+                round: 1,
+                update_hash: [0; 32],
+                answer: Answer::Accepted,
+            },
+        ),
+    ];
+    for topic in [
+        topics().manifest(),
+        topics().chunk_reply(&id("a")),
+        topics().ack(&id("a")),
+        "unifed/v1/fed/elsewhere".to_string(),
+    ] {
+        for j in &junk {
+            let acts = e.handle(msg(topic.clone(), j.clone()), 1);
+            assert!(
+                acts.iter().all(|a| matches!(a, Action::Publish { .. })),
+                "{topic}: {acts:?}"
+            );
+            assert_eq!(e.manifest(), Some(&m), "{topic}");
+        }
+    }
+    for c in [wrong_count, wrong_len] {
+        assert!(e.handle(chunk_msg(&m, &c), 1).is_empty());
+    }
+    // The real chunks still give the real model, and the site trains as if nothing happened.
+    let acts = deliver(&mut e, &m, &chunks);
+    assert!(
+        matches!(&acts[..], [Action::Apply { broadcast, .. }] if broadcast.weights[0].name == "fc.weight")
+    );
+    assert!(e.progress().answered_rounds.is_empty());
+}
+
+#[test]
+fn a_site_not_sampled_applies_the_model_but_does_not_train() {
+    let mut e = engine(None);
+    let (m, chunks) = model(1, 0, &["b", "c"]);
+    e.handle(manifest_msg(&m), 0);
+    deliver(&mut e, &m, &chunks);
+    let acts = e.handle(Event::Applied { version: 0 }, 1);
+    assert_eq!(acts, vec![Action::Checkpoint]);
+}
+
+#[test]
+fn a_resumed_site_neither_refetches_its_model_nor_retrains_an_answered_round() {
+    let progress = Progress {
+        applied_version: Some(0),
+        answered_rounds: vec![1],
+    };
+    let mut e = engine(Some(progress));
+    let (m, _) = model(1, 0, &[]);
+    assert!(e.handle(manifest_msg(&m), 0).is_empty());
+    // The next round trains from the model it holds; a late model would not make it a joiner.
+    let (m2, chunks2) = model(2, 1, &[]);
+    e.handle(manifest_msg(&m2), 1);
+    let acts = deliver(&mut e, &m2, &chunks2);
+    assert!(matches!(&acts[..], [Action::Apply { joining: false, .. }]));
+}
+
+#[test]
+fn a_new_site_whose_first_model_is_past_version_zero_is_a_joiner() {
+    let mut e = engine(None);
+    let (m, chunks) = model(3, 2, &[]);
+    e.handle(manifest_msg(&m), 0);
+    let acts = deliver(&mut e, &m, &chunks);
+    assert!(matches!(&acts[..], [Action::Apply { joining: true, .. }]));
+}
+
+#[test]
+fn an_older_manifest_is_not_followed() {
+    let mut e = engine(None);
+    let (m2, _) = model(2, 1, &[]);
+    let (m1, _) = model(1, 0, &[]);
+    e.handle(manifest_msg(&m2), 0);
+    assert!(e.handle(manifest_msg(&m1), 1).is_empty());
+    assert_eq!(e.manifest(), Some(&m2));
+}
