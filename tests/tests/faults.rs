@@ -267,7 +267,7 @@ fn noise(port: u16, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> usiz
                     env("e2e", "grey", MessageKind::RoundManifest, &newer),
                 ];
                 all(topics.manifest(), false, &manifests);
-                if k % 10 == 0 {
+                if k.is_multiple_of(10) {
                     all(topics.manifest(), true, &[garbage.encode()]);
                 }
                 for site in SITES {
