@@ -65,12 +65,8 @@ enum Cmd {
         /// Model architecture: digits, mlp or resnet18.
         #[arg(long, default_value = "digits")]
         arch: String,
-        /// Digits CNN conv widths (e.g. 64,64,128).
-        #[arg(long, value_delimiter = ',')]
-        conv: Vec<usize>,
-        /// Digits CNN fc widths (e.g. 2048,512).
-        #[arg(long, value_delimiter = ',')]
-        fc: Vec<usize>,
+        #[command(flatten)]
+        options: model::InitOptions,
         /// Initialisation seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -190,13 +186,12 @@ fn main() -> Result<()> {
         }
         Cmd::Init {
             arch,
-            conv,
-            fc,
+            options,
             seed,
             out,
         } => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
-            let spec = model::write_initial(&arch, &conv, &fc, seed, &device, &out)?;
+            let spec = model::write_initial(&arch, &options, seed, &device, &out)?;
             println!(
                 "wrote {} ({} tensors, spec {})",
                 out.display(),

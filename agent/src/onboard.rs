@@ -19,7 +19,7 @@ use unifed_models::data::{
 };
 use unifed_models::state::{Select, StateDict, export, import};
 use unifed_models::train::{evaluate, evaluate_stream};
-use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, spec_of};
+use unifed_models::zoo::AnyNet;
 use unifed_protocol::ModelSpec;
 
 /// A model file and where its labelled evaluation images come from.
@@ -145,24 +145,11 @@ fn model_arg(src: &Source) -> Result<&Path> {
         .context("give --model FILE (a safetensors model with its spec beside it)")
 }
 
-/// Loads a digits-CNN model file and its spec.
-pub fn load_model(model: &Path, device: &Device) -> Result<(DigitsCnn, ModelSpec)> {
+/// Loads a model file and its spec (`<model>.spec.json`), which decides the architecture.
+pub fn load_model(model: &Path, device: &Device) -> Result<(AnyNet, ModelSpec)> {
     let sp = crate::model::spec_path(model);
-    let spec: ModelSpec = serde_json::from_slice(
-        &std::fs::read(&sp)
-            .with_context(|| format!("reading the model's spec {}", sp.display()))?,
-    )
-    .with_context(|| format!("parsing {}", sp.display()))?;
-    let cfg =
-        DigitsCnnConfig::from_spec(&spec).map_err(|e| anyhow::anyhow!("{}: {e}", sp.display()))?;
-    let net = cfg.init(device);
-    let built = spec_of(&net, &spec.classes, &spec.input);
-    if built.hash() != spec.hash() {
-        bail!(
-            "{}: the spec is not one of a digits CNN this agent can build",
-            sp.display()
-        );
-    }
+    let spec = crate::model::read_spec(&sp)?;
+    let net = crate::model::net_for(&spec, device).with_context(|| format!("{}", sp.display()))?;
     let state = checkpoint::load(model, &spec)?;
     Ok((import(&net, &spec, &state, Select::All)?, spec))
 }
@@ -240,13 +227,13 @@ pub(crate) fn bar(what: &str) -> ProgressBar {
 
 /// Re-estimates `net`'s BN statistics on `images` (`mode` calibrate or stream).
 fn reestimate(
-    net: &DigitsCnn,
+    net: &AnyNet,
     images: &[f32],
     mode: &str,
     estimator: &str,
     a: &BnArgs,
     device: &Device,
-) -> Result<DigitsCnn> {
+) -> Result<AnyNet> {
     let pb = bar("calibrating");
     let out = match mode {
         "calibrate" => {
@@ -406,13 +393,13 @@ pub fn calibrate_cmd(a: &CalibrateArgs, device: &Device) -> Result<()> {
 /// Calibrates `net` on the source's images, reports accuracy before and after when labels
 /// exist, and writes the calibrated model and its spec to `out`.
 pub(crate) fn calibrate_to(
-    net: &DigitsCnn,
+    net: &AnyNet,
     spec: &ModelSpec,
     a: &CalibrateArgs,
     source: &Source,
     out: &Path,
     device: &Device,
-) -> Result<DigitsCnn> {
+) -> Result<AnyNet> {
     let dd = builtin(source)?;
     let images = calibration(source, dd.as_ref(), &a.images, spec)?;
     let n = images.len() / spec.input.numel();

@@ -12,14 +12,14 @@ use unifed_agent::registry::{
 use unifed_agent::train::AgentConfig;
 use unifed_models::backend::Device;
 use unifed_models::state::{Select, StateDict, export, import};
-use unifed_models::zoo::DigitsCnn;
+use unifed_models::zoo::AnyNet;
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::{ModelSpec, PackageInfo};
 
 /// A device of the site named by an agent config: its model, spec, identity and key.
 struct SiteDevice {
     cfg: AgentConfig,
-    net: DigitsCnn,
+    net: AnyNet,
     spec: ModelSpec,
     owner: Owner,
     key: Option<SiteKey>,

@@ -15,7 +15,7 @@ use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelle
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::TrainConfig;
-use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, seeded, spec_of};
+use unifed_models::zoo::{AnyNet, Arch, DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_net::{BrokerConfig, NetEvent, Qos, Will, spawn_event_loop};
 use unifed_protocol::ModelSpec;
 use unifed_protocol::envelope::{Envelope, MessageKind};
@@ -61,7 +61,12 @@ pub struct AgentConfig {
     /// Compute backend.
     #[serde(default = "default_backend")]
     pub backend: String,
-    /// Model architecture (the digits CNN; widths configurable).
+    /// The federation's model spec (`<initial model>.spec.json`, written by `unifed-agent
+    /// init`): it decides the architecture, input and class names. Without it the site runs the
+    /// digits CNN of `[model]`.
+    #[serde(default)]
+    pub spec: Option<PathBuf>,
+    /// The digits CNN's widths, when no `spec` is given.
     #[serde(default)]
     pub model: DigitsCnnConfig,
     /// Local training (lr, momentum, weight decay, batch size, epochs, seed).
@@ -101,11 +106,18 @@ impl AgentConfig {
         Ok((site, fed))
     }
 
-    /// The site's model (seeded, as every site and the initial model are) and its spec.
-    pub fn model_and_spec(&self, device: &Device) -> Result<(DigitsCnn, ModelSpec)> {
+    /// The site's model (seeded, as every site and the initial model are) and its spec: the
+    /// spec file's model, or the digits CNN of `[model]`.
+    pub fn model_and_spec(&self, device: &Device) -> Result<(AnyNet, ModelSpec)> {
+        if let Some(path) = &self.spec {
+            let spec = crate::model::read_spec(path)?;
+            let net = crate::model::net_for(&spec, device)
+                .with_context(|| format!("{}", path.display()))?;
+            return Ok((net, spec));
+        }
         self.model.validate().map_err(anyhow::Error::msg)?;
         let mc = ModelConfig::fedbn_digits();
-        let net = seeded(device, 0, |d| self.model.init(d));
+        let net = seeded(device, 0, |d| Arch::DigitsCnn(self.model.clone()).init(d));
         let spec = spec_of(&net, &mc.classes, &mc.input);
         Ok((net, spec))
     }
@@ -234,7 +246,7 @@ pub async fn run(
     } else {
         net
     };
-    let mut site: Option<Site<DigitsCnn>> = Some(Site::new(&cfg.site, net, train, test)?);
+    let mut site: Option<Site<AnyNet>> = Some(Site::new(&cfg.site, net, train, test)?);
     if resumed {
         // The error-feedback residual of the last accepted update (none under exact f32).
         site.as_mut()
@@ -294,7 +306,7 @@ pub async fn run(
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     };
-    let save = |site: &Site<DigitsCnn>, progress: &Progress| -> Result<()> {
+    let save = |site: &Site<AnyNet>, progress: &Progress| -> Result<()> {
         checkpoint::save(&ckpt, &export(&site.net, &spec, Select::All), &spec)?;
         site.save_residual(&residual_path)?;
         write_atomic(&progress_path, &serde_json::to_vec_pretty(progress)?)

@@ -174,7 +174,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         .device()
         .map_err(anyhow::Error::msg)?;
     let model = work.join("init.safetensors");
-    unifed_agent::model::write_initial("digits", &[], &[], opts.seed, &device, &model)?;
+    unifed_agent::model::write_initial("digits", &Default::default(), opts.seed, &device, &model)?;
 
     let mut fc = FederationConfig::new(&format!("demo-{policy}"), opts.rounds, sites.len());
     fc.deadline_secs = 3600;
@@ -202,6 +202,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
             federation: fc.federation.clone(),
             state_dir: work.join(id),
             backend: "flex".into(),
+            // The spec written beside the initial model decides every site's model.
+            spec: Some(unifed_protocol::spec_path(&model)),
             model: Default::default(),
             train: unifed_models::train::TrainConfig {
                 epochs: opts.epochs,

@@ -95,13 +95,17 @@ pub(crate) struct Walker {
 
 impl Walker {
     pub(crate) fn enter(&mut self, name: &str, container: &str) {
-        self.path.push(name.to_string());
+        // An enum of models (`AnyNet`) adds its variant as a level: not part of tensor names.
+        if !container.starts_with("Enum:") {
+            self.path.push(name.to_string());
+        }
         self.owners.push(container.to_string());
     }
 
     pub(crate) fn exit(&mut self) {
-        self.path.pop();
-        self.owners.pop();
+        if self.owners.pop().is_some_and(|o| !o.starts_with("Enum:")) {
+            self.path.pop();
+        }
     }
 
     /// (burn path, kind, is a linear weight) of the parameter being visited.

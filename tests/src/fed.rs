@@ -126,7 +126,8 @@ impl Fed {
         serde_json::from_slice(&std::fs::read(p).expect("spec file")).expect("spec json")
     }
 
-    fn broker_toml(&self) -> String {
+    /// The `[broker]` table of a config for this federation's broker.
+    pub fn broker_toml(&self) -> String {
         let mut s = format!(
             "[broker]\nhost = \"127.0.0.1\"\nport = {}\nmax_packet_bytes = {}\nkeep_alive_secs = 5\n",
             self.port, self.max_packet

@@ -5,10 +5,12 @@
 //! [`Net::features`] (input -> the vector before the classifier) and [`Net::head`]
 //! (representation -> logits).
 
+mod any;
 mod digits;
 mod mlp;
 mod resnet;
 
+pub use any::{AnyNet, net_from_spec};
 pub use digits::{DigitsCnn, DigitsCnnConfig};
 pub use mlp::{Mlp, MlpConfig};
 pub use resnet::{BasicBlock, Downsample, ResNet, ResNetConfig, Stem};
