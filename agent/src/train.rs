@@ -543,6 +543,10 @@ mod tests {
         );
         assert_eq!(cfg.broker.max_packet_bytes, 1 << 20);
         assert!(cfg.broker.ca_file.is_none());
+        assert_eq!(
+            cfg.spec.as_deref(),
+            Some(std::path::Path::new("run/init.safetensors.spec.json"))
+        );
         let bad = text.replace("resend_secs", "resend_seconds");
         let err = toml::from_str::<AgentConfig>(&bad).unwrap_err().to_string();
         assert!(err.contains("resend_seconds"), "{err}");
