@@ -33,6 +33,11 @@ pub struct ServiceConfig {
     /// Seconds to keep serving the final model after the last round.
     #[serde(default = "default_linger")]
     pub linger_secs: u64,
+    /// Seconds between re-publications of the retained manifest: anything else retained on the
+    /// manifest topic (a broker restart's loss, or junk from another client) is replaced within
+    /// this long, so a site that connects then still finds the round.
+    #[serde(default = "default_manifest_every")]
+    pub manifest_every_secs: u64,
     /// The broker.
     pub broker: BrokerConfig,
     /// The federation.
@@ -44,6 +49,10 @@ fn default_chunk() -> usize {
 }
 
 fn default_linger() -> u64 {
+    30
+}
+
+fn default_manifest_every() -> u64 {
     30
 }
 
@@ -206,6 +215,7 @@ pub async fn serve(
     let mut uploads =
         unifed_protocol::chunking::Reassembler::new(600_000, 4 * cfg.federation.max_update_bytes);
     let mut finished_at: Option<Instant> = None;
+    let mut manifest_at = Instant::now();
     let mut connected_before = false;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tokio::pin!(shutdown);
@@ -248,6 +258,7 @@ pub async fn serve(
                         "published manifest"
                     );
                     served = Some(Served { manifest, chunks });
+                    manifest_at = Instant::now();
                 }
                 Action::RoundClosed {
                     round,
@@ -271,6 +282,12 @@ pub async fn serve(
         tokio::select! {
             _ = &mut shutdown => return Ok(core.model_version()),
             _ = tick.tick() => {
+                if let Some(s) = &served
+                    && manifest_at.elapsed() >= Duration::from_secs(cfg.manifest_every_secs.max(1))
+                {
+                    wire.send(topics.manifest(), MessageKind::RoundManifest, (s.manifest.round, s.manifest.model_version), &s.manifest, true).await?;
+                    manifest_at = Instant::now();
+                }
                 pending = tokio::task::block_in_place(|| core.handle(Event::Tick, now_ms()))?;
             }
             ev = rx.recv() => match ev {

@@ -185,6 +185,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         model: model.clone(),
         chunk_bytes: 256 << 10,
         linger_secs: 3600,
+        manifest_every_secs: 30,
         broker: broker.clone(),
         federation: fc.clone(),
     };

@@ -60,6 +60,8 @@ pub struct Fed {
     pub bn_sharing: String,
     /// Seconds the aggregator keeps serving after the last round.
     pub linger_secs: u64,
+    /// Seconds between the aggregator's re-publications of the retained manifest.
+    pub manifest_every_secs: u64,
     /// Model chunk size.
     pub chunk_bytes: usize,
     /// Training images per site.
@@ -88,6 +90,7 @@ impl Fed {
             bn_policy: "Local".into(),
             bn_sharing: "none".into(),
             linger_secs: 3,
+            manifest_every_secs: 30,
             chunk_bytes: 8192,
             train_samples: 48,
             resend_secs: 30,
@@ -152,11 +155,12 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
+                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
                 self.agg_dir().display(),
                 self.model().display(),
                 self.chunk_bytes,
                 self.linger_secs,
+                self.manifest_every_secs,
                 self.broker_toml(),
                 self.rounds,
                 self.min_sites,

@@ -193,7 +193,11 @@ fn sigterm_mid_round_stops_an_agent_with_its_checkpoint_and_the_restart_ends_as_
 /// retained), another protocol version, another federation's and another sender's manifests,
 /// chunks whose count or hash contradict the current manifest, answers to other bytes, junk
 /// updates, chunk and onboarding requests. Returns how many messages it sent.
-fn noise(port: u16, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> usize {
+fn noise(
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    started: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> usize {
     use unifed_protocol::chunking::payload_hash;
     use unifed_protocol::ids::Id;
     use unifed_protocol::messages::{Answer, ChunkRequest, UpdateAnswer};
@@ -267,7 +271,7 @@ fn noise(port: u16, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> usiz
                     env("e2e", "grey", MessageKind::RoundManifest, &newer),
                 ];
                 all(topics.manifest(), false, &manifests);
-                if k.is_multiple_of(10) {
+                if k.is_multiple_of(10) || started.load(std::sync::atomic::Ordering::Relaxed) == 0 {
                     all(topics.manifest(), true, &[garbage.encode()]);
                 }
                 for site in SITES {
@@ -323,6 +327,7 @@ fn noise(port: u16, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> usiz
                     all(topics.onboard_request(&site), false, &[]);
                 }
             }
+            let any = !junk.is_empty();
             for (t, p, retain) in junk {
                 if client
                     .publish(t, unifed_net::Qos::AtLeastOnce, retain, p)
@@ -331,6 +336,9 @@ fn noise(port: u16, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> usiz
                 {
                     sent += 1;
                 }
+            }
+            if any {
+                started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -356,20 +364,27 @@ fn junk_on_every_topic_leaves_agents_and_aggregator_running_and_the_model_unchan
     let _one = serial();
     let dir = tempfile::tempdir().unwrap();
     let broker = Broker::start(BrokerKind::Embedded, PACKET);
-    let fed = fed_for(dir.path(), broker.port);
+    let mut fed = fed_for(dir.path(), broker.port);
+    // The aggregator re-publishes its retained manifest every second, replacing retained junk.
+    fed.manifest_every_secs = 1;
     let mut agg = fed.aggregator();
-    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
-    // Junk starts once every agent holds the first model (a junk *retained* manifest would
-    // otherwise be the first thing a late subscriber sees; only ACLs and signatures, the
-    // security issue's, stop others from publishing on the manifest topic).
-    for s in SITES {
-        assert!(fed.wait_line(s, "applied model v0", LONG), "{}", fed.logs());
-    }
+    // Junk starts before the agents: the first retained manifest an agent sees may be junk.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let noisy = {
-        let (port, stop) = (broker.port, stop.clone());
-        std::thread::spawn(move || noise(port, stop))
+        let (port, stop, started) = (broker.port, stop.clone(), started.clone());
+        std::thread::spawn(move || noise(port, stop, started))
     };
+    let t0 = std::time::Instant::now();
+    while started.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        assert!(
+            t0.elapsed() < LONG,
+            "the noise never started\n{}",
+            fed.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
     for (a, s) in agents.iter_mut().zip(SITES) {
         wait_ok(a, s, &fed);
     }
