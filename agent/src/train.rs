@@ -309,7 +309,8 @@ pub async fn run(
     let save = |site: &Site<AnyNet>, progress: &Progress| -> Result<()> {
         checkpoint::save(&ckpt, &export(&site.net, &spec, Select::All), &spec)?;
         site.save_residual(&residual_path)?;
-        write_atomic(&progress_path, &serde_json::to_vec_pretty(progress)?)
+        checkpoint::write_atomic(&progress_path, &serde_json::to_vec_pretty(progress)?)
+            .with_context(|| format!("writing {}", progress_path.display()))
     };
     let t0 = Instant::now();
     let now = || t0.elapsed().as_millis() as u64;
@@ -510,19 +511,6 @@ pub async fn run(
             }
         }
     }
-}
-
-/// Writes `bytes` to `path` through a temporary file, fsync and rename: a crash leaves the old
-/// file or the new one, never half of one.
-fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let tmp = path.with_extension("tmp");
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|()| f.sync_all())
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
 }
 
 #[cfg(test)]

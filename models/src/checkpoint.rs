@@ -119,12 +119,20 @@ fn canonical_header(bytes: Vec<u8>) -> Vec<u8> {
 /// Writes `state` to `path` as safetensors, atomically and durably (temporary file, fsync,
 /// rename, fsync of the folder), so a crash leaves the old or the new checkpoint.
 pub fn save(path: &Path, state: &StateDict, spec: &ModelSpec) -> Result<(), StateError> {
-    let bytes = to_bytes(state, spec)?;
-    let tmp = path.with_extension("safetensors.tmp");
+    write_atomic(path, &to_bytes(state, spec)?)
+}
+
+/// Writes `bytes` to `path` atomically and durably (`<path>.tmp`, fsync, rename, fsync of the
+/// folder): a crash leaves the old file or the new one, never half of one. Every file a site
+/// keeps (checkpoint, residual, progress) is written this way.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".tmp");
+    let tmp = path.with_file_name(name);
     {
         use std::io::Write;
         let mut f = std::fs::File::create(&tmp).map_err(|e| file_err(&tmp, e))?;
-        f.write_all(&bytes)
+        f.write_all(bytes)
             .and_then(|_| f.sync_all())
             .map_err(|e| file_err(&tmp, e))?;
     }

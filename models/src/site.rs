@@ -9,7 +9,6 @@ use crate::state::{Select, delta, export, import};
 use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_objective};
 use crate::zoo::Net;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::envelope::{Envelope, MessageKind};
@@ -160,9 +159,10 @@ impl<N: Net> Site<N> {
         let encoded = d
             .tensors
             .iter()
-            .map(|t| match encoding_for(t.kind, m.encoding) {
-                Encoding::F32 if t.kind.is_bn_stat() => t.encode(Encoding::F32, None),
-                enc => t.encode(enc, Some(residual.entry(t.name.clone()).or_default())),
+            .map(|t| {
+                // Statistics carry no error feedback; everything else keeps its residual.
+                let r = (!t.kind.is_bn_stat()).then(|| residual.entry(t.name.clone()).or_default());
+                t.encode(encoding_for(t.kind, m.encoding), r)
             })
             .collect();
         let shared = if m.bn_policy == BnPolicy::Local {
@@ -218,23 +218,12 @@ impl<N: Net> Site<N> {
         self.residual.get(name).map_or(&[], Vec::as_slice)
     }
 
-    /// Writes the error-feedback residuals to `path` atomically (temporary file, fsync,
-    /// rename), beside the site's checkpoint.
+    /// Writes the error-feedback residuals to `path` atomically, beside the site's checkpoint.
     pub fn save_residual(&self, path: &Path) -> Result<(), SiteError> {
-        let err = |e: std::io::Error| SiteError::File {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        };
         let mut bytes = RESIDUAL_MAGIC.to_vec();
         bytes.extend_from_slice(&RESIDUAL_VERSION.to_le_bytes());
         bytes.extend(postcard::to_allocvec(&self.residual).expect("residuals serialise"));
-        let tmp = path.with_extension("tmp");
-        {
-            let mut f = std::fs::File::create(&tmp).map_err(err)?;
-            f.write_all(&bytes).map_err(err)?;
-            f.sync_all().map_err(err)?;
-        }
-        std::fs::rename(&tmp, path).map_err(err)
+        Ok(crate::checkpoint::write_atomic(path, &bytes)?)
     }
 
     /// Reads the error-feedback residuals written by [`Site::save_residual`]; a missing file
