@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use unifed_models::backend::{Backend, Device};
 use unifed_models::checkpoint;
 use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelled};
-use unifed_models::site::Site;
+use unifed_models::error::TrainError;
+use unifed_models::site::{Memory, Site, SiteError};
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::TrainConfig;
 use unifed_models::zoo::{AnyNet, Arch, DigitsCnnConfig, ModelConfig, seeded, spec_of};
@@ -200,6 +201,84 @@ async fn package_bn(
     ))
 }
 
+/// A site's files in its state folder. `checkpoint.bin` is the one the agent resumes from:
+/// model, memory (error-feedback residuals, control variates) and progress in one file, replaced
+/// atomically, so a crash never leaves a model of one step beside the memory of another.
+/// `model.safetensors` (the site's full model, for tools and people) and `progress.json` are
+/// copies written after it.
+struct SiteFiles {
+    checkpoint: PathBuf,
+    model: PathBuf,
+    progress: PathBuf,
+}
+
+const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
+const CHECKPOINT_VERSION: u32 = 1;
+
+/// What `checkpoint.bin` holds after its magic and version.
+#[derive(Serialize, Deserialize)]
+struct SiteCheckpoint {
+    progress: Progress,
+    memory: Memory,
+    /// The model as safetensors bytes.
+    model: Vec<u8>,
+}
+
+impl SiteFiles {
+    fn new(dir: &std::path::Path) -> Self {
+        SiteFiles {
+            checkpoint: dir.join("checkpoint.bin"),
+            model: dir.join("model.safetensors"),
+            progress: dir.join("progress.json"),
+        }
+    }
+
+    /// The checkpoint's model, memory and progress, or `None` for a new site.
+    fn read(
+        &self,
+        spec: &ModelSpec,
+    ) -> Result<Option<(unifed_models::state::StateDict, Memory, Progress)>> {
+        let p = &self.checkpoint;
+        let bytes = match std::fs::read(p) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
+        };
+        if bytes.len() < 8 || &bytes[..4] != CHECKPOINT_MAGIC {
+            bail!("{}: not a site checkpoint", p.display());
+        }
+        let v = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
+        if v != CHECKPOINT_VERSION {
+            bail!(
+                "{}: format version {v} is not {CHECKPOINT_VERSION}",
+                p.display()
+            );
+        }
+        let c: SiteCheckpoint = postcard::from_bytes(&bytes[8..])
+            .with_context(|| format!("reading {}", p.display()))?;
+        let state = checkpoint::from_bytes(&c.model, spec)
+            .with_context(|| format!("the model in {}", p.display()))?;
+        Ok(Some((state, c.memory, c.progress)))
+    }
+
+    /// Replaces the checkpoint atomically, then its copies.
+    fn write(&self, spec: &ModelSpec, site: &Site<AnyNet>, progress: &Progress) -> Result<()> {
+        let model = checkpoint::to_bytes(&export(&site.net, spec, Select::All), spec)?;
+        let c = SiteCheckpoint {
+            progress: progress.clone(),
+            memory: site.memory().clone(),
+            model,
+        };
+        let mut bytes = CHECKPOINT_MAGIC.to_vec();
+        bytes.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
+        bytes.extend(postcard::to_allocvec(&c).context("encoding the checkpoint")?);
+        checkpoint::write_atomic(&self.checkpoint, &bytes)?;
+        checkpoint::write_atomic(&self.model, &c.model)?;
+        checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
+            .with_context(|| format!("writing {}", self.progress.display()))
+    }
+}
+
 /// Reads the agent config at `path`, caps the CPU threads at the config's `threads` unless the
 /// caller already capped them (`capped`), and runs the agent on its own runtime until the
 /// federation finishes (returns the final test accuracy) or SIGINT/SIGTERM stops it (`None`).
@@ -214,8 +293,8 @@ pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<Option<f64>
 
 /// Runs the agent until the federation finishes (returns the site's final test accuracy) or
 /// `shutdown` resolves (returns `None`). On shutdown, even mid-training, the agent stops at
-/// once: its files hold the last checkpoint (model, residual and progress, each replaced
-/// atomically), from which a restart resumes and trains the interrupted round again.
+/// once: its files hold the last checkpoint (model, memory and progress in one atomically
+/// replaced file), from which a restart resumes and trains the interrupted round again.
 pub async fn run(
     cfg: AgentConfig,
     shutdown: impl std::future::Future<Output = ()>,
@@ -227,31 +306,23 @@ pub async fn run(
     let (train, test) = load_data(&cfg, &spec)?;
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
-    let ckpt = cfg.state_dir.join("model.safetensors");
-    let residual_path = cfg.state_dir.join("residual.bin");
-    let progress_path = cfg.state_dir.join("progress.json");
-    let resumed = ckpt.exists();
-    let progress: Option<Progress> = if resumed {
-        Some(match std::fs::read(&progress_path) {
-            Ok(b) => serde_json::from_slice(&b)
-                .with_context(|| format!("parsing {}", progress_path.display()))?,
-            Err(_) => Progress::default(),
-        })
-    } else {
-        None
-    };
-    let net = if resumed {
-        let state = checkpoint::load(&ckpt, &spec)?;
-        import(&net, &spec, &state, Select::All)?
-    } else {
-        net
+    let files = SiteFiles::new(&cfg.state_dir);
+    let resumed = files.read(&spec)?;
+    let (net, memory, progress) = match resumed {
+        Some((state, memory, progress)) => (
+            import(&net, &spec, &state, Select::All)?,
+            Some(memory),
+            Some(progress),
+        ),
+        None => (net, None, None),
     };
     let mut site: Option<Site<AnyNet>> = Some(Site::new(&cfg.site, net, train, test)?);
-    if resumed {
-        // The error-feedback residual of the last accepted update (none under exact f32).
+    if let Some(m) = memory {
+        // Residuals and control variates of the last accepted update, and the server's c.
         site.as_mut()
             .expect("site present")
-            .load_residual(&residual_path, &spec)?;
+            .restore_memory(m, &spec)
+            .with_context(|| format!("{}", files.checkpoint.display()))?;
     }
     let mut engine = SiteEngine::new(
         EngineConfig {
@@ -307,10 +378,7 @@ pub async fn run(
         }
     };
     let save = |site: &Site<AnyNet>, progress: &Progress| -> Result<()> {
-        checkpoint::save(&ckpt, &export(&site.net, &spec, Select::All), &spec)?;
-        site.save_residual(&residual_path)?;
-        checkpoint::write_atomic(&progress_path, &serde_json::to_vec_pretty(progress)?)
-            .with_context(|| format!("writing {}", progress_path.display()))
+        files.write(&spec, site, progress)
     };
     let t0 = Instant::now();
     let now = || t0.elapsed().as_millis() as u64;
@@ -355,7 +423,7 @@ pub async fn run(
                     fetch_ms,
                 } => {
                     let s = site.as_mut().expect("site present");
-                    if let Err(e) = s.receive(&spec, &broadcast, m.bn_policy) {
+                    if let Err(e) = s.receive(&spec, &m, &broadcast) {
                         queue.push_back(Event::ApplyFailed {
                             version: m.model_version,
                             error: e.to_string(),
@@ -439,10 +507,29 @@ pub async fn run(
                         r = job => r?,
                     };
                     site = Some(s);
-                    queue.push_back(Event::Trained {
-                        round: m.round,
-                        update: update?,
-                    });
+                    match update {
+                        Ok(update) => queue.push_back(Event::Trained {
+                            round: m.round,
+                            update,
+                        }),
+                        // What the federation's model made of training: no update this round,
+                        // the next model may train (a failure of the site itself ends the agent).
+                        Err(
+                            e @ (SiteError::NonFinite(_)
+                            | SiteError::Plan { .. }
+                            | SiteError::Train(TrainError::Diverged(..))),
+                        ) => {
+                            eprintln!(
+                                "{site_id}: round {}: {e}; no update sent this round",
+                                m.round
+                            );
+                            queue.push_back(Event::TrainFailed {
+                                round: m.round,
+                                error: e.to_string(),
+                            });
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
                 }
                 SiteAction::Uploading {
                     round,

@@ -6,7 +6,7 @@
 use crate::bnshare;
 use crate::config::FederationConfig;
 use crate::store::{AuditEntry, ClosedRound, FORMAT_VERSION, State, Store, StoreError};
-use crate::strategy::{self, Contribution, RoundReader, Strategy};
+use crate::strategy::{self, Contribution, RoundReader, Setup, Strategy};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::EncodedTensor;
-use unifed_protocol::encoding::{Encoding, Values, decode, encode};
+use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -128,6 +128,8 @@ pub struct Aggregator {
     pub(crate) chunk_bytes: usize,
     /// The algorithm's policy: plans rounds, checks extras, aggregates.
     strategy: Box<dyn Strategy>,
+    /// What the strategy was built for (to rebuild it from a committed state).
+    setup: Setup,
 }
 
 fn hex(h: &SpecHash) -> String {
@@ -212,18 +214,26 @@ impl Aggregator {
                     sampled: Vec::new(),
                     finished: false,
                     recent: Vec::new(),
-                    strategy: Default::default(),
                 };
                 store.save_state(&s)?;
                 (s, initial.tensors)
             }
         };
-        let strategy = strategy::from_config(&cfg.algorithm, &state.strategy).map_err(|m| {
-            CoreError::Mismatch {
-                dir: dir.display().to_string(),
-                message: m,
-            }
-        })?;
+        let setup = Setup {
+            tensors: update_idx
+                .iter()
+                .map(|&i| spec.tensors[i].clone())
+                .collect(),
+            encoding: cfg.encoding,
+            sites: cfg.sites.len(),
+        };
+        let strategy =
+            Self::committed_strategy(&store, &cfg, &setup, &state, &hash).map_err(|m| {
+                CoreError::Mismatch {
+                    dir: dir.display().to_string(),
+                    message: m,
+                }
+            })?;
         let accepted = if state.round > 0 {
             store.spool_sites(state.round)?.into_iter().collect()
         } else {
@@ -242,7 +252,31 @@ impl Aggregator {
             accepted,
             chunk_bytes: chunk_bytes.max(1),
             strategy,
+            setup,
         })
+    }
+
+    /// The strategy as committed with the current model version: resumed from its stored
+    /// state, or fresh at version 0. A stateful algorithm whose state is missing past version 0
+    /// (or a state of another algorithm) is an error, never a silent restart of its moments.
+    fn committed_strategy(
+        store: &Store,
+        cfg: &FederationConfig,
+        setup: &Setup,
+        state: &State,
+        hash: &SpecHash,
+    ) -> Result<Box<dyn Strategy>, String> {
+        let stored = store
+            .load_strategy(state.model_version, &hash.0)
+            .map_err(|e| e.to_string())?;
+        if stored.is_none() && state.model_version > 0 && cfg.algorithm.is_stateful() {
+            return Err(format!(
+                "models/v{}.strategy is missing: the state of `{}` cannot be resumed",
+                state.model_version,
+                cfg.algorithm.name()
+            ));
+        }
+        strategy::from_config(&cfg.algorithm, setup, stored)
     }
 
     /// The current global model, every tensor in spec order.
@@ -351,15 +385,17 @@ impl Aggregator {
             self.update_idx
                 .iter()
                 .map(|&i| (&self.spec.tensors[i], self.model[i].as_slice())),
+            self.strategy.extras(),
         )
     }
 
-    /// The postcard [`ServerBroadcast`] of model `version` carrying `tensors` in exact f32:
-    /// what round models and onboarding packages are made of.
+    /// The postcard [`ServerBroadcast`] of model `version` carrying `tensors` in exact f32 and
+    /// `extras`: what round models and onboarding packages are made of.
     pub(crate) fn exact_broadcast<'a>(
         &self,
         version: u64,
         tensors: impl Iterator<Item = (&'a TensorSpec, &'a [f32])>,
+        extras: ServerExtras,
     ) -> Vec<u8> {
         let weights = tensors
             .map(|(t, values)| {
@@ -370,7 +406,7 @@ impl Aggregator {
         let b = ServerBroadcast {
             model_version: version,
             weights,
-            extras: ServerExtras::None,
+            extras,
         };
         postcard::to_allocvec(&b).expect("broadcast serialises")
     }
@@ -622,13 +658,14 @@ impl Aggregator {
             Ok(d) => d,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
-        if let Err(reason) = self.strategy.check(&upd) {
-            return self.reject(now_ms, (&site, hash), round, reason);
-        }
+        let extras = match self.strategy.check(&upd) {
+            Ok(x) => x,
+            Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
+        };
         let contribution = Contribution {
             samples: upd.samples,
             report: upd.report,
-            extras: upd.extras,
+            extras,
             delta,
             bn,
         };
@@ -707,68 +744,24 @@ impl Aggregator {
         Ok((dense, share))
     }
 
-    /// Decodes `tensors` into dense values in the order of the spec indices `idx`: each must
-    /// appear once, with the spec's shape, in `encoding` (BN running statistics always in exact
-    /// f32: they never go through a lossy encoding), and finite.
+    /// Decodes `tensors` into dense values in the order of the spec indices `idx` (see
+    /// [`strategy::dense`]).
     fn dense(
         &self,
         tensors: &[EncodedTensor],
         idx: &[usize],
         encoding: Encoding,
     ) -> Result<Vec<Vec<f32>>, RejectReason> {
-        let mut out: Vec<Option<Vec<f32>>> = vec![None; idx.len()];
-        for t in tensors {
-            let pos = idx
-                .iter()
-                .position(|&i| self.spec.tensors[i].name == t.name);
-            let Some(pos) = pos else {
-                return Err(RejectReason::UnexpectedTensor(t.name.clone()));
-            };
-            if out[pos].is_some() {
-                return Err(RejectReason::DuplicateTensor(t.name.clone()));
-            }
-            let spec_shape = &self.spec.tensors[idx[pos]].shape;
-            if t.shape.len() != spec_shape.len()
-                || t.shape
-                    .iter()
-                    .zip(spec_shape)
-                    .any(|(a, &b)| *a as usize != b)
-            {
-                return Err(RejectReason::WrongShape(t.name.clone()));
-            }
-            let expected = if self.spec.tensors[idx[pos]].kind.is_bn_stat() {
-                Encoding::F32
-            } else {
-                encoding
-            };
-            let encoding_ok = matches!(
-                (&t.values, expected),
-                (Values::F32(_), Encoding::F32)
-                    | (Values::F16(_), Encoding::F16)
-                    | (Values::Q8 { .. }, Encoding::Q8)
-                    | (Values::Sparse { .. }, Encoding::TopK { .. })
-            );
-            if !encoding_ok {
-                return Err(RejectReason::WrongEncoding);
-            }
-            let v = decode(t).map_err(|e| RejectReason::Malformed(e.to_string()))?;
-            if v.iter().any(|x| !x.is_finite()) {
-                return Err(RejectReason::NonFinite(t.name.clone()));
-            }
-            out[pos] = Some(v);
-        }
-        if let Some(pos) = out.iter().position(Option::is_none) {
-            return Err(RejectReason::MissingTensor(
-                self.spec.tensors[idx[pos]].name.clone(),
-            ));
-        }
-        Ok(out.into_iter().map(|o| o.expect("checked")).collect())
+        let specs: Vec<&TensorSpec> = idx.iter().map(|&i| &self.spec.tensors[i]).collect();
+        strategy::dense(&specs, tensors, encoding)
     }
 
     /// Combines the spool of the open round into the new model by the strategy, checks it,
     /// persists it and the state with the strategy's (the commit point), then opens the next
-    /// round or finishes. A combined model with NaN, infinity or a negative variance is never
-    /// committed: the round is discarded and the current model stays.
+    /// round or finishes. A combined model with NaN, infinity or a negative variance, or a
+    /// strategy state with NaN or infinity, is never committed: the round is discarded, and the
+    /// current model and strategy state are committed again as the next version (so every site
+    /// applies the global model again instead of training on from its own weights).
     fn close_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
         let round = self.state.round;
         let sites = self.store.spool_sites(round)?;
@@ -784,12 +777,13 @@ impl Aggregator {
                 .collect();
             self.strategy.aggregate(&reader, &mut targets)?;
         }
-        let version = match self.check_model() {
+        let next = self.strategy.state();
+        let version = match self.check_model().and_then(|()| next.check()) {
             Ok(()) => {
                 let version = self.state.model_version + 1;
                 self.store.save_model(version, &self.hash.0, &self.model)?;
+                self.store.save_strategy(version, &self.hash.0, &next)?;
                 self.pool_shared_bn(&reader, version)?;
-                self.state.strategy = self.strategy.state();
                 version
             }
             Err(problem) => {
@@ -799,9 +793,22 @@ impl Aggregator {
                 self.model = self
                     .store
                     .load_model(self.state.model_version, &self.hash.0)?;
-                self.strategy = strategy::from_config(&self.cfg.algorithm, &self.state.strategy)
-                    .map_err(CoreError::Model)?;
-                self.state.model_version
+                self.strategy = Self::committed_strategy(
+                    &self.store,
+                    &self.cfg,
+                    &self.setup,
+                    &self.state,
+                    &self.hash,
+                )
+                .map_err(CoreError::Model)?;
+                // ... re-published as a new version: the sites that trained in the discarded
+                // round hold their own trained weights, and a new version makes every site
+                // fetch and apply the global model again before it trains.
+                let version = self.state.model_version + 1;
+                self.store.save_model(version, &self.hash.0, &self.model)?;
+                self.store
+                    .save_strategy(version, &self.hash.0, &self.strategy.state())?;
+                version
             }
         };
         self.state.recent.push(ClosedRound {

@@ -35,15 +35,17 @@ impl Fold {
         self.count
     }
 
-    /// Applies the mean delta to `base` in place: `base + sum w_i d_i / sum w_i`.
-    pub fn apply(&self, base: &mut [&mut Vec<f32>]) {
+    /// The weighted mean `sum w_i d_i / sum w_i` in f64, or `None` when nothing was folded.
+    pub fn mean(self) -> Option<Vec<Vec<f64>>> {
         if self.weight <= 0.0 {
-            return;
+            return None;
         }
-        for (b, a) in base.iter_mut().zip(&self.acc) {
-            for (x, s) in b.iter_mut().zip(a) {
-                *x = (*x as f64 + s / self.weight) as f32;
-            }
-        }
+        let w = self.weight;
+        Some(
+            self.acc
+                .into_iter()
+                .map(|a| a.into_iter().map(|s| s / w).collect())
+                .collect(),
+        )
     }
 }

@@ -68,6 +68,7 @@ impl Aggregator {
                 .iter()
                 .enumerate()
                 .map(|(i, t)| (t, values(i))),
+            unifed_protocol::messages::ServerExtras::None,
         );
         let bn_sites = share.as_ref().map_or_else(Vec::new, |(sites, _)| {
             sites.iter().filter_map(|s| Id::new(s).ok()).collect()

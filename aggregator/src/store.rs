@@ -4,6 +4,8 @@
 //! ```text
 //! state.json                 round, model version, deadline, sampled sites, recent answers
 //! models/v{N}.bin            model version N (all tensors, spec order), kept by retention
+//! models/v{N}.strategy       the server strategy's state as of version N (FedOpt's moments,
+//!                            SCAFFOLD's control variate), pruned with the model
 //! models/v{N}.bn             the sites' pooled BN tensors behind version N's onboarding package
 //!                            (BN sharing `affine` or `affine+stats`), pruned with the model
 //! registry/{site}/v{N}.entry a site's registry entry (calibrated BN, sealed by the site),
@@ -22,8 +24,10 @@ use std::path::{Path, PathBuf};
 pub const FORMAT_VERSION: u32 = 1;
 const MODEL_MAGIC: &[u8; 4] = b"UFEM";
 const SPOOL_MAGIC: &[u8; 4] = b"UFES";
-/// Format version of spool files: 2 added the typed report and algorithm extras of protocol 2.
-const SPOOL_VERSION: u32 = 2;
+/// Format version of spool files: 2 added the typed report and algorithm extras of protocol 2;
+/// 3 keeps the extras decoded (SCAFFOLD's control-variate delta).
+const SPOOL_VERSION: u32 = 3;
+const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
 
@@ -109,9 +113,6 @@ pub struct State {
     pub finished: bool,
     /// The last closed rounds' accepted sites, to answer late re-sends as before.
     pub recent: Vec<ClosedRound>,
-    /// The server strategy's state as of `model_version`, committed with it in this file.
-    #[serde(default)]
-    pub strategy: StrategyState,
 }
 
 /// One line of the audit log.
@@ -218,14 +219,58 @@ impl Store {
         Ok(t)
     }
 
-    /// Deletes model versions (and their pooled BN) older than the newest `keep`.
+    fn strategy_path(&self, version: u64) -> PathBuf {
+        self.dir.join("models").join(format!("v{version}.strategy"))
+    }
+
+    /// Writes the strategy's state as of model `version` (before the state naming the version
+    /// is committed).
+    pub fn save_strategy(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+        state: &StrategyState,
+    ) -> Result<(), StoreError> {
+        let mut b = Vec::new();
+        put_header(&mut b, STRATEGY_MAGIC, Some(spec_hash), version);
+        b.extend(postcard::to_allocvec(state).expect("strategy state serialises"));
+        write_atomic(&self.strategy_path(version), &b)
+    }
+
+    /// Reads the strategy's state as of model `version`; `None` when none was written.
+    pub fn load_strategy(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+    ) -> Result<Option<StrategyState>, StoreError> {
+        let p = self.strategy_path(version);
+        let Some(bytes) = read_optional(&p)? else {
+            return Ok(None);
+        };
+        let mut r = Reader {
+            b: &bytes,
+            at: 0,
+            path: &p,
+        };
+        r.header(STRATEGY_MAGIC, Some(spec_hash), version)?;
+        let rest = r.take(bytes.len() - r.at)?;
+        let state = postcard::from_bytes(rest).map_err(|e| corrupt(&p, e.to_string()))?;
+        Ok(Some(state))
+    }
+
+    /// Deletes model versions (and their pooled BN and strategy state) older than the newest
+    /// `keep`.
     pub fn prune_models(&self, current: u64, keep: usize) -> Result<(), StoreError> {
         let d = self.dir.join("models");
         for e in fs::read_dir(&d).map_err(|e| io(&d, e))?.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
             if let Some(v) = name
                 .strip_prefix('v')
-                .and_then(|n| n.strip_suffix(".bin").or_else(|| n.strip_suffix(".bn")))
+                .and_then(|n| {
+                    n.strip_suffix(".bin")
+                        .or_else(|| n.strip_suffix(".bn"))
+                        .or_else(|| n.strip_suffix(".strategy"))
+                })
                 .and_then(|n| n.parse::<u64>().ok())
                 && v + (keep as u64) <= current
             {

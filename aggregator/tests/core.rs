@@ -455,7 +455,7 @@ fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
             &Contribution {
                 samples: 5,
                 report: LocalReport::default(),
-                extras: SiteExtras::None,
+                extras: unifed_aggregator::strategy::Extras::None,
                 delta: vec![delta_values("b", 1, 0, 6), delta_values("b", 1, 1, 2)],
                 bn: vec![],
             },
@@ -716,17 +716,23 @@ fn a_combined_model_that_is_not_finite_is_never_committed() {
             a,
             Action::RoundClosed {
                 round: 1,
-                model_version: 0,
+                model_version: 1,
                 ..
             }
         )),
         "{acts:?}"
     );
-    // The committed model is unchanged, round 2 trains from it, and the audit says why.
-    assert_eq!(agg.model_version(), 0);
+    // The model is unchanged, re-published as version 1 (so sites that trained apply it again
+    // instead of training on from their own weights), and the audit says why.
+    assert_eq!(agg.model_version(), 1);
     assert_eq!(agg.model(), &init.tensors[..]);
+    let store = Store::open(dir.path()).unwrap();
+    assert_eq!(
+        store.load_model(1, &init.spec.hash().0).unwrap(),
+        init.tensors
+    );
     assert!(acts.iter().any(
-        |a| matches!(a, Action::Publish { manifest, .. } if manifest.round == 2 && manifest.model_version == 0)
+        |a| matches!(a, Action::Publish { manifest, .. } if manifest.round == 2 && manifest.model_version == 1)
     ));
     let audit = agg.store().audit_entries().unwrap();
     assert!(
@@ -734,10 +740,10 @@ fn a_combined_model_that_is_not_finite_is_never_committed() {
             .iter()
             .any(|e| e.event == "round-discarded" && e.detail.contains("fc.bias"))
     );
-    // A restart resumes in round 2 from version 0.
+    // A restart resumes in round 2 from version 1.
     drop(agg);
     let agg = Aggregator::open(dir.path(), cfg, init, 64).unwrap();
-    assert_eq!((agg.round(), agg.model_version()), (2, 0));
+    assert_eq!((agg.round(), agg.model_version()), (2, 1));
 }
 
 #[test]
@@ -796,4 +802,392 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
         ))
         .is_err()
     );
+    let with = |line: &str| {
+        toml::from_str::<FederationConfig>(&fed.replace("algorithm = { name = \"fedavg\" }", line))
+    };
+    use unifed_aggregator::Algorithm;
+    use unifed_aggregator::strategy::{FedOptConfig, ScaffoldConfig};
+    // FedOpt: the paper's defaults unless given; every parameter named.
+    assert_eq!(
+        with("algorithm = { name = \"fedadam\" }")
+            .unwrap()
+            .algorithm,
+        Algorithm::FedAdam(FedOptConfig {
+            server_lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            tau: 1e-3
+        })
+    );
+    assert_eq!(
+        with("algorithm = { name = \"fedyogi\", server_lr = 0.1, tau = 0.01 }")
+            .unwrap()
+            .algorithm,
+        Algorithm::FedYogi(FedOptConfig {
+            server_lr: 0.1,
+            tau: 0.01,
+            ..Default::default()
+        })
+    );
+    assert!(matches!(
+        with("algorithm = { name = \"fedadagrad\" }")
+            .unwrap()
+            .algorithm,
+        Algorithm::FedAdagrad(_)
+    ));
+    assert_eq!(
+        with("algorithm = { name = \"scaffold\" }")
+            .unwrap()
+            .algorithm,
+        Algorithm::Scaffold(ScaffoldConfig {
+            server_lr: 1.0,
+            max_control_norm: 1e4
+        })
+    );
+    // A misspelt parameter is an error, not a silent default.
+    assert!(with("algorithm = { name = \"fedadam\", beta_1 = 0.5 }").is_err());
+    assert!(with("algorithm = { name = \"fedprox\", mu = 0.01, nu = 1.0 }").is_err());
+    let errs = with("algorithm = { name = \"fedadam\", beta2 = 1.5 }")
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert!(errs.iter().any(|e| e.contains("beta2")), "{errs:?}");
+}
+
+/// The broadcast payload a publish action carries.
+fn broadcast_of(actions: &[Action]) -> unifed_protocol::ServerBroadcast {
+    let chunks = actions
+        .iter()
+        .rev()
+        .find_map(|a| match a {
+            Action::Publish { chunks, .. } => Some(chunks),
+            _ => None,
+        })
+        .expect("a publish");
+    let payload: Vec<u8> = chunks.iter().flat_map(|c| c.data.clone()).collect();
+    postcard::from_bytes(&payload).unwrap()
+}
+
+fn fedadam(rounds: u64) -> FederationConfig {
+    FederationConfig {
+        algorithm: unifed_aggregator::Algorithm::FedAdam(
+            unifed_aggregator::strategy::FedOptConfig {
+                server_lr: 0.5,
+                beta1: 0.9,
+                beta2: 0.99,
+                tau: 0.1,
+            },
+        ),
+        ..config(rounds, 2, BnPolicy::Global)
+    }
+}
+
+#[test]
+fn fedadam_steps_the_trainable_tensors_and_only_averages_running_statistics() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), fedadam(2));
+    agg.handle(Event::Start, 0).unwrap();
+    let sites = [("a", 100u64), ("b", 300)];
+    for (s, n) in sites {
+        send(&mut agg, s, good(s, 1, 0, n, BnPolicy::Global));
+    }
+    assert_eq!(agg.model_version(), 1);
+    // The mean delta d of each value, then m = 0.1 d, v = 0.99 * 0.01 + 0.01 d^2 (v starts at
+    // tau^2 = 0.01) and x + 0.5 m / (sqrt(v) + 0.1); statistics take x + d.
+    let mean = expected_after(&initial().tensors, &sites, 1, BnPolicy::Global);
+    for (i, t) in spec().tensors.iter().enumerate() {
+        for (k, &mk) in mean[i].iter().enumerate() {
+            let x = initial().tensors[i][k] as f64;
+            let d = mk as f64 - x;
+            let want = if t.kind.is_bn_stat() {
+                mk as f64
+            } else {
+                let (m, v) = (0.1 * d, 0.99 * 0.01 + 0.01 * d * d);
+                x + 0.5 * m / (v.sqrt() + 0.1)
+            };
+            let got = agg.model()[i][k] as f64;
+            assert!(
+                (got - want).abs() < 1e-5,
+                "{}[{k}]: {got} vs {want}",
+                t.name
+            );
+        }
+    }
+    // A FedAdam step is not FedAvg's mean on a trainable tensor.
+    assert_ne!(agg.model()[0], mean[0]);
+    // The moments are stored with the model version they belong to.
+    assert!(dir.path().join("models/v1.strategy").exists());
+}
+
+#[test]
+fn a_stateful_strategy_resumed_after_a_crash_ends_bit_identical() {
+    let run = |restart: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut agg = open(dir.path(), fedadam(3));
+        agg.handle(Event::Start, 0).unwrap();
+        for round in 1..=3u64 {
+            if restart {
+                // A crash with the round open, then again after its first update.
+                agg = open(dir.path(), fedadam(3));
+                agg.handle(Event::Start, 0).unwrap();
+            }
+            send(
+                &mut agg,
+                "a",
+                good("a", round, round - 1, 100, BnPolicy::Global),
+            );
+            if restart {
+                agg = open(dir.path(), fedadam(3));
+                agg.handle(Event::Start, 0).unwrap();
+            }
+            send(
+                &mut agg,
+                "b",
+                good("b", round, round - 1, 300, BnPolicy::Global),
+            );
+        }
+        assert!(agg.finished());
+        agg.model().to_vec()
+    };
+    let plain = run(false);
+    assert_eq!(run(true), plain);
+    assert!(plain.iter().flatten().all(|v| v.is_finite()));
+}
+
+#[test]
+fn a_stateful_strategy_without_its_stored_state_or_of_another_algorithm_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut agg = open(dir.path(), fedadam(3));
+        agg.handle(Event::Start, 0).unwrap();
+        send(&mut agg, "a", good("a", 1, 0, 100, BnPolicy::Global));
+        send(&mut agg, "b", good("b", 1, 0, 300, BnPolicy::Global));
+        assert_eq!(agg.model_version(), 1);
+    }
+    // Another algorithm on the same data directory: refused, naming both.
+    let scaffold = FederationConfig {
+        algorithm: unifed_aggregator::Algorithm::Scaffold(Default::default()),
+        ..fedadam(3)
+    };
+    let err = Aggregator::open(dir.path(), scaffold, initial(), 64).unwrap_err();
+    assert!(err.to_string().contains("scaffold"), "{err}");
+    // The moments lost: refused, never restarted from zero in silence.
+    std::fs::remove_file(dir.path().join("models/v1.strategy")).unwrap();
+    let err = Aggregator::open(dir.path(), fedadam(3), initial(), 64).unwrap_err();
+    assert!(err.to_string().contains("v1.strategy"), "{err}");
+}
+
+fn scaffold_cfg() -> FederationConfig {
+    FederationConfig {
+        algorithm: unifed_aggregator::Algorithm::Scaffold(Default::default()),
+        sites: vec!["a".into(), "b".into(), "c".into()],
+        ..config(2, 2, BnPolicy::Local)
+    }
+}
+
+/// A control-variate delta of every non-BN tensor (the trainable averaged ones under local BN).
+fn control(site: &str) -> SiteExtras {
+    let sp = spec();
+    SiteExtras::Control(
+        sp.tensors
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.kind.is_bn())
+            .map(|(i, t)| {
+                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+                encode(
+                    &t.name,
+                    &shape,
+                    &delta_values(site, 7, i, t.numel()),
+                    Encoding::F32,
+                    None,
+                )
+            })
+            .collect(),
+    )
+}
+
+fn with_extras(site: &str, round: u64, version: u64, extras: SiteExtras) -> Vec<u8> {
+    update_bytes(
+        &Upd {
+            site,
+            round,
+            version,
+            samples: 10,
+            bn: BnPolicy::Local,
+        },
+        |u, _| u.extras = extras,
+    )
+}
+
+#[test]
+fn scaffold_broadcasts_c_and_moves_it_by_the_reported_deltas_over_all_sites() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), scaffold_cfg());
+    let start = agg.handle(Event::Start, 0).unwrap();
+    assert_eq!(
+        start.iter().find_map(|a| match a {
+            Action::Publish { manifest, .. } => Some(manifest.plan.objective),
+            _ => None,
+        }),
+        Some(unifed_protocol::Objective::Scaffold)
+    );
+    // Version 0 carries c = 0 for the two non-BN tensors.
+    let b0 = broadcast_of(&start);
+    let unifed_protocol::ServerExtras::Control(c0) = &b0.extras else {
+        panic!("{:?}", b0.extras)
+    };
+    let names: Vec<&str> = c0.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["fc.weight", "fc.bias"]);
+    assert!(c0.iter().all(|t| {
+        unifed_protocol::decode(t)
+            .unwrap()
+            .iter()
+            .all(|&v| v == 0.0)
+    }));
+    // Updates without a variate, or with one that misses a tensor, are rejected alone.
+    let none = send(&mut agg, "a", with_extras("a", 1, 0, SiteExtras::None));
+    assert!(matches!(
+        &answers(&none)[0].1,
+        Answer::Rejected(RejectReason::UnexpectedExtras(_))
+    ));
+    let SiteExtras::Control(mut short) = control("a") else {
+        unreachable!()
+    };
+    short.pop();
+    let short = send(
+        &mut agg,
+        "a",
+        with_extras("a", 1, 0, SiteExtras::Control(short)),
+    );
+    assert_eq!(
+        answers(&short)[0].1,
+        Answer::Rejected(RejectReason::MissingTensor("fc.bias".into()))
+    );
+    send(&mut agg, "a", with_extras("a", 1, 0, control("a")));
+    let closed = send(&mut agg, "b", with_extras("b", 1, 0, control("b")));
+    assert_eq!(agg.model_version(), 1);
+    // x: FedAvg's mean (eta_g = 1); c = (Δc_a + Δc_b) / 3: three registered sites, c ends as
+    // the mean of c_a, c_b and c_c = 0.
+    let want = expected_after(
+        &initial().tensors,
+        &[("a", 10), ("b", 10)],
+        1,
+        BnPolicy::Local,
+    );
+    assert_eq!(agg.model(), &want[..]);
+    let b1 = broadcast_of(&closed);
+    let unifed_protocol::ServerExtras::Control(c1) = &b1.extras else {
+        panic!("{:?}", b1.extras)
+    };
+    for (j, i) in [0usize, 1].into_iter().enumerate() {
+        let got = unifed_protocol::decode(&c1[j]).unwrap();
+        let n = got.len();
+        let (da, db) = (delta_values("a", 7, i, n), delta_values("b", 7, i, n));
+        for k in 0..n {
+            let w = ((da[k] as f64 + db[k] as f64) / 3.0) as f32;
+            assert_eq!(got[k], w, "{}[{k}]", c1[j].name);
+        }
+    }
+}
+
+#[test]
+fn a_federation_without_control_variates_refuses_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(1, 2, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let acts = send(&mut agg, "a", with_extras("a", 1, 0, control("a")));
+    assert!(matches!(
+        &answers(&acts)[0].1,
+        Answer::Rejected(RejectReason::UnexpectedExtras(_))
+    ));
+}
+
+#[test]
+fn a_control_variate_that_is_too_large_is_rejected_and_one_that_overflows_is_never_committed() {
+    let huge = || {
+        let sp = spec();
+        SiteExtras::Control(
+            sp.tensors
+                .iter()
+                .filter(|t| !t.kind.is_bn())
+                .map(|t| {
+                    let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+                    encode(&t.name, &shape, &vec![3e38; t.numel()], Encoding::F32, None)
+                })
+                .collect(),
+        )
+    };
+    // Under the default bound a gross delta is rejected alone.
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), scaffold_cfg());
+    agg.handle(Event::Start, 0).unwrap();
+    let acts = send(&mut agg, "a", with_extras("a", 1, 0, huge()));
+    assert!(matches!(
+        &answers(&acts)[0].1,
+        Answer::Rejected(RejectReason::NormTooLarge { bound, .. }) if *bound == 1e4
+    ));
+    // With the bound lifted: c = (3e38 + 3e38) / 2 = 3e38 after round 1, 6e38 (infinite in
+    // f32) after round 2, which is never committed.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        sites: vec!["a".into(), "b".into()],
+        algorithm: unifed_aggregator::Algorithm::Scaffold(
+            unifed_aggregator::strategy::ScaffoldConfig {
+                max_control_norm: 1e300,
+                ..Default::default()
+            },
+        ),
+        ..scaffold_cfg()
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    for round in 1..=2u64 {
+        for s in ["a", "b"] {
+            let acts = send(&mut agg, s, with_extras(s, round, round - 1, huge()));
+            assert_eq!(answers(&acts)[0].1, Answer::Accepted);
+        }
+    }
+    let audit = agg.store().audit_entries().unwrap();
+    let discarded = audit
+        .iter()
+        .find(|e| e.event == "round-discarded")
+        .expect("an audit entry");
+    assert_eq!(discarded.round, 2);
+    assert!(
+        discarded.detail.contains("control variate"),
+        "{discarded:?}"
+    );
+    // Version 2 re-publishes version 1's model and state: c is still 3e38.
+    let (v1, v2) = (
+        std::fs::read(dir.path().join("models/v1.strategy")).unwrap(),
+        std::fs::read(dir.path().join("models/v2.strategy")).unwrap(),
+    );
+    assert_eq!(v1.len(), v2.len());
+    let store = Store::open(dir.path()).unwrap();
+    let h = spec().hash().0;
+    assert_eq!(
+        store.load_model(1, &h).unwrap(),
+        store.load_model(2, &h).unwrap()
+    );
+    assert_eq!(
+        store.load_strategy(1, &h).unwrap(),
+        store.load_strategy(2, &h).unwrap()
+    );
+}
+
+#[test]
+fn under_global_bn_the_control_variate_covers_bn_affine_but_never_running_statistics() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        bn_policy: BnPolicy::Global,
+        ..scaffold_cfg()
+    };
+    let mut agg = open(dir.path(), cfg);
+    let start = agg.handle(Event::Start, 0).unwrap();
+    let unifed_protocol::ServerExtras::Control(c) = broadcast_of(&start).extras else {
+        panic!("no control variate")
+    };
+    let names: Vec<&str> = c.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["fc.weight", "fc.bias", "bn.weight", "bn.bias"]);
 }

@@ -5,11 +5,11 @@
 //! The round's plan names the objective ([`Objective`]); [`Term::new`] prepares it from the
 //! model the site starts training from, and [`Term::apply`] adjusts each step's gradients.
 
-use crate::state::{Select, Walker};
+use crate::state::{Select, StateDict, Walker, torch_name};
 use crate::zoo::Net;
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
 use std::collections::HashMap;
 use unifed_protocol::Objective;
 
@@ -54,6 +54,62 @@ impl Reference {
         Reference { tensors: snap.out }
     }
 
+    /// The tensors of `values` (PyTorch names and layouts) placed on the parameters of `net`
+    /// that `scope` selects, in burn's layout; BN running statistics and names `values` does
+    /// not hold are left out.
+    pub fn from_values<N: Net>(net: &N, values: &StateDict, scope: Select) -> Self {
+        struct Place<'a, N: Net> {
+            net: &'a N,
+            walk: Walker,
+            scope: Select,
+            values: HashMap<&'a str, &'a crate::state::NamedTensor>,
+            out: HashMap<ParamId, Tensor<1>>,
+        }
+        impl<N: Net> ModuleVisitor for Place<'_, N> {
+            fn enter_module(&mut self, name: &str, container_type: &str) {
+                self.walk.enter(name, container_type);
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.walk.exit();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let (path, kind, linear_w) = self.walk.current();
+                if !self.scope.keeps(kind) || kind.is_bn_stat() {
+                    return;
+                }
+                let name = torch_name(self.net, &path, kind);
+                let Some(src) = self.values.get(name.as_str()) else {
+                    return;
+                };
+                let w = param.val().inner();
+                if src.shape.len() != D || src.data.len() != w.dims().iter().product::<usize>() {
+                    return;
+                }
+                let mut t = Tensor::<D>::from_data(
+                    TensorData::new(src.data.clone(), src.shape.clone()),
+                    &w.device(),
+                );
+                if linear_w {
+                    t = t.swap_dims(0, 1);
+                }
+                self.out.insert(param.id, t.reshape([src.data.len()]));
+            }
+        }
+        let mut place = Place {
+            net,
+            walk: Walker::default(),
+            scope,
+            values: values
+                .tensors
+                .iter()
+                .map(|t| (t.name.as_str(), t))
+                .collect(),
+            out: HashMap::new(),
+        };
+        net.visit(&mut place);
+        Reference { tensors: place.out }
+    }
+
     /// Number of tensors held.
     pub fn len(&self) -> usize {
         self.tensors.len()
@@ -94,6 +150,29 @@ pub fn add_proximal<N: Net>(net: &N, grads: &mut GradientsParams, reference: &Re
     });
 }
 
+/// Adds SCAFFOLD's correction `c - c_i` (held in `correction`, by parameter) to the gradient of
+/// every parameter of `net` that it holds and `grads` has: the step then follows
+/// `g - c_i + c`.
+pub fn add_correction<N: Net>(net: &N, grads: &mut GradientsParams, correction: &Reference) {
+    struct Corr<'a> {
+        grads: &'a mut GradientsParams,
+        correction: &'a Reference,
+    }
+    impl ModuleVisitor for Corr<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(c) = self.correction.tensors.get(&param.id) else {
+                return;
+            };
+            let Some(g) = self.grads.remove::<D>(param.id) else {
+                return;
+            };
+            let c = c.clone().reshape(g.dims());
+            self.grads.register(param.id, g + c);
+        }
+    }
+    net.visit(&mut Corr { grads, correction });
+}
+
 /// An objective prepared for one local training run.
 #[derive(Debug, Clone, Default)]
 pub enum Term {
@@ -107,13 +186,26 @@ pub enum Term {
         /// The starting tensors.
         reference: Reference,
     },
+    /// SCAFFOLD's control-variate correction `c - c_i`.
+    Control {
+        /// The correction, by parameter.
+        correction: Reference,
+    },
 }
 
 impl Term {
     /// Prepares `objective` for training that starts from `net`; `scope` selects the tensors
-    /// the federation averages (the proximal term covers the trainable ones among them).
-    pub fn new<N: Net>(objective: &Objective, net: &N, scope: Select) -> Self {
-        match *objective {
+    /// the federation averages (a term covers the trainable ones among them). SCAFFOLD needs
+    /// its `correction` `c - c_i` (PyTorch names and layouts); an objective that cannot be
+    /// prepared is an error naming why.
+    pub fn new<N: Net>(
+        objective: &Objective,
+        net: &N,
+        scope: Select,
+        correction: Option<&StateDict>,
+    ) -> Result<Self, String> {
+        objective.validate()?;
+        Ok(match *objective {
             Objective::CrossEntropy => Term::None,
             // mu = 0 is FedAvg exactly: no term, no snapshot, the same bits.
             Objective::Proximal { mu: 0.0 } => Term::None,
@@ -121,7 +213,14 @@ impl Term {
                 mu,
                 reference: Reference::of(net, scope),
             },
-        }
+            Objective::Scaffold => {
+                let values = correction
+                    .ok_or("a SCAFFOLD round needs the control-variate correction c - c_i")?;
+                Term::Control {
+                    correction: Reference::from_values(net, values, scope),
+                }
+            }
+        })
     }
 
     /// Adjusts one step's gradients of `net`.
@@ -129,6 +228,7 @@ impl Term {
         match self {
             Term::None => {}
             Term::Proximal { mu, reference } => add_proximal(net, grads, reference, *mu),
+            Term::Control { correction } => add_correction(net, grads, correction),
         }
     }
 }

@@ -5,16 +5,18 @@
 use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
-use crate::state::{Select, delta, export, import};
+use crate::objective::Term;
+use crate::state::{NamedTensor, Select, StateDict, delta, export, import};
 use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_objective};
 use crate::zoo::Net;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use unifed_protocol::encoding::Encoding;
+use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    BnPolicy, LocalReport, RoundManifest, ServerBroadcast, SiteExtras, SiteUpdate,
+    BnPolicy, LocalReport, Objective, RoundManifest, ServerBroadcast, ServerExtras, SiteExtras,
+    SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, TensorKind};
 
@@ -33,14 +35,18 @@ pub enum SiteError {
     /// Training left a tensor with NaN or infinity; nothing is sent.
     #[error("training left non-finite values in `{0}`; the update is not sent")]
     NonFinite(String),
-    /// The site's state file could not be read or written.
-    #[error("{path}: {message}")]
-    File {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong.
+    /// A broadcast does not fit the round's plan (a SCAFFOLD round without the server's
+    /// control variate, or one that does not cover the averaged trainable tensors).
+    #[error("the model of round {round} does not fit its plan: {message}")]
+    Plan {
+        /// The round.
+        round: u64,
+        /// What is wrong.
         message: String,
     },
+    /// The memory kept in the site's checkpoint does not fit its model.
+    #[error("the site's memory: {0}")]
+    Memory(String),
 }
 
 /// Which tensors travel under a BN policy.
@@ -68,8 +74,18 @@ pub fn encoding_for(kind: TensorKind, encoding: Encoding) -> Encoding {
     }
 }
 
-const RESIDUAL_MAGIC: &[u8; 4] = b"UFSR";
-const RESIDUAL_VERSION: u32 = 1;
+/// What a site carries from round to round besides its model, by tensor name: error-feedback
+/// residuals and SCAFFOLD's control variates. Persisted beside the checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Memory {
+    /// Error-feedback residual of each tensor, as of the last accepted update.
+    pub residual: BTreeMap<String, Vec<f32>>,
+    /// The site's control variate `c_i` as the server knows it (its accepted deltas summed);
+    /// absent tensors are zero.
+    pub control: BTreeMap<String, Vec<f32>>,
+    /// The server control variate `c` of the model version applied last, and that version.
+    pub server_control: Option<(u64, BTreeMap<String, Vec<f32>>)>,
+}
 
 /// One site: its own model (and so its own BN layers), data and error-feedback residuals.
 #[derive(Debug)]
@@ -82,11 +98,11 @@ pub struct Site<N: Net> {
     pub train: Dataset,
     /// Test split.
     pub test: Dataset,
-    /// Error-feedback residual of each tensor, as of the last accepted update.
-    residual: BTreeMap<String, Vec<f32>>,
-    /// The residual the update of a round leaves behind, kept until the aggregator answers:
-    /// only an accepted update advances it.
-    pending: Option<(u64, BTreeMap<String, Vec<f32>>)>,
+    /// Residuals and control variates, as of the last accepted update.
+    memory: Memory,
+    /// The residuals and control variate the update of a round leaves behind, kept until the
+    /// aggregator answers: only an accepted update advances them.
+    pending: Option<(u64, Memory)>,
 }
 
 impl<N: Net> Site<N> {
@@ -97,21 +113,62 @@ impl<N: Net> Site<N> {
             net,
             train,
             test,
-            residual: BTreeMap::new(),
+            memory: Memory::default(),
             pending: None,
         })
     }
 
-    /// Applies a server broadcast: the non-BN weights under `local` BN (the site keeps its BN),
-    /// every tensor under `global`.
+    /// Applies the server broadcast of the round `m` announces: the non-BN weights under
+    /// `local` BN (the site keeps its BN), every tensor under `global`, and the server's control
+    /// variate when the plan is SCAFFOLD's. A broadcast that does not fit the spec or the plan
+    /// changes nothing.
     pub fn receive(
         &mut self,
         spec: &ModelSpec,
+        m: &RoundManifest,
         b: &ServerBroadcast,
-        bn: BnPolicy,
     ) -> Result<(), SiteError> {
+        let select = select_for(m.bn_policy);
         let sd = crate::state::from_encoded(spec, &b.weights)?;
-        self.net = import(&self.net, spec, &sd, select_for(bn))?;
+        let control = match (&m.plan.objective, &b.extras) {
+            (Objective::Scaffold, ServerExtras::Control(tensors)) => {
+                let c = crate::state::from_encoded(spec, tensors)?;
+                let want: Vec<&str> = spec
+                    .tensors
+                    .iter()
+                    .filter(|t| select.keeps(t.kind) && !t.kind.is_bn_stat())
+                    .map(|t| t.name.as_str())
+                    .collect();
+                let got: Vec<&str> = c.tensors.iter().map(|t| t.name.as_str()).collect();
+                if want != got {
+                    return Err(SiteError::Plan {
+                        round: m.round,
+                        message: "the server control variate does not cover the averaged \
+                                  trainable tensors in spec order"
+                            .into(),
+                    });
+                }
+                Some((
+                    b.model_version,
+                    c.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
+                ))
+            }
+            (Objective::Scaffold, _) => {
+                return Err(SiteError::Plan {
+                    round: m.round,
+                    message: "no server control variate beside the model".into(),
+                });
+            }
+            (_, ServerExtras::None) => None,
+            (_, ServerExtras::Control(_)) => {
+                return Err(SiteError::Plan {
+                    round: m.round,
+                    message: "a control variate the plan does not ask for".into(),
+                });
+            }
+        };
+        self.net = import(&self.net, spec, &sd, select)?;
+        self.memory.server_control = control;
         Ok(())
     }
 
@@ -136,18 +193,23 @@ impl<N: Net> Site<N> {
             seed: round_seed(tc.seed, m.round),
             ..tc.clone()
         };
+        let server_c = match m.plan.objective {
+            Objective::Scaffold => Some(self.server_control(m)?.clone()),
+            _ => None,
+        };
+        let correction = server_c.as_ref().map(|c| self.correction(&base, c));
+        let term = Term::new(&m.plan.objective, &self.net, select, correction.as_ref())
+            .map_err(TrainError::BadConfig)?;
         let (net, rep) = train_objective(
             &self.net,
             &self.train,
             spec.classes.len(),
             &tc,
-            &m.plan.objective,
-            select,
+            &term,
             device,
             progress,
         )?;
-        self.net = net;
-        let d = delta(&export(&self.net, spec, select), &base)?;
+        let d = delta(&export(&net, spec, select), &base)?;
         if let Some(t) = d
             .tensors
             .iter()
@@ -155,7 +217,28 @@ impl<N: Net> Site<N> {
         {
             return Err(SiteError::NonFinite(t.name.clone()));
         }
-        let mut residual = self.residual.clone();
+        self.net = net;
+        let mut next = self.memory.clone();
+        let extras = match &server_c {
+            Some(c) => {
+                let dc = control_delta(&d, c, rep.steps, tc.lr / (1.0 - tc.momentum));
+                let mut sent = Vec::with_capacity(dc.len());
+                for t in &dc {
+                    let e = t.encode(encoding_for(t.kind, m.encoding), None);
+                    // The site's variate moves by what the server will add: the decoded delta.
+                    let back = decode(&e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
+                    let ci = next
+                        .control
+                        .entry(t.name.clone())
+                        .or_insert_with(|| vec![0.0; back.len()]);
+                    ci.iter_mut().zip(&back).for_each(|(c, d)| *c += d);
+                    sent.push(e);
+                }
+                SiteExtras::Control(sent)
+            }
+            None => SiteExtras::None,
+        };
+        let residual = &mut next.residual;
         let encoded = d
             .tensors
             .iter()
@@ -175,7 +258,7 @@ impl<N: Net> Site<N> {
         } else {
             Vec::new()
         };
-        self.pending = Some((m.round, residual));
+        self.pending = Some((m.round, next));
         let upd = SiteUpdate {
             round: m.round,
             base_version: m.model_version,
@@ -186,7 +269,7 @@ impl<N: Net> Site<N> {
                 local_steps: rep.steps as u64,
                 train_loss: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
             },
-            extras: SiteExtras::None,
+            extras,
         };
         Ok(Envelope::new(
             MessageKind::SiteUpdate,
@@ -200,12 +283,52 @@ impl<N: Net> Site<N> {
         .encode())
     }
 
+    /// The server control variate `c` of the manifest's model version.
+    fn server_control(&self, m: &RoundManifest) -> Result<&BTreeMap<String, Vec<f32>>, SiteError> {
+        match &self.memory.server_control {
+            Some((v, c)) if *v == m.model_version => Ok(c),
+            _ => Err(SiteError::Plan {
+                round: m.round,
+                message: format!(
+                    "no server control variate of model v{} was applied",
+                    m.model_version
+                ),
+            }),
+        }
+    }
+
+    /// SCAFFOLD's correction `c - c_i` for the trainable tensors of `base`.
+    fn correction(&self, base: &StateDict, c: &BTreeMap<String, Vec<f32>>) -> StateDict {
+        let tensors = base
+            .tensors
+            .iter()
+            .filter(|t| !t.kind.is_bn_stat())
+            .filter_map(|t| {
+                let c = c.get(&t.name)?;
+                let ci = self.memory.control.get(&t.name);
+                let data = c
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &c)| c - ci.and_then(|ci| ci.get(k)).copied().unwrap_or(0.0))
+                    .collect();
+                Some(NamedTensor { data, ..t.clone() })
+            })
+            .collect();
+        StateDict {
+            spec_hash: base.spec_hash,
+            tensors,
+        }
+    }
+
     /// The aggregator answered the update of `round`: an accepted update advances the
-    /// error-feedback residual, a rejected one leaves it as it was.
+    /// error-feedback residual and the control variate, a rejected one leaves them as they
+    /// were.
     pub fn answered(&mut self, round: u64, accepted: bool) {
         if let Some((r, next)) = self.pending.take() {
             if r == round && accepted {
-                self.residual = next;
+                // The server's c stays whatever was applied last (a newer model may have come).
+                self.memory.residual = next.residual;
+                self.memory.control = next.control;
             } else if r != round {
                 self.pending = Some((r, next));
             }
@@ -215,50 +338,46 @@ impl<N: Net> Site<N> {
     /// The error-feedback residual of tensor `name` as of the last accepted update (empty when
     /// nothing is left behind).
     pub fn residual(&self, name: &str) -> &[f32] {
-        self.residual.get(name).map_or(&[], Vec::as_slice)
+        self.memory.residual.get(name).map_or(&[], Vec::as_slice)
     }
 
-    /// Writes the error-feedback residuals to `path` atomically, beside the site's checkpoint.
-    pub fn save_residual(&self, path: &Path) -> Result<(), SiteError> {
-        let mut bytes = RESIDUAL_MAGIC.to_vec();
-        bytes.extend_from_slice(&RESIDUAL_VERSION.to_le_bytes());
-        bytes.extend(postcard::to_allocvec(&self.residual).expect("residuals serialise"));
-        Ok(crate::checkpoint::write_atomic(path, &bytes)?)
+    /// The site's control variate `c_i` of tensor `name` as of the last accepted update (empty
+    /// before the first).
+    pub fn control(&self, name: &str) -> &[f32] {
+        self.memory.control.get(name).map_or(&[], Vec::as_slice)
     }
 
-    /// Reads the error-feedback residuals written by [`Site::save_residual`]; a missing file
-    /// means none. Residuals whose name or length the spec does not know are refused.
-    pub fn load_residual(&mut self, path: &Path, spec: &ModelSpec) -> Result<(), SiteError> {
-        let bad = |m: String| SiteError::File {
-            path: path.to_path_buf(),
-            message: m,
+    /// The site's memory (residuals and control variates) as of the last accepted update, and
+    /// the server's control variate applied last: what its checkpoint keeps.
+    pub fn memory(&self) -> &Memory {
+        &self.memory
+    }
+
+    /// Restores a memory read back from the site's checkpoint. Tensors whose name or length
+    /// the spec does not know are refused, naming the tensor.
+    pub fn restore_memory(&mut self, m: Memory, spec: &ModelSpec) -> Result<(), SiteError> {
+        let fits = |name: &str, values: &[f32], may_be_empty: bool| {
+            spec.tensors.iter().any(|t| {
+                t.name == name && ((may_be_empty && values.is_empty()) || t.numel() == values.len())
+            })
         };
-        let bytes = match std::fs::read(path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(bad(e.to_string())),
-        };
-        if bytes.len() < 8 || &bytes[..4] != RESIDUAL_MAGIC {
-            return Err(bad("not a residual file".into()));
+        let bad = m
+            .residual
+            .iter()
+            .find(|(n, v)| !fits(n, v, true))
+            .or_else(|| {
+                m.control
+                    .iter()
+                    .chain(m.server_control.iter().flat_map(|(_, c)| c))
+                    .find(|(n, v)| !fits(n, v, false))
+            });
+        if let Some((name, values)) = bad {
+            return Err(SiteError::Memory(format!(
+                "tensor `{name}` ({} values) does not fit the model spec",
+                values.len()
+            )));
         }
-        let v = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
-        if v != RESIDUAL_VERSION {
-            return Err(bad(format!("format version {v} is not {RESIDUAL_VERSION}")));
-        }
-        let r: BTreeMap<String, Vec<f32>> =
-            postcard::from_bytes(&bytes[8..]).map_err(|e| bad(e.to_string()))?;
-        for (name, values) in &r {
-            let ok = spec
-                .tensors
-                .iter()
-                .any(|t| &t.name == name && (values.is_empty() || t.numel() == values.len()));
-            if !ok {
-                return Err(bad(format!(
-                    "residual `{name}` does not fit the model spec"
-                )));
-            }
-        }
-        self.residual = r;
+        self.memory = m;
         self.pending = None;
         Ok(())
     }
@@ -273,4 +392,34 @@ impl<N: Net> Site<N> {
             device,
         )?)
     }
+}
+
+/// SCAFFOLD option II: the change of a site's control variate after `steps` local steps of
+/// learning rate `lr` that moved its trainable tensors by `delta` (`y_i - x`):
+/// `c_i+ - c_i = -c + (x - y_i) / (K lr) = -c - delta / (K lr)`, for every trainable tensor of
+/// `delta` that `c` covers (BN running statistics never). Option II assumes plain SGD; a site
+/// training with heavy-ball momentum `beta` passes its effective step `lr / (1 - beta)` (our
+/// extension: the paper's experiments use plain SGD).
+pub fn control_delta(
+    delta: &StateDict,
+    c: &BTreeMap<String, Vec<f32>>,
+    steps: usize,
+    lr: f64,
+) -> Vec<NamedTensor> {
+    let k_lr = steps.max(1) as f64 * lr;
+    delta
+        .tensors
+        .iter()
+        .filter(|t| !t.kind.is_bn_stat())
+        .filter_map(|t| {
+            let c = c.get(&t.name)?;
+            let data = t
+                .data
+                .iter()
+                .zip(c)
+                .map(|(&d, &c)| (-(c as f64) - d as f64 / k_lr) as f32)
+                .collect();
+            Some(NamedTensor { data, ..t.clone() })
+        })
+        .collect()
 }

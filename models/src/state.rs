@@ -131,7 +131,7 @@ impl Walker {
     }
 }
 
-fn torch_name<N: Net>(net: &N, burn_path: &str, kind: TensorKind) -> String {
+pub(crate) fn torch_name<N: Net>(net: &N, burn_path: &str, kind: TensorKind) -> String {
     let mut name = net.torch_path(burn_path);
     match kind {
         TensorKind::BnWeight => {

@@ -7,7 +7,6 @@ use crate::bn::{BnPass, StreamConfig, StreamEstimator};
 use crate::data::Dataset;
 use crate::error::{BnError, TrainError};
 use crate::objective::Term;
-use crate::state::Select;
 use crate::zoo::Net;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::decay::WeightDecayConfig;
@@ -18,7 +17,6 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use unifed_protocol::Objective;
 
 /// Local training hyper-parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -204,37 +202,24 @@ pub fn train_local<N: Net>(
     device: &Device,
     progress: impl FnMut(TrainEvent),
 ) -> Result<(N, TrainReport), TrainError> {
-    train_objective(
-        net,
-        data,
-        classes,
-        cfg,
-        &Objective::CrossEntropy,
-        Select::All,
-        device,
-        progress,
-    )
+    train_objective(net, data, classes, cfg, &Term::None, device, progress)
 }
 
-/// [`train_local`] with the local objective a round's plan asks for: its term is added to the
-/// gradients of the tensors `scope` selects (those the federation averages) at every step.
-#[allow(clippy::too_many_arguments)]
+/// [`train_local`] with the local objective a round's plan asks for, prepared from `net` as
+/// `term` ([`Term::new`]): it adjusts the gradients at every step.
 pub fn train_objective<N: Net>(
     net: &N,
     data: &Dataset,
     classes: usize,
     cfg: &TrainConfig,
-    objective: &Objective,
-    scope: Select,
+    term: &Term,
     device: &Device,
     mut progress: impl FnMut(TrainEvent),
 ) -> Result<(N, TrainReport), TrainError> {
     cfg.validate()?;
-    objective.validate().map_err(TrainError::BadConfig)?;
     check_data(net, data, classes)?;
     let ad = device.clone().autodiff();
     let mut model = net.valid().train();
-    let term = Term::new(objective, &model, scope);
     let mut sgd = SgdConfig::new();
     if cfg.momentum > 0.0 {
         sgd = sgd.with_momentum(Some(

@@ -1,6 +1,6 @@
 //! Local objectives and the site's update: FedProx's gradient term on hand-computed values, its
-//! effect on a real training step, and the error-feedback residual that only an accepted update
-//! advances.
+//! effect on a real training step, SCAFFOLD's corrected step and control variates, and the
+//! error-feedback residual and variate that only an accepted update advances.
 
 mod common;
 
@@ -9,7 +9,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use common::*;
 use unifed_models::data::Dataset;
-use unifed_models::objective::{Reference, add_proximal};
+use unifed_models::objective::{Reference, Term, add_proximal};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, train_objective};
@@ -133,17 +133,8 @@ fn a_fedprox_step_pulls_the_averaged_weights_toward_the_round_model_and_leaves_l
         ..TrainConfig::default()
     };
     let run = |epochs, objective: Objective, scope| {
-        let (n, _) = train_objective(
-            &net0,
-            &d,
-            2,
-            &tc(epochs),
-            &objective,
-            scope,
-            &device(),
-            |_| {},
-        )
-        .unwrap();
+        let term = Term::new(&objective, &net0, scope, None).unwrap();
+        let (n, _) = train_objective(&net0, &d, 2, &tc(epochs), &term, &device(), |_| {}).unwrap();
         export(&n, &spec, Select::All).tensors
     };
     let w0 = export(&net0, &spec, Select::All).tensors;
@@ -251,13 +242,11 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
     assert_eq!(kept.len(), spec.tensors[0].numel());
     assert!(kept.iter().any(|&v| v != 0.0));
 
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("residual.bin");
-    site.save_residual(&path).unwrap();
+    // What the checkpoint keeps, restored into a new process's site.
     let mut again = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-    again.load_residual(&path, &spec).unwrap();
+    again.restore_memory(site.memory().clone(), &spec).unwrap();
     assert_eq!(again.residual(&w), &kept[..]);
-    // A residual file of another model is refused, naming the file.
+    // The memory of another model is refused, naming the tensor.
     let (other, other_spec) = {
         let n = seeded(&device(), 3, |d| {
             MlpConfig {
@@ -272,9 +261,9 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
     };
     let err = Site::new("a", other, data(16), data(8))
         .unwrap()
-        .load_residual(&path, &other_spec)
+        .restore_memory(site.memory().clone(), &other_spec)
         .unwrap_err();
-    assert!(err.to_string().contains("residual.bin"), "{err}");
+    assert!(err.to_string().contains(&w), "{err}");
 }
 
 #[test]
@@ -309,4 +298,183 @@ fn bn_running_statistics_travel_as_exact_f32_whatever_the_update_encoding() {
         }
         assert!(u.report.local_steps == 2 && u.report.train_loss.is_finite());
     }
+}
+
+#[test]
+fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
+    let (net0, spec) = tiny();
+    let d = data(8);
+    // One step over the whole batch: the corrected step is the plain one minus lr (c - c_i).
+    let tc = TrainConfig {
+        lr: 0.1,
+        batch_size: 8,
+        seed: 5,
+        ..TrainConfig::default()
+    };
+    let mut correction = export(&net0, &spec, Select::NonBn);
+    for t in &mut correction.tensors {
+        t.data
+            .iter_mut()
+            .enumerate()
+            .for_each(|(k, v)| *v = 0.5 - 0.01 * k as f32);
+    }
+    let run = |term: &Term| {
+        let (n, rep) = train_objective(&net0, &d, 2, &tc, term, &device(), |_| {}).unwrap();
+        assert_eq!(rep.steps, 1);
+        export(&n, &spec, Select::All).tensors
+    };
+    let plain = run(&Term::None);
+    let term = Term::new(
+        &Objective::Scaffold,
+        &net0,
+        Select::NonBn,
+        Some(&correction),
+    )
+    .unwrap();
+    let corrected = run(&term);
+    for (a, b) in corrected.iter().zip(&plain) {
+        if a.kind.is_bn() {
+            assert_eq!(
+                a.data, b.data,
+                "{}: BN is not corrected under local",
+                a.name
+            );
+            continue;
+        }
+        for k in 0..a.data.len() {
+            let want = -0.1 * (0.5 - 0.01 * k as f32);
+            assert!(
+                ((a.data[k] - b.data[k]) - want).abs() < 1e-6,
+                "{}[{k}]: {} vs {want}",
+                a.name,
+                a.data[k] - b.data[k]
+            );
+        }
+    }
+    // A SCAFFOLD round without its correction cannot be prepared.
+    assert!(Term::new(&Objective::Scaffold, &net0, Select::NonBn, None).is_err());
+}
+
+#[test]
+fn the_site_variate_change_is_minus_c_minus_the_delta_over_k_lr() {
+    use std::collections::BTreeMap;
+    use unifed_models::site::control_delta;
+    use unifed_models::state::{NamedTensor, StateDict};
+    use unifed_protocol::TensorKind;
+    let t = |name: &str, kind, data: Vec<f32>| NamedTensor {
+        name: name.into(),
+        shape: vec![data.len()],
+        kind,
+        data,
+    };
+    // K = 4 steps of lr 0.5 (K lr = 2) moved w by [1, -2] (x - y = [-1, 2]); c = [0.25, 0.5]:
+    // c_i+ - c_i = -c + (x - y) / (K lr) = [-0.25 - 0.5, -0.5 + 1] = [-0.75, 0.5].
+    let delta = StateDict {
+        spec_hash: SpecHash([0; 32]),
+        tensors: vec![
+            t("w", TensorKind::NonBn, vec![1.0, -2.0]),
+            t("bn.running_var", TensorKind::BnRunningVar, vec![0.3]),
+        ],
+    };
+    let c: BTreeMap<String, Vec<f32>> = [("w".to_string(), vec![0.25, 0.5])].into();
+    let dc = control_delta(&delta, &c, 4, 0.5);
+    assert_eq!(dc.len(), 1, "running statistics have no variate");
+    assert_eq!(dc[0].data, vec![-0.75, 0.5]);
+}
+
+#[test]
+fn only_an_accepted_scaffold_update_advances_the_site_variate_and_it_survives_a_restart() {
+    use unifed_protocol::messages::{ServerBroadcast, ServerExtras, SiteExtras};
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    let scaffold = |round| RoundManifest {
+        plan: RoundPlan {
+            objective: Objective::Scaffold,
+        },
+        ..manifest(round, Encoding::F32, BnPolicy::Local)
+    };
+    // The server's model with c = 0.1 everywhere on the non-BN tensors.
+    let sd = export(&net, &spec, Select::NonBn);
+    let c: Vec<_> = sd
+        .tensors
+        .iter()
+        .map(|t| {
+            let mut t = t.clone();
+            t.data.iter_mut().for_each(|v| *v = 0.1);
+            t.encode(Encoding::F32, None)
+        })
+        .collect();
+    let broadcast = |version| ServerBroadcast {
+        model_version: version,
+        weights: sd
+            .tensors
+            .iter()
+            .map(|t| t.encode(Encoding::F32, None))
+            .collect(),
+        extras: ServerExtras::Control(c.clone()),
+    };
+    // A SCAFFOLD round's model without c is refused and changes nothing.
+    let bare = ServerBroadcast {
+        extras: ServerExtras::None,
+        ..broadcast(0)
+    };
+    assert!(site.receive(&spec, &scaffold(1), &bare).is_err());
+    site.receive(&spec, &scaffold(1), &broadcast(0)).unwrap();
+    let bytes = site
+        .train_round(&spec, &fed, &scaffold(1), &tc, &device(), |_| {})
+        .unwrap();
+    let u = update(&bytes);
+    let SiteExtras::Control(dc) = &u.extras else {
+        panic!("{:?}", u.extras)
+    };
+    assert_eq!(dc.len(), sd.tensors.len());
+    // Two steps of lr 0.01: Δc_i = -c - Δy / (2 * 0.01), c_i starting at 0.
+    for (e, d) in dc.iter().zip(&u.delta) {
+        let (dc, dy) = (decode(e), decode(d));
+        for k in 0..dc.len() {
+            let want = -0.1 - dy[k] as f64 / 0.02;
+            assert!((dc[k] as f64 - want).abs() < 1e-3 * want.abs().max(1.0));
+        }
+    }
+    let w = &sd.tensors[0].name;
+    assert!(site.control(w).is_empty(), "advanced before the answer");
+    site.answered(1, false);
+    assert!(site.control(w).is_empty(), "a rejected update advanced it");
+    site.train_round(&spec, &fed, &scaffold(1), &tc, &device(), |_| {})
+        .unwrap();
+    site.answered(1, true);
+    let ci = site.control(w).to_vec();
+    assert_eq!(ci.len(), sd.tensors[0].data.len());
+    assert!(ci.iter().any(|&v| v != 0.0));
+    // Restored from the checkpoint: c_i and the server's c of version 0.
+    let mut again = Site::new("a", net, data(16), data(8)).unwrap();
+    again.restore_memory(site.memory().clone(), &spec).unwrap();
+    assert_eq!(again.control(w), &ci[..]);
+    // A control variate of the wrong length is refused (it would index out of range).
+    let mut short = site.memory().clone();
+    short.control.get_mut(w.as_str()).unwrap().pop();
+    assert!(
+        Site::new("a", tiny().0, data(16), data(8))
+            .unwrap()
+            .restore_memory(short, &spec)
+            .is_err()
+    );
+    again
+        .train_round(&spec, &fed, &scaffold(1), &tc, &device(), |_| {})
+        .unwrap();
+    // A plan for a model version whose c was never applied cannot train.
+    assert!(
+        again
+            .train_round(&spec, &fed, &scaffold(2), &tc, &device(), |_| {})
+            .is_err()
+    );
+}
+
+fn decode(t: &unifed_protocol::EncodedTensor) -> Vec<f32> {
+    unifed_protocol::decode(t).unwrap()
 }

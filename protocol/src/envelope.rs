@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 4] = *b"UFED";
 
 /// The protocol version this crate speaks; peers refuse envelopes of any other version.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -331,15 +331,16 @@ mod tests {
 
     #[test]
     fn a_message_from_another_protocol_version_is_refused_cleanly() {
-        // Version 1 is the protocol before typed plans and reports: refused by a version 2 peer.
-        for other in [1u16, 3] {
+        // Version 1 had no typed plans and reports, version 2 no control variates: both are
+        // refused by a version 3 peer, as is a future version 4.
+        for other in [1u16, 2, 4] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 2)")
+                format!("protocol version {other} is not supported (this peer speaks version 3)")
             );
         }
     }

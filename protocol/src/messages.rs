@@ -89,13 +89,19 @@ pub enum Objective {
         /// The proximal weight `mu` (FedBN's digits setting: 0.01).
         mu: f64,
     },
+    /// SCAFFOLD (Karimireddy et al., option II): every local step uses the corrected gradient
+    /// `g - c_i + c` over the trainable tensors the federation averages, where `c` is the
+    /// server's control variate (in the round's [`ServerExtras::Control`]) and `c_i` the site's;
+    /// the update carries `c_i+ - c_i` in [`SiteExtras::Control`], with
+    /// `c_i+ = c_i - c + (x - y_i) / (K lr)`.
+    Scaffold,
 }
 
 impl Objective {
     /// Checks the objective's parameters, naming the bad one.
     pub fn validate(&self) -> Result<(), String> {
         match *self {
-            Objective::CrossEntropy => Ok(()),
+            Objective::CrossEntropy | Objective::Scaffold => Ok(()),
             Objective::Proximal { mu } if mu.is_finite() && mu >= 0.0 => Ok(()),
             Objective::Proximal { mu } => Err(alloc::format!(
                 "FedProx mu must be finite and non-negative, got {mu}"
@@ -130,6 +136,9 @@ pub enum SiteExtras {
     /// Nothing beyond the delta (FedAvg, FedBN, FedProx, FedOpt).
     #[default]
     None,
+    /// SCAFFOLD: the change of the site's control variate, `c_i+ - c_i`, one tensor per
+    /// trainable averaged tensor (BN running statistics never), in the federation's encoding.
+    Control(Vec<EncodedTensor>),
 }
 
 /// Algorithm tensors the server sends beside the model. One variant per algorithm that needs
@@ -140,6 +149,9 @@ pub enum ServerExtras {
     /// Nothing beyond the model.
     #[default]
     None,
+    /// SCAFFOLD: the server control variate `c` of the model version, one tensor per trainable
+    /// averaged tensor (BN running statistics never), in exact f32.
+    Control(Vec<EncodedTensor>),
 }
 
 /// The small retained message that announces the current round and model.
@@ -407,10 +419,13 @@ pub fn max_registry_entry_bytes(spec: &crate::ModelSpec) -> usize {
     bn + (1 << 16)
 }
 
-/// The largest model payload (a postcard [`ServerBroadcast`] of every tensor in exact f32) of a
-/// model of `spec`, with room for names, shapes and framing. Sites accept no larger manifest.
+/// The largest model payload (a postcard [`ServerBroadcast`] of every tensor in exact f32, and
+/// as much again for the extras: a control variate is one more copy of the trainable tensors)
+/// of a model of `spec`, with room for names, shapes and framing. Sites accept no larger
+/// manifest.
 pub fn max_broadcast_bytes(spec: &crate::ModelSpec) -> u64 {
-    spec.tensors
+    2 * spec
+        .tensors
         .iter()
         .map(|t| 4 * t.numel() as u64 + 256)
         .sum::<u64>()

@@ -22,7 +22,7 @@ use unifed_protocol::topics::Topics;
 use unifed_site::{Action as SiteAction, EngineConfig, Event as SiteEvent, SiteEngine};
 
 /// What a federation run did in one round.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RoundRecord {
     /// The round.
     pub round: u64,
@@ -224,7 +224,7 @@ pub fn run_federation<N: Net>(
                     broadcast,
                     ..
                 } => {
-                    sites[k].receive(&spec, &broadcast, manifest.bn_policy)?;
+                    sites[k].receive(&spec, &manifest, &broadcast)?;
                     applied[k] = Some(manifest.model_version);
                     inbox.push_back((
                         k,

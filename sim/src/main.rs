@@ -1,6 +1,6 @@
 //! `unifed-sim`: in-process federations on the built-in domains.
 //!
-//! - `compare`: algorithms (FedAvg, FedProx) x BN policies (`local`: client-specific BN, so
+//! - `compare`: algorithms (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, SCAFFOLD) x BN policies (`local`: client-specific BN, so
 //!   FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
 //!   over seeds), the gain of `local` over `global` per algorithm, JSON and a convergence chart
 //!   (results/algorithms.{json,svg}).
@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
+use unifed_aggregator::strategy::{FedOptConfig, ScaffoldConfig};
 use unifed_aggregator::{Algorithm, FederationConfig, GlobalModel};
 use unifed_models::backend::{Backend, cap_cpu_threads};
 use unifed_models::data::{BuiltinData, Domain, SplitSizes};
@@ -52,8 +53,8 @@ struct Common {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Algorithms x BN policies over several seeds: FedAvg and FedProx, each with client-specific
-    /// (`local`, FedBN) and averaged (`global`) BN.
+    /// Algorithms x BN policies over several seeds, each with client-specific (`local`; FedAvg
+    /// is then FedBN) and averaged (`global`) BN.
     Compare {
         #[command(flatten)]
         common: Common,
@@ -63,8 +64,12 @@ enum Cmd {
         /// Update encoding: f32, f16, q8 or topk<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
-        /// Algorithms: fedavg, fedprox.
-        #[arg(long, value_delimiter = ',', default_value = "fedavg,fedprox")]
+        /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "fedavg,fedprox,fedadam,scaffold"
+        )]
         algorithms: Vec<String>,
         /// BN policies: local (client-specific BN), global (averaged BN).
         #[arg(long, value_delimiter = ',', default_value = "local,global")]
@@ -72,6 +77,16 @@ enum Cmd {
         /// FedProx's mu (FedBN's digits setting).
         #[arg(long, default_value_t = 0.01)]
         mu: f64,
+        /// FedOpt's server learning rate (the paper's default 0.01; betas and tau at theirs).
+        #[arg(long, default_value_t = 0.01)]
+        fedopt_lr: f64,
+        /// Keep the methods of an earlier `algorithms.json` in the output folder that this run
+        /// does not repeat (same rounds, epochs, samples, seeds and encoding required).
+        #[arg(long)]
+        merge: bool,
+        /// Run nothing: re-render the table, JSON and chart of the earlier `algorithms.json`.
+        #[arg(long)]
+        render_only: bool,
     },
     /// FedBN with each encoding (one seed): bytes per site per round and accuracy.
     Encodings {
@@ -90,12 +105,24 @@ fn parse_encoding(s: &str) -> Result<Encoding> {
     s.parse().map_err(anyhow::Error::msg)
 }
 
-fn parse_algorithm(s: &str, mu: f64) -> Result<Algorithm> {
-    match s {
-        "fedavg" => Ok(Algorithm::FedAvg),
-        "fedprox" => Ok(Algorithm::FedProx { mu }),
-        o => anyhow::bail!("unknown algorithm `{o}`: fedavg or fedprox"),
-    }
+fn parse_algorithm(s: &str, mu: f64, fedopt_lr: f64) -> Result<Algorithm> {
+    let opt = FedOptConfig {
+        server_lr: fedopt_lr,
+        ..FedOptConfig::default()
+    };
+    let a = match s {
+        "fedavg" => Algorithm::FedAvg,
+        "fedprox" => Algorithm::FedProx { mu },
+        "fedadam" => Algorithm::FedAdam(opt),
+        "fedyogi" => Algorithm::FedYogi(opt),
+        "fedadagrad" => Algorithm::FedAdagrad(opt),
+        "scaffold" => Algorithm::Scaffold(ScaffoldConfig::default()),
+        o => anyhow::bail!(
+            "unknown algorithm `{o}`: fedavg, fedprox, fedadam, fedyogi, fedadagrad or scaffold"
+        ),
+    };
+    a.validate().map_err(anyhow::Error::msg)?;
+    Ok(a)
 }
 
 fn parse_policy(s: &str) -> Result<BnPolicy> {
@@ -108,17 +135,67 @@ fn parse_policy(s: &str) -> Result<BnPolicy> {
 
 /// A method's name in tables: FedAvg with local BN is FedBN.
 fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
-    match (a, bn) {
-        (Algorithm::FedAvg, BnPolicy::Local) => "FedBN".into(),
-        (Algorithm::FedAvg, BnPolicy::Global) => "FedAvg".into(),
-        (Algorithm::FedProx { .. }, BnPolicy::Local) => "FedProx (local BN)".into(),
-        (Algorithm::FedProx { .. }, BnPolicy::Global) => "FedProx (global BN)".into(),
+    let name = match a {
+        Algorithm::FedAvg => {
+            return match bn {
+                BnPolicy::Local => "FedBN".into(),
+                BnPolicy::Global => "FedAvg".into(),
+            };
+        }
+        Algorithm::FedProx { .. } => "FedProx",
+        Algorithm::FedAdam(_) => "FedAdam",
+        Algorithm::FedYogi(_) => "FedYogi",
+        Algorithm::FedAdagrad(_) => "FedAdagrad",
+        Algorithm::Scaffold(_) => "SCAFFOLD",
+    };
+    match bn {
+        BnPolicy::Local => format!("{name} (local BN)"),
+        BnPolicy::Global => format!("{name} (global BN)"),
     }
 }
 
 struct Run {
     records: Vec<RoundRecord>,
     sites: Vec<String>,
+}
+
+type Method = (Algorithm, BnPolicy, Vec<Run>);
+
+/// The methods of an earlier `algorithms.json` in `common.out` run under the same settings,
+/// for `--merge`.
+fn earlier_runs(common: &Common, seeds: u64, encoding: &str) -> Result<Vec<Method>> {
+    let p = common.out.join("algorithms.json");
+    let v: serde_json::Value = match std::fs::read(&p) {
+        Ok(b) => serde_json::from_slice(&b).with_context(|| format!("parsing {}", p.display()))?,
+        Err(_) => return Ok(Vec::new()),
+    };
+    let same = v["rounds"] == json!(common.rounds)
+        && v["epochs"] == json!(common.epochs)
+        && v["train_samples"] == json!(common.train_samples)
+        && v["seeds"] == json!(seeds)
+        && v["encoding"] == json!(encoding);
+    if !same {
+        anyhow::bail!(
+            "{} was run with other settings; --merge needs the same rounds, epochs, samples, seeds and encoding",
+            p.display()
+        );
+    }
+    let sites: Vec<String> = serde_json::from_value(v["sites"].clone())?;
+    let mut out = Vec::new();
+    for m in v["methods"].as_array().into_iter().flatten() {
+        let a: Algorithm = serde_json::from_value(m["algorithm"].clone())?;
+        let bn: BnPolicy = serde_json::from_value(m["bn_policy"].clone())?;
+        let runs: Vec<Vec<RoundRecord>> = serde_json::from_value(m["runs"].clone())?;
+        let runs = runs
+            .into_iter()
+            .map(|records| Run {
+                records,
+                sites: sites.clone(),
+            })
+            .collect();
+        out.push((a, bn, runs));
+    }
+    Ok(out)
 }
 
 fn run_one(
@@ -198,8 +275,8 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
     (m, if v.len() > 1 { s } else { 0.0 })
 }
 
-const COLOURS: [&str; 6] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+const COLOURS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
 ];
 
 /// Final accuracy of each site in a run.
@@ -222,7 +299,7 @@ fn write_compare(
     seeds: u64,
     encoding: &str,
     mu: f64,
-    runs: &[(Algorithm, BnPolicy, Vec<Run>)],
+    runs: &[Method],
 ) -> Result<()> {
     let sites = runs[0].2[0].sites.clone();
     let names: Vec<String> = runs.iter().map(|(a, bn, _)| method_name(a, *bn)).collect();
@@ -294,7 +371,7 @@ fn write_compare(
         }
         let Some((_, _, global)) = runs
             .iter()
-            .find(|(b, p, _)| b == a && *p == BnPolicy::Global)
+            .find(|(b, p, _)| b.name() == a.name() && *p == BnPolicy::Global)
         else {
             continue;
         };
@@ -357,16 +434,31 @@ fn main() -> Result<()> {
             algorithms,
             policies,
             mu,
+            fedopt_lr,
+            merge,
+            render_only,
         } => {
+            if render_only {
+                let runs = earlier_runs(&common, seeds, &encoding)?;
+                anyhow::ensure!(!runs.is_empty(), "no earlier results to render");
+                return write_compare(&common, seeds, &encoding, mu, &runs);
+            }
             let enc = parse_encoding(&encoding)?;
             let mut methods = Vec::new();
             for a in &algorithms {
                 for p in &policies {
-                    methods.push((parse_algorithm(a, mu)?, parse_policy(p)?));
+                    methods.push((parse_algorithm(a, mu, fedopt_lr)?, parse_policy(p)?));
                 }
             }
             std::fs::create_dir_all(&common.out)?;
-            let mut runs: Vec<(Algorithm, BnPolicy, Vec<Run>)> = Vec::new();
+            let mut runs: Vec<Method> = Vec::new();
+            if merge {
+                runs = earlier_runs(&common, seeds, &encoding)?;
+                runs.retain(|(a, bn, _)| {
+                    !methods.iter().any(|(b, p)| b.name() == a.name() && p == bn)
+                });
+                eprintln!("kept {} method(s) of the earlier results", runs.len());
+            }
             for &(a, bn) in &methods {
                 let mut rs = Vec::new();
                 for seed in 0..seeds {

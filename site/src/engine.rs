@@ -88,6 +88,15 @@ pub enum Event {
         /// The update envelope.
         update: Vec<u8>,
     },
+    /// The driver could not train for an [`Action::Train`] from the model it was given (the
+    /// training diverged, or the model does not fit the round's plan): the site sends nothing
+    /// for that round and waits for the next one.
+    TrainFailed {
+        /// The round.
+        round: u64,
+        /// Why.
+        error: String,
+    },
     /// Time passed: re-requests and re-sends fall due.
     Tick,
 }
@@ -166,6 +175,8 @@ pub struct SiteEngine {
     /// An [`Action::Train`] is out and not yet reported.
     training: Option<u64>,
     pending: Option<Upload>,
+    /// A round whose training failed: not trained again.
+    skipped: Option<u64>,
     finished: bool,
 }
 
@@ -187,6 +198,7 @@ impl SiteEngine {
             applying: false,
             training: None,
             pending: None,
+            skipped: None,
             finished: false,
             cfg,
         }
@@ -261,6 +273,11 @@ impl SiteEngine {
                 } else {
                     tracing::info!(round, "the round moved on while training; update dropped");
                 }
+            }
+            Event::TrainFailed { round, error } => {
+                self.training = None;
+                self.skipped = Some(round);
+                tracing::warn!(round, error, "training failed; no update for this round");
             }
             Event::Tick => {}
         }
@@ -491,7 +508,10 @@ impl SiteEngine {
                 return;
             }
         }
-        if sampled && !self.progress.answered_rounds.contains(&m.round) {
+        if sampled
+            && !self.progress.answered_rounds.contains(&m.round)
+            && self.skipped != Some(m.round)
+        {
             self.training = Some(m.round);
             out.push(Action::Train { manifest: m });
         }

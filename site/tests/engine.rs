@@ -313,3 +313,36 @@ fn an_older_manifest_is_not_followed() {
     assert!(e.handle(manifest_msg(&m1), 1).is_empty());
     assert_eq!(e.manifest(), Some(&m2));
 }
+
+#[test]
+fn a_round_whose_training_failed_is_not_trained_again_and_the_next_one_is() {
+    let mut e = engine(None);
+    let (m, chunks) = model(1, 0, &[]);
+    e.handle(manifest_msg(&m), 0);
+    deliver(&mut e, &m, &chunks);
+    let acts = e.handle(Event::Applied { version: 0 }, 1);
+    assert!(matches!(
+        &acts[..],
+        [Action::Checkpoint, Action::Train { .. }]
+    ));
+    let acts = e.handle(
+        Event::TrainFailed {
+            round: 1,
+            error: "training diverged".into(),
+        },
+        2,
+    );
+    assert!(acts.is_empty(), "{acts:?}");
+    // The same manifest again (re-published) and time passing train nothing.
+    assert!(e.handle(manifest_msg(&m), 3).is_empty());
+    assert!(e.handle(Event::Tick, 60_000).is_empty());
+    // The next round, on a new model, trains.
+    let (m2, chunks2) = model(2, 1, &[]);
+    e.handle(manifest_msg(&m2), 60_001);
+    deliver(&mut e, &m2, &chunks2);
+    let acts = e.handle(Event::Applied { version: 1 }, 60_002);
+    assert!(
+        matches!(&acts[..], [Action::Checkpoint, Action::Train { manifest }] if manifest.round == 2),
+        "{acts:?}"
+    );
+}

@@ -56,6 +56,8 @@ pub struct Fed {
     pub deadline_secs: u64,
     /// `Local` or `Global`.
     pub bn_policy: String,
+    /// The algorithm as a TOML inline table (default `{ name = "fedavg" }`).
+    pub algorithm: String,
     /// BN sharing policy: `none`, `affine` or `affine+stats`.
     pub bn_sharing: String,
     /// Seconds the aggregator keeps serving after the last round.
@@ -88,6 +90,7 @@ impl Fed {
             min_sites: 3,
             deadline_secs: 300,
             bn_policy: "Local".into(),
+            algorithm: "{ name = \"fedavg\" }".into(),
             bn_sharing: "none".into(),
             linger_secs: 3,
             manifest_every_secs: 30,
@@ -155,13 +158,14 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
+                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
                 self.agg_dir().display(),
                 self.model().display(),
                 self.chunk_bytes,
                 self.linger_secs,
                 self.manifest_every_secs,
                 self.broker_toml(),
+                self.algorithm,
                 self.rounds,
                 self.min_sites,
                 self.deadline_secs,

@@ -35,13 +35,17 @@ fn audit(fed: &Fed) -> Vec<AuditEntry> {
         .unwrap()
 }
 
+/// Sites whose update of `round` the aggregator holds: accepted, or answered as a duplicate
+/// (an aggregator killed after spooling an update and before auditing it finds the update in its
+/// spool and answers the re-send as a duplicate).
 fn accepted(fed: &Fed, round: u64) -> Vec<String> {
     let mut v: Vec<String> = audit(fed)
         .into_iter()
-        .filter(|e| e.event == "accepted" && e.round == round)
+        .filter(|e| (e.event == "accepted" || e.event == "duplicate") && e.round == round)
         .map(|e| e.site)
         .collect();
     v.sort();
+    v.dedup();
     v
 }
 

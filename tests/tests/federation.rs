@@ -5,6 +5,8 @@
 //! checks which tensors crossed the wire (no BN tensor under `local`, all of them under
 //! `global`) and how many messages of each kind did.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 use unifed_e2e::fed::Fed;
@@ -14,7 +16,7 @@ use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::decode;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::messages::{
-    Answer, BnPolicy, Chunk, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
+    Answer, Chunk, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
 };
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
@@ -251,89 +253,12 @@ fn check(fed: &Fed, packets: &[Packet]) {
     }
 }
 
-/// Runs the same federation in process (the aggregator core and one site engine per site over
-/// an in-memory transport) and checks that every site ends with the bit-identical model, BN
-/// included, that its agent over MQTT ended with: one client round for both.
-fn same_as_in_process(fed: &Fed) {
-    use unifed_models::data::{BuiltinData, Domain, SplitSizes};
-    use unifed_models::state::{Select, export};
-    use unifed_models::train::TrainConfig;
-    use unifed_models::zoo::{DigitsCnnConfig, seeded};
-    let spec = fed.spec();
-    let device = unifed_models::backend::Backend::Flex.device().unwrap();
-    let init = checkpoint::load(&fed.model(), &spec).unwrap();
-    let initial = unifed_aggregator::GlobalModel {
-        spec: spec.clone(),
-        tensors: init.tensors.into_iter().map(|t| t.data).collect(),
-    };
-    let data = BuiltinData::load().unwrap();
-    let model = DigitsCnnConfig {
-        conv: fed.conv.clone().try_into().unwrap(),
-        fc: fed.fc.clone().try_into().unwrap(),
-        ..Default::default()
-    };
-    let mut sites: Vec<_> = SITES
-        .iter()
-        .map(|s| {
-            let sizes = SplitSizes {
-                train: fed.train_samples,
-                ..SplitSizes::default()
-            };
-            let dd = data.domain(Domain::parse(s).unwrap(), &sizes, 0).unwrap();
-            unifed_sim::Site::new(
-                s,
-                seeded(&device, 0, |d| model.init(d)),
-                dd.train.dataset("train", &spec).unwrap(),
-                dd.test.dataset("test", &spec).unwrap(),
-            )
-            .unwrap()
-        })
-        .collect();
-    let bn_policy = if fed.bn_policy == "Local" {
-        BnPolicy::Local
-    } else {
-        BnPolicy::Global
-    };
-    let cfg = unifed_aggregator::FederationConfig {
-        bn_policy,
-        ..unifed_aggregator::FederationConfig::new("e2e", fed.rounds, fed.min_sites)
-    };
-    let tc = TrainConfig {
-        batch_size: 16,
-        ..TrainConfig::default()
-    };
-    let records =
-        unifed_sim::run_federation(cfg, initial, &mut sites, &tc, &device, |_| {}, |_, _| {})
-            .unwrap();
-    assert_eq!(records.len() as u64, fed.rounds);
-    for site in &sites {
-        let mqtt = checkpoint::load(
-            &fed.site_dir(site.id.as_str()).join("model.safetensors"),
-            &spec,
-        )
-        .unwrap();
-        let in_process = export(&site.net, &spec, Select::All);
-        for (a, b) in mqtt.tensors.iter().zip(&in_process.tensors) {
-            assert_eq!(a.name, b.name);
-            assert!(
-                a.data
-                    .iter()
-                    .zip(&b.data)
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{}: {} differs between the MQTT agent and the in-process run",
-                site.id,
-                a.name
-            );
-        }
-    }
-}
-
 #[test]
 fn local_bn_three_agents_three_rounds_on_the_embedded_broker() {
     let _one = serial();
     let (_dir, fed, packets) = run(BrokerKind::Embedded, "Local", 32 << 10);
     check(&fed, &packets);
-    same_as_in_process(&fed);
+    common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
 }
 
 #[test]
@@ -341,7 +266,7 @@ fn global_bn_three_agents_three_rounds_on_the_embedded_broker() {
     let _one = serial();
     let (_dir, fed, packets) = run(BrokerKind::Embedded, "Global", 32 << 10);
     check(&fed, &packets);
-    same_as_in_process(&fed);
+    common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
 }
 
 #[test]

@@ -2,8 +2,7 @@
 //! objective; its server is FedAvg's, Li et al. Algorithm 2) share: the weighted mean of the
 //! sites' deltas, folded in site order in f64.
 
-use super::{RoundReader, Strategy, StrategyState, no_extras};
-use crate::fold::Fold;
+use super::{Extras, RoundReader, Strategy, StrategyState, no_extras, step_by};
 use crate::store::StoreError;
 use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, SiteUpdate};
 
@@ -28,7 +27,7 @@ impl Strategy for FedAvg {
         }
     }
 
-    fn check(&self, update: &SiteUpdate) -> Result<(), RejectReason> {
+    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
         no_extras(update)
     }
 
@@ -37,13 +36,12 @@ impl Strategy for FedAvg {
         round: &RoundReader<'_>,
         model: &mut [&mut Vec<f32>],
     ) -> Result<(), StoreError> {
-        let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
-        let mut fold = Fold::new(&lens);
-        for c in round.iter() {
-            let (_, c) = c?;
-            fold.add(round.weight(&c), &c.delta);
+        let Some(mean) = round.mean_delta(model)? else {
+            return Ok(());
+        };
+        for (x, d) in model.iter_mut().zip(&mean) {
+            step_by(x, d, 1.0);
         }
-        fold.apply(model);
         Ok(())
     }
 

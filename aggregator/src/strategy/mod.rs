@@ -4,12 +4,15 @@
 //!
 //! - [`Strategy::plan`]: the typed [`RoundPlan`] every sampled site follows (its local
 //!   objective).
+//! - [`Strategy::extras`]: the tensors that travel beside the model of the current version
+//!   (SCAFFOLD's server control variate).
 //! - [`Strategy::check`]: the algorithm's own checks of an update (its extras), after the core's
-//!   checks of names, shapes, encodings and finiteness.
+//!   checks of names, shapes, encodings and finiteness; returns the extras decoded for the spool.
 //! - [`Strategy::aggregate`]: the new averaged tensors from a [`RoundReader`] over the round's
 //!   spooled contributions, which can be read as many times as a rule needs.
-//! - [`Strategy::state`]: serialisable state, committed in `state.json` together with the
-//!   model version it belongs to, so a crash never splits them.
+//! - [`Strategy::state`]: serialisable state (FedOpt's moments, SCAFFOLD's control variate),
+//!   written beside the model version it belongs to (`models/v{N}.strategy`) before the state
+//!   that names the version is committed, so a crash never splits them.
 //!
 //! # Adding an algorithm
 //! Server side: a module here implementing [`Strategy`], a variant of [`Algorithm`] (its
@@ -19,17 +22,25 @@
 //! [`unifed_protocol::ServerExtras`] / [`unifed_protocol::SiteExtras`].
 //!
 //! The BN policy is orthogonal to the algorithm: the core hands a strategy only the tensors the
-//! federation averages (non-BN under `local`, everything under `global`).
+//! federation averages (non-BN under `local`, everything under `global`), described by
+//! [`Setup::tensors`]. BN running statistics among them are never fed to a server optimiser or a
+//! control variate: they are averaged (FedOpt's NaN in peers came from Adam on variances).
 
 mod fedavg;
+mod fedopt;
+mod scaffold;
 
 pub use fedavg::FedAvg;
+pub use fedopt::{FedOpt, FedOptConfig, Rule};
+pub use scaffold::{Scaffold, ScaffoldConfig};
 
 use crate::config::Weighting;
 use crate::store::{Store, StoreError};
 use serde::{Deserialize, Serialize};
+use unifed_protocol::TensorSpec;
+use unifed_protocol::encoding::{EncodedTensor, Encoding, Values, decode};
 use unifed_protocol::messages::{
-    LocalReport, Objective, RejectReason, RoundPlan, SiteExtras, SiteUpdate,
+    LocalReport, Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdate,
 };
 
 /// The federation's algorithm and its server-side parameters, as configured. FedBN is
@@ -45,33 +56,164 @@ pub enum Algorithm {
         /// The proximal weight (FedBN's digits setting: 0.01).
         mu: f64,
     },
+    /// Adam on the server over the averaged pseudo-gradient (Reddi et al., FedOpt).
+    FedAdam(FedOptConfig),
+    /// Yogi on the server over the averaged pseudo-gradient (Reddi et al., FedOpt).
+    FedYogi(FedOptConfig),
+    /// Adagrad on the server over the averaged pseudo-gradient (Reddi et al., FedOpt; `beta2`
+    /// is unused).
+    FedAdagrad(FedOptConfig),
+    /// SCAFFOLD with option II control variates (Karimireddy et al.).
+    Scaffold(ScaffoldConfig),
 }
 
 impl Algorithm {
     /// Checks the parameters, naming the bad one.
     pub fn validate(&self) -> Result<(), String> {
-        match *self {
+        match self {
             Algorithm::FedAvg => Ok(()),
-            Algorithm::FedProx { mu } => Objective::Proximal { mu }.validate(),
+            Algorithm::FedProx { mu } => Objective::Proximal { mu: *mu }.validate(),
+            Algorithm::FedAdam(c) | Algorithm::FedYogi(c) | Algorithm::FedAdagrad(c) => {
+                c.validate()
+            }
+            Algorithm::Scaffold(c) => c.validate(),
         }
     }
 
-    /// The algorithm's name in results and logs.
+    /// The algorithm's name in configs, results and logs.
     pub fn name(&self) -> &'static str {
         match self {
             Algorithm::FedAvg => "fedavg",
             Algorithm::FedProx { .. } => "fedprox",
+            Algorithm::FedAdam(_) => "fedadam",
+            Algorithm::FedYogi(_) => "fedyogi",
+            Algorithm::FedAdagrad(_) => "fedadagrad",
+            Algorithm::Scaffold(_) => "scaffold",
         }
+    }
+
+    /// True when the server keeps state between rounds that a restart must find.
+    pub fn is_stateful(&self) -> bool {
+        !matches!(self, Algorithm::FedAvg | Algorithm::FedProx { .. })
     }
 }
 
-/// A strategy's persisted state, one variant per stateful algorithm (FedOpt's moments and
-/// SCAFFOLD's server control variate join here).
+/// A strategy's persisted state, one variant per stateful algorithm. Tensors are those of
+/// [`Setup::tensors`] that a gradient trains (BN running statistics left out), in order.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub enum StrategyState {
     /// The strategy keeps nothing between rounds (FedAvg, FedProx).
     #[default]
     Stateless,
+    /// FedOpt's first and second moments.
+    FedOpt {
+        /// First moments `m`.
+        m: Vec<Vec<f32>>,
+        /// Second moments `v`.
+        v: Vec<Vec<f32>>,
+    },
+    /// SCAFFOLD's server control variate.
+    Scaffold {
+        /// The server control variate `c`, the mean of every site's `c_i`.
+        c: Vec<Vec<f32>>,
+        /// Sites that have reported a control variate, in order (an open federation averages
+        /// over them; empty when the sites are registered).
+        known: Vec<String>,
+        /// The number of sites `c` is the mean over.
+        n: u64,
+    },
+}
+
+impl StrategyState {
+    /// Checks the state before it is committed: every value finite, second moments
+    /// non-negative. Names the first problem.
+    pub fn check(&self) -> Result<(), String> {
+        let finite = |what: &str, t: &[Vec<f32>]| match t.iter().flatten().find(|v| !v.is_finite())
+        {
+            Some(v) => Err(format!("the {what} holds {v}")),
+            None => Ok(()),
+        };
+        match self {
+            StrategyState::Stateless => Ok(()),
+            StrategyState::FedOpt { m, v } => {
+                finite("first moment", m)?;
+                finite("second moment", v)?;
+                match v.iter().flatten().find(|x| **x < 0.0) {
+                    Some(x) => Err(format!("the second moment holds {x} < 0")),
+                    None => Ok(()),
+                }
+            }
+            StrategyState::Scaffold { c, .. } => finite("server control variate", c),
+        }
+    }
+
+    /// The state's name in errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            StrategyState::Stateless => "stateless",
+            StrategyState::FedOpt { .. } => "FedOpt moments",
+            StrategyState::Scaffold { .. } => "SCAFFOLD control variate",
+        }
+    }
+}
+
+/// What a strategy is built for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Setup {
+    /// The tensors the federation averages (non-BN under `local` BN, all under `global`), in
+    /// the order of [`Strategy::aggregate`]'s model and of each contribution's delta.
+    pub tensors: Vec<TensorSpec>,
+    /// The federation's update encoding (extras that sites send use it too).
+    pub encoding: Encoding,
+    /// Registered sites (0: an open federation, where any site may report).
+    pub sites: usize,
+}
+
+impl Setup {
+    /// The tensors a gradient trains: all averaged tensors but BN running statistics.
+    pub fn trainable(&self) -> impl Iterator<Item = &TensorSpec> {
+        self.tensors.iter().filter(|t| !t.kind.is_bn_stat())
+    }
+
+    /// Per averaged tensor, whether a gradient trains it (false for BN running statistics,
+    /// which only ever take the plain mean).
+    pub fn trained(&self) -> Vec<bool> {
+        self.tensors.iter().map(|t| !t.kind.is_bn_stat()).collect()
+    }
+
+    /// Zero tensors shaped like [`Setup::trainable`].
+    pub fn zeros(&self) -> Vec<Vec<f32>> {
+        self.trainable().map(|t| vec![0.0; t.numel()]).collect()
+    }
+
+    /// Checks that `tensors` are shaped like [`Setup::trainable`], naming `what` on a mismatch.
+    fn check_shapes(&self, what: &str, tensors: &[Vec<f32>]) -> Result<(), String> {
+        let want: Vec<usize> = self.trainable().map(|t| t.numel()).collect();
+        let got: Vec<usize> = tensors.iter().map(Vec::len).collect();
+        if want == got {
+            Ok(())
+        } else {
+            Err(format!(
+                "the stored {what} does not fit the model's trainable tensors ({} tensors, {} \
+                 values; the model has {}, {})",
+                got.len(),
+                got.iter().sum::<usize>(),
+                want.len(),
+                want.iter().sum::<usize>()
+            ))
+        }
+    }
+}
+
+/// A contribution's algorithm tensors, decoded and checked by the strategy (what the spool
+/// keeps of [`SiteExtras`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub enum Extras {
+    /// None.
+    #[default]
+    None,
+    /// SCAFFOLD's change of the site's control variate, in [`Setup::trainable`] order.
+    Control(Vec<Vec<f32>>),
 }
 
 /// One site's accepted contribution to a round, as spooled.
@@ -81,8 +223,8 @@ pub struct Contribution {
     pub samples: u64,
     /// The site's report of its local training.
     pub report: LocalReport,
-    /// Its algorithm tensors.
-    pub extras: SiteExtras,
+    /// Its algorithm tensors, decoded.
+    pub extras: Extras,
     /// Dense deltas of the averaged tensors, in the order the core hands to
     /// [`Strategy::aggregate`].
     pub delta: Vec<Vec<f32>>,
@@ -135,6 +277,18 @@ impl<'a> RoundReader<'a> {
             .iter()
             .map(move |s| self.store.spool_get(self.round, s).map(|c| (s.as_str(), c)))
     }
+
+    /// The weighted mean of the contributions' deltas in f64, shaped like `model` (`None` when
+    /// nothing carries weight).
+    pub fn mean_delta(&self, model: &[&mut Vec<f32>]) -> Result<Option<Vec<Vec<f64>>>, StoreError> {
+        let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
+        let mut fold = crate::fold::Fold::new(&lens);
+        for c in self.iter() {
+            let (_, c) = c?;
+            fold.add(self.weight(&c), &c.delta);
+        }
+        Ok(fold.mean())
+    }
 }
 
 /// A server strategy: pure policy over the core's round loop.
@@ -142,9 +296,14 @@ pub trait Strategy: std::fmt::Debug + Send {
     /// The plan every site sampled in `round` follows.
     fn plan(&self, round: u64) -> RoundPlan;
 
+    /// The tensors that travel beside the current model in its broadcast.
+    fn extras(&self) -> ServerExtras {
+        ServerExtras::None
+    }
+
     /// The algorithm's checks of an update the core has validated (names, shapes, encodings,
-    /// finite values); a failure rejects this update alone.
-    fn check(&self, update: &SiteUpdate) -> Result<(), RejectReason>;
+    /// finite values); returns its extras decoded. A failure rejects this update alone.
+    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason>;
 
     /// Combines the round's contributions into `model`: the averaged tensors, in the order of
     /// each contribution's `delta`.
@@ -158,25 +317,123 @@ pub trait Strategy: std::fmt::Debug + Send {
     fn state(&self) -> StrategyState;
 }
 
-/// Builds the strategy of `algorithm`, resuming from `state` (the committed state of the
-/// current model version).
+/// Builds the strategy of `algorithm` for `setup`, resuming from `state` (the committed state
+/// of the current model version; `None`: a fresh start). A state of another algorithm, or one
+/// that does not fit the model, is refused with a message naming both.
 pub fn from_config(
     algorithm: &Algorithm,
-    state: &StrategyState,
+    setup: &Setup,
+    state: Option<StrategyState>,
 ) -> Result<Box<dyn Strategy>, String> {
+    let mismatch = |s: &StrategyState| {
+        Err(format!(
+            "the stored strategy state ({}) is not that of the configured algorithm `{}`",
+            s.name(),
+            algorithm.name()
+        ))
+    };
     match (algorithm, state) {
-        (Algorithm::FedAvg, StrategyState::Stateless) => {
+        (Algorithm::FedAvg, None | Some(StrategyState::Stateless)) => {
             Ok(Box::new(FedAvg::new(Objective::CrossEntropy)))
         }
-        (Algorithm::FedProx { mu }, StrategyState::Stateless) => {
+        (Algorithm::FedProx { mu }, None | Some(StrategyState::Stateless)) => {
             Ok(Box::new(FedAvg::new(Objective::Proximal { mu: *mu })))
         }
+        (Algorithm::FedAdam(c), s @ (None | Some(StrategyState::FedOpt { .. }))) => {
+            Ok(Box::new(FedOpt::new(Rule::Adam, *c, setup, s)?))
+        }
+        (Algorithm::FedYogi(c), s @ (None | Some(StrategyState::FedOpt { .. }))) => {
+            Ok(Box::new(FedOpt::new(Rule::Yogi, *c, setup, s)?))
+        }
+        (Algorithm::FedAdagrad(c), s @ (None | Some(StrategyState::FedOpt { .. }))) => {
+            Ok(Box::new(FedOpt::new(Rule::Adagrad, *c, setup, s)?))
+        }
+        (Algorithm::Scaffold(c), s @ (None | Some(StrategyState::Scaffold { .. }))) => {
+            Ok(Box::new(Scaffold::new(*c, setup, s)?))
+        }
+        (_, Some(s)) => mismatch(&s),
     }
 }
 
 /// The extras of an update whose algorithm sends none: anything else is refused.
-pub(crate) fn no_extras(update: &SiteUpdate) -> Result<(), RejectReason> {
+pub(crate) fn no_extras(update: &SiteUpdate) -> Result<Extras, RejectReason> {
     match update.extras {
-        SiteExtras::None => Ok(()),
+        SiteExtras::None => Ok(Extras::None),
+        SiteExtras::Control(_) => Err(RejectReason::UnexpectedExtras(
+            "a control variate, which this federation's algorithm does not use".into(),
+        )),
     }
+}
+
+/// Decodes `tensors` into dense values in the order of `specs`: each must appear once, with
+/// its spec's shape, in `encoding` (BN running statistics always in exact f32: they never go
+/// through a lossy encoding), and finite.
+pub fn dense(
+    specs: &[&TensorSpec],
+    tensors: &[EncodedTensor],
+    encoding: Encoding,
+) -> Result<Vec<Vec<f32>>, RejectReason> {
+    let mut out: Vec<Option<Vec<f32>>> = vec![None; specs.len()];
+    for t in tensors {
+        let Some(pos) = specs.iter().position(|s| s.name == t.name) else {
+            return Err(RejectReason::UnexpectedTensor(t.name.clone()));
+        };
+        if out[pos].is_some() {
+            return Err(RejectReason::DuplicateTensor(t.name.clone()));
+        }
+        let spec = specs[pos];
+        if t.shape.len() != spec.shape.len()
+            || t.shape
+                .iter()
+                .zip(&spec.shape)
+                .any(|(a, &b)| *a as usize != b)
+        {
+            return Err(RejectReason::WrongShape(t.name.clone()));
+        }
+        let expected = if spec.kind.is_bn_stat() {
+            Encoding::F32
+        } else {
+            encoding
+        };
+        let encoding_ok = matches!(
+            (&t.values, expected),
+            (Values::F32(_), Encoding::F32)
+                | (Values::F16(_), Encoding::F16)
+                | (Values::Q8 { .. }, Encoding::Q8)
+                | (Values::Sparse { .. }, Encoding::TopK { .. })
+        );
+        if !encoding_ok {
+            return Err(RejectReason::WrongEncoding);
+        }
+        let v = decode(t).map_err(|e| RejectReason::Malformed(e.to_string()))?;
+        if v.iter().any(|x| !x.is_finite()) {
+            return Err(RejectReason::NonFinite(t.name.clone()));
+        }
+        out[pos] = Some(v);
+    }
+    if let Some(pos) = out.iter().position(Option::is_none) {
+        return Err(RejectReason::MissingTensor(specs[pos].name.clone()));
+    }
+    Ok(out.into_iter().map(|o| o.expect("checked")).collect())
+}
+
+/// `x <- x + eta d` in f64, rounded once to f32 (with `eta = 1` exactly FedAvg's step).
+pub(crate) fn step_by(x: &mut [f32], d: &[f64], eta: f64) {
+    for (x, d) in x.iter_mut().zip(d) {
+        *x = (*x as f64 + eta * d) as f32;
+    }
+}
+
+/// Encodes `values` of the tensors `specs` in exact f32 (what the server sends as extras).
+pub(crate) fn exact<'a>(
+    specs: impl Iterator<Item = &'a TensorSpec>,
+    values: &[Vec<f32>],
+) -> Vec<EncodedTensor> {
+    specs
+        .zip(values)
+        .map(|(t, v)| {
+            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+            unifed_protocol::encoding::encode(&t.name, &shape, v, Encoding::F32, None)
+        })
+        .collect()
 }

@@ -1,0 +1,91 @@
+//! Checks shared by the end-to-end tests.
+
+use unifed_e2e::fed::Fed;
+use unifed_models::checkpoint;
+use unifed_protocol::messages::BnPolicy;
+
+/// Runs the federation `fed` describes (sites `sites`, algorithm `algorithm`) in process: the
+/// aggregator core and one site engine per site over an in-memory transport. Checks that every
+/// site ends with the bit-identical model, BN included, that its agent over MQTT ended with:
+/// one client round for both.
+pub fn same_as_in_process(fed: &Fed, sites: &[&str], algorithm: unifed_aggregator::Algorithm) {
+    use unifed_models::data::{BuiltinData, Domain, SplitSizes};
+    use unifed_models::state::{Select, export};
+    use unifed_models::train::TrainConfig;
+    use unifed_models::zoo::{DigitsCnnConfig, seeded};
+    let spec = fed.spec();
+    let device = unifed_models::backend::Backend::Flex.device().unwrap();
+    let init = checkpoint::load(&fed.model(), &spec).unwrap();
+    let initial = unifed_aggregator::GlobalModel {
+        spec: spec.clone(),
+        tensors: init.tensors.into_iter().map(|t| t.data).collect(),
+    };
+    let data = BuiltinData::load().unwrap();
+    let model = DigitsCnnConfig {
+        conv: fed.conv.clone().try_into().unwrap(),
+        fc: fed.fc.clone().try_into().unwrap(),
+        ..Default::default()
+    };
+    let mut in_process: Vec<_> = sites
+        .iter()
+        .map(|s| {
+            let sizes = SplitSizes {
+                train: fed.samples.get(*s).copied().unwrap_or(fed.train_samples),
+                ..SplitSizes::default()
+            };
+            let dd = data.domain(Domain::parse(s).unwrap(), &sizes, 0).unwrap();
+            unifed_sim::Site::new(
+                s,
+                seeded(&device, 0, |d| model.init(d)),
+                dd.train.dataset("train", &spec).unwrap(),
+                dd.test.dataset("test", &spec).unwrap(),
+            )
+            .unwrap()
+        })
+        .collect();
+    let bn_policy = if fed.bn_policy == "Local" {
+        BnPolicy::Local
+    } else {
+        BnPolicy::Global
+    };
+    let cfg = unifed_aggregator::FederationConfig {
+        bn_policy,
+        algorithm,
+        ..unifed_aggregator::FederationConfig::new("e2e", fed.rounds, fed.min_sites)
+    };
+    let tc = TrainConfig {
+        batch_size: 16,
+        ..TrainConfig::default()
+    };
+    let records = unifed_sim::run_federation(
+        cfg,
+        initial,
+        &mut in_process,
+        &tc,
+        &device,
+        |_| {},
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(records.len() as u64, fed.rounds);
+    for site in &in_process {
+        let mqtt = checkpoint::load(
+            &fed.site_dir(site.id.as_str()).join("model.safetensors"),
+            &spec,
+        )
+        .unwrap();
+        let local = export(&site.net, &spec, Select::All);
+        for (a, b) in mqtt.tensors.iter().zip(&local.tensors) {
+            assert_eq!(a.name, b.name);
+            assert!(
+                a.data
+                    .iter()
+                    .zip(&b.data)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{}: {} differs between the MQTT agent and the in-process run",
+                site.id,
+                a.name
+            );
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Stateful strategies over MQTT with the real binaries: a FedAdam federation (server moments)
+//! and a SCAFFOLD federation (control variates both ways), each run once uninterrupted and once
+//! with an agent killed (SIGKILL) while it trains and the aggregator killed with a round half
+//! collected. Both must end bit-identical: the global model, the server's stored strategy state,
+//! and every site's model (BN included) and memory (its control variate). The uninterrupted run
+//! must also equal the in-process run of the same federation.
+
+mod common;
+
+use std::time::Duration;
+use unifed_aggregator::Algorithm;
+use unifed_aggregator::store::Store;
+use unifed_e2e::fed::Fed;
+use unifed_e2e::{Broker, BrokerKind, serial};
+use unifed_models::checkpoint;
+use unifed_models::site::Memory;
+
+const SITES: [&str; 3] = ["grey", "texture", "lowres"];
+const PACKET: usize = 32 << 10;
+const LONG: Duration = Duration::from_secs(300);
+
+/// `lowres` trains on more images than the others, so it is still training when the others
+/// have reported.
+fn fed_for(dir: &std::path::Path, port: u16, algorithm: &str, bn: &str) -> Fed {
+    let mut fed = Fed::new(dir, port, PACKET);
+    fed.resend_secs = 2;
+    fed.samples.insert("lowres".into(), 743);
+    fed.algorithm = algorithm.into();
+    fed.bn_policy = bn.into();
+    fed
+}
+
+/// What a finished federation left on disk, compared bit for bit.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    model: Vec<Vec<u32>>,
+    strategy: Vec<u8>,
+    sites: Vec<(Vec<Vec<u32>>, Memory)>,
+}
+
+/// The memory (residuals, control variates) in a site's `checkpoint.bin`: magic and version,
+/// then the postcard of (progress, memory, model bytes).
+fn memory(dir: &std::path::Path) -> Memory {
+    let bytes = std::fs::read(dir.join("checkpoint.bin")).unwrap();
+    assert_eq!(&bytes[..4], b"UFSC");
+    let (_progress, memory, _model): ((Option<u64>, Vec<u64>), Memory, Vec<u8>) =
+        postcard::from_bytes(&bytes[8..]).unwrap();
+    memory
+}
+
+fn outcome(fed: &Fed) -> Outcome {
+    let spec = fed.spec();
+    let bits = |t: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+        t.into_iter()
+            .map(|v| v.into_iter().map(f32::to_bits).collect())
+            .collect()
+    };
+    let model = Store::open(&fed.agg_dir())
+        .unwrap()
+        .load_model(fed.rounds, &spec.hash().0)
+        .unwrap();
+    assert!(
+        model.iter().flatten().all(|v| v.is_finite()),
+        "a committed model holds NaN or infinity"
+    );
+    let strategy = std::fs::read(
+        fed.agg_dir()
+            .join(format!("models/v{}.strategy", fed.rounds)),
+    )
+    .unwrap();
+    let sites = SITES
+        .iter()
+        .map(|s| {
+            let dir = fed.site_dir(s);
+            let m = checkpoint::load(&dir.join("model.safetensors"), &spec).unwrap();
+            (
+                bits(m.tensors.into_iter().map(|t| t.data).collect()),
+                memory(&dir),
+            )
+        })
+        .collect();
+    Outcome {
+        model: bits(model),
+        strategy,
+        sites,
+    }
+}
+
+fn uninterrupted(algorithm: &str, typed: Algorithm, bn: &str) -> Outcome {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let fed = fed_for(dir.path(), broker.port, algorithm, bn);
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        fed.wait_ok(a, s, LONG);
+    }
+    fed.wait_ok(&mut agg, "aggregator", LONG);
+    common::same_as_in_process(&fed, &SITES, typed);
+    outcome(&fed)
+}
+
+fn disturbed(algorithm: &str, bn: &str) -> Outcome {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let fed = fed_for(dir.path(), broker.port, algorithm, bn);
+    let mut agg = fed.aggregator();
+    let mut grey = fed.agent("grey");
+    let mut texture = fed.agent("texture");
+    let mut lowres = fed.agent("lowres");
+    // An agent killed while it trains round 2: it restarts from its checkpoint and memory.
+    assert!(
+        fed.wait_line("lowres", "training round 2 ", LONG),
+        "{}",
+        fed.logs()
+    );
+    lowres.kill();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut lowres = fed.agent("lowres");
+    // The aggregator killed with round 3 half collected: it restarts from its spool, its
+    // committed model and the strategy state stored with it.
+    assert!(
+        fed.wait_any(&["grey", "texture"], "update for round 3 accepted", LONG),
+        "{}",
+        fed.logs()
+    );
+    agg.kill();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut agg = fed.aggregator();
+    for (g, s) in [
+        (&mut grey, "grey"),
+        (&mut texture, "texture"),
+        (&mut lowres, "lowres"),
+    ] {
+        fed.wait_ok(g, s, LONG);
+    }
+    fed.wait_ok(&mut agg, "aggregator", LONG);
+    // Round 3 closed once, by the restarted aggregator, with all three sites.
+    let log = std::fs::read_to_string(fed.dir.join("agg.log")).unwrap();
+    assert_eq!(
+        log.matches("round 3 closed with 3 update(s)").count(),
+        1,
+        "{log}"
+    );
+    outcome(&fed)
+}
+
+#[test]
+fn fedadam_with_global_bn_killed_agent_and_aggregator_ends_bit_identical() {
+    let alg = "{ name = \"fedadam\" }";
+    let want = uninterrupted(alg, Algorithm::FedAdam(Default::default()), "Global");
+    let got = disturbed(alg, "Global");
+    assert!(got.model == want.model, "the global model differs");
+    assert!(got.strategy == want.strategy, "the server moments differ");
+    assert!(got.sites == want.sites, "a site's model or memory differs");
+}
+
+#[test]
+fn scaffold_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
+    let alg = "{ name = \"scaffold\" }";
+    let want = uninterrupted(alg, Algorithm::Scaffold(Default::default()), "Local");
+    let got = disturbed(alg, "Local");
+    assert!(got.model == want.model, "the global model differs");
+    assert!(
+        got.strategy == want.strategy,
+        "the server control variate differs"
+    );
+    assert!(
+        got.sites == want.sites,
+        "a site's model or control variate differs"
+    );
+    // Every site holds its control variate and the server's of the final model (SCAFFOLD
+    // ran, not FedAvg).
+    for (_, m) in &want.sites {
+        assert!(!m.control.is_empty() && m.control.values().flatten().any(|&v| v != 0.0));
+        assert_eq!(m.server_control.as_ref().map(|(v, _)| *v), Some(3));
+    }
+}
