@@ -478,3 +478,60 @@ fn only_an_accepted_scaffold_update_advances_the_site_variate_and_it_survives_a_
 fn decode(t: &unifed_protocol::EncodedTensor) -> Vec<f32> {
     unifed_protocol::decode(t).unwrap()
 }
+
+#[test]
+fn under_a_lossy_encoding_the_site_variate_moves_by_exactly_what_the_server_decodes() {
+    use unifed_protocol::messages::{ServerBroadcast, ServerExtras, SiteExtras};
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    let sd = export(&net, &spec, Select::NonBn);
+    for enc in [
+        Encoding::Q8,
+        Encoding::F16,
+        Encoding::TopK { per_mille: 300 },
+    ] {
+        let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+        let m = RoundManifest {
+            plan: RoundPlan {
+                objective: Objective::Scaffold,
+            },
+            ..manifest(1, enc, BnPolicy::Local)
+        };
+        let b = ServerBroadcast {
+            model_version: 0,
+            weights: sd
+                .tensors
+                .iter()
+                .map(|t| t.encode(Encoding::F32, None))
+                .collect(),
+            extras: ServerExtras::Control(
+                sd.tensors
+                    .iter()
+                    .map(|t| t.encode(Encoding::F32, None))
+                    .collect(),
+            ),
+        };
+        site.receive(&spec, &m, &b).unwrap();
+        let u = update(
+            &site
+                .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                .unwrap(),
+        );
+        site.answered(1, true);
+        let SiteExtras::Control(dc) = &u.extras else {
+            panic!("{:?}", u.extras)
+        };
+        for t in dc {
+            assert_eq!(
+                site.control(&t.name),
+                &decode(t)[..],
+                "{enc:?} {}: c_i must be what the server adds",
+                t.name
+            );
+        }
+    }
+}
