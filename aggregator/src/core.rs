@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::EncodedTensor;
-use unifed_protocol::encoding::{Encoding, encode};
+use unifed_protocol::encoding::Encoding;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -397,15 +397,9 @@ impl Aggregator {
         tensors: impl Iterator<Item = (&'a TensorSpec, &'a [f32])>,
         extras: ServerExtras,
     ) -> Vec<u8> {
-        let weights = tensors
-            .map(|(t, values)| {
-                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
-                encode(&t.name, &shape, values, Encoding::F32, None)
-            })
-            .collect();
         let b = ServerBroadcast {
             model_version: version,
-            weights,
+            weights: strategy::exact(tensors),
             extras,
         };
         postcard::to_allocvec(&b).expect("broadcast serialises")

@@ -5,11 +5,11 @@
 //! The round's plan names the objective ([`Objective`]); [`Term::new`] prepares it from the
 //! model the site starts training from, and [`Term::apply`] adjusts each step's gradients.
 
-use crate::state::{Select, StateDict, Walker, torch_name};
+use crate::state::{Select, StateDict, Walker, burn_tensor, torch_name};
 use crate::zoo::Net;
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use std::collections::HashMap;
 use unifed_protocol::Objective;
 
@@ -85,13 +85,7 @@ impl Reference {
                 if src.shape.len() != D || src.data.len() != w.dims().iter().product::<usize>() {
                     return;
                 }
-                let mut t = Tensor::<D>::from_data(
-                    TensorData::new(src.data.clone(), src.shape.clone()),
-                    &w.device(),
-                );
-                if linear_w {
-                    t = t.swap_dims(0, 1);
-                }
+                let t = burn_tensor::<D>(src, linear_w, &w.device());
                 self.out.insert(param.id, t.reshape([src.data.len()]));
             }
         }

@@ -297,18 +297,21 @@ impl<N: Net> ModuleMapper for Writer<'_, N> {
             return param;
         };
         param.map(|t| {
-            let device = t.device();
             let rg = t.is_require_grad();
-            let mut new = Tensor::<D>::from_data(
-                TensorData::new(src.data.clone(), src.shape.clone()),
-                &device,
-            );
-            if linear_w {
-                new = new.swap_dims(0, 1);
-            }
-            new.set_require_grad(rg)
+            burn_tensor::<D>(src, linear_w, &t.device()).set_require_grad(rg)
         })
     }
+}
+
+/// `src` (PyTorch layout) as a burn tensor on `device`: a linear weight is transposed back to
+/// burn's `[in, out]`.
+pub(crate) fn burn_tensor<const D: usize>(
+    src: &NamedTensor,
+    linear_w: bool,
+    device: &burn::tensor::Device,
+) -> Tensor<D> {
+    let t = Tensor::<D>::from_data(TensorData::new(src.data.clone(), src.shape.clone()), device);
+    if linear_w { t.swap_dims(0, 1) } else { t }
 }
 
 /// Returns a copy of `net` with the tensors of `state` that `select` keeps written in; every

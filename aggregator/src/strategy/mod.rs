@@ -424,13 +424,11 @@ pub(crate) fn step_by(x: &mut [f32], d: &[f64], eta: f64) {
     }
 }
 
-/// Encodes `values` of the tensors `specs` in exact f32 (what the server sends as extras).
+/// Encodes tensors (spec, values) in exact f32: what the server sends, model or extras.
 pub(crate) fn exact<'a>(
-    specs: impl Iterator<Item = &'a TensorSpec>,
-    values: &[Vec<f32>],
+    tensors: impl Iterator<Item = (&'a TensorSpec, &'a [f32])>,
 ) -> Vec<EncodedTensor> {
-    specs
-        .zip(values)
+    tensors
         .map(|(t, v)| {
             let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
             unifed_protocol::encoding::encode(&t.name, &shape, v, Encoding::F32, None)

@@ -145,7 +145,9 @@ impl Strategy for Scaffold {
     }
 
     fn extras(&self) -> ServerExtras {
-        ServerExtras::Control(exact(self.trainable.iter(), &self.c))
+        ServerExtras::Control(exact(
+            self.trainable.iter().zip(self.c.iter().map(Vec::as_slice)),
+        ))
     }
 
     fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
