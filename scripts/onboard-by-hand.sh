@@ -10,9 +10,18 @@ $B/unifed-broker --listen 127.0.0.1:18830 > broker.log 2>&1 &
 BP=$!
 sleep 1
 $B/unifed-agent init --out init.safetensors
+# Identities: each party makes its key on its own machine and hands over only the public key
+# (first line of `identity`'s output); the coordinator enrols the sites, the sites pin the
+# aggregator.
+AGG_KEY=$($B/unifed-aggregator identity --key aggregator.key | head -1)
+SITES=""
+for s in grey texture morpho; do
+  SITES="$SITES{ id = \"$s\", key = \"$($B/unifed-agent identity --key $s.id | head -1)\" }, "
+done
 cat > agg.toml <<T
 data_dir = "agg"
 model = "init.safetensors"
+key = "aggregator.key"
 linger_secs = 3600
 [broker]
 host = "127.0.0.1"
@@ -24,7 +33,7 @@ rounds = 1
 min_sites = 2
 deadline_secs = 900
 fraction = 1.0
-sites = []
+sites = [$SITES]
 encoding = "F32"
 bn_policy = "Local"
 bn_sharing = "affine"
@@ -41,6 +50,8 @@ site = "$s"
 federation = "demo"
 state_dir = "$s"
 threads = 1
+identity = "$s.id"
+aggregator_key = "$AGG_KEY"
 [broker]
 host = "127.0.0.1"
 port = 18830
@@ -59,6 +70,8 @@ site = "morpho"
 federation = "demo"
 state_dir = "$d"
 site_key = "morpho.key"
+identity = "morpho.id"
+aggregator_key = "$AGG_KEY"
 [broker]
 host = "127.0.0.1"
 port = 18830

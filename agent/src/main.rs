@@ -5,7 +5,7 @@
 //! and exports the built-in data; `spec` prints a model spec; `bench` measures speed.
 //! `calibrate` onboards a site (from a model file, or from the federation's onboarding
 //! package with `--config`), `fetch-calibrated` brings its registered model to another device,
-//! `keygen` makes the site key, and `evaluate` and `predict` use a model.
+//! `keygen` makes the site's registry sealing key, `identity` its signing key, and `evaluate` and `predict` use a model.
 
 mod bench;
 mod onboard;
@@ -86,6 +86,13 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Makes the site's ed25519 identity key at `--key` if there is none (never overwriting
+    /// one) and prints its public key and fingerprint: what the coordinator enrols.
+    Identity {
+        /// The private key file (created owner-readable only).
+        #[arg(long)]
+        key: PathBuf,
+    },
     /// Test accuracy of a model on labelled images, with BN statistics stored, re-estimated as
     /// the images stream in (`stream`), or freshly calibrated.
     Evaluate(onboard::EvaluateArgs),
@@ -148,6 +155,11 @@ fn main() -> Result<()> {
         Cmd::FetchCalibrated(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
             onboard_net::fetch_calibrated_cmd(&args, &device)
+        }
+        Cmd::Identity { key } => {
+            let k = unifed_protocol::SigningKey::load_or_create(&key)?;
+            println!("{}\nfingerprint {}", k.public(), k.public().fingerprint());
+            Ok(())
         }
         Cmd::Keygen { out } => {
             unifed_agent::registry::SiteKey::generate().save(&out)?;

@@ -7,7 +7,7 @@ use crate::onboard::{CalibrateArgs, FetchArgs, bar, calibrate_to, write_model};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use unifed_agent::registry::{
-    OnboardClient, Owner, SiteKey, fetch_package as fetch, must_seal, open, seal,
+    Identity, OnboardClient, Owner, SiteKey, fetch_package as fetch, must_seal, open, seal,
 };
 use unifed_agent::train::AgentConfig;
 use unifed_models::backend::Device;
@@ -23,6 +23,7 @@ struct SiteDevice {
     spec: ModelSpec,
     owner: Owner,
     key: Option<SiteKey>,
+    identity: Identity,
 }
 
 impl SiteDevice {
@@ -31,7 +32,9 @@ impl SiteDevice {
         let (site, federation) = cfg.ids()?;
         let (net, spec) = cfg.model_and_spec(device)?;
         let key = cfg.site_key.as_deref().map(SiteKey::load).transpose()?;
+        let identity = cfg.identity()?;
         Ok(SiteDevice {
+            identity,
             owner: Owner {
                 federation,
                 site,
@@ -61,6 +64,7 @@ impl SiteDevice {
         OnboardClient::connect(
             &self.cfg.broker,
             self.owner.clone(),
+            &self.identity,
             std::time::Duration::from_secs(30),
         )
         .await
@@ -77,6 +81,7 @@ fn fetch_package(
     let r = rt.block_on(fetch(
         &dev.cfg.broker,
         dev.owner.clone(),
+        &dev.identity,
         &dev.spec,
         version,
         |done, total| {

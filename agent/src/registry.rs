@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedReceiver;
 use unifed_net::{BrokerConfig, Client, NetEvent, Qos, spawn_event_loop};
 use unifed_protocol::SpecHash;
+use unifed_protocol::auth::{Keyring, PublicKey, SigningKey};
 use unifed_protocol::chunking::{Reassembler, payload_hash, split};
 use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::envelope::{Envelope, MessageKind};
@@ -85,6 +86,26 @@ fn associated_data(fed: &Id, site: &Id, version: u64, spec: &SpecHash) -> Vec<u8
     a.extend_from_slice(&version.to_le_bytes());
     a.extend_from_slice(&spec.0);
     a
+}
+
+/// How a site proves who it is and knows its aggregator: its private signing key and the
+/// aggregator's pinned public key.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// The site's ed25519 key; every message the site sends is signed with it.
+    pub key: SigningKey,
+    /// The aggregator's public key: only messages it signed are taken.
+    pub aggregator: PublicKey,
+}
+
+impl Identity {
+    /// A keyring trusting only the aggregator.
+    pub fn keyring(&self) -> Keyring {
+        Keyring::single(
+            Id::new(unifed_protocol::AGGREGATOR_ID).expect("a valid id"),
+            self.aggregator,
+        )
+    }
 }
 
 /// Who an entry belongs to.
@@ -202,11 +223,12 @@ pub fn max_package_bytes(spec: &unifed_protocol::ModelSpec) -> u64 {
 pub async fn fetch_package(
     broker: &BrokerConfig,
     owner: Owner,
+    identity: &Identity,
     spec: &unifed_protocol::ModelSpec,
     version: Option<u64>,
     progress: impl FnMut(u32, u32),
 ) -> Result<(PackageInfo, unifed_models::state::StateDict)> {
-    let mut c = OnboardClient::connect(broker, owner, Duration::from_secs(30)).await?;
+    let mut c = OnboardClient::connect(broker, owner, identity, Duration::from_secs(30)).await?;
     let r = c.package(version, max_package_bytes(spec), progress).await;
     c.close().await;
     let (info, b) = r?;
@@ -229,6 +251,8 @@ pub struct OnboardClient {
     rx: UnboundedReceiver<NetEvent>,
     topics: Topics,
     owner: Owner,
+    key: SigningKey,
+    keyring: Keyring,
     max_packet: usize,
 }
 
@@ -263,8 +287,14 @@ fn list(v: &[u64]) -> String {
 
 impl OnboardClient {
     /// Connects to `broker` as a device of `owner.site` (its own client id, so it never
-    /// displaces the site's trainer) and waits up to `timeout` for the connection.
-    pub async fn connect(broker: &BrokerConfig, owner: Owner, timeout: Duration) -> Result<Self> {
+    /// displaces the site's trainer) signing with `identity`, and waits up to `timeout` for the
+    /// connection.
+    pub async fn connect(
+        broker: &BrokerConfig,
+        owner: Owner,
+        identity: &Identity,
+        timeout: Duration,
+    ) -> Result<Self> {
         let topics = Topics::new(&owner.federation);
         let id = format!("unifed-onboard-{}-{}", owner.site, std::process::id());
         let (client, mut rx) = spawn_event_loop(
@@ -295,6 +325,8 @@ impl OnboardClient {
             rx,
             topics,
             owner,
+            key: identity.key.clone(),
+            keyring: identity.keyring(),
             max_packet: broker.max_packet_bytes,
         })
     }
@@ -316,7 +348,7 @@ impl OnboardClient {
             payload,
         );
         self.client
-            .publish(topic, Qos::AtLeastOnce, false, env.encode())
+            .publish(topic, Qos::AtLeastOnce, false, self.key.sign(&env))
             .await?;
         Ok(())
     }
@@ -327,10 +359,14 @@ impl OnboardClient {
             Err(_) => Ok(None),
             Ok(None) => bail!("the MQTT event loop stopped"),
             Ok(Some(NetEvent::Message { payload, .. })) => {
-                match Envelope::decode_limited(&payload, self.max_packet + 4096) {
-                    Ok(e) => Ok(Some(e)),
+                match self.keyring.open(&payload, self.max_packet + 4096) {
+                    Ok(e) if e.federation == self.owner.federation => Ok(Some(e)),
+                    Ok(e) => {
+                        tracing::warn!(federation = %e.federation, "message of another federation ignored");
+                        Ok(None)
+                    }
                     Err(e) => {
-                        tracing::warn!(error = %e, "undecodable message ignored");
+                        tracing::warn!(error = %e, "message refused");
                         Ok(None)
                     }
                 }

@@ -92,6 +92,13 @@ pub struct AgentConfig {
     /// the calibrated BN this site registers with the aggregator. Only the site's devices hold it.
     #[serde(default)]
     pub site_key: Option<PathBuf>,
+    /// The site's private ed25519 key file (made on this machine by `unifed-agent identity
+    /// --key`, owner-readable only; `$CREDENTIALS_DIRECTORY/...` for systemd's
+    /// `LoadCredential=`). Every message the site sends is signed with it.
+    pub identity: PathBuf,
+    /// The aggregator's public key (`ed25519:` and 64 hex digits, from `unifed-aggregator
+    /// identity`): the site follows only manifests, models and answers it signed.
+    pub aggregator_key: unifed_protocol::PublicKey,
     /// The broker.
     pub broker: BrokerConfig,
     /// The data.
@@ -105,6 +112,15 @@ impl AgentConfig {
         let fed = Id::new(&self.federation)
             .map_err(|e| anyhow::anyhow!("federation `{}`: {e}", self.federation))?;
         Ok((site, fed))
+    }
+
+    /// The site's signing key (read from `identity`) and the pinned aggregator key.
+    pub fn identity(&self) -> Result<crate::registry::Identity> {
+        Ok(crate::registry::Identity {
+            key: unifed_protocol::SigningKey::load(&self.identity)
+                .context("the site's identity key")?,
+            aggregator: self.aggregator_key,
+        })
     }
 
     /// The site's model (seeded, as every site and the initial model are) and its spec: the
@@ -181,6 +197,7 @@ fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> 
 /// and a description (policy, sites) for the log.
 async fn package_bn(
     cfg: &AgentConfig,
+    identity: &crate::registry::Identity,
     fed: &Id,
     site: &Id,
     spec: &ModelSpec,
@@ -191,8 +208,15 @@ async fn package_bn(
         site: site.clone(),
         spec: spec.hash(),
     };
-    let (info, state) =
-        crate::registry::fetch_package(&cfg.broker, owner, spec, Some(version), |_, _| {}).await?;
+    let (info, state) = crate::registry::fetch_package(
+        &cfg.broker,
+        owner,
+        identity,
+        spec,
+        Some(version),
+        |_, _| {},
+    )
+    .await?;
     let sd = state.filter(Select::Bn);
     let sites: Vec<&str> = info.bn_sites.iter().map(|x| x.as_str()).collect();
     Ok((
@@ -300,6 +324,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<Option<f64>> {
     let (site_id, fed) = cfg.ids()?;
+    let identity = cfg.identity()?;
     let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
     let device: Device = backend.device().map_err(anyhow::Error::msg)?;
     let (net, spec) = cfg.model_and_spec(&device)?;
@@ -332,12 +357,14 @@ pub async fn run(
             max_packet: cfg.broker.max_packet_bytes,
             resend_ms: cfg.resend_secs.saturating_mul(1000),
             max_model_bytes: unifed_protocol::max_broadcast_bytes(&spec),
+            key: identity.key.clone(),
+            aggregator: identity.aggregator,
         },
         progress,
     );
     let topics = Topics::new(&fed);
     let status = |state: SiteState, detail: &str| {
-        Envelope::new(
+        identity.key.sign(&Envelope::new(
             MessageKind::SiteStatus,
             fed.clone(),
             site_id.clone(),
@@ -348,8 +375,7 @@ pub async fn run(
                 state,
                 detail: detail.into(),
             },
-        )
-        .encode()
+        ))
     };
     let will = Will::new(
         topics.status(&site_id),
@@ -436,7 +462,16 @@ pub async fn run(
                         // if the policy shares any), statistics then re-estimated on its own
                         // images.
                         if m.bn_sharing != BnSharing::None {
-                            match package_bn(&cfg, &fed, &site_id, &spec, m.model_version).await {
+                            match package_bn(
+                                &cfg,
+                                &identity,
+                                &fed,
+                                &site_id,
+                                &spec,
+                                m.model_version,
+                            )
+                            .await
+                            {
                                 Ok((sd, detail)) => {
                                     s.net = import(&s.net, &spec, &sd, Select::Bn)?;
                                     println!(

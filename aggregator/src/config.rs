@@ -2,6 +2,7 @@
 
 use crate::strategy::Algorithm;
 use serde::{Deserialize, Serialize};
+use unifed_protocol::auth::{Keyring, PublicKey};
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{BnPolicy, BnSharing};
@@ -16,9 +17,41 @@ pub enum Weighting {
     Uniform,
 }
 
+/// The default bound on an update's norm relative to the model's: as large as the model itself.
+pub fn default_max_relative_norm() -> f64 {
+    1.0
+}
+
 /// The default bound on an update's claimed sample count: ten million images.
 pub fn default_max_samples() -> u64 {
     10_000_000
+}
+
+/// A site enrolled in the federation: its id, the public key it signs with (printed by
+/// `unifed-agent identity` on the site's own machine) and, optionally, the most samples its
+/// updates may claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnrolledSite {
+    /// The site's id (safe in topics).
+    pub id: String,
+    /// The site's ed25519 public key, `ed25519:` and 64 hex digits.
+    pub key: PublicKey,
+    /// The most samples an update of this site may claim (default: the federation's
+    /// `max_samples`): the count is the update's weight in the mean.
+    #[serde(default)]
+    pub max_samples: Option<u64>,
+}
+
+impl EnrolledSite {
+    /// The site `id` signing with `key`, bounded by the federation's sample cap.
+    pub fn new(id: &str, key: PublicKey) -> Self {
+        EnrolledSite {
+            id: id.into(),
+            key,
+            max_samples: None,
+        }
+    }
 }
 
 /// Everything the aggregator needs to run a federation.
@@ -39,8 +72,14 @@ pub struct FederationConfig {
     pub deadline_secs: u64,
     /// Fraction of the registered sites sampled per round (1.0: all).
     pub fraction: f64,
-    /// Registered sites; empty means any site may report every round (no sampling).
-    pub sites: Vec<String>,
+    /// The enrolled sites with their public keys: only their signed messages are taken, and
+    /// rounds sample from them.
+    pub sites: Vec<EnrolledSite>,
+    /// Revoked public keys: every message signed by one is refused, whichever site claims it
+    /// (a lost or stolen device). Takes effect when the aggregator (re)starts; sites keep
+    /// running.
+    #[serde(default)]
+    pub revoked: Vec<PublicKey>,
     /// Encoding sites use for their updates.
     pub encoding: Encoding,
     /// `local` (FedBN: BN stays on the sites) or `global` (FedAvg: BN averaged too).
@@ -51,8 +90,15 @@ pub struct FederationConfig {
     pub bn_sharing: BnSharing,
     /// Weighting of updates.
     pub weighting: Weighting,
-    /// Optional bound on an update's L2 norm.
+    /// Optional bound on an update's L2 norm, absolute.
+    #[serde(default)]
     pub norm_bound: Option<f64>,
+    /// Bound on an update's L2 norm relative to the current model's (over the tensors the
+    /// update carries): `||delta|| <= max_relative_norm * ||model||`. On by default; honest
+    /// updates of one local epoch stay far below it, a poisoned one that would swamp the mean
+    /// does not.
+    #[serde(default = "default_max_relative_norm")]
+    pub max_relative_norm: f64,
     /// Largest sample count an update may claim: the count is its weight in the mean, so one
     /// site cannot take all of it by claiming 2^64 - 1.
     #[serde(default = "default_max_samples")]
@@ -66,9 +112,9 @@ pub struct FederationConfig {
 }
 
 impl FederationConfig {
-    /// A config for `federation` with FedBN's defaults: all sites every round, f32 updates,
-    /// `local` BN, weighted by samples.
-    pub fn new(federation: &str, rounds: u64, min_sites: usize) -> Self {
+    /// A config for `federation` of the enrolled `sites` with FedBN's defaults: all sites every
+    /// round, f32 updates, `local` BN, weighted by samples.
+    pub fn new(federation: &str, rounds: u64, min_sites: usize, sites: Vec<EnrolledSite>) -> Self {
         FederationConfig {
             federation: federation.into(),
             rounds,
@@ -76,12 +122,14 @@ impl FederationConfig {
             min_sites,
             deadline_secs: 600,
             fraction: 1.0,
-            sites: Vec::new(),
+            sites,
+            revoked: Vec::new(),
             encoding: Encoding::F32,
             bn_policy: BnPolicy::Local,
             bn_sharing: BnSharing::None,
             weighting: Weighting::Samples,
             norm_bound: None,
+            max_relative_norm: default_max_relative_norm(),
             max_samples: default_max_samples(),
             keep_versions: 3,
             max_update_bytes: 256 << 20,
@@ -95,10 +143,30 @@ impl FederationConfig {
         if let Err(e) = Id::new(&self.federation) {
             errs.push(format!("federation: {e}"));
         }
+        if self.sites.is_empty() {
+            errs.push(
+                "sites: enrol at least one site (`{ id = \"...\", key = \"ed25519:...\" }`, the \
+                 key from `unifed-agent identity` on the site)"
+                    .into(),
+            );
+        }
+        let mut seen = std::collections::BTreeSet::new();
         for s in &self.sites {
-            if let Err(e) = Id::new(s) {
-                errs.push(format!("site `{s}`: {e}"));
+            if let Err(e) = Id::new(&s.id) {
+                errs.push(format!("site `{}`: {e}", s.id));
             }
+            if !seen.insert(&s.id) {
+                errs.push(format!("site `{}` is enrolled twice", s.id));
+            }
+            if s.max_samples == Some(0) {
+                errs.push(format!("site `{}`: max_samples must be at least 1", s.id));
+            }
+        }
+        if !(self.max_relative_norm.is_finite() && self.max_relative_norm > 0.0) {
+            errs.push(format!(
+                "max_relative_norm must be positive and finite, got {}",
+                self.max_relative_norm
+            ));
         }
         if self.rounds == 0 {
             errs.push("rounds must be at least 1".into());
@@ -152,7 +220,32 @@ impl FederationConfig {
         if errs.is_empty() { Ok(()) } else { Err(errs) }
     }
 
-    /// Number of sites sampled per round (0 when sites are not registered).
+    /// The keyring every message from a site is opened with: the enrolled sites' keys, less
+    /// the revoked ones. Sites whose id is invalid are left out (validation names them).
+    pub fn keyring(&self) -> Keyring {
+        let mut k = Keyring::default();
+        for s in &self.sites {
+            if let Ok(id) = Id::new(&s.id) {
+                k.enrol(id, s.key);
+            }
+        }
+        for r in &self.revoked {
+            k.revoke(*r);
+        }
+        k
+    }
+
+    /// The most samples an update of `site` may claim.
+    pub fn max_samples_of(&self, site: &str) -> u64 {
+        self.sites
+            .iter()
+            .find(|s| s.id == site)
+            .and_then(|s| s.max_samples)
+            .unwrap_or(self.max_samples)
+            .min(self.max_samples)
+    }
+
+    /// Number of sites sampled per round.
     pub fn sampled_per_round(&self) -> usize {
         ((self.sites.len() as f64 * self.fraction).ceil() as usize)
             .clamp(usize::from(!self.sites.is_empty()), self.sites.len())

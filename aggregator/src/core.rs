@@ -12,6 +12,7 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::path::Path;
+use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::encoding::Encoding;
@@ -130,6 +131,17 @@ pub struct Aggregator {
     strategy: Box<dyn Strategy>,
     /// What the strategy was built for (to rebuild it from a committed state).
     setup: Setup,
+    /// The enrolled sites' keys: every message from a site is opened with it.
+    keyring: Keyring,
+}
+
+/// The L2 norm of all values of `tensors`, in f64.
+fn l2<'a>(tensors: impl Iterator<Item = &'a [f32]>) -> f64 {
+    tensors
+        .flatten()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt()
 }
 
 fn hex(h: &SpecHash) -> String {
@@ -239,6 +251,7 @@ impl Aggregator {
         } else {
             BTreeSet::new()
         };
+        let cfg_keyring = cfg.keyring();
         Ok(Aggregator {
             cfg,
             federation,
@@ -253,6 +266,7 @@ impl Aggregator {
             chunk_bytes: chunk_bytes.max(1),
             strategy,
             setup,
+            keyring: cfg_keyring,
         })
     }
 
@@ -361,7 +375,7 @@ impl Aggregator {
         self.state.sampled = if self.cfg.sites.is_empty() {
             Vec::new()
         } else {
-            let mut sites = self.cfg.sites.clone();
+            let mut sites: Vec<String> = self.cfg.sites.iter().map(|s| s.id.clone()).collect();
             sites.sort();
             let mut rng = ChaCha8Rng::seed_from_u64(
                 self.cfg.seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15),
@@ -490,15 +504,13 @@ impl Aggregator {
         // Every answer names the bytes it answers, so a site never takes another message's
         // answer (a reject of someone's garbage on its topic) for its own update's.
         let hash = payload_hash(bytes);
-        let env = match Envelope::decode_limited(bytes, self.cfg.max_update_bytes) {
+        let env = match self.admit(&site, bytes, self.cfg.max_update_bytes) {
             Ok(e) => e,
-            Err(e) => {
-                return self.reject(
-                    now_ms,
-                    (&site, hash),
-                    open,
-                    RejectReason::Malformed(e.to_string()),
-                );
+            Err(why) => {
+                // Not answered: only the site's own signed bytes earn an answer, and junk must
+                // not make the aggregator publish or write anything.
+                tracing::warn!(site = %site, "update refused: {why}");
+                return Ok(Vec::new());
             }
         };
         if env.kind != MessageKind::SiteUpdate {
@@ -509,28 +521,6 @@ impl Aggregator {
                 RejectReason::Malformed(format!(
                     "message kind {:?} where an update was expected",
                     env.kind
-                )),
-            );
-        }
-        if env.sender != site {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                open,
-                RejectReason::Malformed(format!(
-                    "sender `{}` differs from the topic's site",
-                    env.sender
-                )),
-            );
-        }
-        if env.federation != self.federation {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                open,
-                RejectReason::Malformed(format!(
-                    "federation `{}` is not `{}`",
-                    env.federation, self.federation
                 )),
             );
         }
@@ -637,14 +627,15 @@ impl Aggregator {
         if upd.samples == 0 {
             return self.reject(now_ms, (&site, hash), round, RejectReason::NoSamples);
         }
-        if upd.samples > self.cfg.max_samples {
+        let max_samples = self.cfg.max_samples_of(site.as_str());
+        if upd.samples > max_samples {
             return self.reject(
                 now_ms,
                 (&site, hash),
                 round,
                 RejectReason::TooManySamples {
                     samples: upd.samples,
-                    bound: self.cfg.max_samples,
+                    bound: max_samples,
                 },
             );
         }
@@ -685,6 +676,26 @@ impl Aggregator {
         Ok(actions)
     }
 
+    /// Opens a message that arrived on the topic of `topic_site`: it must decode within
+    /// `limit` bytes, be signed by that site's enrolled and unrevoked key, and belong to this
+    /// federation. The error says why not, for the log.
+    pub fn admit(&self, topic_site: &Id, bytes: &[u8], limit: usize) -> Result<Envelope, String> {
+        let env = self.keyring.open(bytes, limit).map_err(|e| e.to_string())?;
+        if &env.sender != topic_site {
+            return Err(format!(
+                "signed by `{}` but sent on the topic of `{topic_site}`",
+                env.sender
+            ));
+        }
+        if env.federation != self.federation {
+            return Err(format!(
+                "federation `{}` is not `{}`",
+                env.federation, self.federation
+            ));
+        }
+        Ok(env)
+    }
+
     /// Updates that close the open round.
     fn needed(&self) -> usize {
         if self.state.sampled.is_empty() {
@@ -714,16 +725,13 @@ impl Aggregator {
                 return Err(RejectReason::NegativeVariance(spec.name.clone()));
             }
         }
-        if let Some(bound) = self.cfg.norm_bound {
-            let norm = dense
-                .iter()
-                .flatten()
-                .map(|&x| (x as f64) * (x as f64))
-                .sum::<f64>()
-                .sqrt();
-            if norm > bound {
-                return Err(RejectReason::NormTooLarge { norm, bound });
-            }
+        let norm = l2(dense.iter().map(Vec::as_slice));
+        let model_norm = l2(self.update_idx.iter().map(|&i| self.model[i].as_slice()));
+        // A model of all zeros still lets updates of norm up to the ratio through.
+        let relative = self.cfg.max_relative_norm * model_norm.max(1.0);
+        let bound = self.cfg.norm_bound.map_or(relative, |b| b.min(relative));
+        if norm > bound {
+            return Err(RejectReason::NormTooLarge { norm, bound });
         }
         let share = self.dense(&upd.bn, &self.share_idx, Encoding::F32)?;
         for (&i, t) in self.share_idx.iter().zip(&share) {

@@ -32,6 +32,6 @@ pub mod service;
 pub mod store;
 pub mod strategy;
 
-pub use crate::config::{FederationConfig, Weighting};
+pub use crate::config::{EnrolledSite, FederationConfig, Weighting};
 pub use crate::core::{Action, Aggregator, CoreError, Event, GlobalModel};
 pub use crate::strategy::{Algorithm, Strategy};

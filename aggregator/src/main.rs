@@ -20,6 +20,13 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Makes the aggregator's ed25519 key at `--key` if there is none (never overwriting one)
+    /// and prints its public key and fingerprint, for the sites to pin.
+    Identity {
+        /// The private key file (created owner-readable only).
+        #[arg(long)]
+        key: PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -28,6 +35,11 @@ fn main() -> Result<()> {
         Cmd::Serve { config } => {
             let v = serve_from_file(&config)?;
             println!("final model version {v}");
+            Ok(())
+        }
+        Cmd::Identity { key } => {
+            let k = unifed_protocol::SigningKey::load_or_create(&key)?;
+            println!("{}\nfingerprint {}", k.public(), k.public().fingerprint());
             Ok(())
         }
     }

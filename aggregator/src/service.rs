@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop};
+use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -27,6 +28,10 @@ pub struct ServiceConfig {
     /// Initial global model (safetensors written by `unifed-agent init`; its spec beside it as
     /// `<file>.spec.json`).
     pub model: PathBuf,
+    /// The aggregator's private ed25519 key (made by `unifed-aggregator identity --key`, owner
+    /// readable only; `$CREDENTIALS_DIRECTORY/...` for systemd's `LoadCredential=`). Every
+    /// message it sends is signed with it; sites pin its public key.
+    pub key: PathBuf,
     /// Model chunk size in bytes (below the broker's packet limit).
     #[serde(default = "default_chunk")]
     pub chunk_bytes: usize,
@@ -106,7 +111,8 @@ fn now_ms() -> u64 {
 
 struct Served {
     manifest: RoundManifest,
-    chunks: Vec<Chunk>,
+    /// The model's chunks as signed envelopes, signed once per version.
+    chunks: Vec<Vec<u8>>,
 }
 
 /// Chunks served per request at most (sites ask for windows of 16).
@@ -115,29 +121,30 @@ const MAX_CHUNKS_PER_REQUEST: usize = 64;
 /// The last onboarding package built (packages of a version never change).
 struct Package {
     info: PackageInfo,
-    chunks: Vec<Chunk>,
+    /// Its chunks as signed envelopes.
+    chunks: Vec<Vec<u8>>,
 }
 
-/// What every message the aggregator publishes shares: client, topics, ids, spec hash.
+/// What every message the aggregator publishes shares: client, topics, ids, spec hash, and
+/// the key that signs it.
 struct Wire {
     client: unifed_net::Client,
     topics: Topics,
     fed: Id,
     me: Id,
     hash: SpecHash,
+    key: SigningKey,
 }
 
 impl Wire {
-    /// Publishes `payload` as a `kind` envelope on `topic` (QoS 1).
-    async fn send(
+    /// `payload` as a signed `kind` envelope.
+    fn seal(
         &self,
-        topic: String,
         kind: MessageKind,
         (round, version): (u64, u64),
         payload: &impl Serialize,
-        retain: bool,
-    ) -> Result<()> {
-        let env = Envelope::new(
+    ) -> Vec<u8> {
+        self.key.sign(&Envelope::new(
             kind,
             self.fed.clone(),
             self.me.clone(),
@@ -145,9 +152,21 @@ impl Wire {
             version,
             self.hash,
             payload,
-        );
+        ))
+    }
+
+    /// Publishes `payload` as a signed `kind` envelope on `topic` (QoS 1).
+    async fn send(
+        &self,
+        topic: String,
+        kind: MessageKind,
+        at: (u64, u64),
+        payload: &impl Serialize,
+        retain: bool,
+    ) -> Result<()> {
+        let bytes = self.seal(kind, at, payload);
         self.client
-            .publish(topic, Qos::AtLeastOnce, retain, env.encode())
+            .publish(topic, Qos::AtLeastOnce, retain, bytes)
             .await?;
         Ok(())
     }
@@ -174,6 +193,7 @@ pub async fn serve(
     cfg: ServiceConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<u64> {
+    let key = SigningKey::load(&cfg.key).context("the aggregator's key")?;
     let initial = load_model(&cfg.model)?;
     let hash: SpecHash = initial.spec.hash();
     let mut core = Aggregator::open(
@@ -205,6 +225,7 @@ pub async fn serve(
         fed: fed.clone(),
         me,
         hash,
+        key,
     };
     let mut served: Option<Served> = None;
     let mut package: Option<Package> = None;
@@ -257,6 +278,13 @@ pub async fn serve(
                         chunks = chunks.len(),
                         "published manifest"
                     );
+                    let at = (manifest.round, manifest.model_version);
+                    let chunks = tokio::task::block_in_place(|| {
+                        chunks
+                            .iter()
+                            .map(|c| wire.seal(MessageKind::ModelChunk, at, c))
+                            .collect()
+                    });
                     served = Some(Served { manifest, chunks });
                     manifest_at = Instant::now();
                 }
@@ -305,8 +333,10 @@ pub async fn serve(
                 Some(NetEvent::Message { topic, payload }) => {
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
                         let site = site.to_string();
-                        // Updates above the packet limit arrive as chunks; the core gets whole messages.
-                        let whole = match Envelope::decode_limited(&payload, cfg.broker.max_packet_bytes + 4096) {
+                        // Updates above the packet limit arrive as chunks, each signed: a chunk
+                        // is checked before it takes any memory. The core gets whole messages.
+                        let opened = Id::new(&site).map_err(|e| e.to_string()).and_then(|id| core.admit(&id, &payload, cfg.broker.max_packet_bytes + 4096));
+                        let whole = match opened {
                             Ok(env) if env.kind == MessageKind::UpdateChunk => {
                                 let inserted = env.payload_as::<Chunk>().map_err(|e| e.to_string()).and_then(|c| {
                                     let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
@@ -326,7 +356,10 @@ pub async fn serve(
                                     }
                                 }
                             }
-                            _ => Some(payload),
+                            Ok(_) => Some(payload),
+                            // Too large for one packet, or not signed by the topic's site: the
+                            // core refuses it with the reason.
+                            Err(_) => Some(payload),
                         };
                         uploads.expire(now_ms());
                         if let Some(bytes) = whole {
@@ -355,26 +388,28 @@ async fn serve_chunks(
     let Ok(site) = Id::new(site) else {
         return Ok(());
     };
-    let req: ChunkRequest =
-        match Envelope::decode_limited(payload, 1 << 20).and_then(|e| e.payload_as()) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(site = %site, error = %e, "bad chunk request ignored");
-                return Ok(());
-            }
-        };
-    let (round, chunks) = if req.package {
-        if tokio::task::block_in_place(|| cached_package(core, package, Some(req.model_version)))?
-            .is_err()
+    let req: ChunkRequest = match core
+        .admit(&site, payload, 1 << 20)
+        .and_then(|e| e.payload_as().map_err(|e| e.to_string()))
+    {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(site = %site, error = %e, "chunk request refused");
+            return Ok(());
+        }
+    };
+    let chunks = if req.package {
+        if tokio::task::block_in_place(|| {
+            cached_package(wire, core, package, Some(req.model_version))
+        })?
+        .is_err()
         {
             return Ok(());
         }
-        (0, &package.as_ref().expect("just built").chunks)
+        &package.as_ref().expect("just built").chunks
     } else {
         match served {
-            Some(s) if s.manifest.model_version == req.model_version => {
-                (s.manifest.round, &s.chunks)
-            }
+            Some(s) if s.manifest.model_version == req.model_version => &s.chunks,
             _ => return Ok(()),
         }
     };
@@ -392,14 +427,14 @@ async fn serve_chunks(
     };
     for i in indices {
         if let Some(c) = chunks.get(i as usize) {
-            wire.send(
-                wire.topics.chunk_reply(&site),
-                MessageKind::ModelChunk,
-                (round, req.model_version),
-                c,
-                false,
-            )
-            .await?;
+            wire.client
+                .publish(
+                    wire.topics.chunk_reply(&site),
+                    Qos::AtLeastOnce,
+                    false,
+                    c.clone(),
+                )
+                .await?;
         }
     }
     Ok(())
@@ -420,9 +455,12 @@ async fn onboard(
     let Ok(site) = Id::new(site) else {
         return Ok(());
     };
-    let Ok(env) = Envelope::decode_limited(payload, cfg.broker.max_packet_bytes + 4096) else {
-        tracing::warn!(site = %site, "undecodable onboarding message ignored");
-        return Ok(());
+    let env = match core.admit(&site, payload, cfg.broker.max_packet_bytes + 4096) {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::warn!(site = %site, error = %e, "onboarding message refused");
+            return Ok(());
+        }
     };
     let at = (0, core.model_version());
     let reply = wire.topics.onboard_reply(&site);
@@ -430,7 +468,7 @@ async fn onboard(
         MessageKind::OnboardRequest => match env.payload_as::<OnboardRequest>() {
             Ok(OnboardRequest::Package { model_version }) => {
                 let r = match tokio::task::block_in_place(|| {
-                    cached_package(core, package, model_version)
+                    cached_package(wire, core, package, model_version)
                 })? {
                     Ok(info) => OnboardReply::Package(info),
                     Err(e) => OnboardReply::Error(e),
@@ -482,6 +520,7 @@ async fn onboard(
 /// The onboarding package of `version` (the newest when `None`), built once and kept until
 /// another version is asked for.
 fn cached_package(
+    wire: &Wire,
     core: &Aggregator,
     cache: &mut Option<Package>,
     version: Option<u64>,
@@ -494,6 +533,10 @@ fn cached_package(
     }
     Ok(match core.package(Some(v))? {
         Ok((info, chunks)) => {
+            let chunks = chunks
+                .iter()
+                .map(|c| wire.seal(MessageKind::ModelChunk, (0, v), c))
+                .collect();
             *cache = Some(Package {
                 info: info.clone(),
                 chunks,

@@ -12,6 +12,21 @@ use unifed_protocol::messages::{
 };
 use unifed_protocol::{Input, ModelSpec, TensorKind, TensorSpec};
 
+/// The test key of site `s` (its seed spells the site's name).
+fn key(s: &str) -> unifed_protocol::SigningKey {
+    let mut seed = [7u8; 32];
+    seed[..s.len()].copy_from_slice(s.as_bytes());
+    unifed_protocol::SigningKey::from_seed(seed)
+}
+
+/// Every site of these tests (`a`, `b` and `c` first), enrolled with its test key.
+fn enrolled() -> Vec<unifed_aggregator::EnrolledSite> {
+    ["a", "b", "c", "bb", "ccc", "site-a", "site-b", "site-c"]
+        .iter()
+        .map(|s| unifed_aggregator::EnrolledSite::new(s, key(s).public()))
+        .collect()
+}
+
 fn spec() -> ModelSpec {
     let t = |n: &str, s: &[usize], k| TensorSpec {
         name: n.into(),
@@ -50,7 +65,7 @@ fn initial() -> GlobalModel {
 fn config(rounds: u64, min_sites: usize, bn: BnPolicy) -> FederationConfig {
     FederationConfig {
         bn_policy: bn,
-        ..FederationConfig::new("fed1", rounds, min_sites)
+        ..FederationConfig::new("fed1", rounds, min_sites, enrolled())
     }
 }
 
@@ -110,7 +125,7 @@ fn update_bytes(u: &Upd, tweak: impl FnOnce(&mut SiteUpdate, &mut Envelope)) -> 
     );
     tweak(&mut upd, &mut env);
     env.payload = postcard::to_allocvec(&upd).unwrap();
-    env.encode()
+    key(u.site).sign(&env)
 }
 
 fn good(site: &str, round: u64, version: u64, samples: u64, bn: BnPolicy) -> Vec<u8> {
@@ -124,6 +139,14 @@ fn good(site: &str, round: u64, version: u64, samples: u64, bn: BnPolicy) -> Vec
         },
         |_, _| {},
     )
+}
+
+/// Site `a`'s update for federation `fed2`, signed by `a`.
+fn elsewhere_signed() -> Vec<u8> {
+    let mut e = Envelope::decode(&good("a", 1, 0, 5, BnPolicy::Local)).unwrap();
+    e.federation = Id::new("fed2").unwrap();
+    e.signature = None;
+    e.encode()
 }
 
 fn answers(actions: &[Action]) -> Vec<(String, Answer)> {
@@ -290,17 +313,36 @@ fn bad_updates_are_rejected_with_their_reason_while_the_round_goes_on() {
         }
     };
     let full = good("a", 1, 0, 5, BnPolicy::Local);
-    assert!(
-        matches!(rej(&mut agg, full[..full.len() / 2].to_vec()), RejectReason::Malformed(m) if !m.is_empty())
-    );
+    // What is not the site's own signed bytes is dropped unanswered: cut, too large, of
+    // another protocol version, unsigned, signed by another key, or replayed from another
+    // federation.
     let mut big = full.clone();
     big.resize(5000, 0);
-    assert!(matches!(rej(&mut agg, big), RejectReason::Malformed(m) if m.contains("4096")));
     let mut wrong_version = full.clone();
     wrong_version[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
-    assert!(
-        matches!(rej(&mut agg, wrong_version), RejectReason::Malformed(m) if m.contains("version"))
-    );
+    let unsigned = {
+        let mut e = Envelope::decode(&full).unwrap();
+        e.signature = None;
+        e.encode()
+    };
+    let forged = key("b").sign(&Envelope::decode(&full).unwrap());
+    let elsewhere = {
+        let mut e = Envelope::decode(&full).unwrap();
+        e.federation = Id::new("fed2").unwrap();
+        e.encode()
+    };
+    for junk in [
+        full[..full.len() / 2].to_vec(),
+        big,
+        wrong_version,
+        unsigned,
+        forged,
+        elsewhere,
+        key("a").sign(&Envelope::decode(&elsewhere_signed()).unwrap()),
+    ] {
+        assert!(answers(&send(&mut agg, "a", junk)).is_empty());
+    }
+    assert!(agg.store().audit_entries().unwrap().is_empty());
     let wrong_spec = update_bytes(&u("a"), |_, e| e.spec_hash.0[0] ^= 1);
     assert_eq!(rej(&mut agg, wrong_spec), RejectReason::SpecHashMismatch);
     let wrong_shape = update_bytes(&u("a"), |upd, _| upd.delta[0].shape = vec![3, 2]);
@@ -342,8 +384,16 @@ fn bad_updates_are_rejected_with_their_reason_while_the_round_goes_on() {
     let huge = update_bytes(&u("a"), |upd, _| {
         upd.delta[1] = encode("fc.bias", &[2], &[500.0, 0.0], Encoding::F32, None)
     });
+    // The bound on by default: the model's own norm (over what updates carry) times
+    // max_relative_norm = 1, under the absolute norm_bound of 100.
+    let model_norm = initial().tensors[..2]
+        .iter()
+        .flatten()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt();
     assert!(
-        matches!(rej(&mut agg, huge), RejectReason::NormTooLarge { bound, .. } if bound == 100.0)
+        matches!(rej(&mut agg, huge), RejectReason::NormTooLarge { norm, bound } if bound == model_norm && (norm - 500.0).abs() < 1e-3)
     );
     assert_eq!(
         rej(&mut agg, good("a", 2, 0, 5, BnPolicy::Local)),
@@ -371,7 +421,7 @@ fn bad_updates_are_rejected_with_their_reason_while_the_round_goes_on() {
             .any(|a| matches!(a, Action::Finished { model_version: 1 }))
     );
     let audit = agg.store().audit_entries().unwrap();
-    assert_eq!(audit.iter().filter(|e| e.event == "rejected").count(), 13);
+    assert_eq!(audit.iter().filter(|e| e.event == "rejected").count(), 10);
     assert_eq!(audit.iter().filter(|e| e.event == "accepted").count(), 2);
 }
 
@@ -501,7 +551,7 @@ fn config_validation_reports_every_problem() {
         rounds: 0,
         fraction: 1.5,
         weighting: Weighting::Uniform,
-        ..FederationConfig::new("x", 1, 0)
+        ..FederationConfig::new("x", 1, 0, enrolled())
     };
     let errs = cfg.validate().unwrap_err();
     assert_eq!(errs.len(), 4, "{errs:?}");
@@ -512,7 +562,10 @@ fn config_validation_reports_every_problem() {
 fn sampling_picks_a_fraction_of_the_sites_and_refuses_the_others() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = FederationConfig {
-        sites: (0..10).map(|i| format!("s{i}")).collect(),
+        sites: (0..10)
+            .map(|i| format!("s{i}"))
+            .map(|s| unifed_aggregator::EnrolledSite::new(&s, key(&s).public()))
+            .collect(),
         fraction: 0.3,
         min_sites: 3,
         ..config(1, 3, BnPolicy::Local)
@@ -980,7 +1033,7 @@ fn a_stateful_strategy_without_its_stored_state_or_of_another_algorithm_is_refus
 fn scaffold_cfg() -> FederationConfig {
     FederationConfig {
         algorithm: unifed_aggregator::Algorithm::Scaffold(Default::default()),
-        sites: vec!["a".into(), "b".into(), "c".into()],
+        sites: enrolled()[..3].to_vec(),
         ..config(2, 2, BnPolicy::Local)
     }
 }
@@ -1131,7 +1184,7 @@ fn a_control_variate_that_is_too_large_is_rejected_and_one_that_overflows_is_nev
     // f32) after round 2, which is never committed.
     let dir = tempfile::tempdir().unwrap();
     let cfg = FederationConfig {
-        sites: vec!["a".into(), "b".into()],
+        sites: enrolled()[..2].to_vec(),
         algorithm: unifed_aggregator::Algorithm::Scaffold(
             unifed_aggregator::strategy::ScaffoldConfig {
                 max_control_norm: 1e300,
@@ -1190,4 +1243,80 @@ fn under_global_bn_the_control_variate_covers_bn_affine_but_never_running_statis
     };
     let names: Vec<&str> = c.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["fc.weight", "fc.bias", "bn.weight", "bn.bias"]);
+}
+
+#[test]
+fn enrolment_is_required_unique_and_bounds_each_sites_sample_count() {
+    let none = FederationConfig::new("fed1", 1, 1, Vec::new());
+    let errs = none.validate().unwrap_err();
+    assert!(errs[0].contains("enrol at least one site"), "{errs:?}");
+    let mut twice = enrolled()[..2].to_vec();
+    twice.push(enrolled()[0].clone());
+    twice[1].max_samples = Some(0);
+    let errs = FederationConfig::new("fed1", 1, 1, twice)
+        .validate()
+        .unwrap_err();
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert!(
+        errs[0].contains("`b`: max_samples must be at least 1"),
+        "{errs:?}"
+    );
+    assert!(errs[1].contains("`a` is enrolled twice"), "{errs:?}");
+
+    // `b` enrolled with at most 50 samples: 51 is refused with that bound, 50 taken.
+    let dir = tempfile::tempdir().unwrap();
+    let mut sites = enrolled()[..3].to_vec();
+    sites[1].max_samples = Some(50);
+    let mut agg = open(
+        dir.path(),
+        FederationConfig {
+            sites,
+            ..config(1, 3, BnPolicy::Local)
+        },
+    );
+    agg.handle(Event::Start, 0).unwrap();
+    assert_eq!(
+        answers(&send(&mut agg, "b", good("b", 1, 0, 51, BnPolicy::Local))),
+        vec![(
+            "b".into(),
+            Answer::Rejected(RejectReason::TooManySamples {
+                samples: 51,
+                bound: 50
+            })
+        )]
+    );
+    assert_eq!(
+        answers(&send(&mut agg, "b", good("b", 1, 0, 50, BnPolicy::Local))),
+        vec![("b".into(), Answer::Accepted)]
+    );
+    // An enrolled site's update on another site's topic is not taken, nor answered.
+    assert!(answers(&send(&mut agg, "c", good("a", 1, 0, 5, BnPolicy::Local))).is_empty());
+}
+
+#[test]
+fn a_revoked_key_is_refused_whichever_enrolled_site_claims_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(
+        dir.path(),
+        FederationConfig {
+            revoked: vec![key("a").public()],
+            ..config(1, 2, BnPolicy::Local)
+        },
+    );
+    agg.handle(Event::Start, 0).unwrap();
+    assert!(answers(&send(&mut agg, "a", good("a", 1, 0, 5, BnPolicy::Local))).is_empty());
+    assert!(agg.accepted().is_empty());
+    assert!(
+        agg.admit(
+            &Id::new("a").unwrap(),
+            &good("a", 1, 0, 5, BnPolicy::Local),
+            1 << 20
+        )
+        .unwrap_err()
+        .contains("is revoked")
+    );
+    assert_eq!(
+        answers(&send(&mut agg, "b", good("b", 1, 0, 5, BnPolicy::Local))),
+        vec![("b".into(), Answer::Accepted)]
+    );
 }

@@ -12,6 +12,21 @@ use unifed_protocol::messages::{
 };
 use unifed_protocol::{Input, ModelSpec, TensorKind, TensorSpec};
 
+/// The test key of site `s` (its seed spells the site's name).
+fn key(s: &str) -> unifed_protocol::SigningKey {
+    let mut seed = [7u8; 32];
+    seed[..s.len()].copy_from_slice(s.as_bytes());
+    unifed_protocol::SigningKey::from_seed(seed)
+}
+
+/// Sites `a`, `b` and `c`, enrolled with their test keys.
+fn enrolled() -> Vec<unifed_aggregator::EnrolledSite> {
+    ["a", "b", "c"]
+        .iter()
+        .map(|s| unifed_aggregator::EnrolledSite::new(s, key(s).public()))
+        .collect()
+}
+
 fn spec() -> ModelSpec {
     let t = |n: &str, k| TensorSpec {
         name: n.into(),
@@ -48,7 +63,7 @@ fn initial() -> GlobalModel {
 fn open(dir: &std::path::Path, sharing: BnSharing) -> Aggregator {
     let cfg = FederationConfig {
         bn_sharing: sharing,
-        ..FederationConfig::new("fed1", 3, 2)
+        ..FederationConfig::new("fed1", 3, 2, enrolled())
     };
     Aggregator::open(dir, cfg, initial(), 16).unwrap()
 }
@@ -108,7 +123,7 @@ fn update_with(
         report: LocalReport::default(),
         extras: SiteExtras::None,
     };
-    Envelope::new(
+    key(s).sign(&Envelope::new(
         MessageKind::SiteUpdate,
         Id::new("fed1").unwrap(),
         Id::new(s).unwrap(),
@@ -116,8 +131,7 @@ fn update_with(
         round - 1,
         spec().hash(),
         &upd,
-    )
-    .encode()
+    ))
 }
 
 fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
@@ -418,7 +432,7 @@ fn sharing_needs_local_bn() {
     let cfg = FederationConfig {
         bn_sharing: BnSharing::Affine,
         bn_policy: unifed_protocol::BnPolicy::Global,
-        ..FederationConfig::new("fed1", 3, 2)
+        ..FederationConfig::new("fed1", 3, 2, enrolled())
     };
     let errs = cfg.validate().unwrap_err();
     assert!(
@@ -433,7 +447,7 @@ fn registry_entries_are_pruned_with_their_model_and_uncommitted_versions_are_not
     let dir = tempfile::tempdir().unwrap();
     let cfg = FederationConfig {
         keep_versions: 1,
-        ..FederationConfig::new("fed1", 3, 1)
+        ..FederationConfig::new("fed1", 3, 1, enrolled())
     };
     let mut agg = Aggregator::open(dir.path(), cfg, initial(), 16).unwrap();
     agg.handle(Event::Start, 0).unwrap();

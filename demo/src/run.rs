@@ -11,10 +11,11 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 use unifed_agent::progress::Report;
 use unifed_agent::train::{AgentConfig, DataConfig};
-use unifed_aggregator::config::FederationConfig;
+use unifed_aggregator::config::{EnrolledSite, FederationConfig};
 use unifed_aggregator::service::ServiceConfig;
 use unifed_models::data::Domain;
 use unifed_net::BrokerConfig;
+use unifed_protocol::SigningKey;
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::messages::BnPolicy;
 
@@ -176,13 +177,29 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let model = work.join("init.safetensors");
     unifed_agent::model::write_initial("digits", &Default::default(), opts.seed, &device, &model)?;
 
-    let mut fc = FederationConfig::new(&format!("demo-{policy}"), opts.rounds, sites.len());
+    // Identities as a real deployment makes them: each party's key on its own disk, only the
+    // public keys exchanged (sites enrolled with the aggregator, the aggregator pinned by sites).
+    let agg_key_path = work.join("aggregator.key");
+    let agg_key = SigningKey::load_or_create(&agg_key_path)?;
+    let mut enrolled = Vec::new();
+    for (id, _) in &sites {
+        std::fs::create_dir_all(work.join(id))?;
+        let key = SigningKey::load_or_create(&work.join(id).join("identity.key"))?;
+        enrolled.push(EnrolledSite::new(id, key.public()));
+    }
+    let mut fc = FederationConfig::new(
+        &format!("demo-{policy}"),
+        opts.rounds,
+        sites.len(),
+        enrolled,
+    );
     fc.deadline_secs = 3600;
     fc.encoding = encoding;
     fc.bn_policy = bn;
     let agg = ServiceConfig {
         data_dir: work.join("aggregator"),
         model: model.clone(),
+        key: agg_key_path,
         chunk_bytes: 256 << 10,
         linger_secs: 3600,
         manifest_every_secs: 30,
@@ -216,6 +233,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
             evaluate_each_model: true,
             join_bn: Default::default(),
             site_key: None,
+            identity: work.join(id).join("identity.key"),
+            aggregator_key: agg_key.public(),
             broker: broker.clone(),
             data: DataConfig {
                 builtin: Some(domain.name().into()),

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 4] = *b"UFED";
 
 /// The protocol version this crate speaks; peers refuse envelopes of any other version.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -132,7 +132,8 @@ pub struct Envelope {
     pub spec_hash: SpecHash,
     /// The postcard-encoded payload, of the type `kind` names.
     pub payload: Vec<u8>,
-    /// Signature slot, unused until messages are signed.
+    /// The sender's ed25519 signature over everything else (see [`crate::auth`]); receivers
+    /// refuse a message without a valid one.
     pub signature: Option<Vec<u8>>,
 }
 
@@ -191,6 +192,15 @@ impl Envelope {
     /// The wire bytes: [`MAGIC`], version and kind as little-endian `u16`, then the postcard
     /// body.
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_with(self.signature.as_deref())
+    }
+
+    /// The wire bytes with an empty signature slot: what a signature covers.
+    pub(crate) fn encode_unsigned(&self) -> Vec<u8> {
+        self.encode_with(None)
+    }
+
+    fn encode_with(&self, signature: Option<&[u8]>) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_LEN + 160 + self.payload.len());
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
@@ -202,7 +212,7 @@ impl Envelope {
             model_version: self.model_version,
             spec_hash: &self.spec_hash,
             payload: &self.payload,
-            signature: self.signature.as_deref(),
+            signature,
         };
         postcard::to_extend(&body, out)
             .expect("postcard cannot fail on ids, integers and byte strings")
@@ -331,16 +341,16 @@ mod tests {
 
     #[test]
     fn a_message_from_another_protocol_version_is_refused_cleanly() {
-        // Version 1 had no typed plans and reports, version 2 no control variates: both are
-        // refused by a version 3 peer, as is a future version 4.
-        for other in [1u16, 2, 4] {
+        // Version 1 had no typed plans and reports, version 2 no control variates, version 3
+        // no signatures: all are refused by a version 4 peer, as is a future version 5.
+        for other in [1u16, 2, 3, 5] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 3)")
+                format!("protocol version {other} is not supported (this peer speaks version 4)")
             );
         }
     }

@@ -34,7 +34,9 @@
 //! - [`messages`]: the payloads ([`RoundManifest`], [`Chunk`], [`ChunkRequest`],
 //!   [`ServerBroadcast`], [`SiteUpdate`], [`UpdateAnswer`], [`SiteStatus`], ...).
 //! - [`envelope`]: the [`Envelope`] frame (magic, version, [`MessageKind`], ids, payload,
-//!   signature slot) and [`DecodeError`].
+//!   signature) and [`DecodeError`].
+//! - [`auth`] (`std`): ed25519 [`SigningKey`]s and [`PublicKey`]s, envelope signatures and the
+//!   [`Keyring`] every received message is opened with.
 //! - [`encoding`]: [`Encoding`] (`f32`, `f16`, `q8`, top-k), [`encode`] with error feedback,
 //!   [`decode`] with shape checks.
 //! - [`chunking`]: [`split`], [`payload_hash`] and the bounded, timed [`Reassembler`].
@@ -47,6 +49,8 @@
 
 extern crate alloc;
 
+#[cfg(feature = "std")]
+pub mod auth;
 pub mod chunking;
 pub mod encoding;
 pub mod envelope;
@@ -55,6 +59,8 @@ pub mod messages;
 pub mod spec;
 pub mod topics;
 
+#[cfg(feature = "std")]
+pub use auth::{AuthError, KeyFileError, Keyring, PublicKey, SigningKey};
 pub use chunking::{ChunkError, Reassembler, payload_hash, split};
 pub use encoding::{EncodedTensor, Encoding, TensorError, Values, decode, encode};
 pub use envelope::{DecodeError, Envelope, MAGIC, MessageKind, PROTOCOL_VERSION};

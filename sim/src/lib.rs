@@ -9,11 +9,12 @@ pub mod chart;
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::VecDeque;
 use std::time::Instant;
-use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel};
+use unifed_aggregator::{Action, Aggregator, EnrolledSite, Event, FederationConfig, GlobalModel};
 use unifed_models::backend::Device;
 pub use unifed_models::site::{Site, select_for};
 use unifed_models::train::TrainConfig;
 use unifed_models::zoo::Net;
+use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
 use unifed_protocol::max_broadcast_bytes;
@@ -55,6 +56,14 @@ pub enum Observed<'a> {
     },
 }
 
+/// The signing key of `who` in an in-process run, derived from its id: every message crosses
+/// the in-memory transport signed and is checked as on the network, but nothing leaves the
+/// process, so the keys need no secrecy.
+pub fn sim_key(who: &str) -> SigningKey {
+    use sha2::Digest;
+    SigningKey::from_seed(sha2::Sha256::digest(format!("unifed-sim key of {who}")).into())
+}
+
 /// Runs a federation of `sites` under `cfg` from `initial` in a fresh data directory, and calls
 /// `observe` with every message it passes, and `on_round` after each new model with the round's
 /// record and the sites (each holding the new model). Returns one record per model version
@@ -62,9 +71,10 @@ pub enum Observed<'a> {
 ///
 /// Each site is driven by the same [`SiteEngine`] as the MQTT agent, over an in-memory
 /// transport that plays the aggregator service's part: it serves model chunks on request and
-/// carries manifests, updates and answers as the encoded envelopes the broker would.
+/// carries manifests, updates and answers as the encoded envelopes the broker would, signed.
+/// `cfg`'s enrolment is replaced by `sites`, each with its [`sim_key`].
 pub fn run_federation<N: Net>(
-    cfg: FederationConfig,
+    mut cfg: FederationConfig,
     initial: GlobalModel,
     sites: &mut [Site<N>],
     tc: &TrainConfig,
@@ -78,10 +88,16 @@ pub fn run_federation<N: Net>(
     let me = Id::new(AGGREGATOR_ID).map_err(|e| anyhow!("{e}"))?;
     let topics = Topics::new(&federation);
     let hash = spec.hash();
+    cfg.sites = sites
+        .iter()
+        .map(|s| EnrolledSite::new(s.id.as_str(), sim_key(s.id.as_str()).public()))
+        .collect();
+    let keyring = cfg.keyring();
     let wire = Wire {
         federation: federation.clone(),
         me,
         hash,
+        key: sim_key(AGGREGATOR_ID),
     };
     let mut agg = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
     let mut engines: Vec<SiteEngine> = sites
@@ -96,6 +112,8 @@ pub fn run_federation<N: Net>(
                     max_packet: usize::MAX >> 8,
                     resend_ms: u64::MAX >> 8,
                     max_model_bytes: max_broadcast_bytes(&spec),
+                    key: sim_key(s.id.as_str()),
+                    aggregator: wire.key.public(),
                 },
                 None,
             )
@@ -181,7 +199,7 @@ pub fn run_federation<N: Net>(
                 SiteAction::Publish { topic, payload } => {
                     let site = &sites[k].id;
                     if topic == topics.chunk_request(site) {
-                        let req: ChunkRequest = Envelope::decode(&payload)?.payload_as()?;
+                        let req: ChunkRequest = keyring.open(&payload, usize::MAX)?.payload_as()?;
                         let Some((m, chunks)) = &served else { continue };
                         if m.model_version != req.model_version {
                             continue;
@@ -282,6 +300,7 @@ struct Wire {
     federation: Id,
     me: Id,
     hash: unifed_protocol::SpecHash,
+    key: SigningKey,
 }
 
 impl Wire {
@@ -292,7 +311,7 @@ impl Wire {
         version: u64,
         payload: &T,
     ) -> Vec<u8> {
-        Envelope::new(
+        self.key.sign(&Envelope::new(
             kind,
             self.federation.clone(),
             self.me.clone(),
@@ -300,7 +319,6 @@ impl Wire {
             version,
             self.hash,
             payload,
-        )
-        .encode()
+        ))
     }
 }

@@ -238,7 +238,7 @@ fn run_one(
         algorithm,
         bn_policy: bn,
         encoding,
-        ..FederationConfig::new("sim", c.rounds, sites.len())
+        ..FederationConfig::new("sim", c.rounds, sites.len(), Vec::new())
     };
     let tc = TrainConfig {
         epochs: c.epochs,

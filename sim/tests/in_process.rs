@@ -78,7 +78,7 @@ fn federate(bn: BnPolicy) -> Captured {
     let fc = FederationConfig {
         bn_policy: bn,
         encoding: Encoding::F32,
-        ..FederationConfig::new("test-fed", 3, 3)
+        ..FederationConfig::new("test-fed", 3, 3, Vec::new())
     };
     let mut cap = Captured {
         spec: spec.clone(),

@@ -3,8 +3,9 @@
 //! asks its driver to apply it, to train when the site's round opens, sends the update through
 //! an upload window until the aggregator answers, and says when to checkpoint.
 //!
-//! Bad input from the network stops here: an envelope that does not decode, of another
-//! federation, spec or protocol version, not from the aggregator, on the wrong topic, a
+//! Bad input from the network stops here: an envelope that does not decode, is not signed by
+//! the pinned aggregator key, of another federation, spec or protocol version, on the wrong
+//! topic, a
 //! manifest that contradicts itself, a chunk that contradicts its manifest or a payload that
 //! does not decode is logged and dropped. The engine never fails; only the driver's own work
 //! (training, files) can.
@@ -13,6 +14,7 @@ use crate::upload::Upload;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use unifed_protocol::SpecHash;
+use unifed_protocol::auth::{Keyring, PublicKey, SigningKey};
 use unifed_protocol::chunking::{Reassembler, payload_hash};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
@@ -45,6 +47,11 @@ pub struct EngineConfig {
     /// Largest model payload the site accepts (from the spec: every tensor in f32 plus
     /// framing); a manifest announcing more is dropped before anything is allocated.
     pub max_model_bytes: u64,
+    /// The site's private key: every message it sends is signed with it.
+    pub key: SigningKey,
+    /// The aggregator's public key, pinned in the site's config: only messages it signed are
+    /// followed.
+    pub aggregator: PublicKey,
 }
 
 /// What the site has done, persisted beside its checkpoint so a restart resumes.
@@ -160,6 +167,8 @@ pub enum Action {
 pub struct SiteEngine {
     cfg: EngineConfig,
     topics: Topics,
+    /// The pinned aggregator, under its id.
+    keyring: Keyring,
     progress: Progress,
     /// A checkpoint existed when the engine started (the site is not joining).
     resumed: bool,
@@ -187,6 +196,7 @@ impl SiteEngine {
         let max = cfg.max_model_bytes.saturating_mul(2).max(1 << 20);
         SiteEngine {
             topics: Topics::new(&cfg.federation),
+            keyring: Keyring::single(Id::new(AGGREGATOR_ID).expect("a valid id"), cfg.aggregator),
             resumed: progress.is_some(),
             progress: progress.unwrap_or_default(),
             manifest: None,
@@ -256,12 +266,22 @@ impl SiteEngine {
             Event::Trained { round, update } => {
                 self.training = None;
                 let version = self.manifest.as_ref().map_or(0, |m| m.model_version);
+                let signed = match self.cfg.key.sign_encoded(update) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        // The driver's bytes are not an unsigned envelope: nothing to send.
+                        tracing::error!(round, error = %e, "update not signable; round skipped");
+                        self.skipped = Some(round);
+                        return out;
+                    }
+                };
                 if self.manifest.as_ref().is_some_and(|m| m.round == round) {
                     let up = Upload::new(
                         (&self.cfg.federation, &self.cfg.site, self.cfg.spec_hash),
+                        &self.cfg.key,
                         round,
                         version,
-                        update,
+                        signed,
                         self.cfg.max_packet,
                     );
                     out.push(Action::Uploading {
@@ -287,7 +307,8 @@ impl SiteEngine {
 
     /// Checks a message's envelope and hands its payload on; anything else is dropped.
     fn on_message(&mut self, topic: &str, payload: &[u8], now_ms: u64, out: &mut Vec<Action>) {
-        let env = match Envelope::decode_limited(payload, self.cfg.max_packet + 4096) {
+        // Signed by the pinned aggregator before anything else is looked at.
+        let env = match self.keyring.open(payload, self.cfg.max_packet + 4096) {
             Ok(e) => e,
             Err(e) => return drop_msg(topic, &e.to_string()),
         };
@@ -518,7 +539,7 @@ impl SiteEngine {
     }
 
     fn envelope(&self, kind: MessageKind, m: &RoundManifest, payload: &impl Serialize) -> Vec<u8> {
-        Envelope::new(
+        self.cfg.key.sign(&Envelope::new(
             kind,
             self.cfg.federation.clone(),
             self.cfg.site.clone(),
@@ -526,8 +547,7 @@ impl SiteEngine {
             m.model_version,
             self.cfg.spec_hash,
             payload,
-        )
-        .encode()
+        ))
     }
 }
 

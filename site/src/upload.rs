@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use unifed_protocol::SpecHash;
+use unifed_protocol::auth::SigningKey;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
@@ -37,10 +38,12 @@ pub struct Upload {
 }
 
 impl Upload {
-    /// Prepares the update envelope `bytes` of `round` (trained from `version`) for a broker
-    /// whose packet limit is `max_packet`.
+    /// Prepares the signed update envelope `bytes` of `round` (trained from `version`) for a
+    /// broker whose packet limit is `max_packet`; chunks are signed with `key` too, so the
+    /// aggregator checks each before it holds any.
     pub fn new(
         (federation, site, hash): (&Id, &Id, SpecHash),
+        key: &SigningKey,
         round: u64,
         version: u64,
         bytes: Vec<u8>,
@@ -53,7 +56,7 @@ impl Upload {
             split(&bytes, (limit - 512).min(MAX_CHUNK))
                 .into_iter()
                 .map(|c| {
-                    Envelope::new(
+                    key.sign(&Envelope::new(
                         MessageKind::UpdateChunk,
                         federation.clone(),
                         site.clone(),
@@ -61,8 +64,7 @@ impl Upload {
                         version,
                         hash,
                         &c,
-                    )
-                    .encode()
+                    ))
                 })
                 .collect()
         };

@@ -1,6 +1,7 @@
 //! The site engine driven by scripted messages: no broker, no model, no clock.
 
 use unifed_protocol::SpecHash;
+use unifed_protocol::auth::{Keyring, SigningKey};
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
@@ -22,6 +23,15 @@ fn topics() -> Topics {
     Topics::new(&id("fed"))
 }
 
+/// The test key of `who`: the aggregator's, the site's (`a`) or an attacker's.
+fn key(who: &str) -> SigningKey {
+    SigningKey::from_seed(match who {
+        "aggregator" => [1; 32],
+        "a" => [2; 32],
+        _ => [3; 32],
+    })
+}
+
 fn engine(progress: Option<Progress>) -> SiteEngine {
     SiteEngine::new(
         EngineConfig {
@@ -31,9 +41,25 @@ fn engine(progress: Option<Progress>) -> SiteEngine {
             max_packet: 1 << 16,
             resend_ms: 10_000,
             max_model_bytes: 1 << 16,
+            key: key("a"),
+            aggregator: key("aggregator").public(),
         },
         progress,
     )
+}
+
+/// What the site sends for its update: an unsigned envelope (the engine signs it).
+fn update_envelope() -> Vec<u8> {
+    Envelope::new(
+        MessageKind::SiteUpdate,
+        id("fed"),
+        id("a"),
+        1,
+        0,
+        HASH,
+        &[1u8, 2, 3],
+    )
+    .encode()
 }
 
 /// Model version `v`: its broadcast payload cut into chunks, and its manifest for `round`.
@@ -77,7 +103,7 @@ fn from(
     v: u64,
     p: &impl serde::Serialize,
 ) -> Vec<u8> {
-    Envelope::new(kind, id(fed), id(sender), round, v, HASH, p).encode()
+    key(sender).sign(&Envelope::new(kind, id(fed), id(sender), round, v, HASH, p))
 }
 
 fn agg(kind: MessageKind, round: u64, v: u64, p: &impl serde::Serialize) -> Vec<u8> {
@@ -142,12 +168,20 @@ fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     let acts = e.handle(
         Event::Trained {
             round: 1,
-            update: vec![1, 2, 3],
+            update: update_envelope(),
         },
         3,
     );
+    let signed = key("a").sign(&Envelope::decode(&update_envelope()).unwrap());
+    let n = signed.len() as u64;
     assert!(
-        matches!(&acts[..], [Action::Uploading { round: 1, bytes: 3, messages: 1 }, Action::Publish { topic, payload }] if topic == &topics().update(&id("a")) && payload == &vec![1, 2, 3])
+        matches!(&acts[..], [Action::Uploading { round: 1, bytes, messages: 1 }, Action::Publish { topic, payload }] if *bytes == n && topic == &topics().update(&id("a")) && payload == &signed)
+    );
+    // What the site sends is signed by its key.
+    assert!(
+        Keyring::single(id("a"), key("a").public())
+            .open(&signed, 1 << 16)
+            .is_ok()
     );
     // Unanswered: sent again after the re-send interval, not before.
     assert!(e.handle(Event::Tick, 5_000).is_empty());
@@ -168,7 +202,7 @@ fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     assert!(acts.is_empty(), "{acts:?}");
     let answer = UpdateAnswer {
         round: 1,
-        update_hash: payload_hash(&[1, 2, 3]),
+        update_hash: payload_hash(&signed),
         answer: Answer::Rejected(RejectReason::NoSamples),
     };
     let acts = e.handle(
@@ -229,6 +263,33 @@ fn bad_input_on_every_topic_is_dropped_and_changes_nothing() {
             &bigger,
         ),
         from("mallory", "fed", MessageKind::RoundManifest, 2, 1, &bigger),
+        // Claims to be the aggregator, signed by another key; unsigned; signed for another
+        // round than it names.
+        key("mallory").sign(&Envelope::new(
+            MessageKind::RoundManifest,
+            id("fed"),
+            id("aggregator"),
+            2,
+            1,
+            HASH,
+            &bigger,
+        )),
+        Envelope::new(
+            MessageKind::RoundManifest,
+            id("fed"),
+            id("aggregator"),
+            2,
+            1,
+            HASH,
+            &bigger,
+        )
+        .encode(),
+        {
+            let mut moved =
+                Envelope::decode(&agg(MessageKind::RoundManifest, 2, 1, &bigger)).unwrap();
+            moved.round = 3;
+            moved.encode()
+        },
         agg(MessageKind::RoundManifest, 2, 1, &liar),
         agg(MessageKind::RoundManifest, 2, 1, &bad_plan),
         agg(MessageKind::ModelChunk, 1, 0, &chunks[0]),

@@ -74,6 +74,12 @@ pub struct Fed {
     pub ca_file: Option<PathBuf>,
     /// Training images of particular sites (others: `train_samples`).
     pub samples: std::collections::BTreeMap<String, usize>,
+    /// The sites enrolled with the aggregator (each with its key from [`Fed::key_file`]).
+    pub sites: Vec<String>,
+    /// Sites whose keys the aggregator's config revokes.
+    pub revoked: Vec<String>,
+    /// Lines added to the aggregator's `[federation]` table.
+    pub federation_extra: String,
 }
 
 impl Fed {
@@ -99,7 +105,34 @@ impl Fed {
             resend_secs: 30,
             samples: Default::default(),
             ca_file: None,
+            sites: ["grey", "texture", "lowres"].map(String::from).to_vec(),
+            revoked: Vec::new(),
+            federation_extra: String::new(),
         }
+    }
+
+    /// The private key file of `who` (a site, or `aggregator`), made on first use as the site
+    /// itself would make it; every device of a site shares it.
+    pub fn key_file(&self, who: &str) -> PathBuf {
+        let dir = self.dir.join("keys");
+        std::fs::create_dir_all(&dir).expect("keys folder");
+        let p = dir.join(format!("{who}.key"));
+        unifed_protocol::SigningKey::load_or_create(&p).expect("key file");
+        p
+    }
+
+    /// The agent config lines naming `site`'s identity key and pinning the aggregator's.
+    pub fn identity_toml(&self, site: &str) -> String {
+        format!(
+            "identity = \"{}\"\naggregator_key = \"{}\"\n",
+            self.key_file(site).display(),
+            self.key("aggregator").public()
+        )
+    }
+
+    /// The signing key of `who` (a site, or `aggregator`).
+    pub fn key(&self, who: &str) -> unifed_protocol::SigningKey {
+        unifed_protocol::SigningKey::load(&self.key_file(who)).expect("key file")
     }
 
     /// The initial model file (written on first use by `unifed-agent init`).
@@ -158,9 +191,10 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nmodel = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = []\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n",
+                "data_dir = \"{}\"\nmodel = \"{}\"\nkey = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = [{}]\nrevoked = [{}]\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n{}",
                 self.agg_dir().display(),
                 self.model().display(),
+                self.key_file("aggregator").display(),
                 self.chunk_bytes,
                 self.linger_secs,
                 self.manifest_every_secs,
@@ -169,8 +203,19 @@ impl Fed {
                 self.rounds,
                 self.min_sites,
                 self.deadline_secs,
+                self.sites
+                    .iter()
+                    .map(|id| format!("{{ id = \"{id}\", key = \"{}\" }}", self.key(id).public()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                self.revoked
+                    .iter()
+                    .map(|id| format!("\"{}\"", self.key(id).public()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 self.bn_policy,
                 self.bn_sharing,
+                self.federation_extra,
             ),
         )
         .expect("aggregator config");
@@ -203,9 +248,10 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{site}\"\ntrain_samples = {}\n",
+                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{}{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{site}\"\ntrain_samples = {}\n",
                 self.site_dir(device).display(),
                 self.resend_secs,
+                self.identity_toml(site),
                 list(&self.conv),
                 list(&self.fc),
                 self.broker_toml(),

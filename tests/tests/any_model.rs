@@ -86,6 +86,7 @@ fn a_resnet18_federation_of_image_folders_with_named_classes_learns_over_mqtt() 
     }
     let broker = Broker::start(BrokerKind::Embedded, 1 << 20);
     let mut fed = Fed::new(dir.path(), broker.port, 1 << 20);
+    fed.sites = SITES.map(String::from).to_vec();
     fed.rounds = 6;
     fed.chunk_bytes = 256 << 10;
     // The initial model: a narrow ResNet-18 on 32x32 colour images, classes from a folder.
@@ -119,9 +120,10 @@ fn a_resnet18_federation_of_image_folders_with_named_classes_learns_over_mqtt() 
         std::fs::write(
             &cfg,
             format!(
-                "site = \"{s}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nspec = \"{}\"\nthreads = 1\nresend_secs = 30\n[train]\nbatch_size = 16\nlr = 0.1\nepochs = 3\n{}\n[data]\nfolder = \"{}\"\n",
+                "site = \"{s}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nspec = \"{}\"\nthreads = 1\nresend_secs = 30\n{}[train]\nbatch_size = 16\nlr = 0.1\nepochs = 3\n{}\n[data]\nfolder = \"{}\"\n",
                 fed.site_dir(s).display(),
                 unifed_protocol::spec_path(&init).display(),
+                fed.identity_toml(s),
                 fed.broker_toml(),
                 data.join(s).display(),
             ),

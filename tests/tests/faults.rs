@@ -401,7 +401,10 @@ fn junk_on_every_topic_leaves_agents_and_aggregator_running_and_the_model_unchan
     for r in 1..=fed.rounds {
         assert_eq!(accepted(&fed, r), ["grey", "lowres", "texture"]);
     }
-    assert!(audit(&fed).iter().any(|e| e.event == "rejected"));
+    // Unsigned junk is refused in the log and earns no audit entry (no disk write).
+    assert!(!audit(&fed).iter().any(|e| e.event == "rejected"));
+    let agg_log = std::fs::read_to_string(fed.dir.join("agg.log")).unwrap();
+    assert!(agg_log.contains("update refused"), "{agg_log}");
     let grey = std::fs::read_to_string(fed.dir.join("grey.log")).unwrap();
     assert!(grey.contains("message dropped"), "{grey}");
 }

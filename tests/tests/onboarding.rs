@@ -135,6 +135,8 @@ fn federation(sharing: &str, rounds: u64) -> Run {
     let broker = Broker::start(BrokerKind::Embedded, 32 << 10);
     let proxy = Proxy::start(broker.port);
     let mut fed = Fed::new(dir.path(), proxy.port, 32 << 10);
+    // The new site is enrolled before it onboards: only enrolled sites are served.
+    fed.sites = vec![SITES[0].into(), SITES[1].into(), NEW.into()];
     fed.credentials = broker.credentials.clone();
     fed.bn_sharing = sharing.into();
     fed.rounds = rounds;
