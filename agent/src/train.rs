@@ -589,6 +589,8 @@ pub async fn run(
                         Answer::Rejected(r) => {
                             eprintln!("{site_id}: update for round {round} rejected: {r:?}")
                         }
+                        // The engine re-sends by itself; it never reports this answer.
+                        Answer::Resend => {}
                     }
                 }
                 SiteAction::Checkpoint => {

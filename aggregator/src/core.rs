@@ -210,6 +210,7 @@ impl Aggregator {
                         hex(&hash)
                     )));
                 }
+                Self::check_spool_against(&store, &s).map_err(mismatch)?;
                 let model = store.load_model(s.model_version, &hash.0)?;
                 (s, model)
             }
@@ -226,6 +227,7 @@ impl Aggregator {
                     sampled: Vec::new(),
                     finished: false,
                     recent: Vec::new(),
+                    checksum: String::new(),
                 };
                 store.save_state(&s)?;
                 (s, initial.tensors)
@@ -268,6 +270,39 @@ impl Aggregator {
             setup,
             keyring: cfg_keyring,
         })
+    }
+
+    /// Refuses a `state.json` that disagrees with the spool on disk (an older copy put back):
+    /// updates of a round after the open one, or accepted updates of an earlier round that
+    /// the state does not record as folded, would otherwise be dropped silently.
+    fn check_spool_against(store: &Store, s: &State) -> Result<(), String> {
+        for r in store.spool_rounds().map_err(|e| e.to_string())? {
+            let sites = store.spool_sites(r).map_err(|e| e.to_string())?;
+            if sites.is_empty() {
+                continue;
+            }
+            if r > s.round {
+                return Err(format!(
+                    "state.json names round {} but the spool holds accepted updates of round \
+                     {r}: the state is older than the spool (restore the newer state.json)",
+                    s.round
+                ));
+            }
+            let folded = s
+                .recent
+                .iter()
+                .find(|c| c.round == r)
+                .is_some_and(|c| sites.iter().all(|x| c.accepted.contains(x)));
+            if r < s.round && !folded {
+                return Err(format!(
+                    "state.json names round {} but round {r}'s accepted updates ({}) were never \
+                     folded into a model: the state does not belong with this spool",
+                    s.round,
+                    sites.join(", ")
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The strategy as committed with the current model version: resumed from its stored
@@ -765,6 +800,56 @@ impl Aggregator {
     /// current model and strategy state are committed again as the next version (so every site
     /// applies the global model again instead of training on from its own weights).
     fn close_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        let round = self.state.round;
+        let resend = self.set_aside_damaged(round, now_ms)?;
+        if !resend.is_empty()
+            && (self.accepted.is_empty()
+                || (now_ms < self.state.deadline_ms && self.accepted.len() < self.needed()))
+        {
+            // Too few intact updates left: wait for the re-sends (or the deadline).
+            return Ok(resend);
+        }
+        let mut actions = resend;
+        actions.extend(self.fold_round(now_ms)?);
+        Ok(actions)
+    }
+
+    /// Checks every spooled update of `round` in full before any is used. A damaged one
+    /// (checksum, format, a value that is not finite) is moved out of the spool, audited, no
+    /// longer counted, and its site asked to send its update again.
+    fn set_aside_damaged(&mut self, round: u64, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        let mut out = Vec::new();
+        for site in self.store.spool_sites(round)? {
+            match self.store.spool_check(round, &site) {
+                Ok(()) => {}
+                Err(StoreError::Corrupt { message, .. }) => {
+                    let to = self.store.spool_quarantine(round, &site, now_ms)?;
+                    tracing::error!(round, site, message, to = %to.display(), "damaged spool file set aside; asking the site to re-send");
+                    self.audit(
+                        now_ms,
+                        round,
+                        &site,
+                        "spool-damaged",
+                        format!("{message}; moved to {}", to.display()),
+                    )?;
+                    self.accepted.remove(&site);
+                    if let Ok(id) = Id::new(&site) {
+                        out.push(Action::Answer {
+                            site: id,
+                            round,
+                            update_hash: [0; 32],
+                            answer: Answer::Resend,
+                        });
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Combines the (checked) spool of the open round into the next model version.
+    fn fold_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
         let round = self.state.round;
         let sites = self.store.spool_sites(round)?;
         let reader = RoundReader::new(&self.store, round, sites.clone(), self.cfg.weighting);

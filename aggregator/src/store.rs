@@ -1,5 +1,7 @@
-//! The aggregator's data directory. Every file carries a magic and a format version and is
-//! written atomically (temporary file, fsync, rename, fsync of the folder):
+//! The aggregator's data directory. Every file carries a magic and a format version, ends with
+//! the SHA-256 of everything before it (`state.json` holds its own in a `checksum` field), and
+//! is written atomically (temporary file, fsync, rename, fsync of the folder). A file whose
+//! checksum fails was damaged or changed outside the aggregator and is never used:
 //!
 //! ```text
 //! state.json                 round, model version, deadline, sampled sites, recent answers
@@ -16,17 +18,20 @@
 
 use crate::strategy::{Contribution, StrategyState};
 use serde::{Deserialize, Serialize};
+use sha2::Digest;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-/// Format version of every file in the data directory.
-pub const FORMAT_VERSION: u32 = 1;
+/// Format version of every file in the data directory: 2 added the checksums.
+pub const FORMAT_VERSION: u32 = 2;
 const MODEL_MAGIC: &[u8; 4] = b"UFEM";
 const SPOOL_MAGIC: &[u8; 4] = b"UFES";
 /// Format version of spool files: 2 added the typed report and algorithm extras of protocol 2;
-/// 3 keeps the extras decoded (SCAFFOLD's control-variate delta).
-const SPOOL_VERSION: u32 = 3;
+/// 3 keeps the extras decoded (SCAFFOLD's control-variate delta); 4 added the checksum.
+const SPOOL_VERSION: u32 = 4;
+/// Length of the SHA-256 trailer of every binary file.
+const CHECKSUM_LEN: usize = 32;
 const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
@@ -57,6 +62,37 @@ fn io(path: &Path, e: impl ToString) -> StoreError {
         path: path.into(),
         message: e.to_string(),
     }
+}
+
+/// `b` with its SHA-256 appended: what every binary file of the store holds.
+fn sealed(mut b: Vec<u8>) -> Vec<u8> {
+    let h: [u8; 32] = sha2::Sha256::digest(&b).into();
+    b.extend_from_slice(&h);
+    b
+}
+
+/// The contents of a binary file without its checksum, if the checksum holds.
+fn unsealed<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a [u8], StoreError> {
+    let Some(n) = bytes.len().checked_sub(CHECKSUM_LEN) else {
+        return Err(corrupt(path, "truncated: shorter than its checksum"));
+    };
+    let (body, sum) = bytes.split_at(n);
+    if sha2::Sha256::digest(body).as_slice() != sum {
+        return Err(corrupt(
+            path,
+            "checksum mismatch: the file was damaged or changed outside the aggregator",
+        ));
+    }
+    Ok(body)
+}
+
+/// A reader over the checked contents of the binary file `path`.
+fn reader<'a>(path: &'a Path, bytes: &'a [u8]) -> Result<Reader<'a>, StoreError> {
+    Ok(Reader {
+        b: unsealed(path, bytes)?,
+        at: 0,
+        path,
+    })
 }
 
 fn corrupt(path: &Path, m: impl Into<String>) -> StoreError {
@@ -113,6 +149,25 @@ pub struct State {
     pub finished: bool,
     /// The last closed rounds' accepted sites, to answer late re-sends as before.
     pub recent: Vec<ClosedRound>,
+    /// Hex SHA-256 of the file written with this field empty: a state edited by hand (which
+    /// could silently drop acknowledged updates) is refused.
+    #[serde(default)]
+    pub checksum: String,
+}
+
+impl State {
+    /// The JSON of this state with `checksum` filled in.
+    fn to_json(&self) -> Vec<u8> {
+        let mut s = self.clone();
+        s.checksum = String::new();
+        let body = serde_json::to_vec_pretty(&s).expect("state serialises");
+        s.checksum = hex(&sha2::Sha256::digest(&body));
+        serde_json::to_vec_pretty(&s).expect("state serialises")
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// One line of the audit log.
@@ -174,13 +229,19 @@ impl Store {
                 ),
             ));
         }
+        if s.to_json() != bytes {
+            return Err(corrupt(
+                &p,
+                "checksum mismatch: the state was changed outside the aggregator (an edited \
+                 round or version could drop acknowledged updates); restore it from a backup",
+            ));
+        }
         Ok(Some(s))
     }
 
     /// Persists the state atomically.
     pub fn save_state(&self, s: &State) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec_pretty(s).expect("state serialises");
-        write_atomic(&self.dir.join("state.json"), &bytes)
+        write_atomic(&self.dir.join("state.json"), &s.to_json())
     }
 
     fn model_path(&self, version: u64) -> PathBuf {
@@ -197,7 +258,7 @@ impl Store {
         let mut b = Vec::with_capacity(64 + tensors.iter().map(|t| 8 + 4 * t.len()).sum::<usize>());
         put_header(&mut b, MODEL_MAGIC, Some(spec_hash), version);
         put_tensors(&mut b, tensors);
-        write_atomic(&self.model_path(version), &b)
+        write_atomic(&self.model_path(version), &sealed(b))
     }
 
     /// Reads model `version`, checking magic, format, spec hash and version.
@@ -208,11 +269,7 @@ impl Store {
     ) -> Result<Vec<Vec<f32>>, StoreError> {
         let p = self.model_path(version);
         let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
-        let mut r = Reader {
-            b: &bytes,
-            at: 0,
-            path: &p,
-        };
+        let mut r = reader(&p, &bytes)?;
         r.header(MODEL_MAGIC, Some(spec_hash), version)?;
         let t = r.tensors()?;
         r.end()?;
@@ -234,7 +291,7 @@ impl Store {
         let mut b = Vec::new();
         put_header(&mut b, STRATEGY_MAGIC, Some(spec_hash), version);
         b.extend(postcard::to_allocvec(state).expect("strategy state serialises"));
-        write_atomic(&self.strategy_path(version), &b)
+        write_atomic(&self.strategy_path(version), &sealed(b))
     }
 
     /// Reads the strategy's state as of model `version`; `None` when none was written.
@@ -247,13 +304,9 @@ impl Store {
         let Some(bytes) = read_optional(&p)? else {
             return Ok(None);
         };
-        let mut r = Reader {
-            b: &bytes,
-            at: 0,
-            path: &p,
-        };
+        let mut r = reader(&p, &bytes)?;
         r.header(STRATEGY_MAGIC, Some(spec_hash), version)?;
-        let rest = r.take(bytes.len() - r.at)?;
+        let rest = r.take(r.b.len() - r.at)?;
         let state = postcard::from_bytes(rest).map_err(|e| corrupt(&p, e.to_string()))?;
         Ok(Some(state))
     }
@@ -306,7 +359,7 @@ impl Store {
             b.extend_from_slice(s.as_bytes());
         }
         put_tensors(&mut b, tensors);
-        write_atomic(&self.share_path(version), &b)
+        write_atomic(&self.share_path(version), &sealed(b))
     }
 
     /// Reads the pooled BN of version `version`: `None` if it has none (policy `none`, or
@@ -321,11 +374,7 @@ impl Store {
         let Some(bytes) = read_optional(&p)? else {
             return Ok(None);
         };
-        let mut r = Reader {
-            b: &bytes,
-            at: 0,
-            path: &p,
-        };
+        let mut r = reader(&p, &bytes)?;
         r.header(SHARE_MAGIC, Some(spec_hash), version)?;
         let n = r.u32()? as usize;
         let mut sites = Vec::with_capacity(n.min(4096));
@@ -356,7 +405,7 @@ impl Store {
         put_header(&mut b, ENTRY_MAGIC, None, version);
         b.extend_from_slice(&(entry.len() as u64).to_le_bytes());
         b.extend_from_slice(entry);
-        write_atomic(&self.entry_path(site, version), &b)?;
+        write_atomic(&self.entry_path(site, version), &sealed(b))?;
         File::open(self.dir.join("registry"))
             .and_then(|f| f.sync_all())
             .map_err(|e| io(&self.dir.join("registry"), e))
@@ -368,11 +417,7 @@ impl Store {
         let Some(bytes) = read_optional(&p)? else {
             return Ok(None);
         };
-        let mut r = Reader {
-            b: &bytes,
-            at: 0,
-            path: &p,
-        };
+        let mut r = reader(&p, &bytes)?;
         r.header(ENTRY_MAGIC, None, version)?;
         let len = r.u64()? as usize;
         let entry = r.take(len)?.to_vec();
@@ -422,10 +467,27 @@ impl Store {
         let typed = postcard::to_allocvec(&(&c.report, &c.extras)).expect("report serialises");
         b.extend_from_slice(&(typed.len() as u32).to_le_bytes());
         b.extend_from_slice(&typed);
-        write_atomic(&d.join(format!("{site}.upd")), &b)?;
+        write_atomic(&d.join(format!("{site}.upd")), &sealed(b))?;
         File::open(self.dir.join("spool"))
             .and_then(|f| f.sync_all())
             .map_err(|e| io(&self.dir.join("spool"), e))
+    }
+
+    /// The rounds with a spool folder, ascending.
+    pub fn spool_rounds(&self) -> Result<Vec<u64>, StoreError> {
+        let d = self.dir.join("spool");
+        let mut v: Vec<u64> = fs::read_dir(&d)
+            .map_err(|e| io(&d, e))?
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .strip_prefix('r')
+                    .and_then(|n| n.parse().ok())
+            })
+            .collect();
+        v.sort_unstable();
+        Ok(v)
     }
 
     /// Sites with a spooled update in `round`, sorted by site id.
@@ -452,11 +514,7 @@ impl Store {
     pub fn spool_get(&self, round: u64, site: &str) -> Result<Contribution, StoreError> {
         let p = self.spool_dir(round).join(format!("{site}.upd"));
         let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
-        let mut r = Reader {
-            b: &bytes,
-            at: 0,
-            path: &p,
-        };
+        let mut r = reader(&p, &bytes)?;
         r.magic_version(SPOOL_MAGIC, SPOOL_VERSION)?;
         if r.u64()? != round {
             return Err(corrupt(&p, "round in the file differs from its folder"));
@@ -468,6 +526,10 @@ impl Store {
         let (report, extras) =
             postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(&p, e.to_string()))?;
         r.end()?;
+        // Only finite values were ever accepted: anything else was written by someone else.
+        if delta.iter().chain(&bn).flatten().any(|v| !v.is_finite()) {
+            return Err(corrupt(&p, "holds a value that is not finite"));
+        }
         Ok(Contribution {
             samples,
             report,
@@ -475,6 +537,31 @@ impl Store {
             delta,
             bn,
         })
+    }
+
+    /// Checks `site`'s spooled update of `round` in full (checksum, format, finite values)
+    /// without keeping it.
+    pub fn spool_check(&self, round: u64, site: &str) -> Result<(), StoreError> {
+        self.spool_get(round, site).map(drop)
+    }
+
+    /// Moves `site`'s spooled update of `round` out of the spool into `spool-corrupt/` (kept for
+    /// inspection, never read again); returns where it went.
+    pub fn spool_quarantine(
+        &self,
+        round: u64,
+        site: &str,
+        now_ms: u64,
+    ) -> Result<PathBuf, StoreError> {
+        let d = self.dir.join("spool-corrupt");
+        fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
+        let from = self.spool_dir(round).join(format!("{site}.upd"));
+        let to = d.join(format!("r{round}-{site}-{now_ms}.upd"));
+        fs::rename(&from, &to).map_err(|e| io(&from, e))?;
+        File::open(self.spool_dir(round))
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io(&from, e))?;
+        Ok(to)
     }
 
     /// Removes the spool of every round before `round`.

@@ -1320,3 +1320,110 @@ fn a_revoked_key_is_refused_whichever_enrolled_site_claims_it() {
         vec![("b".into(), Answer::Accepted)]
     );
 }
+
+/// Writes `f(bytes)` over the file at `p`.
+fn tamper(p: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let mut b = std::fs::read(p).unwrap();
+    f(&mut b);
+    std::fs::write(p, b).unwrap();
+}
+
+#[test]
+fn a_damaged_spool_file_is_set_aside_its_site_asked_to_resend_and_the_round_closes_as_if_intact() {
+    let run = |damage: Option<fn(&mut Vec<u8>)>| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut agg = open(dir.path(), config(1, 2, BnPolicy::Local));
+        agg.handle(Event::Start, 0).unwrap();
+        let a = good("a", 1, 0, 7, BnPolicy::Local);
+        send(&mut agg, "a", a.clone());
+        if let Some(f) = damage {
+            tamper(&dir.path().join("spool/r1/a.upd"), f);
+        }
+        let acts = send(&mut agg, "b", good("b", 1, 0, 9, BnPolicy::Local));
+        if damage.is_some() {
+            // b's accept, then a asked again; the round waits for it.
+            assert_eq!(
+                answers(&acts),
+                vec![("b".into(), Answer::Accepted), ("a".into(), Answer::Resend)]
+            );
+            assert_eq!(agg.round(), 1);
+            assert_eq!(agg.accepted(), vec!["b".to_string()]);
+            let set_aside = std::fs::read_dir(dir.path().join("spool-corrupt")).unwrap();
+            assert_eq!(set_aside.count(), 1);
+            let audit = agg.store().audit_entries().unwrap();
+            assert!(
+                audit
+                    .iter()
+                    .any(|e| e.event == "spool-damaged" && e.site == "a"),
+                "{audit:?}"
+            );
+            assert_eq!(
+                answers(&send(&mut agg, "a", a)),
+                vec![("a".into(), Answer::Accepted)]
+            );
+        }
+        assert!(agg.finished());
+        agg.model().to_vec()
+    };
+    let intact = run(None);
+    // A NaN written over the first delta value (after the header), and a flipped byte.
+    assert_eq!(
+        run(Some(|b| b[40..44].copy_from_slice(&f32::NAN.to_le_bytes()))),
+        intact
+    );
+    assert_eq!(run(Some(|b| b[60] ^= 0x10)), intact);
+    assert_eq!(run(Some(|b| b.truncate(b.len() - 9))), intact);
+}
+
+#[test]
+fn a_damaged_model_file_or_an_edited_or_stale_state_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(2, 2, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    send(&mut agg, "a", good("a", 1, 0, 7, BnPolicy::Local));
+    let stale = std::fs::read(dir.path().join("state.json")).unwrap();
+    send(&mut agg, "b", good("b", 1, 0, 7, BnPolicy::Local));
+    send(&mut agg, "a", good("a", 2, 1, 7, BnPolicy::Local));
+    drop(agg);
+    let reopen = || {
+        Aggregator::open(dir.path(), config(2, 2, BnPolicy::Local), initial(), 64)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    };
+    reopen().unwrap();
+
+    // A flipped byte in the current model.
+    let model = dir.path().join("models/v1.bin");
+    tamper(&model, |b| b[50] ^= 1);
+    let err = reopen().unwrap_err();
+    assert!(
+        err.contains("v1.bin") && err.contains("checksum mismatch"),
+        "{err}"
+    );
+    tamper(&model, |b| b[50] ^= 1);
+    reopen().unwrap();
+
+    // state.json edited by hand (round 2 -> 3 would drop a's accepted update of round 2).
+    let state = dir.path().join("state.json");
+    let good_state = std::fs::read(&state).unwrap();
+    let edited = String::from_utf8(good_state.clone())
+        .unwrap()
+        .replace("\"round\": 2", "\"round\": 3");
+    assert_ne!(edited.as_bytes(), &good_state[..]);
+    std::fs::write(&state, edited).unwrap();
+    let err = reopen().unwrap_err();
+    assert!(
+        err.contains("state.json") && err.contains("checksum mismatch"),
+        "{err}"
+    );
+
+    // An older, intact state.json put back: round 1 open while the spool holds round 2.
+    std::fs::write(&state, &stale).unwrap();
+    let err = reopen().unwrap_err();
+    assert!(
+        err.contains("round 2") && err.contains("older than the spool"),
+        "{err}"
+    );
+    std::fs::write(&state, &good_state).unwrap();
+    reopen().unwrap();
+}

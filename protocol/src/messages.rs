@@ -310,6 +310,9 @@ pub enum Answer {
     Accepted,
     /// Not used; the reason says why.
     Rejected(RejectReason),
+    /// The update was accepted, but its stored copy was found damaged before it was used:
+    /// send the same update of the round again. Answered by round, not by bytes.
+    Resend,
 }
 
 /// The aggregator's reply to an update, sent to the site.

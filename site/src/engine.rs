@@ -184,6 +184,9 @@ pub struct SiteEngine {
     /// An [`Action::Train`] is out and not yet reported.
     training: Option<u64>,
     pending: Option<Upload>,
+    /// The last accepted update, kept until its round closes in case the aggregator asks for
+    /// it again ([`Answer::Resend`]).
+    delivered: Option<Upload>,
     /// A round whose training failed: not trained again.
     skipped: Option<u64>,
     finished: bool,
@@ -208,6 +211,7 @@ impl SiteEngine {
             applying: false,
             training: None,
             pending: None,
+            delivered: None,
             skipped: None,
             finished: false,
             cfg,
@@ -451,12 +455,27 @@ impl SiteEngine {
     }
 
     fn on_answer(&mut self, a: UpdateAnswer, out: &mut Vec<Action>) {
+        if a.answer == Answer::Resend {
+            if let Some(mut up) = self.delivered.take_if(|d| d.round == a.round) {
+                tracing::warn!(
+                    round = a.round,
+                    "the aggregator lost this site's update; re-sending it"
+                );
+                up.restart();
+                self.pending = Some(up);
+                self.progress.answered_rounds.retain(|&r| r != a.round);
+            }
+            return;
+        }
         if self
             .pending
             .as_ref()
             .is_some_and(|p| p.round == a.round && p.hash() == a.update_hash)
         {
-            self.pending = None;
+            let up = self.pending.take();
+            if a.answer == Answer::Accepted {
+                self.delivered = up;
+            }
             self.progress.answered_rounds.push(a.round);
             out.push(Action::Answered {
                 round: a.round,
@@ -512,6 +531,9 @@ impl SiteEngine {
                 out.push(Action::Finished { manifest: m });
             }
             return;
+        }
+        if self.delivered.as_ref().is_some_and(|d| d.round != m.round) {
+            self.delivered = None;
         }
         let sampled = m.sampled.is_empty() || m.sampled.contains(&self.cfg.site);
         if let Some(p) = &mut self.pending {

@@ -108,6 +108,14 @@ impl Upload {
         }
     }
 
+    /// The aggregator asked for the update again (its stored copy was damaged): every byte
+    /// goes out again from the start.
+    pub fn restart(&mut self) {
+        self.next = 0;
+        self.inflight.clear();
+        self.last_progress = None;
+    }
+
     /// The connection was re-established: what was in flight is sent again now.
     pub fn reconnected(&mut self) {
         for t in self.inflight.values_mut() {

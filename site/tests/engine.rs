@@ -407,3 +407,66 @@ fn a_round_whose_training_failed_is_not_trained_again_and_the_next_one_is() {
         "{acts:?}"
     );
 }
+
+#[test]
+fn a_resend_answer_sends_the_accepted_update_again_until_its_round_closes() {
+    let mut e = engine(None);
+    let (m, chunks) = model(1, 0, &[]);
+    e.handle(manifest_msg(&m), 0);
+    deliver(&mut e, &m, &chunks);
+    e.handle(Event::Applied { version: 0 }, 1);
+    let acts = e.handle(
+        Event::Trained {
+            round: 1,
+            update: update_envelope(),
+        },
+        2,
+    );
+    let Some(Action::Publish { payload: sent, .. }) = acts.last() else {
+        panic!("{acts:?}")
+    };
+    let sent = sent.clone();
+    let answer = |round, update_hash, answer| {
+        msg(
+            topics().ack(&id("a")),
+            agg(
+                MessageKind::UpdateAnswer,
+                round,
+                0,
+                &UpdateAnswer {
+                    round,
+                    update_hash,
+                    answer,
+                },
+            ),
+        )
+    };
+    e.handle(answer(1, payload_hash(&sent), Answer::Accepted), 3);
+    assert_eq!(e.progress().answered_rounds, vec![1]);
+    // Another round's resend is not this update's; this round's sends the same bytes again.
+    assert!(e.handle(answer(2, [0; 32], Answer::Resend), 4).is_empty());
+    let acts = e.handle(answer(1, [0; 32], Answer::Resend), 5);
+    assert_eq!(
+        acts,
+        vec![Action::Publish {
+            topic: topics().update(&id("a")),
+            payload: sent.clone()
+        }]
+    );
+    assert!(e.progress().answered_rounds.is_empty());
+    let acts = e.handle(answer(1, payload_hash(&sent), Answer::Accepted), 6);
+    assert!(matches!(
+        &acts[..],
+        [Action::Answered { round: 1, .. }, Action::Checkpoint]
+    ));
+    // Once the next round opens, a late resend of round 1 finds nothing to send.
+    let (m2, _) = model(2, 1, &[]);
+    e.handle(manifest_msg(&m2), 7);
+    let acts = e.handle(answer(1, [0; 32], Answer::Resend), 8);
+    assert!(
+        acts.iter().all(
+            |a| !matches!(a, Action::Publish { topic, .. } if topic == &topics().update(&id("a")))
+        ),
+        "{acts:?}"
+    );
+}

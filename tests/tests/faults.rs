@@ -628,3 +628,65 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
         assert_eq!(decode(t).unwrap(), want, "package `{}`", t.name);
     }
 }
+
+#[test]
+fn a_damaged_spool_file_is_set_aside_the_round_closes_with_the_resent_update_and_a_damaged_model_is_never_served()
+ {
+    let want = reference().clone();
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let fed = fed_for(dir.path(), broker.port);
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    // grey's accepted update of round 1 gets a NaN on disk before lowres (slower) reports.
+    let spool = fed.agg_dir().join("spool/r1/grey.upd");
+    let t0 = std::time::Instant::now();
+    while !spool.exists() {
+        assert!(
+            t0.elapsed() < LONG,
+            "grey's update never spooled\n{}",
+            fed.logs()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut b = std::fs::read(&spool).unwrap();
+    b[36..40].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&spool, b).unwrap();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        wait_ok(a, s, &fed);
+    }
+    wait_ok(&mut agg, "aggregator", &fed);
+    // Set aside, re-sent, folded: the model is the undisturbed run's.
+    assert!(
+        audit(&fed)
+            .iter()
+            .any(|e| e.event == "spool-damaged" && e.site == "grey" && e.round == 1),
+        "{:?}",
+        audit(&fed)
+    );
+    assert_eq!(
+        std::fs::read_dir(fed.agg_dir().join("spool-corrupt"))
+            .unwrap()
+            .count(),
+        1
+    );
+    let grey = std::fs::read_to_string(fed.dir.join("grey.log")).unwrap();
+    assert!(grey.contains("re-sending it"), "{grey}");
+    assert_eq!(final_model(&fed), want);
+    agents_hold(&fed, &SITES, &want);
+
+    // A flipped byte in the final model: a restarted aggregator refuses to serve it, by name.
+    let model = fed.agg_dir().join(format!("models/v{}.bin", fed.rounds));
+    let mut b = std::fs::read(&model).unwrap();
+    b[100] ^= 0x20;
+    std::fs::write(&model, b).unwrap();
+    let mut again = fed.aggregator();
+    let st = again.wait_for(LONG);
+    assert!(st.is_some_and(|s| !s.success()), "{st:?}");
+    let log = std::fs::read_to_string(fed.dir.join("agg.log")).unwrap();
+    assert!(
+        log.contains(&format!("v{}.bin: checksum mismatch", fed.rounds)),
+        "{log}"
+    );
+}
