@@ -453,8 +453,10 @@ impl OnboardClient {
                 info.chunk_count
             );
         }
-        let mut reasm =
-            Reassembler::new(STALL.as_millis() as u64 * 10, info.payload_len as usize + 1);
+        let mut reasm = Reassembler::new(
+            STALL.as_millis() as u64 * 10,
+            unifed_protocol::chunking::held_for(info.payload_len, info.chunk_count),
+        );
         let t0 = Instant::now();
         let mut last_progress = Instant::now();
         let mut requested: Option<Instant> = None;

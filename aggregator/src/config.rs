@@ -22,6 +22,11 @@ pub fn default_max_relative_norm() -> f64 {
     1.0
 }
 
+/// The default free-space floor of the data disk: 256 MiB.
+pub fn default_min_free_disk() -> u64 {
+    256 << 20
+}
+
 /// The default bound on an update's claimed sample count: ten million images.
 pub fn default_max_samples() -> u64 {
     10_000_000
@@ -105,6 +110,10 @@ pub struct FederationConfig {
     pub max_samples: u64,
     /// Model versions kept on disk (at least 1).
     pub keep_versions: usize,
+    /// Free bytes the data disk must keep: below it the aggregator refuses new updates
+    /// (`StorageFull`) and writes no audit lines, but keeps running and serving, and says so.
+    #[serde(default = "default_min_free_disk")]
+    pub min_free_disk_bytes: u64,
     /// Largest update message accepted, in bytes.
     pub max_update_bytes: usize,
     /// Seed of the per-round site sampling.
@@ -132,6 +141,7 @@ impl FederationConfig {
             max_relative_norm: default_max_relative_norm(),
             max_samples: default_max_samples(),
             keep_versions: 3,
+            min_free_disk_bytes: default_min_free_disk(),
             max_update_bytes: 256 << 20,
             seed: 0,
         }

@@ -133,7 +133,13 @@ pub struct Aggregator {
     setup: Setup,
     /// The enrolled sites' keys: every message from a site is opened with it.
     keyring: Keyring,
+    /// Rejects audited per site in the open round (see [`AUDITED_REJECTS`]).
+    rejects: std::collections::BTreeMap<String, u32>,
 }
+
+/// Rejects of one site audited per round; past it one `audit-suppressed` line is written and
+/// the rest only logged, so a misbehaving site cannot fill the disk with its rejects.
+pub const AUDITED_REJECTS: u32 = 32;
 
 /// The L2 norm of all values of `tensors`, in f64.
 fn l2<'a>(tensors: impl Iterator<Item = &'a [f32]>) -> f64 {
@@ -269,6 +275,7 @@ impl Aggregator {
             strategy,
             setup,
             keyring: cfg_keyring,
+            rejects: Default::default(),
         })
     }
 
@@ -420,6 +427,7 @@ impl Aggregator {
             sites.sort();
             sites
         };
+        self.rejects.clear();
         self.state.opened_ms = now_ms;
         self.state.deadline_ms = now_ms.saturating_add(self.cfg.deadline_secs * 1000);
         self.store.save_state(&self.state)?;
@@ -488,6 +496,17 @@ impl Aggregator {
         event: &str,
         detail: String,
     ) -> Result<(), CoreError> {
+        if let Err((free, floor)) = self.disk_room() {
+            tracing::error!(
+                site,
+                event,
+                detail,
+                free,
+                floor,
+                "audit line not written: the data disk is below its free-space floor"
+            );
+            return Ok(());
+        }
         self.store.audit(&AuditEntry {
             v: FORMAT_VERSION,
             at_ms: now_ms,
@@ -499,21 +518,43 @@ impl Aggregator {
         Ok(())
     }
 
+    /// `Err((free, floor))` when the data disk is below its free-space floor.
+    fn disk_room(&self) -> Result<(), (u64, u64)> {
+        let floor = self.cfg.min_free_disk_bytes;
+        match self.store.free_bytes() {
+            Ok(free) if free < floor => Err((free, floor)),
+            _ => Ok(()),
+        }
+    }
+
     fn reject(
-        &self,
+        &mut self,
         now_ms: u64,
         (site, update_hash): (&Id, [u8; 32]),
         round: u64,
         reason: RejectReason,
     ) -> Result<Vec<Action>, CoreError> {
         tracing::info!(site = %site, round, ?reason, "update rejected");
-        self.audit(
-            now_ms,
-            round,
-            site.as_str(),
-            "rejected",
-            format!("{reason:?}"),
-        )?;
+        let n = self.rejects.entry(site.to_string()).or_default();
+        *n += 1;
+        let n = *n;
+        if n <= AUDITED_REJECTS {
+            self.audit(
+                now_ms,
+                round,
+                site.as_str(),
+                "rejected",
+                format!("{reason:?}"),
+            )?;
+        } else if n == AUDITED_REJECTS + 1 {
+            self.audit(
+                now_ms,
+                round,
+                site.as_str(),
+                "audit-suppressed",
+                format!("more than {AUDITED_REJECTS} rejects this round; the rest are only logged"),
+            )?;
+        }
         Ok(vec![Action::Answer {
             site: site.clone(),
             round,
@@ -689,6 +730,23 @@ impl Aggregator {
             delta,
             bn,
         };
+        if let Err((free_bytes, floor_bytes)) = self.disk_room() {
+            tracing::error!(
+                site = %site,
+                free_bytes,
+                floor_bytes,
+                "update refused: the data disk is below its free-space floor; make room"
+            );
+            return self.reject(
+                now_ms,
+                (&site, hash),
+                round,
+                RejectReason::StorageFull {
+                    free_bytes,
+                    floor_bytes,
+                },
+            );
+        }
         // Durable first, then the accept.
         self.store.spool_put(round, site.as_str(), &contribution)?;
         self.audit(

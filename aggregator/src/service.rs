@@ -43,10 +43,19 @@ pub struct ServiceConfig {
     /// this long, so a site that connects then still finds the round.
     #[serde(default = "default_manifest_every")]
     pub manifest_every_secs: u64,
+    /// Memory all sites' incomplete chunked uploads may hold together (bytes, counted as
+    /// really held). Each site also holds at most one update's worth (`max_update_bytes`) and
+    /// two uploads at a time, so one site cannot crowd out another.
+    #[serde(default = "default_upload_memory")]
+    pub max_upload_memory_bytes: usize,
     /// The broker.
     pub broker: BrokerConfig,
     /// The federation.
     pub federation: FederationConfig,
+}
+
+fn default_upload_memory() -> usize {
+    1 << 30
 }
 
 fn default_chunk() -> usize {
@@ -117,6 +126,99 @@ struct Served {
 
 /// Chunks served per request at most (sites ask for windows of 16).
 const MAX_CHUNKS_PER_REQUEST: usize = 64;
+/// Times one chunk of a model version is served to one site: enough for a site that lost
+/// chunks or restarted mid-fetch, never a request storm's amplifier.
+const MAX_SERVES_PER_CHUNK: u8 = 8;
+/// Milliseconds between sweeps of expired upload sets (amortised: not on every message).
+const EXPIRE_EVERY_MS: u64 = 1_000;
+
+/// How often each chunk was served to each site, per model version (or package) served.
+#[derive(Default)]
+struct ServeCounts(std::collections::BTreeMap<(Id, u64, bool), Vec<u8>>);
+
+impl ServeCounts {
+    /// True (and counted) if chunk `i` of `n` may be served to `site` once more.
+    fn take(&mut self, site: &Id, (version, package): (u64, bool), i: usize, n: usize) -> bool {
+        let c = self
+            .0
+            .entry((site.clone(), version, package))
+            .or_insert_with(|| vec![0; n]);
+        match c.get_mut(i) {
+            Some(k) if *k < MAX_SERVES_PER_CHUNK => {
+                *k += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Every site's incomplete chunked uploads: one bounded reassembler per (admitted, so
+/// enrolled) site, under a total cap.
+struct Uploads {
+    sites: std::collections::BTreeMap<Id, unifed_protocol::chunking::Reassembler>,
+    per_site: usize,
+    total: usize,
+    last_expire_ms: u64,
+}
+
+impl Uploads {
+    /// Room for `sites` enrolled sites: each one update's bytes, the overhead of its chunks
+    /// and slack, but at most an equal share of `total`, so that full sites never block the
+    /// others.
+    fn new(max_update_bytes: usize, total: usize, sites: usize) -> Self {
+        let per_site =
+            (max_update_bytes + max_update_bytes / 16 + (1 << 20)).min(total / sites.max(1));
+        if per_site < max_update_bytes {
+            tracing::warn!(
+                per_site,
+                max_update_bytes,
+                "max_upload_memory_bytes shared by the enrolled sites leaves less than \
+                 max_update_bytes per site: larger chunked updates cannot be uploaded"
+            );
+        }
+        Uploads {
+            sites: Default::default(),
+            per_site,
+            total,
+            last_expire_ms: 0,
+        }
+    }
+
+    /// Memory held for all sites' incomplete uploads.
+    fn held(&self) -> usize {
+        self.sites.values().map(|r| r.pending_bytes()).sum()
+    }
+
+    /// Adds `site`'s chunk; the whole update when complete.
+    fn insert(&mut self, site: &Id, c: Chunk, now_ms: u64) -> Result<Option<Vec<u8>>, String> {
+        let held = self.held();
+        if held + c.data.len() + unifed_protocol::chunking::CHUNK_OVERHEAD > self.total {
+            return Err(format!(
+                "the aggregator holds {held} bytes of uploads, its cap is {}",
+                self.total
+            ));
+        }
+        let per_site = self.per_site;
+        self.sites
+            .entry(site.clone())
+            .or_insert_with(|| {
+                unifed_protocol::chunking::Reassembler::new(600_000, per_site).with_max_sets(2)
+            })
+            .insert(c, now_ms)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Drops expired sets, at most once per [`EXPIRE_EVERY_MS`].
+    fn expire(&mut self, now_ms: u64) {
+        if now_ms.saturating_sub(self.last_expire_ms) >= EXPIRE_EVERY_MS {
+            self.last_expire_ms = now_ms;
+            for r in self.sites.values_mut() {
+                r.expire(now_ms);
+            }
+        }
+    }
+}
 
 /// The last onboarding package built (packages of a version never change).
 struct Package {
@@ -232,9 +334,14 @@ pub async fn serve(
     // Registry entries arrive in chunks too (small: one model's BN layers).
     let mut entries =
         unifed_protocol::chunking::Reassembler::new(120_000, 16 * core.max_entry_bytes());
-    // Reassembly of chunked uploads: bounded memory, incomplete sets dropped after 10 minutes.
-    let mut uploads =
-        unifed_protocol::chunking::Reassembler::new(600_000, 4 * cfg.federation.max_update_bytes);
+    // Reassembly of chunked uploads: bounded memory per site and in all, incomplete sets
+    // dropped after 10 minutes.
+    let mut uploads = Uploads::new(
+        cfg.federation.max_update_bytes,
+        cfg.max_upload_memory_bytes,
+        cfg.federation.sites.len(),
+    );
+    let mut serves = ServeCounts::default();
     let mut finished_at: Option<Instant> = None;
     let mut manifest_at = Instant::now();
     let mut connected_before = false;
@@ -286,6 +393,8 @@ pub async fn serve(
                             .collect()
                     });
                     served = Some(Served { manifest, chunks });
+                    // A new version: the counts of the old one are of no more use.
+                    serves = ServeCounts::default();
                     manifest_at = Instant::now();
                 }
                 Action::RoundClosed {
@@ -335,12 +444,12 @@ pub async fn serve(
                         let site = site.to_string();
                         // Updates above the packet limit arrive as chunks, each signed: a chunk
                         // is checked before it takes any memory. The core gets whole messages.
-                        let opened = Id::new(&site).map_err(|e| e.to_string()).and_then(|id| core.admit(&id, &payload, cfg.broker.max_packet_bytes + 4096));
+                        let opened = Id::new(&site).map_err(|e| e.to_string()).and_then(|id| core.admit(&id, &payload, cfg.broker.max_packet_bytes + 4096).map(|env| (id, env)));
                         let whole = match opened {
-                            Ok(env) if env.kind == MessageKind::UpdateChunk => {
+                            Ok((id, env)) if env.kind == MessageKind::UpdateChunk => {
                                 let inserted = env.payload_as::<Chunk>().map_err(|e| e.to_string()).and_then(|c| {
                                     let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
-                                    uploads.insert(c, now_ms()).map(|done| (r, done)).map_err(|e| e.to_string())
+                                    uploads.insert(&id, c, now_ms()).map(|done| (r, done))
                                 });
                                 match inserted {
                                     Ok((r, done)) => {
@@ -366,7 +475,7 @@ pub async fn serve(
                             pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;
                         }
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
-                        serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package).await?;
+                        serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, &mut serves).await?;
                     } else if let Some(site) = topic.strip_prefix(&onboard_prefix) {
                         onboard(&wire, &cfg, &core, &mut package, &mut entries, site, &payload).await?;
                     }
@@ -384,6 +493,7 @@ async fn serve_chunks(
     served: Option<&Served>,
     core: &Aggregator,
     package: &mut Option<Package>,
+    serves: &mut ServeCounts,
 ) -> Result<()> {
     let Ok(site) = Id::new(site) else {
         return Ok(());
@@ -425,7 +535,17 @@ async fn serve_chunks(
             .take(MAX_CHUNKS_PER_REQUEST)
             .collect()
     };
+    let mut refused = 0;
     for i in indices {
+        if !serves.take(
+            &site,
+            (req.model_version, req.package),
+            i as usize,
+            chunks.len(),
+        ) {
+            refused += 1;
+            continue;
+        }
         if let Some(c) = chunks.get(i as usize) {
             wire.client
                 .publish(
@@ -436,6 +556,9 @@ async fn serve_chunks(
                 )
                 .await?;
         }
+    }
+    if refused > 0 {
+        tracing::warn!(site = %site, version = req.model_version, refused, "chunks asked for too often were not served again");
     }
     Ok(())
 }

@@ -207,6 +207,12 @@ impl Store {
         Ok(Store { dir: dir.into() })
     }
 
+    /// Bytes free for this process on the directory's file system.
+    pub fn free_bytes(&self) -> Result<u64, StoreError> {
+        let st = rustix::fs::statvfs(&self.dir).map_err(|e| io(&self.dir, e))?;
+        Ok(st.f_bavail.saturating_mul(st.f_frsize))
+    }
+
     /// The directory.
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -1427,3 +1427,64 @@ fn a_damaged_model_file_or_an_edited_or_stale_state_is_refused_by_name() {
     std::fs::write(&state, &good_state).unwrap();
     reopen().unwrap();
 }
+
+#[test]
+fn below_the_disk_floor_updates_are_refused_unwritten_and_nothing_is_audited() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        min_free_disk_bytes: u64::MAX,
+        ..config(1, 2, BnPolicy::Local)
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    let a = good("a", 1, 0, 5, BnPolicy::Local);
+    let acts = answers(&send(&mut agg, "a", a.clone()));
+    assert!(
+        matches!(&acts[..], [(s, Answer::Rejected(RejectReason::StorageFull { free_bytes, floor_bytes: u64::MAX }))] if s == "a" && *free_bytes < u64::MAX),
+        "{acts:?}"
+    );
+    assert!(agg.accepted().is_empty());
+    assert!(agg.store().spool_sites(1).unwrap().is_empty());
+    assert!(agg.store().audit_entries().unwrap().is_empty());
+    // Room again (the operator lowered the floor): the same update is taken.
+    drop(agg);
+    let mut agg = open(dir.path(), config(1, 2, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    assert_eq!(
+        answers(&send(&mut agg, "a", a)),
+        vec![("a".into(), Answer::Accepted)]
+    );
+}
+
+#[test]
+fn a_sites_rejects_are_audited_up_to_a_limit_per_round_then_only_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(2, 2, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let n = unifed_aggregator::core::AUDITED_REJECTS as usize;
+    for _ in 0..n + 20 {
+        let acts = answers(&send(&mut agg, "a", good("a", 1, 0, 0, BnPolicy::Local)));
+        assert_eq!(
+            acts,
+            vec![("a".into(), Answer::Rejected(RejectReason::NoSamples))]
+        );
+    }
+    let store = agg.store().clone();
+    let count = |event: &str| {
+        store
+            .audit_entries()
+            .unwrap()
+            .iter()
+            .filter(|e| e.event == event)
+            .count()
+    };
+    assert_eq!((count("rejected"), count("audit-suppressed")), (n, 1));
+    // Another site, and the next round, are audited again.
+    send(&mut agg, "b", good("b", 1, 0, 0, BnPolicy::Local));
+    assert_eq!(count("rejected"), n + 1);
+    send(&mut agg, "a", good("a", 1, 0, 5, BnPolicy::Local));
+    send(&mut agg, "b", good("b", 1, 0, 5, BnPolicy::Local));
+    assert_eq!(agg.round(), 2);
+    send(&mut agg, "a", good("a", 2, 1, 0, BnPolicy::Local));
+    assert_eq!(count("rejected"), n + 2);
+}

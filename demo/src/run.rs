@@ -203,6 +203,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         chunk_bytes: 256 << 10,
         linger_secs: 3600,
         manifest_every_secs: 30,
+        max_upload_memory_bytes: 1 << 30,
         broker: broker.clone(),
         federation: fc.clone(),
     };

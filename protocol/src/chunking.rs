@@ -2,7 +2,7 @@
 //! together on the other side with bounded memory and a timeout for sets that never complete.
 
 use crate::messages::Chunk;
-use alloc::collections::BTreeMap;
+use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 use sha2::{Digest, Sha256};
 
@@ -137,13 +137,41 @@ struct PendingSet {
     bytes: usize,
 }
 
+impl PendingSet {
+    /// Memory the set holds, as the reassembler counts it.
+    fn held(&self) -> usize {
+        SET_OVERHEAD + self.bytes + CHUNK_OVERHEAD * self.chunks.len()
+    }
+}
+
+/// Memory a held chunk costs beyond its data: its map entry and vector header.
+pub const CHUNK_OVERHEAD: usize = 64;
+/// Memory an incomplete set costs beyond its chunks: its entries in the set map and the
+/// expiry order.
+pub const SET_OVERHEAD: usize = 192;
+
+/// The most memory a [`Reassembler`] holds for one set of `count` chunks carrying
+/// `total_len` bytes: what to allow for one payload in flight.
+pub fn held_for(total_len: u64, count: u32) -> usize {
+    usize::try_from(total_len)
+        .unwrap_or(usize::MAX)
+        .saturating_add(CHUNK_OVERHEAD.saturating_mul(count as usize))
+        .saturating_add(SET_OVERHEAD)
+}
+
 /// Collects chunks of many payloads at once and hands each payload back once it is complete
-/// and its hash checks out. Memory is bounded by `max_pending_bytes` of received chunk data.
+/// and its hash checks out. Memory is bounded by `max_pending_bytes`, counted as what is really
+/// held: chunk data plus [`CHUNK_OVERHEAD`] per chunk and [`SET_OVERHEAD`] per set, so a flood
+/// of tiny chunks is bounded as tightly as one of large ones. Expiry is amortised O(1) per
+/// set, and at most `max_sets` sets are held (the oldest is dropped for a new one).
 #[derive(Debug)]
 pub struct Reassembler {
     timeout_ms: u64,
     max_pending_bytes: usize,
+    max_sets: usize,
     sets: BTreeMap<[u8; 32], PendingSet>,
+    /// Incomplete sets by arrival of their first chunk, oldest first.
+    order: BTreeSet<(u64, [u8; 32])>,
     pending_bytes: usize,
 }
 
@@ -154,9 +182,26 @@ impl Reassembler {
         Reassembler {
             timeout_ms,
             max_pending_bytes,
+            max_sets: usize::MAX,
             sets: BTreeMap::new(),
+            order: BTreeSet::new(),
             pending_bytes: 0,
         }
+    }
+
+    /// The same, holding at most `max_sets` incomplete sets: the first chunk of a new set
+    /// drops the oldest one (a sender uploads one payload at a time).
+    pub fn with_max_sets(mut self, max_sets: usize) -> Self {
+        self.max_sets = max_sets.max(1);
+        self
+    }
+
+    /// Removes the set `hash`, freeing what it held.
+    fn drop_set(&mut self, hash: &[u8; 32]) -> Option<PendingSet> {
+        let set = self.sets.remove(hash)?;
+        self.order.remove(&(set.first_ms, *hash));
+        self.pending_bytes -= set.held();
+        Some(set)
     }
 
     /// Adds a chunk received at `now_ms`; returns the payload when this chunk completes its set.
@@ -218,7 +263,7 @@ impl Reassembler {
 
         if got + 1 == count as usize {
             // This chunk completes the set: assemble without holding it as pending.
-            let set = self.sets.remove(&hash);
+            let set = self.drop_set(&hash);
             let mut payload = Vec::with_capacity(received + data.len());
             let mut data = Some(data);
             let mut parts = set.map(|s| s.chunks).unwrap_or_default();
@@ -228,7 +273,6 @@ impl Reassembler {
                     None => payload.extend_from_slice(&data.take().unwrap_or_default()),
                 }
             }
-            self.pending_bytes -= received;
             if payload.len() as u64 != total_len {
                 return Err(ChunkError::LengthMismatch {
                     expected: total_len,
@@ -241,14 +285,25 @@ impl Reassembler {
             return Ok(Some(payload));
         }
 
-        if self.pending_bytes + data.len() > self.max_pending_bytes {
+        let new_set = got == 0;
+        if new_set
+            && self.sets.len() >= self.max_sets
+            && let Some(&(_, oldest)) = self.order.first()
+        {
+            self.drop_set(&oldest);
+        }
+        let cost = data.len() + CHUNK_OVERHEAD + if new_set { SET_OVERHEAD } else { 0 };
+        if self.pending_bytes + cost > self.max_pending_bytes {
             return Err(ChunkError::TooMuchPending {
                 pending: self.pending_bytes,
-                incoming: data.len(),
+                incoming: cost,
                 limit: self.max_pending_bytes,
             });
         }
-        self.pending_bytes += data.len();
+        self.pending_bytes += cost;
+        if new_set {
+            self.order.insert((now_ms, hash));
+        }
         let set = self.sets.entry(hash).or_insert_with(|| PendingSet {
             count,
             total_len,
@@ -264,22 +319,18 @@ impl Reassembler {
     /// Drops every set whose first chunk arrived more than the timeout before `now_ms`, frees
     /// its memory and returns the dropped sets' payload hashes.
     pub fn expire(&mut self, now_ms: u64) -> Vec<[u8; 32]> {
-        let timeout = self.timeout_ms;
-        let expired: Vec<[u8; 32]> = self
-            .sets
-            .iter()
-            .filter(|(_, s)| now_ms.saturating_sub(s.first_ms) > timeout)
-            .map(|(h, _)| *h)
-            .collect();
-        for h in &expired {
-            if let Some(set) = self.sets.remove(h) {
-                self.pending_bytes -= set.bytes;
-            }
+        let mut expired = Vec::new();
+        // Oldest first: the scan stops at the first set still in time.
+        while let Some(&(first, hash)) = self.order.first()
+            && now_ms.saturating_sub(first) > self.timeout_ms
+        {
+            self.drop_set(&hash);
+            expired.push(hash);
         }
         expired
     }
 
-    /// Bytes of chunk data held for incomplete sets.
+    /// Memory held for incomplete sets: chunk data plus the per-chunk and per-set overheads.
     pub fn pending_bytes(&self) -> usize {
         self.pending_bytes
     }
@@ -360,7 +411,7 @@ mod tests {
     fn two_sets_reassemble_interleaved() {
         let (p, q) = (payload(100), payload(77));
         let (a, b) = (split(&p, 10), split(&q, 10));
-        let mut r = Reassembler::new(1000, 1000);
+        let mut r = Reassembler::new(1000, 4000);
         let mut out = vec![];
         for i in 0..10 {
             out.extend(r.insert(a[i].clone(), 0).unwrap());
@@ -378,7 +429,7 @@ mod tests {
         let mut r = Reassembler::new(500, 1000);
         r.insert(chunks[0].clone(), 1000).unwrap();
         r.insert(chunks[2].clone(), 1400).unwrap();
-        assert_eq!(r.pending_bytes(), 60);
+        assert_eq!(r.pending_bytes(), 60 + 2 * CHUNK_OVERHEAD + SET_OVERHEAD);
         assert_eq!(r.missing(&payload_hash(&p)), Some(vec![1, 3]));
         // The timeout counts from the first chunk, not the latest.
         assert!(r.expire(1500).is_empty());
@@ -498,25 +549,62 @@ mod tests {
     }
 
     #[test]
-    fn memory_past_the_limit_is_refused() {
+    fn memory_past_the_limit_is_refused_counting_what_is_really_held() {
         let (p, q) = (payload(100), payload(90));
-        let mut r = Reassembler::new(500, 120);
-        for c in &split(&p, 50)[..1] {
-            r.insert(c.clone(), 0).unwrap();
-        }
+        let held = |data: usize, chunks: usize, sets: usize| {
+            data + chunks * CHUNK_OVERHEAD + sets * SET_OVERHEAD
+        };
+        let limit = held(95, 2, 2) + 39;
+        let mut r = Reassembler::new(500, limit);
+        r.insert(split(&p, 50)[0].clone(), 0).unwrap();
         let qs = split(&q, 45);
         r.insert(qs[0].clone(), 0).unwrap();
-        assert_eq!(r.pending_bytes(), 95);
+        assert_eq!(r.pending_bytes(), held(95, 2, 2));
         assert_eq!(
             r.insert(split(&payload(80), 40)[0].clone(), 0),
             Err(ChunkError::TooMuchPending {
-                pending: 95,
-                incoming: 40,
-                limit: 120
+                pending: held(95, 2, 2),
+                incoming: held(40, 1, 1),
+                limit
             })
         );
-        // Completing a set needs no extra room and frees its bytes.
+        // Completing a set needs no extra room and frees what it held.
         assert_eq!(r.insert(qs[1].clone(), 0), Ok(Some(q)));
-        assert_eq!(r.pending_bytes(), 50);
+        assert_eq!(r.pending_bytes(), held(50, 1, 1));
+    }
+
+    #[test]
+    fn a_flood_of_one_byte_chunks_is_bounded_by_their_real_cost() {
+        let mut r = Reassembler::new(500, 100_000);
+        let mut taken = 0;
+        for k in 0..100_000u32 {
+            let c = Chunk {
+                payload_hash: payload_hash(&k.to_le_bytes()),
+                index: 0,
+                count: 2,
+                total_len: 2,
+                data: vec![1],
+            };
+            if r.insert(c, 0).is_ok() {
+                taken += 1;
+            }
+        }
+        assert_eq!(taken, 100_000 / (1 + CHUNK_OVERHEAD + SET_OVERHEAD));
+        assert!(r.pending_bytes() <= 100_000);
+    }
+
+    #[test]
+    fn at_most_max_sets_are_held_the_oldest_dropped_first_and_expiry_goes_oldest_first() {
+        let mut r = Reassembler::new(100, 1 << 20).with_max_sets(2);
+        let sets: Vec<Vec<Chunk>> = (0..3).map(|k| split(&payload(20 + k), 10)).collect();
+        for (t, s) in sets.iter().enumerate() {
+            r.insert(s[0].clone(), t as u64 * 10).unwrap();
+        }
+        assert_eq!(r.pending_sets(), 2);
+        assert!(r.missing(&sets[0][0].payload_hash).is_none());
+        assert_eq!(r.expire(115), vec![sets[1][0].payload_hash]);
+        assert_eq!(r.pending_sets(), 1);
+        assert_eq!(r.expire(125), vec![sets[2][0].payload_hash]);
+        assert_eq!(r.pending_bytes(), 0);
     }
 }

@@ -301,6 +301,14 @@ pub enum RejectReason {
     UnexpectedExtras(String),
     /// The update is not in the federation's encoding.
     WrongEncoding,
+    /// The aggregator's disk is below its free-space floor: it takes no new work until an
+    /// operator makes room (send the update again later).
+    StorageFull {
+        /// Free bytes on the aggregator's data disk.
+        free_bytes: u64,
+        /// The floor.
+        floor_bytes: u64,
+    },
 }
 
 /// The aggregator's answer to an update: accepted or rejected with a reason.

@@ -80,6 +80,8 @@ pub struct Fed {
     pub revoked: Vec<String>,
     /// Lines added to the aggregator's `[federation]` table.
     pub federation_extra: String,
+    /// Lines added at the top of the aggregator's config (service settings).
+    pub service_extra: String,
 }
 
 impl Fed {
@@ -108,6 +110,7 @@ impl Fed {
             sites: ["grey", "texture", "lowres"].map(String::from).to_vec(),
             revoked: Vec::new(),
             federation_extra: String::new(),
+            service_extra: String::new(),
         }
     }
 
@@ -191,13 +194,14 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nmodel = \"{}\"\nkey = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = [{}]\nrevoked = [{}]\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n{}",
+                "data_dir = \"{}\"\nmodel = \"{}\"\nkey = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = [{}]\nrevoked = [{}]\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n{}",
                 self.agg_dir().display(),
                 self.model().display(),
                 self.key_file("aggregator").display(),
                 self.chunk_bytes,
                 self.linger_secs,
                 self.manifest_every_secs,
+                self.service_extra,
                 self.broker_toml(),
                 self.algorithm,
                 self.rounds,

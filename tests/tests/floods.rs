@@ -1,0 +1,322 @@
+//! Floods against the real aggregator while an honest federation runs: chunk sets from an
+//! enrolled site's stolen key, a chunk-request storm, and junk on every topic from a client with
+//! only the broker's address. The honest rounds must close with the in-process model, the
+//! aggregator's upload memory stay under its configured cap, chunks be served a bounded number
+//! of times, and the audit log stay small. Peak memory and CPU of the aggregator under each
+//! flood are printed (`cargo test --release -p unifed-e2e --test floods -- --nocapture`).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use unifed_aggregator::store::Store;
+use unifed_e2e::fed::Fed;
+use unifed_e2e::{Broker, BrokerKind, serial};
+use unifed_protocol::auth::{Keyring, SigningKey};
+use unifed_protocol::chunking::payload_hash;
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::{AGGREGATOR_ID, Id};
+use unifed_protocol::messages::{Chunk, ChunkRequest, RoundManifest};
+use unifed_protocol::topics::Topics;
+
+const SITES: [&str; 3] = ["grey", "texture", "lowres"];
+const LONG: Duration = Duration::from_secs(300);
+/// The aggregator's configured cap on upload memory in these runs.
+const UPLOAD_CAP: usize = 64 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Flood {
+    None,
+    ChunkSets,
+    RequestStorm,
+    Junk,
+}
+
+fn id(s: &str) -> Id {
+    Id::new(s).unwrap()
+}
+
+/// Resident memory (VmRSS) of `pid` in bytes.
+fn rss(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// CPU seconds (user + system) `pid` has used.
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// Sends `flood` until `stop`, counting the messages sent in `sent`.
+fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) {
+    if kind == Flood::None {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let rogue = fed.key("rogue");
+    let mallory = SigningKey::from_seed([0x77; 32]);
+    let aggregator = Keyring::single(id(AGGREGATOR_ID), fed.key("aggregator").public());
+    let hash = fed.spec().hash();
+    rt.block_on(async move {
+        let topics = Topics::new(&id("e2e"));
+        let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
+            .options("flood", None)
+            .unwrap();
+        let (client, mut rx) = unifed_net::spawn_event_loop(opts, vec![topics.manifest()]);
+        let mut version = 0u64;
+        let mut k = 0u64;
+        let env = |sender: &str, kind, version, payload: Vec<u8>| Envelope {
+            kind,
+            federation: id("e2e"),
+            sender: id(sender),
+            round: 0,
+            model_version: version,
+            spec_hash: hash,
+            payload,
+            signature: None,
+        };
+        while !stop.load(Ordering::Relaxed) {
+            while let Ok(ev) = rx.try_recv() {
+                if let unifed_net::NetEvent::Message { payload, .. } = ev
+                    && let Ok(e) = aggregator.open(&payload, 1 << 20)
+                    && let Ok(m) = e.payload_as::<RoundManifest>()
+                {
+                    version = m.model_version;
+                }
+            }
+            k += 1;
+            let mut out: Vec<(String, Vec<u8>)> = Vec::new();
+            match kind {
+                Flood::ChunkSets => {
+                    // 30 kB chunks of 12 MB sets, one set after the other: two sets are
+                    // more than the rogue's share of the upload memory.
+                    let set = k / 400;
+                    let c = Chunk {
+                        payload_hash: payload_hash(&set.to_le_bytes()),
+                        index: (k % 400) as u32,
+                        count: 400,
+                        total_len: 12_000_000,
+                        data: vec![(k % 251) as u8; 30_000],
+                    };
+                    let bytes = rogue.sign(&env(
+                        "rogue",
+                        MessageKind::UpdateChunk,
+                        version,
+                        postcard::to_allocvec(&c).unwrap(),
+                    ));
+                    out.push((topics.update(&id("rogue")), bytes));
+                }
+                Flood::RequestStorm => {
+                    let req = ChunkRequest {
+                        model_version: version,
+                        indices: vec![],
+                        package: false,
+                    };
+                    let payload = postcard::to_allocvec(&req).unwrap();
+                    out.push((
+                        topics.chunk_request(&id("rogue")),
+                        rogue.sign(&env(
+                            "rogue",
+                            MessageKind::ChunkRequest,
+                            version,
+                            payload.clone(),
+                        )),
+                    ));
+                    out.push((
+                        topics.chunk_request(&id("grey")),
+                        mallory.sign(&env("grey", MessageKind::ChunkRequest, version, payload)),
+                    ));
+                }
+                Flood::Junk => {
+                    let junk: Vec<u8> = (0..(k % 30_000) as u32)
+                        .map(|i| ((i * 131 + k as u32 * 17) % 251) as u8)
+                        .collect();
+                    for site in ["grey", "rogue", "nobody"] {
+                        let s = id(site);
+                        for t in [
+                            topics.update(&s),
+                            topics.chunk_request(&s),
+                            topics.onboard_request(&s),
+                        ] {
+                            out.push((t, junk.clone()));
+                        }
+                    }
+                }
+                Flood::None => {}
+            }
+            for (t, p) in out {
+                if client
+                    .publish(t, unifed_net::Qos::AtMostOnce, false, p)
+                    .await
+                    .is_ok()
+                {
+                    counted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let _ = client.disconnect().await;
+    })
+}
+
+/// What one run measured.
+#[derive(Debug)]
+struct Measured {
+    flood: Flood,
+    sent: u64,
+    peak_rss: u64,
+    cpu_secs: f64,
+    wall_secs: f64,
+}
+
+fn run(kind: Flood) -> Measured {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, 32 << 10);
+    let mut fed = Fed::new(dir.path(), broker.port, 32 << 10);
+    fed.sites = vec![
+        "grey".into(),
+        "texture".into(),
+        "lowres".into(),
+        "rogue".into(),
+    ];
+    fed.resend_secs = 2;
+    fed.service_extra = format!("max_upload_memory_bytes = {UPLOAD_CAP}\n");
+    let mut agg = fed.aggregator();
+    let pid = agg.0.id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let (stop, peak) = (stop.clone(), peak.clone());
+        std::thread::spawn(move || {
+            let mut cpu = 0.0;
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(r) = rss(pid) {
+                    peak.fetch_max(r, Ordering::Relaxed);
+                }
+                cpu = cpu_secs(pid).unwrap_or(cpu);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            cpu
+        })
+    };
+    let counted = Arc::new(AtomicU64::new(0));
+    let flooder = {
+        let (fed, stop, counted) = (fed.clone(), stop.clone(), counted.clone());
+        std::thread::spawn(move || flood(fed, kind, stop, counted))
+    };
+    let t0 = Instant::now();
+    // The flood is in full swing before the sites start (a quick federation would otherwise
+    // end before it).
+    while kind != Flood::None && counted.load(Ordering::Relaxed) < 1500 {
+        assert!(t0.elapsed() < LONG, "{kind:?}: the flood did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        fed.wait_ok(a, s, LONG);
+    }
+    // The federation is done: stop the flood before the aggregator's linger ends.
+    stop.store(true, Ordering::Relaxed);
+    let wall_secs = t0.elapsed().as_secs_f64();
+    flooder.join().unwrap();
+    let sent = counted.load(Ordering::Relaxed);
+    let cpu_secs = sampler.join().unwrap();
+    fed.wait_ok(&mut agg, "aggregator", LONG);
+
+    // The honest federation's rounds closed with its own sites and model.
+    let audit = Store::open(&fed.agg_dir())
+        .unwrap()
+        .audit_entries()
+        .unwrap();
+    for round in 1..=fed.rounds {
+        let mut acc: Vec<&str> = audit
+            .iter()
+            .filter(|e| e.event == "accepted" && e.round == round)
+            .map(|e| e.site.as_str())
+            .collect();
+        acc.sort();
+        assert_eq!(acc, ["grey", "lowres", "texture"], "{kind:?} round {round}");
+    }
+    common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
+    // The audit log took no junk: the disk floor is never approached.
+    let audit_len = std::fs::metadata(fed.agg_dir().join("audit.log"))
+        .unwrap()
+        .len();
+    assert!(
+        audit_len < 64 << 10,
+        "{kind:?}: audit.log of {audit_len} bytes"
+    );
+    let log = std::fs::read_to_string(dir.path().join("agg.log")).unwrap();
+    match kind {
+        Flood::ChunkSets => assert!(
+            log.contains("update chunk dropped"),
+            "{kind:?}: {sent} sent\n{}",
+            &log[log.len().saturating_sub(3000)..]
+        ),
+        Flood::RequestStorm => {
+            assert!(log.contains("chunks asked for too often"), "{kind:?}");
+            assert!(log.contains("chunk request refused"), "{kind:?}");
+        }
+        Flood::Junk => assert!(log.contains("refused"), "{kind:?}"),
+        Flood::None => {}
+    }
+    assert!(
+        kind == Flood::None || sent > 100,
+        "{kind:?}: only {sent} sent"
+    );
+    Measured {
+        flood: kind,
+        sent,
+        peak_rss: peak.load(Ordering::Relaxed),
+        cpu_secs,
+        wall_secs,
+    }
+}
+
+#[test]
+fn under_each_flood_the_honest_rounds_close_and_the_aggregator_stays_bounded() {
+    let _one = serial();
+    let runs: Vec<Measured> = [
+        Flood::None,
+        Flood::ChunkSets,
+        Flood::RequestStorm,
+        Flood::Junk,
+    ]
+    .into_iter()
+    .map(run)
+    .collect();
+    println!("flood            messages  aggregator peak RSS   CPU s   wall s   CPU %");
+    for m in &runs {
+        println!(
+            "{:<14} {:>10}  {:>15.1} MiB  {:>6.2}  {:>7.1}  {:>6.1}",
+            format!("{:?}", m.flood),
+            m.sent,
+            m.peak_rss as f64 / (1 << 20) as f64,
+            m.cpu_secs,
+            m.wall_secs,
+            100.0 * m.cpu_secs / m.wall_secs
+        );
+    }
+    // Upload memory is capped at UPLOAD_CAP shared by the four enrolled sites: the chunk-set
+    // flood may add at most the rogue's share to the quiet run's peak (with allocator slack).
+    let quiet = runs[0].peak_rss;
+    for m in &runs[1..] {
+        assert!(
+            m.peak_rss < quiet + (UPLOAD_CAP as u64 / 4) * 3 / 2 + (48 << 20),
+            "{:?}: peak {} MiB against {} MiB quiet",
+            m.flood,
+            m.peak_rss >> 20,
+            quiet >> 20
+        );
+    }
+}
