@@ -165,6 +165,12 @@ impl FederationConfig {
             if let Err(e) = Id::new(&s.id) {
                 errs.push(format!("site `{}`: {e}", s.id));
             }
+            if s.id == unifed_protocol::AGGREGATOR_ID {
+                errs.push(format!(
+                    "site `{}`: the id is the aggregator's own; sites need another",
+                    s.id
+                ));
+            }
             if !seen.insert(&s.id) {
                 errs.push(format!("site `{}` is enrolled twice", s.id));
             }

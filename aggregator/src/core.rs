@@ -715,7 +715,7 @@ impl Aggregator {
                 },
             );
         }
-        let (delta, bn) = match self.validate_delta(&upd) {
+        let (delta, bn, ratio) = match self.validate_delta(&upd) {
             Ok(d) => d,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
@@ -754,7 +754,10 @@ impl Aggregator {
             round,
             site.as_str(),
             "accepted",
-            format!("{} samples", upd.samples),
+            format!(
+                "{} samples, update norm {ratio:.4} of the model's",
+                upd.samples
+            ),
         )?;
         self.accepted.insert(site.as_str().to_string());
         let mut actions = vec![Action::Answer {
@@ -799,12 +802,13 @@ impl Aggregator {
     }
 
     /// Checks an update's tensors against the spec and policy; returns its dense deltas in
-    /// `update_idx` order and its shared BN tensors in `share_idx` order.
+    /// `update_idx` order, its shared BN tensors in `share_idx` order, and its norm relative to
+    /// the model's (what `max_relative_norm` bounds).
     #[allow(clippy::type_complexity)]
     fn validate_delta(
         &self,
         upd: &SiteUpdate,
-    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), RejectReason> {
+    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, f64), RejectReason> {
         let dense = self.dense(&upd.delta, &self.update_idx, self.cfg.encoding)?;
         // Under `global` BN a running variance must stay a variance: base + delta >= 0.
         for (&i, d) in self.update_idx.iter().zip(&dense) {
@@ -822,6 +826,7 @@ impl Aggregator {
         let model_norm = l2(self.update_idx.iter().map(|&i| self.model[i].as_slice()));
         // A model of all zeros still lets updates of norm up to the ratio through.
         let relative = self.cfg.max_relative_norm * model_norm.max(1.0);
+        let ratio = norm / model_norm.max(1.0);
         let bound = self.cfg.norm_bound.map_or(relative, |b| b.min(relative));
         if norm > bound {
             return Err(RejectReason::NormTooLarge { norm, bound });
@@ -836,7 +841,7 @@ impl Aggregator {
                 )));
             }
         }
-        Ok((dense, share))
+        Ok((dense, share, ratio))
     }
 
     /// Decodes `tensors` into dense values in the order of the spec indices `idx` (see

@@ -27,6 +27,7 @@ pub mod bnshare;
 pub mod config;
 pub mod core;
 pub mod fold;
+pub mod mosquitto;
 pub mod onboard;
 pub mod service;
 pub mod store;

@@ -20,6 +20,29 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Writes a Mosquitto config for the federation of `--config` with mutual TLS and a
+    /// per-site ACL (`mosquitto.conf` and `acl` in `--out`): clients are known by their
+    /// certificate's common name (the site id, or `aggregator`).
+    MosquittoConfig {
+        /// Service config (TOML) of the federation.
+        #[arg(long)]
+        config: PathBuf,
+        /// CA (PEM) that signs every client certificate.
+        #[arg(long)]
+        ca: PathBuf,
+        /// The broker's certificate (PEM).
+        #[arg(long)]
+        cert: PathBuf,
+        /// The broker's private key (PEM).
+        #[arg(long)]
+        key: PathBuf,
+        /// Address and port to listen on.
+        #[arg(long, default_value = "0.0.0.0:8883")]
+        listen: std::net::SocketAddr,
+        /// Folder to write `mosquitto.conf` and `acl` into.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Makes the aggregator's ed25519 key at `--key` if there is none (never overwriting one)
     /// and prints its public key and fingerprint, for the sites to pin.
     Identity {
@@ -35,6 +58,44 @@ fn main() -> Result<()> {
         Cmd::Serve { config } => {
             let v = serve_from_file(&config)?;
             println!("final model version {v}");
+            Ok(())
+        }
+        Cmd::MosquittoConfig {
+            config,
+            ca,
+            cert,
+            key,
+            listen,
+            out,
+        } => {
+            let cfg = unifed_aggregator::service::read_config(&config)?;
+            let fed = unifed_protocol::Id::new(&cfg.federation.federation)
+                .map_err(|e| anyhow::anyhow!("federation: {e}"))?;
+            std::fs::create_dir_all(&out)?;
+            let abs = |p: &PathBuf| {
+                std::fs::canonicalize(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))
+            };
+            let (ca, cert, key) = (abs(&ca)?, abs(&cert)?, abs(&key)?);
+            let acl_file = abs(&out)?.join("acl");
+            let host = listen.ip().to_string();
+            let listener = unifed_aggregator::mosquitto::Listener {
+                host: &host,
+                port: listen.port(),
+                ca: &ca,
+                cert: &cert,
+                key: &key,
+            };
+            std::fs::write(&acl_file, unifed_aggregator::mosquitto::acl(&fed))?;
+            let conf = out.join("mosquitto.conf");
+            std::fs::write(
+                &conf,
+                unifed_aggregator::mosquitto::conf(
+                    &listener,
+                    &acl_file,
+                    cfg.broker.max_packet_bytes,
+                ),
+            )?;
+            println!("wrote {} and {}", conf.display(), acl_file.display());
             Ok(())
         }
         Cmd::Identity { key } => {

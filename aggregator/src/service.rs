@@ -274,9 +274,8 @@ impl Wire {
     }
 }
 
-/// Reads the service config at `path`, validates it, and serves on a runtime of its own until
-/// the federation has finished and lingered, or Ctrl-C; returns the final model version.
-pub fn serve_from_file(path: &Path) -> Result<u64> {
+/// Reads and validates the service config at `path`.
+pub fn read_config(path: &Path) -> Result<ServiceConfig> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let cfg: ServiceConfig =
@@ -284,6 +283,13 @@ pub fn serve_from_file(path: &Path) -> Result<u64> {
     cfg.federation
         .validate()
         .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.join("; ")))?;
+    Ok(cfg)
+}
+
+/// Reads the service config at `path`, validates it, and serves on a runtime of its own until
+/// the federation has finished and lingered, or Ctrl-C; returns the final model version.
+pub fn serve_from_file(path: &Path) -> Result<u64> {
+    let cfg = read_config(path)?;
     unifed_net::block_on(serve(cfg, async {
         unifed_net::stop_signal().await;
     }))?

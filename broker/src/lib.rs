@@ -32,6 +32,17 @@ pub struct BrokerArgs {
     /// Username:password pairs allowed to connect (none: anonymous access).
     #[arg(long = "user")]
     pub users: Vec<String>,
+    /// Mutual TLS: the broker's certificate (PEM). With `--tls-key` and `--tls-client-ca` the
+    /// listener speaks TLS only and refuses every client without a certificate signed by that
+    /// CA.
+    #[arg(long, requires_all = ["tls_key", "tls_client_ca"])]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// Mutual TLS: the private key of `--tls-cert` (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_client_ca"])]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// Mutual TLS: the CA (PEM) every client certificate must be signed by.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_client_ca: Option<std::path::PathBuf>,
 }
 
 /// Log filter for a broker process: rumqttd logs every client disconnect, clean ones included,
@@ -75,10 +86,29 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
         external_auth: None,
         dynamic_filters: true,
     };
+    let tls = match (&args.tls_cert, &args.tls_key, &args.tls_client_ca) {
+        (Some(cert), Some(key), Some(ca)) => {
+            for (what, p) in [
+                ("--tls-cert", cert),
+                ("--tls-key", key),
+                ("--tls-client-ca", ca),
+            ] {
+                std::fs::metadata(p).with_context(|| format!("{what} {}", p.display()))?;
+            }
+            let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
+            Some(rumqttd::TlsConfig::Rustls {
+                capath: Some(s(ca)),
+                certpath: s(cert),
+                keypath: s(key),
+            })
+        }
+        (None, None, None) => None,
+        _ => bail!("mutual TLS needs --tls-cert, --tls-key and --tls-client-ca together"),
+    };
     let server = rumqttd::ServerSettings {
         name: "v4".into(),
         listen,
-        tls: None,
+        tls,
         next_connection_delay_ms: 1,
         connections,
     };

@@ -34,6 +34,14 @@ pub struct BrokerConfig {
     /// it the connection is plain TCP (loopback or a trusted network only).
     #[serde(default)]
     pub ca_file: Option<std::path::PathBuf>,
+    /// Mutual TLS: this client's certificate (PEM, its chain), shown to a broker that requires
+    /// client certificates (Mosquitto's `require_certificate`, `unifed-broker --tls-client-ca`).
+    /// Needs `ca_file` and `key_file`.
+    #[serde(default)]
+    pub cert_file: Option<std::path::PathBuf>,
+    /// Mutual TLS: the private key of `cert_file` (PEM), readable by this service only.
+    #[serde(default)]
+    pub key_file: Option<std::path::PathBuf>,
 }
 
 fn default_max_packet() -> usize {
@@ -55,32 +63,50 @@ impl BrokerConfig {
             max_packet_bytes: default_max_packet(),
             keep_alive_secs: default_keep_alive(),
             ca_file: None,
+            cert_file: None,
+            key_file: None,
         }
     }
 
     /// rumqttc options for `client_id`, with every limit set explicitly, an optional Last Will,
-    /// and TLS when `ca_file` is set. Fails only when the CA file cannot be read or holds no
-    /// certificate.
+    /// TLS when `ca_file` is set and a client certificate when `cert_file` and `key_file` are.
+    /// Fails when a file cannot be read or holds no PEM item of its kind, or when the TLS
+    /// settings are incomplete.
     pub fn options(&self, client_id: &str, will: Option<LastWill>) -> Result<MqttOptions, String> {
         let mut o = MqttOptions::new(client_id, self.host.clone(), self.port);
-        if let Some(ca) = &self.ca_file {
-            let pem = std::fs::read(ca)
-                .map_err(|e| format!("reading the CA file {}: {e}", ca.display()))?;
-            if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
-                return Err(format!(
-                    "the CA file {} holds no PEM certificate",
-                    ca.display()
-                ));
+        let pem = |path: &std::path::Path, what: &str, marker: &str| {
+            let b = std::fs::read(path)
+                .map_err(|e| format!("reading the {what} {}: {e}", path.display()))?;
+            if String::from_utf8_lossy(&b).contains(marker) {
+                Ok(b)
+            } else {
+                Err(format!(
+                    "the {what} {} holds no PEM {marker}",
+                    path.display()
+                ))
             }
+        };
+        let client_auth = match (&self.cert_file, &self.key_file) {
+            (None, None) => None,
+            (Some(c), Some(k)) => Some((
+                pem(c, "client certificate", "CERTIFICATE-----")?,
+                pem(k, "client key", "PRIVATE KEY-----")?,
+            )),
+            _ => return Err("mutual TLS needs both cert_file and key_file".into()),
+        };
+        if let Some(ca) = &self.ca_file {
+            let ca = pem(ca, "CA file", "CERTIFICATE-----")?;
             // rustls needs one process-wide crypto provider; ring is the one compiled in.
             let _ = rustls::crypto::ring::default_provider().install_default();
             o.set_transport(rumqttc::Transport::tls_with_config(
                 rumqttc::TlsConfiguration::Simple {
-                    ca: pem,
+                    ca,
                     alpn: None,
-                    client_auth: None,
+                    client_auth,
                 },
             ));
+        } else if client_auth.is_some() {
+            return Err("a client certificate needs TLS: set ca_file too".into());
         }
         o.set_max_packet_size(self.max_packet_bytes + 4096, self.max_packet_bytes + 4096);
         o.set_keep_alive(Duration::from_secs(self.keep_alive_secs.max(5)));

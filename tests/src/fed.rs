@@ -82,6 +82,9 @@ pub struct Fed {
     pub federation_extra: String,
     /// Lines added at the top of the aggregator's config (service settings).
     pub service_extra: String,
+    /// Mutual TLS: a folder with `{who}.pem` and `{who}.key`, the client certificate of each
+    /// site and of `aggregator`.
+    pub client_certs: Option<PathBuf>,
 }
 
 impl Fed {
@@ -111,6 +114,7 @@ impl Fed {
             revoked: Vec::new(),
             federation_extra: String::new(),
             service_extra: String::new(),
+            client_certs: None,
         }
     }
 
@@ -168,6 +172,20 @@ impl Fed {
         serde_json::from_slice(&std::fs::read(p).expect("spec file")).expect("spec json")
     }
 
+    /// The `[broker]` table of `who`'s config (a site, or `aggregator`): with its client
+    /// certificate under mutual TLS.
+    pub fn broker_toml_for(&self, who: &str) -> String {
+        let mut s = self.broker_toml();
+        if let Some(d) = &self.client_certs {
+            s += &format!(
+                "cert_file = \"{}\"\nkey_file = \"{}\"\n",
+                d.join(format!("{who}.pem")).display(),
+                d.join(format!("{who}.key")).display()
+            );
+        }
+        s
+    }
+
     /// The `[broker]` table of a config for this federation's broker.
     pub fn broker_toml(&self) -> String {
         let mut s = format!(
@@ -190,6 +208,17 @@ impl Fed {
 
     /// Writes the aggregator's config and starts `unifed-aggregator serve` (log: `agg.log`).
     pub fn aggregator(&self) -> Guard {
+        let cfg = self.aggregator_config();
+        spawn(
+            Command::new(binary("unifed-aggregator"))
+                .args(["serve", "--config"])
+                .arg(&cfg),
+            &self.dir.join("agg.log"),
+        )
+    }
+
+    /// Writes the aggregator's config (`agg.toml`) and returns its path.
+    pub fn aggregator_config(&self) -> PathBuf {
         let cfg = self.dir.join("agg.toml");
         std::fs::write(
             &cfg,
@@ -202,7 +231,7 @@ impl Fed {
                 self.linger_secs,
                 self.manifest_every_secs,
                 self.service_extra,
-                self.broker_toml(),
+                self.broker_toml_for("aggregator"),
                 self.algorithm,
                 self.rounds,
                 self.min_sites,
@@ -223,12 +252,7 @@ impl Fed {
             ),
         )
         .expect("aggregator config");
-        spawn(
-            Command::new(binary("unifed-aggregator"))
-                .args(["serve", "--config"])
-                .arg(&cfg),
-            &self.dir.join("agg.log"),
-        )
+        cfg
     }
 
     /// The state folder of `site`'s agent.
@@ -258,7 +282,7 @@ impl Fed {
                 self.identity_toml(site),
                 list(&self.conv),
                 list(&self.fc),
-                self.broker_toml(),
+                self.broker_toml_for(site),
                 self.samples.get(site).copied().unwrap_or(self.train_samples),
             ),
         )
