@@ -306,3 +306,65 @@ pub fn bn_affine_names(spec: &unifed_protocol::ModelSpec) -> Vec<&str> {
         .map(|t| t.name.as_str())
         .collect()
 }
+
+/// A payload as postcard bytes (lets one closure build envelopes of several payload types).
+pub trait Erased {
+    /// The postcard encoding.
+    fn bytes(&self) -> Vec<u8>;
+}
+
+impl<T: serde::Serialize> Erased for T {
+    fn bytes(&self) -> Vec<u8> {
+        postcard::to_allocvec(self).expect("postcard encodes plain data")
+    }
+}
+
+/// A test CA made here (never committed) and what it signs, as PEM files in `dir`: `ca.pem`;
+/// the broker's certificate for 127.0.0.1/localhost (`server.pem`, `server.key`); a client
+/// certificate whose common name is the identity for each of `clients` (`{who}.pem`,
+/// `{who}.key`); `stranger.pem`/`.key`, a client certificate named `grey` of another CA; and
+/// that other CA (`other-ca.pem`, returned second).
+pub fn certificates(dir: &Path, clients: &[&str]) -> (TlsFiles, PathBuf) {
+    let ca = |name: &str| {
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, name.to_string());
+        let key = rcgen::KeyPair::generate().expect("key");
+        (p.self_signed(&key).expect("CA"), key)
+    };
+    let (ca_cert, ca_key) = ca("UniFed test CA");
+    let (other, other_key) = ca("Another CA");
+    let issue = |names: Vec<String>, cn: &str, by: (&rcgen::Certificate, &rcgen::KeyPair)| {
+        let mut p = rcgen::CertificateParams::new(names).expect("params");
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        let key = rcgen::KeyPair::generate().expect("key");
+        (p.signed_by(&key, by.0, by.1).expect("certificate"), key)
+    };
+    let write = |name: &str, (cert, key): (rcgen::Certificate, rcgen::KeyPair)| {
+        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).expect("pem");
+        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).expect("key");
+    };
+    std::fs::write(dir.join("ca.pem"), ca_cert.pem()).expect("ca");
+    std::fs::write(dir.join("other-ca.pem"), other.pem()).expect("ca");
+    write(
+        "server",
+        issue(
+            vec!["127.0.0.1".into(), "localhost".into()],
+            "unifed test broker",
+            (&ca_cert, &ca_key),
+        ),
+    );
+    for c in clients {
+        write(c, issue(vec![], c, (&ca_cert, &ca_key)));
+    }
+    write("stranger", issue(vec![], "grey", (&other, &other_key)));
+    (
+        TlsFiles {
+            ca: dir.join("ca.pem"),
+            cert: dir.join("server.pem"),
+            key: dir.join("server.key"),
+        },
+        dir.join("other-ca.pem"),
+    )
+}

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use unifed_aggregator::store::{AuditEntry, Store};
 use unifed_e2e::fed::Fed;
-use unifed_e2e::{Broker, BrokerKind, serial};
+use unifed_e2e::{Broker, BrokerKind, Erased, serial};
 use unifed_protocol::auth::{Keyring, SigningKey};
 use unifed_protocol::chunking::payload_hash;
 use unifed_protocol::encoding::{Encoding, encode};
@@ -241,17 +241,6 @@ fn attack(fed: Fed, stop: Arc<AtomicBool>) -> Sent {
         let _ = client.disconnect().await;
         sent
     })
-}
-
-/// A payload as postcard bytes (lets one closure build envelopes of several payload types).
-trait Erased {
-    fn bytes(&self) -> Vec<u8>;
-}
-
-impl<T: serde::Serialize> Erased for T {
-    fn bytes(&self) -> Vec<u8> {
-        postcard::to_allocvec(self).unwrap()
-    }
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 use unifed_aggregator::store::{AuditEntry, Store};
 use unifed_e2e::fed::Fed;
-use unifed_e2e::{Broker, BrokerKind, Guard, Proxy, serial};
+use unifed_e2e::{Broker, BrokerKind, Erased, Guard, Proxy, serial};
 use unifed_models::checkpoint;
 use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::decode;
@@ -349,17 +349,6 @@ fn noise(
         let _ = client.disconnect().await;
         sent
     })
-}
-
-/// A payload as postcard bytes (lets one closure build envelopes of several payload types).
-trait Erased {
-    fn bytes(&self) -> Vec<u8>;
-}
-
-impl<T: serde::Serialize> Erased for T {
-    fn bytes(&self) -> Vec<u8> {
-        postcard::to_allocvec(self).unwrap()
-    }
 }
 
 #[test]

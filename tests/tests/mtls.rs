@@ -12,47 +12,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedReceiver;
 use unifed_aggregator::store::Store;
 use unifed_e2e::fed::Fed;
-use unifed_e2e::{Guard, binary, mosquitto, mosquitto_available, serial};
+use unifed_e2e::{Guard, binary, certificates, mosquitto, mosquitto_available, serial};
 use unifed_net::{BrokerConfig, Client, NetEvent, Qos};
-
-/// A CA, the broker's certificate and a client certificate (common name = identity) for each
-/// of `clients`, as PEM files in `dir` (`ca.pem`, `server.pem`/`.key`, `{who}.pem`/`.key`);
-/// and `stranger.pem`/`.key`, a client certificate of another CA.
-fn certificates(dir: &Path, clients: &[&str]) {
-    let ca = |name: &str| {
-        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, name.to_string());
-        let key = rcgen::KeyPair::generate().unwrap();
-        (p.self_signed(&key).unwrap(), key)
-    };
-    let (ca_cert, ca_key) = ca("UniFed federation CA");
-    let (other, other_key) = ca("Another CA");
-    let issue = |names: Vec<String>, cn: &str, by: (&rcgen::Certificate, &rcgen::KeyPair)| {
-        let mut p = rcgen::CertificateParams::new(names).unwrap();
-        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-        let key = rcgen::KeyPair::generate().unwrap();
-        (p.signed_by(&key, by.0, by.1).unwrap(), key)
-    };
-    let write = |name: &str, (cert, key): (rcgen::Certificate, rcgen::KeyPair)| {
-        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
-        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
-    };
-    std::fs::write(dir.join("ca.pem"), ca_cert.pem()).unwrap();
-    write(
-        "server",
-        issue(
-            vec!["127.0.0.1".into(), "localhost".into()],
-            "broker",
-            (&ca_cert, &ca_key),
-        ),
-    );
-    for c in clients {
-        write(c, issue(vec![], c, (&ca_cert, &ca_key)));
-    }
-    write("stranger", issue(vec![], "grey", (&other, &other_key)));
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -93,6 +54,18 @@ async fn connect(
             }
         }
     }
+}
+
+/// The broker on `port` refuses a client without a certificate and one with a certificate of
+/// another CA.
+async fn refuses_strangers(port: u16, certs: &Path) {
+    let wait = Duration::from_secs(5);
+    assert!(connect(port, certs, None, vec![], wait).await.is_err());
+    assert!(
+        connect(port, certs, Some("stranger"), vec![], wait)
+            .await
+            .is_err()
+    );
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -186,14 +159,8 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
 
     let ns = "unifed/v1/e2e";
     runtime().block_on(async {
-        // Without a certificate, or with one of another CA: refused.
         let wait = Duration::from_secs(5);
-        assert!(connect(port, &certs, None, vec![], wait).await.is_err());
-        assert!(
-            connect(port, &certs, Some("stranger"), vec![], wait)
-                .await
-                .is_err()
-        );
+        refuses_strangers(port, &certs).await;
         let (agg, mut agg_rx) = connect(
             port,
             &certs,
@@ -308,12 +275,7 @@ fn the_embedded_broker_with_mutual_tls_refuses_a_client_without_a_certificate() 
     let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
     runtime().block_on(async {
         let wait = Duration::from_secs(5);
-        assert!(connect(port, &certs, None, vec![], wait).await.is_err());
-        assert!(
-            connect(port, &certs, Some("stranger"), vec![], wait)
-                .await
-                .is_err()
-        );
+        refuses_strangers(port, &certs).await;
         let (c, _rx) = connect(port, &certs, Some("grey"), vec![], wait)
             .await
             .unwrap();
