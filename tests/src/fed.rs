@@ -255,6 +255,29 @@ impl Fed {
         cfg
     }
 
+    /// Every line of the aggregator's audit log.
+    pub fn audit(&self) -> Vec<unifed_aggregator::store::AuditEntry> {
+        unifed_aggregator::store::Store::open(&self.agg_dir())
+            .expect("the aggregator's data directory")
+            .audit_entries()
+            .expect("the audit log")
+    }
+
+    /// Sites whose update of `round` the aggregator holds, sorted: accepted, or answered as a
+    /// duplicate (an aggregator killed after spooling an update and before auditing it finds
+    /// the update in its spool and answers the re-send as a duplicate).
+    pub fn accepted(&self, round: u64) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .audit()
+            .into_iter()
+            .filter(|e| (e.event == "accepted" || e.event == "duplicate") && e.round == round)
+            .map(|e| e.site)
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
     /// The state folder of `site`'s agent.
     pub fn site_dir(&self, site: &str) -> PathBuf {
         self.dir.join(site)

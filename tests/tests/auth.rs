@@ -8,7 +8,6 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-use unifed_aggregator::store::{AuditEntry, Store};
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, Erased, serial};
 use unifed_protocol::auth::{Keyring, SigningKey};
@@ -27,24 +26,6 @@ const LONG: Duration = Duration::from_secs(300);
 
 fn id(s: &str) -> Id {
     Id::new(s).unwrap()
-}
-
-fn audit(fed: &Fed) -> Vec<AuditEntry> {
-    Store::open(&fed.agg_dir())
-        .unwrap()
-        .audit_entries()
-        .unwrap()
-}
-
-/// Sites whose update of `round` the aggregator counted.
-fn accepted(fed: &Fed, round: u64) -> Vec<String> {
-    let mut v: Vec<String> = audit(fed)
-        .into_iter()
-        .filter(|e| e.event == "accepted" && e.round == round)
-        .map(|e| e.site)
-        .collect();
-    v.sort();
-    v
 }
 
 /// A well-formed update of `round` trained from `version`: every non-BN tensor of `spec`
@@ -285,13 +266,14 @@ fn a_hostile_client_changes_nothing_the_honest_federation_computes() {
     // Only the real sites' updates counted, every round.
     for round in 1..=fed.rounds {
         assert_eq!(
-            accepted(&fed, round),
+            fed.accepted(round),
             ["grey", "lowres", "texture"],
             "round {round}"
         );
     }
     // The enrolled attacker's poison was refused with its reasons.
-    let rogue: Vec<String> = audit(&fed)
+    let rogue: Vec<String> = fed
+        .audit()
         .into_iter()
         .filter(|e| e.site == "rogue")
         .map(|e| format!("{} {}", e.event, e.detail))
@@ -364,7 +346,7 @@ fn a_site_revoked_while_the_sites_run_is_refused_from_its_next_update() {
     let mut agg = fed.aggregator();
     let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
     let t0 = std::time::Instant::now();
-    while accepted(&fed, 1).len() < 3 {
+    while fed.accepted(1).len() < 3 {
         assert!(t0.elapsed() < LONG, "round 1 did not close\n{}", fed.logs());
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -397,8 +379,8 @@ fn a_site_revoked_while_the_sites_run_is_refused_from_its_next_update() {
         fed.wait_ok(a, s, LONG);
     }
     fed.wait_ok(&mut agg, "aggregator", LONG);
-    assert_eq!(accepted(&fed, 1), ["grey", "lowres", "texture"]);
-    assert_eq!(accepted(&fed, 2), ["grey", "texture"]);
+    assert_eq!(fed.accepted(1), ["grey", "lowres", "texture"]);
+    assert_eq!(fed.accepted(2), ["grey", "texture"]);
     // The revoked site is cut off: it is served nothing more, so it never gets the new model.
     agents[2].kill();
     let lowres = std::fs::read_to_string(dir.path().join("lowres.log")).unwrap();

@@ -6,7 +6,7 @@
 
 use std::sync::OnceLock;
 use std::time::Duration;
-use unifed_aggregator::store::{AuditEntry, Store};
+use unifed_aggregator::store::Store;
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, Erased, Guard, Proxy, serial};
 use unifed_models::checkpoint;
@@ -26,27 +26,6 @@ fn wait_ok(g: &mut Guard, what: &str, fed: &Fed) {
 fn final_model(fed: &Fed) -> Vec<Vec<f32>> {
     let store = Store::open(&fed.agg_dir()).unwrap();
     store.load_model(fed.rounds, &fed.spec().hash().0).unwrap()
-}
-
-fn audit(fed: &Fed) -> Vec<AuditEntry> {
-    Store::open(&fed.agg_dir())
-        .unwrap()
-        .audit_entries()
-        .unwrap()
-}
-
-/// Sites whose update of `round` the aggregator holds: accepted, or answered as a duplicate
-/// (an aggregator killed after spooling an update and before auditing it finds the update in its
-/// spool and answers the re-send as a duplicate).
-fn accepted(fed: &Fed, round: u64) -> Vec<String> {
-    let mut v: Vec<String> = audit(fed)
-        .into_iter()
-        .filter(|e| (e.event == "accepted" || e.event == "duplicate") && e.round == round)
-        .map(|e| e.site)
-        .collect();
-    v.sort();
-    v.dedup();
-    v
 }
 
 /// Every agent's non-BN weights equal the aggregator's final model.
@@ -122,9 +101,9 @@ fn an_agent_killed_mid_federation_is_left_out_at_the_deadline_and_resumes_after_
         wait_ok(g, s, &fed);
     }
     wait_ok(&mut agg, "aggregator", &fed);
-    assert_eq!(accepted(&fed, 1), ["grey", "lowres", "texture"]);
-    assert_eq!(accepted(&fed, 2), ["grey", "texture"]);
-    assert_eq!(accepted(&fed, 3), ["grey", "lowres", "texture"]);
+    assert_eq!(fed.accepted(1), ["grey", "lowres", "texture"]);
+    assert_eq!(fed.accepted(2), ["grey", "texture"]);
+    assert_eq!(fed.accepted(3), ["grey", "lowres", "texture"]);
     agents_hold(&fed, &SITES, &final_model(&fed));
     let log = std::fs::read_to_string(fed.dir.join("lowres.log")).unwrap();
     assert!(
@@ -189,7 +168,7 @@ fn sigterm_mid_round_stops_an_agent_with_its_checkpoint_and_the_restart_ends_as_
     }
     wait_ok(&mut agg, "aggregator", &fed);
     assert_eq!(final_model(&fed), want);
-    assert_eq!(accepted(&fed, 2), ["grey", "lowres", "texture"]);
+    assert_eq!(fed.accepted(2), ["grey", "lowres", "texture"]);
 }
 
 /// Publishes junk on every topic the agents and the aggregator subscribe to, every 50 ms, until
@@ -388,10 +367,10 @@ fn junk_on_every_topic_leaves_agents_and_aggregator_running_and_the_model_unchan
     // Same model as without the noise; the junk reached both sides and was dropped or refused.
     assert_eq!(final_model(&fed), want);
     for r in 1..=fed.rounds {
-        assert_eq!(accepted(&fed, r), ["grey", "lowres", "texture"]);
+        assert_eq!(fed.accepted(r), ["grey", "lowres", "texture"]);
     }
     // Unsigned junk is refused in the log and earns no audit entry (no disk write).
-    assert!(!audit(&fed).iter().any(|e| e.event == "rejected"));
+    assert!(!fed.audit().iter().any(|e| e.event == "rejected"));
     let agg_log = std::fs::read_to_string(fed.dir.join("agg.log")).unwrap();
     assert!(agg_log.contains("update refused"), "{agg_log}");
     let grey = std::fs::read_to_string(fed.dir.join("grey.log")).unwrap();
@@ -436,11 +415,7 @@ fn the_aggregator_killed_between_and_during_rounds_ends_with_the_uninterrupted_m
         "the final model differs from the uninterrupted run's"
     );
     for r in 1..=3 {
-        assert_eq!(
-            accepted(&fed, r),
-            ["grey", "lowres", "texture"],
-            "round {r}"
-        );
+        assert_eq!(fed.accepted(r), ["grey", "lowres", "texture"], "round {r}");
     }
     agents_hold(&fed, &SITES, &got);
 }
@@ -469,11 +444,7 @@ fn the_broker_killed_mid_round_loses_no_update() {
     wait_ok(&mut agg, "aggregator", &fed);
     // Rounds wait for all three sites (no deadline passes), so every update arrived.
     for r in 1..=3 {
-        assert_eq!(
-            accepted(&fed, r),
-            ["grey", "lowres", "texture"],
-            "round {r}"
-        );
+        assert_eq!(fed.accepted(r), ["grey", "lowres", "texture"], "round {r}");
     }
     let got = final_model(&fed);
     assert!(
@@ -524,7 +495,8 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
     );
     assert!(log.contains("calibrated BN on 743 own images"), "{log}");
     // It took part from a round after it joined.
-    let rounds: Vec<u64> = audit(&fed)
+    let rounds: Vec<u64> = fed
+        .audit()
         .into_iter()
         .filter(|e| e.event == "accepted" && e.site == "lowres")
         .map(|e| e.round)
@@ -648,11 +620,11 @@ fn a_damaged_spool_file_is_set_aside_the_round_closes_with_the_resent_update_and
     wait_ok(&mut agg, "aggregator", &fed);
     // Set aside, re-sent, folded: the model is the undisturbed run's.
     assert!(
-        audit(&fed)
+        fed.audit()
             .iter()
             .any(|e| e.event == "spool-damaged" && e.site == "grey" && e.round == 1),
         "{:?}",
-        audit(&fed)
+        fed.audit()
     );
     assert_eq!(
         std::fs::read_dir(fed.agg_dir().join("spool-corrupt"))

@@ -10,7 +10,6 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use unifed_aggregator::store::Store;
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, serial};
 use unifed_protocol::auth::{Keyring, SigningKey};
@@ -234,18 +233,12 @@ fn run(kind: Flood) -> Measured {
     fed.wait_ok(&mut agg, "aggregator", LONG);
 
     // The honest federation's rounds closed with its own sites and model.
-    let audit = Store::open(&fed.agg_dir())
-        .unwrap()
-        .audit_entries()
-        .unwrap();
     for round in 1..=fed.rounds {
-        let mut acc: Vec<&str> = audit
-            .iter()
-            .filter(|e| e.event == "accepted" && e.round == round)
-            .map(|e| e.site.as_str())
-            .collect();
-        acc.sort();
-        assert_eq!(acc, ["grey", "lowres", "texture"], "{kind:?} round {round}");
+        assert_eq!(
+            fed.accepted(round),
+            ["grey", "lowres", "texture"],
+            "{kind:?} round {round}"
+        );
     }
     common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
     // The audit log took no junk: the disk floor is never approached.
