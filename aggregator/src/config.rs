@@ -81,8 +81,8 @@ pub struct FederationConfig {
     /// rounds sample from them.
     pub sites: Vec<EnrolledSite>,
     /// Revoked public keys: every message signed by one is refused, whichever site claims it
-    /// (a lost or stolen device). Takes effect when the aggregator (re)starts; sites keep
-    /// running.
+    /// (a lost or stolen device). `unifed-aggregator serve` re-reads it when its config file
+    /// changes; nothing restarts.
     #[serde(default)]
     pub revoked: Vec<PublicKey>,
     /// Encoding sites use for their updates.

@@ -772,6 +772,13 @@ impl Aggregator {
         Ok(actions)
     }
 
+    /// Replaces the revocation list: messages signed by a key on it are refused from now on
+    /// (and those of a key taken off it are taken again).
+    pub fn set_revoked(&mut self, revoked: Vec<unifed_protocol::PublicKey>) {
+        self.cfg.revoked = revoked;
+        self.keyring = self.cfg.keyring();
+    }
+
     /// Opens a message that arrived on the topic of `topic_site`: it must decode within
     /// `limit` bytes, be signed by that site's enrolled and unrevoked key, and belong to this
     /// federation. The error says why not, for the log.

@@ -288,19 +288,65 @@ pub fn read_config(path: &Path) -> Result<ServiceConfig> {
 
 /// Reads the service config at `path`, validates it, and serves on a runtime of its own until
 /// the federation has finished and lingered, or Ctrl-C; returns the final model version.
+/// While it serves, the file's `revoked` list is re-read whenever the file changes.
 pub fn serve_from_file(path: &Path) -> Result<u64> {
     let cfg = read_config(path)?;
-    unifed_net::block_on(serve(cfg, async {
+    unifed_net::block_on(serve(cfg, Some(path), async {
         unifed_net::stop_signal().await;
     }))?
 }
 
-/// Runs the federation until it has finished and lingered, or `shutdown` resolves. Returns the
-/// final model version.
+/// Follows the service's config file for changes to its revocation list.
+struct Revocations {
+    path: PathBuf,
+    modified: Option<SystemTime>,
+    checked: Instant,
+}
+
+impl Revocations {
+    /// How often the file's modification time is looked at.
+    const EVERY: Duration = Duration::from_secs(1);
+
+    fn new(path: &Path) -> Self {
+        Revocations {
+            path: path.into(),
+            modified: std::fs::metadata(path).and_then(|m| m.modified()).ok(),
+            checked: Instant::now(),
+        }
+    }
+
+    /// The new revocation list, when the file changed and still reads as a valid config.
+    fn changed(&mut self) -> Option<Vec<unifed_protocol::PublicKey>> {
+        if self.checked.elapsed() < Self::EVERY {
+            return None;
+        }
+        self.checked = Instant::now();
+        let m = std::fs::metadata(&self.path)
+            .and_then(|m| m.modified())
+            .ok();
+        if m == self.modified {
+            return None;
+        }
+        self.modified = m;
+        match read_config(&self.path) {
+            Ok(c) => Some(c.federation.revoked),
+            Err(e) => {
+                tracing::warn!(error = %e, "the changed config does not read; the revocation list stays as it was");
+                None
+            }
+        }
+    }
+}
+
+/// Runs the federation until it has finished and lingered, or `shutdown` resolves; re-reads
+/// the revocation list of `config` (the file `cfg` came from) when it changes. Returns the final
+/// model version.
 pub async fn serve(
     cfg: ServiceConfig,
+    config: Option<&Path>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<u64> {
+    let mut revocations = config.map(Revocations::new);
     let key = SigningKey::load(&cfg.key).context("the aggregator's key")?;
     let initial = load_model(&cfg.model)?;
     let hash: SpecHash = initial.spec.hash();
@@ -430,6 +476,10 @@ pub async fn serve(
                 {
                     wire.send(topics.manifest(), MessageKind::RoundManifest, (s.manifest.round, s.manifest.model_version), &s.manifest, true).await?;
                     manifest_at = Instant::now();
+                }
+                if let Some(revoked) = revocations.as_mut().and_then(Revocations::changed) {
+                    tracing::warn!(revoked = revoked.len(), "revocation list reloaded; other changes take effect at the next start");
+                    core.set_revoked(revoked);
                 }
                 pending = tokio::task::block_in_place(|| core.handle(Event::Tick, now_ms()))?;
             }
