@@ -196,6 +196,7 @@ impl Envelope {
     }
 
     /// The wire bytes with an empty signature slot: what a signature covers.
+    #[cfg(feature = "std")]
     pub(crate) fn encode_unsigned(&self) -> Vec<u8> {
         self.encode_with(None)
     }
