@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use unifed_models::backend::{Backend, Device, cpu_threads};
@@ -28,8 +28,8 @@ pub struct Args {
     /// Result file (JSON).
     #[arg(long, default_value = "results/bench.json")]
     out: PathBuf,
-    /// Python interpreter with torch for the reference (default: $UNIFED_TORCH_PYTHON, then
-    /// .venv/bin/python, then python3).
+    /// Python interpreter with torch for the reference (used alone when given; default: the
+    /// first of $UNIFED_TORCH_PYTHON, .venv/bin/python and python3 that imports torch).
     #[arg(long)]
     python: Option<PathBuf>,
     /// Skip the PyTorch reference.
@@ -136,21 +136,76 @@ mod burn_model {
     pub type M = unifed_models::zoo::DigitsCnn;
 }
 
-fn find_python(explicit: &Option<PathBuf>) -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(p) = explicit {
-        candidates.push(p.clone());
+/// The first of the candidate interpreters that imports torch: `explicit` alone when given,
+/// else $UNIFED_TORCH_PYTHON, `.venv/bin/python` and `python3`. The error names every
+/// candidate and why it failed.
+fn find_python(explicit: &Option<PathBuf>) -> Result<PathBuf, String> {
+    let candidates: Vec<PathBuf> = match explicit {
+        Some(p) => vec![p.clone()],
+        None => std::env::var_os("UNIFED_TORCH_PYTHON")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain([PathBuf::from(".venv/bin/python"), PathBuf::from("python3")])
+            .collect(),
+    };
+    let mut why = Vec::new();
+    for p in candidates {
+        match Command::new(&p).args(["-c", "import torch"]).output() {
+            Ok(o) if o.status.success() => return Ok(p),
+            Ok(o) => why.push(format!(
+                "{} cannot import torch ({}: {})",
+                p.display(),
+                o.status,
+                last_line(&o.stderr)
+            )),
+            Err(e) => why.push(format!("{} does not run ({e})", p.display())),
+        }
     }
-    if let Some(p) = std::env::var_os("UNIFED_TORCH_PYTHON") {
-        candidates.push(p.into());
+    Err(format!("no Python with torch: {}", why.join("; ")))
+}
+
+/// The last non-empty line of a process's output, for an error message.
+fn last_line(out: &[u8]) -> String {
+    String::from_utf8_lossy(out)
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("no output")
+        .trim()
+        .to_string()
+}
+
+/// Runs the PyTorch reference with `py`; its JSON line, or why there is none.
+fn torch_reference(py: &Path, args: &Args) -> Result<Value, String> {
+    println!("benchmarking PyTorch with {} ...", py.display());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_bench.py");
+    let out = Command::new(py)
+        .arg(&script)
+        .args([
+            "--threads",
+            &cpu_threads().to_string(),
+            "--steps",
+            &args.steps.to_string(),
+            "--warmup",
+            &args.warmup.to_string(),
+            "--device",
+            &args.torch_device,
+        ])
+        .env("OMP_WAIT_POLICY", "PASSIVE")
+        .output()
+        .map_err(|e| format!("running {} {}: {e}", py.display(), script.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {} failed ({}): {}",
+            py.display(),
+            script.display(),
+            out.status,
+            last_line(&out.stderr)
+        ));
     }
-    candidates.push(PathBuf::from(".venv/bin/python"));
-    candidates.push(PathBuf::from("python3"));
-    candidates.into_iter().find(|p| {
-        Command::new(p)
-            .args(["-c", "import torch"])
-            .output()
-            .is_ok_and(|o| o.status.success())
+    let line = last_line(&out.stdout);
+    serde_json::from_str::<Value>(&line).map_err(|e| {
+        format!("the reference's last output line is not its JSON result ({e}): {line}")
     })
 }
 
@@ -171,35 +226,16 @@ pub fn run(args: &Args) -> Result<()> {
                 .with_context(|| format!("backend {backend}"))?,
         );
     }
-    let torch = if args.no_torch {
-        None
-    } else if let Some(py) = find_python(&args.python) {
-        println!("benchmarking PyTorch with {} ...", py.display());
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_bench.py");
-        let out = Command::new(&py)
-            .arg(&script)
-            .args([
-                "--threads",
-                &cpu_threads().to_string(),
-                "--steps",
-                &args.steps.to_string(),
-                "--warmup",
-                &args.warmup.to_string(),
-                "--device",
-                &args.torch_device,
-            ])
-            .env("OMP_WAIT_POLICY", "PASSIVE")
-            .output()
-            .with_context(|| format!("running {}", script.display()))?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        stdout
-            .lines()
-            .last()
-            .and_then(|l| serde_json::from_str::<Value>(l).ok())
+    let torch: Result<Value, String> = if args.no_torch {
+        Err("skipped (--no-torch)".into())
     } else {
-        println!("no Python with torch found: skipping the PyTorch reference");
-        None
+        find_python(&args.python).and_then(|py| torch_reference(&py, args))
     };
+    if let Err(why) = &torch {
+        println!("no PyTorch reference: {why}");
+    }
+    let torch_error = torch.as_ref().err().cloned();
+    let torch = torch.ok();
     let f = |v: &Value, k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
     println!(
         "\n| framework | backend | threads | train samples/s (b32) | infer samples/s (b32) | infer samples/s (b256) | peak RSS MiB |"
@@ -265,6 +301,7 @@ pub fn run(args: &Args) -> Result<()> {
             "warmup": args.warmup,
             "burn": rows,
             "pytorch": torch,
+            "pytorch_error": torch_error,
             "ratio_burn_over_pytorch": ratios,
         }))?,
     )?;

@@ -306,3 +306,51 @@ fn predict_prints_a_class_and_probability_for_every_image_in_file_order() {
         }
     }
 }
+
+#[test]
+fn bench_names_why_there_is_no_pytorch_reference_instead_of_writing_null_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = dir.path().join("python-without-torch");
+    std::fs::write(
+        &py,
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &py,
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
+    )
+    .unwrap();
+    let out_file = dir.path().join("bench.json");
+    let out = agent()
+        .args([
+            "--threads",
+            "1",
+            "bench",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--python",
+        ])
+        .arg(&py)
+        .arg("--out")
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_file).unwrap()).unwrap();
+    assert!(v["pytorch"].is_null());
+    let why = v["pytorch_error"].as_str().unwrap();
+    assert!(
+        why.contains("python-without-torch cannot import torch")
+            && why.contains("No module named 'torch'"),
+        "{why}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains(why));
+    assert!(v["burn"][0]["train_samples_per_s"].as_f64().unwrap() > 0.0);
+}
