@@ -12,6 +12,8 @@
 //! - router limits are non-zero (rumqttd's zero defaults panic or refuse every connection), and
 //!   each filter's in-memory log is bounded to 2 segments of at least 4 packets or 16 MiB.
 
+pub mod tls;
+
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -86,29 +88,24 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
         external_auth: None,
         dynamic_filters: true,
     };
+    // Under mutual TLS the public port is ours (tls.rs) and rumqttd listens on loopback.
     let tls = match (&args.tls_cert, &args.tls_key, &args.tls_client_ca) {
-        (Some(cert), Some(key), Some(ca)) => {
-            for (what, p) in [
-                ("--tls-cert", cert),
-                ("--tls-key", key),
-                ("--tls-client-ca", ca),
-            ] {
-                std::fs::metadata(p).with_context(|| format!("{what} {}", p.display()))?;
-            }
-            let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
-            Some(rumqttd::TlsConfig::Rustls {
-                capath: Some(s(ca)),
-                certpath: s(cert),
-                keypath: s(key),
-            })
-        }
+        (Some(cert), Some(key), Some(ca)) => Some(tls::acceptor(cert, key, ca)?),
         (None, None, None) => None,
         _ => bail!("mutual TLS needs --tls-cert, --tls-key and --tls-client-ca together"),
+    };
+    let (public, listen) = match &tls {
+        Some(_) => {
+            let public = TcpListener::bind(listen).with_context(|| format!("binding {listen}"))?;
+            let inner = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+            (Some(public), inner)
+        }
+        None => (None, listen),
     };
     let server = rumqttd::ServerSettings {
         name: "v4".into(),
         listen,
-        tls,
+        tls: None,
         next_connection_delay_ms: 1,
         connections,
     };
@@ -139,7 +136,29 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    println!("unifed-broker listening on {listen}");
+    let shown = match (public, tls) {
+        (Some(public), Some(acceptor)) => {
+            let addr = public.local_addr()?;
+            public.set_nonblocking(true)?;
+            let max = args.max_connections;
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()
+                    .expect("a runtime for the TLS listener");
+                rt.block_on(async move {
+                    let l = tokio::net::TcpListener::from_std(public).expect("the TLS listener");
+                    if let Err(e) = tls::serve(l, acceptor, listen, max).await {
+                        tracing::error!(error = %e, "the TLS listener stopped");
+                    }
+                });
+            });
+            addr
+        }
+        _ => listen,
+    };
+    println!("unifed-broker listening on {shown}");
     use std::io::Write;
     std::io::stdout().flush()?;
     match handle.join() {

@@ -3,7 +3,7 @@
 //! publish on them (or on the manifest), a client without a certificate of the federation's CA
 //! is refused, and a federation runs through it. On the embedded broker with `--tls-cert`,
 //! `--tls-key` and `--tls-client-ca`: a client without a certificate is refused, one with a
-//! certificate gets in. A test CA is made here; no key is committed.
+//! certificate gets in, even while silent connections hold handshakes open. A test CA is made here; no key is committed.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -273,6 +273,10 @@ fn the_embedded_broker_with_mutual_tls_refuses_a_client_without_a_certificate() 
         .read_line(&mut line)
         .unwrap();
     let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
+    // A client that opens connections and never speaks does not stall the others' handshakes.
+    let _silent: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
     runtime().block_on(async {
         let wait = Duration::from_secs(5);
         refuses_strangers(port, &certs).await;

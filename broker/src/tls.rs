@@ -1,0 +1,97 @@
+//! Mutual TLS in front of rumqttd. rumqttd awaits each TLS handshake inline in its accept loop,
+//! so one client that opens a connection and says nothing stalls every later accept; here each
+//! handshake runs in a task of its own under a timeout, at most `max_connections` at once, and
+//! only a client whose certificate chains to the federation's CA reaches the broker, which
+//! listens in plain TCP on a loopback port of its own.
+
+use anyhow::{Context, Result, bail};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{RootCertStore, ServerConfig};
+
+/// A client has this long to complete its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The acceptor for the broker's certificate `cert` and key `key`, requiring a client
+/// certificate signed by a CA of `client_ca` (all PEM).
+pub fn acceptor(cert: &Path, key: &Path, client_ca: &Path) -> Result<TlsAcceptor> {
+    let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let certs = rustls_pemfile::certs(&mut &read(cert)?[..])
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("{}: not PEM certificates", cert.display()))?;
+    if certs.is_empty() {
+        bail!("{}: holds no certificate", cert.display());
+    }
+    let key_der = rustls_pemfile::private_key(&mut &read(key)?[..])
+        .with_context(|| format!("{}: not a PEM key", key.display()))?
+        .with_context(|| format!("{}: holds no private key", key.display()))?;
+    let mut roots = RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut &read(client_ca)?[..]) {
+        let c = c.with_context(|| format!("{}: not PEM certificates", client_ca.display()))?;
+        roots
+            .add(c)
+            .with_context(|| format!("{}: a CA certificate is not valid", client_ca.display()))?;
+    }
+    if roots.is_empty() {
+        bail!("{}: holds no CA certificate", client_ca.display());
+    }
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .context("the client-certificate verifier")?;
+    let config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("TLS versions")?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key_der)
+        .with_context(|| format!("{} and {} do not match", cert.display(), key.display()))?;
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Accepts TLS clients on `listener` and joins each, once its handshake (with a valid client
+/// certificate) completed within [`HANDSHAKE_TIMEOUT`], to a plain connection to `broker`.
+/// Connections beyond `max_connections` at once are closed at once.
+pub async fn serve(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    broker: SocketAddr,
+    max_connections: usize,
+) -> Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "connection refused: {max_connections} connections already");
+            continue;
+        };
+        let acceptor = acceptor.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return tracing::warn!(%peer, error = %e, "TLS handshake refused"),
+                Err(_) => return tracing::warn!(%peer, "TLS handshake timed out"),
+            };
+            let mut plain = match TcpStream::connect(broker).await {
+                Ok(s) => s,
+                Err(e) => {
+                    return tracing::error!(error = %e, "the broker behind TLS is unreachable");
+                }
+            };
+            let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+        });
+    }
+}
