@@ -101,10 +101,7 @@ pub struct Identity {
 impl Identity {
     /// A keyring trusting only the aggregator.
     pub fn keyring(&self) -> Keyring {
-        Keyring::single(
-            Id::new(unifed_protocol::AGGREGATOR_ID).expect("a valid id"),
-            self.aggregator,
-        )
+        Keyring::aggregator(self.aggregator)
     }
 }
 

@@ -135,6 +135,9 @@ pub struct Aggregator {
     keyring: Keyring,
     /// Rejects audited per site in the open round (see [`AUDITED_REJECTS`]).
     rejects: std::collections::BTreeMap<String, u32>,
+    /// The L2 norm of the current model over the tensors updates carry, with the model version
+    /// it is of: computed once per version, not once per update.
+    model_norm: std::cell::Cell<Option<(u64, f64)>>,
 }
 
 /// Rejects of one site audited per round; past it one `audit-suppressed` line is written and
@@ -276,6 +279,7 @@ impl Aggregator {
             setup,
             keyring: cfg_keyring,
             rejects: Default::default(),
+            model_norm: Default::default(),
         })
     }
 
@@ -779,6 +783,20 @@ impl Aggregator {
         self.keyring = self.cfg.keyring();
     }
 
+    /// The L2 norm of the current model over the tensors updates carry (what
+    /// `max_relative_norm` is relative to).
+    fn model_norm(&self) -> f64 {
+        let v = self.state.model_version;
+        match self.model_norm.get() {
+            Some((at, n)) if at == v => n,
+            _ => {
+                let n = l2(self.update_idx.iter().map(|&i| self.model[i].as_slice()));
+                self.model_norm.set(Some((v, n)));
+                n
+            }
+        }
+    }
+
     /// Opens a message that arrived on the topic of `topic_site`: it must decode within
     /// `limit` bytes, be signed by that site's enrolled and unrevoked key, and belong to this
     /// federation. The error says why not, for the log.
@@ -830,7 +848,7 @@ impl Aggregator {
             }
         }
         let norm = l2(dense.iter().map(Vec::as_slice));
-        let model_norm = l2(self.update_idx.iter().map(|&i| self.model[i].as_slice()));
+        let model_norm = self.model_norm();
         // A model of all zeros still lets updates of norm up to the ratio through.
         let relative = self.cfg.max_relative_norm * model_norm.max(1.0);
         let ratio = norm / model_norm.max(1.0);

@@ -154,11 +154,11 @@ impl ServeCounts {
 }
 
 /// Every site's incomplete chunked uploads: one bounded reassembler per (admitted, so
-/// enrolled) site, under a total cap.
+/// enrolled) site, each holding at most an equal share of the total cap, so together they
+/// never exceed it.
 struct Uploads {
     sites: std::collections::BTreeMap<Id, unifed_protocol::chunking::Reassembler>,
     per_site: usize,
-    total: usize,
     last_expire_ms: u64,
 }
 
@@ -180,25 +180,12 @@ impl Uploads {
         Uploads {
             sites: Default::default(),
             per_site,
-            total,
             last_expire_ms: 0,
         }
     }
 
-    /// Memory held for all sites' incomplete uploads.
-    fn held(&self) -> usize {
-        self.sites.values().map(|r| r.pending_bytes()).sum()
-    }
-
     /// Adds `site`'s chunk; the whole update when complete.
     fn insert(&mut self, site: &Id, c: Chunk, now_ms: u64) -> Result<Option<Vec<u8>>, String> {
-        let held = self.held();
-        if held + c.data.len() + unifed_protocol::chunking::CHUNK_OVERHEAD > self.total {
-            return Err(format!(
-                "the aggregator holds {held} bytes of uploads, its cap is {}",
-                self.total
-            ));
-        }
         let per_site = self.per_site;
         self.sites
             .entry(site.clone())
@@ -499,32 +486,28 @@ pub async fn serve(
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
                         let site = site.to_string();
                         // Updates above the packet limit arrive as chunks, each signed: a chunk
-                        // is checked before it takes any memory. The core gets whole messages.
-                        let opened = Id::new(&site).map_err(|e| e.to_string()).and_then(|id| core.admit(&id, &payload, cfg.broker.max_packet_bytes + 4096).map(|env| (id, env)));
-                        let whole = match opened {
-                            Ok((id, env)) if env.kind == MessageKind::UpdateChunk => {
-                                let inserted = env.payload_as::<Chunk>().map_err(|e| e.to_string()).and_then(|c| {
-                                    let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
-                                    uploads.insert(&id, c, now_ms()).map(|done| (r, done))
-                                });
-                                match inserted {
-                                    Ok((r, done)) => {
-                                        // Receipt first: the site's upload window moves on.
-                                        if let Ok(id) = Id::new(&site) {
-                                            wire.send(topics.ack(&id), MessageKind::UpdateReceipt, (r.round, core.model_version()), &r, false).await?;
-                                        }
-                                        done
-                                    }
-                                    Err(e) => {
-                                        tracing::warn!(site, error = %e, "update chunk dropped");
-                                        None
-                                    }
+                        // is checked before it takes any memory. Whole messages go to the core,
+                        // which opens them (once) and refuses what is not an update.
+                        let whole = if Envelope::peek_kind(&payload) == Some(MessageKind::UpdateChunk) {
+                            let opened = Id::new(&site).map_err(|e| e.to_string()).and_then(|id| core.admit(&id, &payload, cfg.broker.max_packet_bytes + 4096).map(|env| (id, env)));
+                            let inserted = opened.and_then(|(id, env)| {
+                                let c = env.payload_as::<Chunk>().map_err(|e| e.to_string())?;
+                                let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
+                                uploads.insert(&id, c, now_ms()).map(|done| (id, r, done))
+                            });
+                            match inserted {
+                                Ok((id, r, done)) => {
+                                    // Receipt first: the site's upload window moves on.
+                                    wire.send(topics.ack(&id), MessageKind::UpdateReceipt, (r.round, core.model_version()), &r, false).await?;
+                                    done
+                                }
+                                Err(e) => {
+                                    tracing::warn!(site, error = %e, "update chunk dropped");
+                                    None
                                 }
                             }
-                            Ok(_) => Some(payload),
-                            // Too large for one packet, or not signed by the topic's site: the
-                            // core refuses it with the reason.
-                            Err(_) => Some(payload),
+                        } else {
+                            Some(payload)
                         };
                         uploads.expire(now_ms());
                         if let Some(bytes) = whole {

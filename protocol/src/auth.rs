@@ -212,6 +212,15 @@ impl Keyring {
         k
     }
 
+    /// A keyring trusting only the aggregator, with its pinned `key`: what every site opens
+    /// the aggregator's messages with.
+    pub fn aggregator(key: PublicKey) -> Keyring {
+        Keyring::single(
+            Id::new(crate::ids::AGGREGATOR_ID).expect("the aggregator's id is valid"),
+            key,
+        )
+    }
+
     /// Trusts `sender` with `key` (replacing an earlier key of the same sender).
     pub fn enrol(&mut self, sender: Id, key: PublicKey) {
         self.keys.insert(sender, key);

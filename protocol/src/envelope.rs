@@ -246,6 +246,18 @@ impl Envelope {
         })
     }
 
+    /// The kind named in the fixed header of `bytes`, if they start with this version's
+    /// header: enough to route a message before it is decoded and its signature checked.
+    pub fn peek_kind(bytes: &[u8]) -> Option<MessageKind> {
+        if bytes.len() < HEADER_LEN
+            || bytes[..4] != MAGIC
+            || bytes[4..6] != PROTOCOL_VERSION.to_le_bytes()
+        {
+            return None;
+        }
+        MessageKind::from_u16(u16::from_le_bytes([bytes[6], bytes[7]]))
+    }
+
     /// Like [`Envelope::decode`], but refuses inputs longer than `limit` bytes before parsing.
     pub fn decode_limited(bytes: &[u8], limit: usize) -> Result<Envelope, DecodeError> {
         if bytes.len() > limit {
@@ -311,6 +323,23 @@ mod tests {
         let mut signed = e;
         signed.signature = Some(vec![9; 64]);
         assert_eq!(Envelope::decode(&signed.encode()), Ok(signed));
+    }
+
+    #[test]
+    fn the_kind_is_read_from_the_header_alone() {
+        let bytes = envelope().encode();
+        assert_eq!(Envelope::peek_kind(&bytes), Some(MessageKind::ChunkRequest));
+        assert_eq!(
+            Envelope::peek_kind(&bytes[..HEADER_LEN]),
+            Some(MessageKind::ChunkRequest)
+        );
+        assert_eq!(Envelope::peek_kind(&bytes[..HEADER_LEN - 1]), None);
+        let mut old = bytes.clone();
+        old[4..6].copy_from_slice(&(PROTOCOL_VERSION - 1).to_le_bytes());
+        assert_eq!(Envelope::peek_kind(&old), None);
+        let mut unknown = bytes;
+        unknown[6..8].copy_from_slice(&99u16.to_le_bytes());
+        assert_eq!(Envelope::peek_kind(&unknown), None);
     }
 
     #[test]

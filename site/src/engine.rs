@@ -199,7 +199,7 @@ impl SiteEngine {
         let max = cfg.max_model_bytes.saturating_mul(2).max(1 << 20);
         SiteEngine {
             topics: Topics::new(&cfg.federation),
-            keyring: Keyring::single(Id::new(AGGREGATOR_ID).expect("a valid id"), cfg.aggregator),
+            keyring: Keyring::aggregator(cfg.aggregator),
             resumed: progress.is_some(),
             progress: progress.unwrap_or_default(),
             manifest: None,

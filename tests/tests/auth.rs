@@ -82,7 +82,7 @@ fn attack(fed: Fed, stop: Arc<AtomicBool>) -> Sent {
         .unwrap();
     let spec = fed.spec();
     let hash: SpecHash = spec.hash();
-    let aggregator = Keyring::single(id(AGGREGATOR_ID), fed.key("aggregator").public());
+    let aggregator = Keyring::aggregator(fed.key("aggregator").public());
     let mallory = SigningKey::from_seed([0x66; 32]);
     let rogue = fed.key("rogue");
     rt.block_on(async move {

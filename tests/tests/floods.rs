@@ -15,7 +15,7 @@ use unifed_e2e::{Broker, BrokerKind, serial};
 use unifed_protocol::auth::{Keyring, SigningKey};
 use unifed_protocol::chunking::payload_hash;
 use unifed_protocol::envelope::{Envelope, MessageKind};
-use unifed_protocol::ids::{AGGREGATOR_ID, Id};
+use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{Chunk, ChunkRequest, RoundManifest};
 use unifed_protocol::topics::Topics;
 
@@ -64,7 +64,7 @@ fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) 
         .unwrap();
     let rogue = fed.key("rogue");
     let mallory = SigningKey::from_seed([0x77; 32]);
-    let aggregator = Keyring::single(id(AGGREGATOR_ID), fed.key("aggregator").public());
+    let aggregator = Keyring::aggregator(fed.key("aggregator").public());
     let hash = fed.spec().hash();
     rt.block_on(async move {
         let topics = Topics::new(&id("e2e"));
