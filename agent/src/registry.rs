@@ -470,7 +470,7 @@ impl OnboardClient {
                 let req = ChunkRequest {
                     model_version: info.model_version,
                     indices,
-                    package: true,
+                    payload: unifed_protocol::messages::Payload::Package,
                 };
                 self.send(
                     self.topics.chunk_request(&self.owner.site),

@@ -237,7 +237,7 @@ struct SiteFiles {
 }
 
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
-const CHECKPOINT_VERSION: u32 = 1;
+const CHECKPOINT_VERSION: u32 = 2;
 
 /// What `checkpoint.bin` holds after its magic and version.
 #[derive(Serialize, Deserialize)]
@@ -413,7 +413,7 @@ pub async fn run(
     // Events the driver itself produced (applied, trained), handled before new input.
     let mut queue: std::collections::VecDeque<Event> = std::collections::VecDeque::new();
     // What to announce once the checkpoint that follows an applied model is written.
-    let mut announce: Option<(RoundManifest, u64)> = None;
+    let mut announce: Option<(RoundManifest, u64, u64)> = None;
     loop {
         let event = match queue.pop_front() {
             Some(e) => e,
@@ -444,12 +444,13 @@ pub async fn run(
                 }
                 SiteAction::Apply {
                     manifest: m,
-                    broadcast,
+                    download,
                     joining,
                     fetch_ms,
+                    bytes,
                 } => {
                     let s = site.as_mut().expect("site present");
-                    if let Err(e) = s.receive(&spec, &m, &broadcast) {
+                    if let Err(e) = s.receive(&spec, &m, &download) {
                         queue.push_back(Event::ApplyFailed {
                             version: m.model_version,
                             error: e.to_string(),
@@ -503,7 +504,7 @@ pub async fn run(
                     queue.push_back(Event::Applied {
                         version: m.model_version,
                     });
-                    announce = Some((m, fetch_ms));
+                    announce = Some((m, fetch_ms, bytes));
                 }
                 SiteAction::Train { manifest: m } => {
                     println!(
@@ -596,11 +597,11 @@ pub async fn run(
                 SiteAction::Checkpoint => {
                     let s = site.as_ref().expect("site present");
                     save(s, engine.progress())?;
-                    if let Some((m, fetch_ms)) = announce.take() {
+                    if let Some((m, fetch_ms, bytes)) = announce.take() {
                         println!("{site_id}: applied model v{}", m.model_version);
                         Report::Applied {
                             version: m.model_version,
-                            bytes: m.payload_len,
+                            bytes,
                             seconds: fetch_ms as f64 / 1000.0,
                         }
                         .emit();

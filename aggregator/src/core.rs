@@ -14,12 +14,12 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{payload_hash, split};
-use unifed_protocol::encoding::EncodedTensor;
-use unifed_protocol::encoding::Encoding;
+use unifed_protocol::encoding::{EncodedTensor, Encoding, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Answer, BnPolicy, Chunk, RejectReason, RoundManifest, ServerBroadcast, ServerExtras, SiteUpdate,
+    Answer, BnPolicy, Chunk, DeltaInfo, ModelDelta, RejectReason, RoundManifest, ServerBroadcast,
+    ServerExtras, SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, SpecHash};
 use unifed_protocol::{TensorKind, TensorSpec};
@@ -72,6 +72,9 @@ pub enum Action {
         manifest: RoundManifest,
         /// The model payload (a postcard [`ServerBroadcast`]) cut into chunks.
         chunks: Vec<Chunk>,
+        /// The model as a delta from the previous version (a postcard [`ModelDelta`]) cut into
+        /// chunks, when the manifest announces one; empty otherwise.
+        delta_chunks: Vec<Chunk>,
     },
     /// A round closed with the updates of `sites`, giving model `model_version`.
     RoundClosed {
@@ -121,6 +124,13 @@ pub struct Aggregator {
     pub(crate) store: Store,
     pub(crate) state: State,
     pub(crate) model: Vec<Vec<f32>>,
+    /// Under a lossy encoding, the model the sites hold (every tensor in spec order): the
+    /// previous one plus each decoded delta sent, so what the encoding dropped is still in
+    /// `model - held` and goes out with the next delta. `None` under `f32`, where sites hold
+    /// `model` itself.
+    held: Option<Vec<Vec<f32>>>,
+    /// The postcard [`ModelDelta`] giving the current version from the previous one.
+    delta: Option<Vec<u8>>,
     /// Spec indices of the tensors updates carry and the mean changes.
     update_idx: Vec<usize>,
     /// Spec indices of the BN tensors sites share (the BN sharing policy under `local` BN).
@@ -263,6 +273,25 @@ impl Aggregator {
             BTreeSet::new()
         };
         let cfg_keyring = cfg.keyring();
+        let (held, delta) = if cfg.encoding.is_exact() {
+            (None, None)
+        } else {
+            match store.load_held(state.model_version, &hash.0)? {
+                Some((t, d)) if t.len() == model.len() => (Some(t), Some(d)),
+                Some(_) => {
+                    return Err(CoreError::Mismatch {
+                        dir: dir.display().to_string(),
+                        message: format!(
+                            "models/v{}.held does not hold the spec's tensors",
+                            state.model_version
+                        ),
+                    });
+                }
+                // Version 0, or a federation that was exact until now: sites fetch the whole
+                // model once and follow deltas from there.
+                None => (Some(model.clone()), None),
+            }
+        };
         Ok(Aggregator {
             cfg,
             federation,
@@ -271,6 +300,8 @@ impl Aggregator {
             store,
             state,
             model,
+            held,
+            delta,
             update_idx,
             share_idx,
             accepted,
@@ -342,6 +373,12 @@ impl Aggregator {
     /// The current global model, every tensor in spec order.
     pub fn model(&self) -> &[Vec<f32>] {
         &self.model
+    }
+
+    /// The model the sites hold, every tensor in spec order: the global model under `f32`;
+    /// under a lossy encoding, what the deltas sent so far add up to.
+    pub fn held_model(&self) -> &[Vec<f32>] {
+        self.held.as_deref().unwrap_or(&self.model)
     }
 
     /// The model spec.
@@ -438,16 +475,60 @@ impl Aggregator {
         Ok(())
     }
 
-    /// The postcard [`ServerBroadcast`] of the current model: every tensor under `global` BN,
-    /// the non-BN ones under `local`, always as exact f32 (sites must start from the exact model).
+    /// The postcard [`ServerBroadcast`] of the model the sites hold: every tensor under
+    /// `global` BN, the non-BN ones under `local`, always as exact f32 (a site that fetches the
+    /// whole model holds exactly what the sites following the deltas hold).
     pub fn broadcast_payload(&self) -> Vec<u8> {
+        let held = self.held_model();
         self.exact_broadcast(
             self.state.model_version,
             self.update_idx
                 .iter()
-                .map(|&i| (&self.spec.tensors[i], self.model[i].as_slice())),
+                .map(|&i| (&self.spec.tensors[i], held[i].as_slice())),
             self.strategy.extras(),
         )
+    }
+
+    /// Under a lossy encoding, sends the new model `version` as a delta from the held one:
+    /// encodes `model - held` over the trainable tensors of the broadcast (BN running
+    /// statistics go whole, as exact values), adds the decoded delta to `held`, and writes
+    /// both before the state that names `version` is committed.
+    fn advance_held(&mut self, version: u64) -> Result<(), CoreError> {
+        let Some(held) = &mut self.held else {
+            return Ok(());
+        };
+        let mut delta = Vec::new();
+        let mut values = Vec::new();
+        for &i in &self.update_idx {
+            let t = &self.spec.tensors[i];
+            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+            if t.kind.is_bn_stat() {
+                held[i].copy_from_slice(&self.model[i]);
+                values.push(encode(&t.name, &shape, &held[i], Encoding::F32, None));
+                continue;
+            }
+            let d: Vec<f32> = self.model[i]
+                .iter()
+                .zip(&held[i])
+                .map(|(x, h)| x - h)
+                .collect();
+            let e = encode(&t.name, &shape, &d, self.cfg.encoding, None);
+            let back = decode(&e).map_err(|e| CoreError::Model(e.to_string()))?;
+            held[i].iter_mut().zip(&back).for_each(|(h, d)| *h += d);
+            delta.push(e);
+        }
+        let payload = postcard::to_allocvec(&ModelDelta {
+            from_version: version.saturating_sub(1),
+            model_version: version,
+            delta,
+            values,
+            extras: self.strategy.extras(),
+        })
+        .expect("delta serialises");
+        self.store
+            .save_held(version, &self.hash.0, held, &payload)?;
+        self.delta = Some(payload);
+        Ok(())
     }
 
     /// The postcard [`ServerBroadcast`] of model `version` carrying `tensors` in exact f32 and
@@ -469,6 +550,19 @@ impl Aggregator {
     fn publish(&self) -> Action {
         let payload = self.broadcast_payload();
         let chunks = split(&payload, self.chunk_bytes);
+        let (delta, delta_chunks) = match &self.delta {
+            Some(d) if self.state.model_version > 0 => {
+                let c = split(d, self.chunk_bytes);
+                let info = DeltaInfo {
+                    from_version: self.state.model_version - 1,
+                    chunk_count: c.len() as u32,
+                    payload_len: d.len() as u64,
+                    payload_hash: payload_hash(d),
+                };
+                (Some(info), c)
+            }
+            _ => (None, Vec::new()),
+        };
         let manifest = RoundManifest {
             round: self.state.round,
             model_version: self.state.model_version,
@@ -476,6 +570,7 @@ impl Aggregator {
             chunk_count: chunks.len() as u32,
             payload_len: payload.len() as u64,
             payload_hash: payload_hash(&payload),
+            delta,
             encoding: self.cfg.encoding,
             bn_policy: self.cfg.bn_policy,
             bn_sharing: self.cfg.bn_sharing,
@@ -489,7 +584,11 @@ impl Aggregator {
             deadline_ms: self.state.deadline_ms,
             finished: self.state.finished,
         };
-        Action::Publish { manifest, chunks }
+        Action::Publish {
+            manifest,
+            chunks,
+            delta_chunks,
+        }
     }
 
     pub(crate) fn audit(
@@ -986,6 +1085,7 @@ impl Aggregator {
                 version
             }
         };
+        self.advance_held(version)?;
         self.state.recent.push(ClosedRound {
             round,
             accepted: sites.clone(),

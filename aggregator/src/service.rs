@@ -13,8 +13,8 @@ use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Chunk, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, RoundManifest, UpdateAnswer,
-    UpdateReceipt,
+    Chunk, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, Payload, RoundManifest,
+    UpdateAnswer, UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
 use unifed_protocol::{ModelSpec, SpecHash};
@@ -122,6 +122,9 @@ struct Served {
     manifest: RoundManifest,
     /// The model's chunks as signed envelopes, signed once per version.
     chunks: Vec<Vec<u8>>,
+    /// The chunks of the model's delta from the previous version, signed likewise (empty when
+    /// the manifest announces none).
+    delta_chunks: Vec<Vec<u8>>,
 }
 
 /// Chunks served per request at most (sites ask for windows of 16).
@@ -132,16 +135,16 @@ const MAX_SERVES_PER_CHUNK: u8 = 8;
 /// Milliseconds between sweeps of expired upload sets (amortised: not on every message).
 const EXPIRE_EVERY_MS: u64 = 1_000;
 
-/// How often each chunk was served to each site, per model version (or package) served.
+/// How often each chunk was served to each site, per model version and payload served.
 #[derive(Default)]
-struct ServeCounts(std::collections::BTreeMap<(Id, u64, bool), Vec<u8>>);
+struct ServeCounts(std::collections::BTreeMap<(Id, u64, Payload), Vec<u8>>);
 
 impl ServeCounts {
     /// True (and counted) if chunk `i` of `n` may be served to `site` once more.
-    fn take(&mut self, site: &Id, (version, package): (u64, bool), i: usize, n: usize) -> bool {
+    fn take(&mut self, site: &Id, (version, payload): (u64, Payload), i: usize, n: usize) -> bool {
         let c = self
             .0
-            .entry((site.clone(), version, package))
+            .entry((site.clone(), version, payload))
             .or_insert_with(|| vec![0; n]);
         match c.get_mut(i) {
             Some(k) if *k < MAX_SERVES_PER_CHUNK => {
@@ -409,7 +412,11 @@ pub async fn serve(
                     )
                     .await?;
                 }
-                Action::Publish { manifest, chunks } => {
+                Action::Publish {
+                    manifest,
+                    chunks,
+                    delta_chunks,
+                } => {
                     wire.send(
                         topics.manifest(),
                         MessageKind::RoundManifest,
@@ -425,13 +432,19 @@ pub async fn serve(
                         "published manifest"
                     );
                     let at = (manifest.round, manifest.model_version);
-                    let chunks = tokio::task::block_in_place(|| {
+                    let seal = |chunks: &[Chunk]| -> Vec<Vec<u8>> {
                         chunks
                             .iter()
                             .map(|c| wire.seal(MessageKind::ModelChunk, at, c))
                             .collect()
+                    };
+                    let (chunks, delta_chunks) =
+                        tokio::task::block_in_place(|| (seal(&chunks), seal(&delta_chunks)));
+                    served = Some(Served {
+                        manifest,
+                        chunks,
+                        delta_chunks,
                     });
-                    served = Some(Served { manifest, chunks });
                     // A new version: the counts of the old one are of no more use.
                     serves = ServeCounts::default();
                     manifest_at = Instant::now();
@@ -547,20 +560,27 @@ async fn serve_chunks(
             return Ok(());
         }
     };
-    let chunks = if req.package {
-        if tokio::task::block_in_place(|| {
-            cached_package(wire, core, package, Some(req.model_version))
-        })?
-        .is_err()
-        {
-            return Ok(());
+    let chunks = match req.payload {
+        Payload::Package => {
+            if tokio::task::block_in_place(|| {
+                cached_package(wire, core, package, Some(req.model_version))
+            })?
+            .is_err()
+            {
+                return Ok(());
+            }
+            &package.as_ref().expect("just built").chunks
         }
-        &package.as_ref().expect("just built").chunks
-    } else {
-        match served {
-            Some(s) if s.manifest.model_version == req.model_version => &s.chunks,
+        Payload::Model | Payload::Delta => match served {
+            Some(s) if s.manifest.model_version == req.model_version => {
+                if req.payload == Payload::Delta {
+                    &s.delta_chunks
+                } else {
+                    &s.chunks
+                }
+            }
             _ => return Ok(()),
-        }
+        },
     };
     // At most a window's worth per request, each chunk once: a request cannot make the service
     // flood the broker.
@@ -578,7 +598,7 @@ async fn serve_chunks(
     for i in indices {
         if !serves.take(
             &site,
-            (req.model_version, req.package),
+            (req.model_version, req.payload),
             i as usize,
             chunks.len(),
         ) {

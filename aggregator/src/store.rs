@@ -35,6 +35,7 @@ const CHECKSUM_LEN: usize = 32;
 const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
+const HELD_MAGIC: &[u8; 4] = b"UFEH";
 
 /// Errors of the data directory, naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -192,6 +193,9 @@ fn format_version() -> u32 {
     FORMAT_VERSION
 }
 
+/// A held model (every tensor in spec order) and the delta payload that gave it.
+pub type Held = (Vec<Vec<f32>>, Vec<u8>);
+
 /// The data directory.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -282,6 +286,49 @@ impl Store {
         Ok(t)
     }
 
+    fn held_path(&self, version: u64) -> PathBuf {
+        self.dir.join("models").join(format!("v{version}.held"))
+    }
+
+    /// Writes what sites following the model deltas hold at `version` (all tensors in spec
+    /// order) and the delta payload that gives it (before the state naming the version is
+    /// committed). Only federations with a lossy encoding keep one.
+    pub fn save_held(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+        tensors: &[Vec<f32>],
+        delta: &[u8],
+    ) -> Result<(), StoreError> {
+        let mut b = Vec::with_capacity(
+            72 + delta.len() + tensors.iter().map(|t| 8 + 4 * t.len()).sum::<usize>(),
+        );
+        put_header(&mut b, HELD_MAGIC, Some(spec_hash), version);
+        put_tensors(&mut b, tensors);
+        b.extend_from_slice(&(delta.len() as u64).to_le_bytes());
+        b.extend_from_slice(delta);
+        write_atomic(&self.held_path(version), &sealed(b))
+    }
+
+    /// Reads the held model and delta payload of `version`; `None` when none was written.
+    pub fn load_held(
+        &self,
+        version: u64,
+        spec_hash: &[u8; 32],
+    ) -> Result<Option<Held>, StoreError> {
+        let p = self.held_path(version);
+        let Some(bytes) = read_optional(&p)? else {
+            return Ok(None);
+        };
+        let mut r = reader(&p, &bytes)?;
+        r.header(HELD_MAGIC, Some(spec_hash), version)?;
+        let t = r.tensors()?;
+        let n = usize::try_from(r.u64()?).map_err(|_| corrupt(&p, "delta length"))?;
+        let delta = r.take(n)?.to_vec();
+        r.end()?;
+        Ok(Some((t, delta)))
+    }
+
     fn strategy_path(&self, version: u64) -> PathBuf {
         self.dir.join("models").join(format!("v{version}.strategy"))
     }
@@ -317,7 +364,7 @@ impl Store {
         Ok(Some(state))
     }
 
-    /// Deletes model versions (and their pooled BN and strategy state) older than the newest
+    /// Deletes model versions (and their pooled BN, strategy state and held model) older than the newest
     /// `keep`.
     pub fn prune_models(&self, current: u64, keep: usize) -> Result<(), StoreError> {
         let d = self.dir.join("models");
@@ -329,6 +376,7 @@ impl Store {
                     n.strip_suffix(".bin")
                         .or_else(|| n.strip_suffix(".bn"))
                         .or_else(|| n.strip_suffix(".strategy"))
+                        .or_else(|| n.strip_suffix(".held"))
                 })
                 .and_then(|n| n.parse::<u64>().ok())
                 && v + (keep as u64) <= current

@@ -210,7 +210,7 @@ fn a_round_gives_the_sample_weighted_mean_and_leaves_bn_alone_under_local() {
     let mut agg = open(dir.path(), config(2, 3, BnPolicy::Local));
     let start = agg.handle(Event::Start, 0).unwrap();
     assert!(
-        matches!(&start[0], Action::Publish { manifest, chunks } if manifest.round == 1 && manifest.chunk_count as usize == chunks.len())
+        matches!(&start[0], Action::Publish { manifest, chunks, .. } if manifest.round == 1 && manifest.chunk_count as usize == chunks.len())
     );
     let sites = [("site-a", 100u64), ("site-b", 300), ("site-c", 50)];
     let mut last = Vec::new();
@@ -1487,4 +1487,122 @@ fn a_sites_rejects_are_audited_up_to_a_limit_per_round_then_only_logged() {
     assert_eq!(agg.round(), 2);
     send(&mut agg, "a", good("a", 2, 1, 0, BnPolicy::Local));
     assert_eq!(count("rejected"), n + 2);
+}
+
+/// The delta payload and manifest of the last publish among `actions`.
+fn delta_of(
+    actions: &[Action],
+) -> Option<(unifed_protocol::DeltaInfo, unifed_protocol::ModelDelta)> {
+    actions.iter().rev().find_map(|a| match a {
+        Action::Publish {
+            manifest,
+            delta_chunks,
+            ..
+        } => {
+            let info = manifest.delta?;
+            let payload: Vec<u8> = delta_chunks.iter().flat_map(|c| c.data.clone()).collect();
+            assert_eq!(payload.len() as u64, info.payload_len);
+            assert_eq!(unifed_protocol::payload_hash(&payload), info.payload_hash);
+            Some((info, postcard::from_bytes(&payload).unwrap()))
+        }
+        _ => None,
+    })
+}
+
+#[test]
+fn under_a_lossy_encoding_the_model_goes_down_as_error_fed_deltas_that_survive_a_restart() {
+    let enc = Encoding::TopKQ8 { per_mille: 200 };
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        encoding: enc,
+        ..config(3, 2, BnPolicy::Local)
+    };
+    let mut agg = open(dir.path(), cfg.clone());
+    let acts = agg.handle(Event::Start, 0).unwrap();
+    // Version 0 has no delta: every site fetches the whole model once.
+    assert!(delta_of(&acts).is_none());
+    assert_eq!(agg.held_model(), agg.model());
+    let lossy = |d: &mut Vec<unifed_protocol::EncodedTensor>| {
+        for t in d.iter_mut() {
+            let v = unifed_protocol::decode(t).unwrap();
+            *t = encode(&t.name, &t.shape, &v, enc, None);
+        }
+    };
+    let sp = spec();
+    let mut held_before = agg.held_model().to_vec();
+    let mut model_before = agg.model().to_vec();
+    for round in 1..=2u64 {
+        send(
+            &mut agg,
+            "a",
+            with_delta("a", round, 10, BnPolicy::Local, lossy),
+        );
+        let acts = send(
+            &mut agg,
+            "b",
+            with_delta("b", round, 30, BnPolicy::Local, lossy),
+        );
+        let (info, d) = delta_of(&acts).expect("a delta");
+        assert_eq!(
+            (info.from_version, d.from_version, d.model_version),
+            (round - 1, round - 1, round)
+        );
+        assert!(
+            d.values.is_empty(),
+            "no BN statistics go down under local BN"
+        );
+        let (model, held) = (agg.model().to_vec(), agg.held_model().to_vec());
+        let whole = broadcast_of(&acts);
+        for (i, t) in sp.tensors.iter().enumerate() {
+            if t.kind.is_bn() {
+                assert!(d.delta.iter().all(|x| x.name != t.name));
+                assert_eq!(held[i], held_before[i], "`{}` is the site's own", t.name);
+                continue;
+            }
+            let shape: Vec<u32> = t.shape.iter().map(|&s| s as u32).collect();
+            let sent = d.delta.iter().find(|x| x.name == t.name).unwrap();
+            // The delta encodes `model - held`: what earlier deltas dropped goes out now ...
+            let owed: Vec<f32> = model[i]
+                .iter()
+                .zip(&held_before[i])
+                .map(|(m, h)| m - h)
+                .collect();
+            assert_eq!(sent, &encode(&t.name, &shape, &owed, enc, None));
+            if round == 2 && t.name == "fc.weight" {
+                let fresh: Vec<f32> = model[i]
+                    .iter()
+                    .zip(&model_before[i])
+                    .map(|(m, p)| m - p)
+                    .collect();
+                assert_ne!(
+                    sent,
+                    &encode(&t.name, &shape, &fresh, enc, None),
+                    "`{}`",
+                    t.name
+                );
+            }
+            // ... and the held model is the previous one plus the decoded delta, bit for bit,
+            // which is also what the whole model served carries.
+            let back = unifed_protocol::decode(sent).unwrap();
+            let want: Vec<f32> = held_before[i]
+                .iter()
+                .zip(&back)
+                .map(|(h, d)| h + d)
+                .collect();
+            assert_eq!(held[i], want, "`{}`", t.name);
+            let w = whole.weights.iter().find(|x| x.name == t.name).unwrap();
+            assert_eq!(unifed_protocol::decode(w).unwrap(), held[i]);
+        }
+        // Top-k 20 % of six weights keeps two: the held model lags the exact one.
+        assert_ne!(held[0], model[0]);
+        held_before = held;
+        model_before = model;
+    }
+    // A restarted aggregator serves the same held model and the same delta.
+    let before = delta_of(&agg.handle(Event::Start, 5_000).unwrap()).unwrap();
+    drop(agg);
+    let mut agg = open(dir.path(), cfg);
+    let after = delta_of(&agg.handle(Event::Start, 6_000).unwrap()).unwrap();
+    assert_eq!(before, after);
+    assert_eq!(agg.held_model(), &held_before[..]);
 }

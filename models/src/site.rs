@@ -15,8 +15,8 @@ use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    BnPolicy, LocalReport, Objective, RoundManifest, ServerBroadcast, ServerExtras, SiteExtras,
-    SiteUpdate,
+    BnPolicy, Download, LocalReport, ModelDelta, Objective, RoundManifest, ServerExtras,
+    SiteExtras, SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, TensorKind};
 
@@ -74,6 +74,9 @@ pub fn encoding_for(kind: TensorKind, encoding: Encoding) -> Encoding {
     }
 }
 
+/// Tensors by name, with the model version they are of.
+type Versioned = (u64, BTreeMap<String, Vec<f32>>);
+
 /// What a site carries from round to round besides its model, by tensor name: error-feedback
 /// residuals and SCAFFOLD's control variates. Persisted beside the checkpoint.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -85,6 +88,10 @@ pub struct Memory {
     pub control: BTreeMap<String, Vec<f32>>,
     /// The server control variate `c` of the model version applied last, and that version.
     pub server_control: Option<(u64, BTreeMap<String, Vec<f32>>)>,
+    /// Under a lossy encoding, the broadcast tensors of the model version applied last, as the
+    /// aggregator sent them (before any local training), and that version: the next model
+    /// arrives as a delta to add to them.
+    pub held: Option<(u64, BTreeMap<String, Vec<f32>>)>,
 }
 
 /// One site: its own model (and so its own BN layers), data and error-feedback residuals.
@@ -118,19 +125,121 @@ impl<N: Net> Site<N> {
         })
     }
 
-    /// Applies the server broadcast of the round `m` announces: the non-BN weights under
-    /// `local` BN (the site keeps its BN), every tensor under `global`, and the server's control
-    /// variate when the plan is SCAFFOLD's. A broadcast that does not fit the spec or the plan
-    /// changes nothing.
+    /// Applies the model of the round `m` announces, whole or as a delta from the version the
+    /// site applied last: the non-BN weights under `local` BN (the site keeps its BN), every
+    /// tensor under `global`, and the server's control variate when the plan is SCAFFOLD's.
+    /// Under a lossy encoding the applied weights are kept for the next delta. A model that does
+    /// not fit the spec or the plan, or a delta from a version the site does not hold, changes
+    /// nothing.
     pub fn receive(
         &mut self,
         spec: &ModelSpec,
         m: &RoundManifest,
-        b: &ServerBroadcast,
+        download: &Download,
     ) -> Result<(), SiteError> {
         let select = select_for(m.bn_policy);
-        let sd = crate::state::from_encoded(spec, &b.weights)?;
-        let control = match (&m.plan.objective, &b.extras) {
+        let sd = match download {
+            Download::Model(b) => crate::state::from_encoded(spec, &b.weights)?,
+            Download::Delta(d) => self.add_to_held(spec, select, m, d)?,
+        };
+        let control = self.control_of(spec, select, m, download)?;
+        self.net = import(&self.net, spec, &sd, select)?;
+        self.memory.server_control = control;
+        self.memory.held = (!m.encoding.is_exact()).then(|| {
+            (
+                download.model_version(),
+                sd.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
+            )
+        });
+        Ok(())
+    }
+
+    /// The held broadcast tensors plus delta `d`, in spec order: the trainable tensors add the
+    /// decoded delta (in f32, exactly as the aggregator did), BN running statistics take the
+    /// delta's values.
+    fn add_to_held(
+        &self,
+        spec: &ModelSpec,
+        select: Select,
+        m: &RoundManifest,
+        d: &ModelDelta,
+    ) -> Result<StateDict, SiteError> {
+        let plan = |message: String| SiteError::Plan {
+            round: m.round,
+            message,
+        };
+        let held = match &self.memory.held {
+            Some((v, h)) if *v == d.from_version => h,
+            other => {
+                return Err(plan(format!(
+                    "a delta from model v{} to a site that holds {}",
+                    d.from_version,
+                    other
+                        .as_ref()
+                        .map_or("no model".into(), |(v, _)| format!("v{v}"))
+                )));
+            }
+        };
+        let mut sd = StateDict {
+            spec_hash: spec.hash(),
+            tensors: spec
+                .tensors
+                .iter()
+                .filter(|t| select.keeps(t.kind))
+                .map(|t| match held.get(&t.name) {
+                    Some(data) if data.len() == t.numel() => Ok(NamedTensor {
+                        name: t.name.clone(),
+                        shape: t.shape.clone(),
+                        kind: t.kind,
+                        data: data.clone(),
+                    }),
+                    _ => Err(plan(format!("the held model lacks `{}`", t.name))),
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let adds = crate::state::from_encoded(spec, &d.delta)?;
+        let values = crate::state::from_encoded(spec, &d.values)?;
+        for (t, is_value) in adds
+            .tensors
+            .into_iter()
+            .map(|t| (t, false))
+            .chain(values.tensors.into_iter().map(|t| (t, true)))
+        {
+            if t.kind.is_bn_stat() != is_value {
+                return Err(plan(format!(
+                    "`{}` comes as a {} (statistics come as values, the rest as deltas)",
+                    t.name,
+                    if is_value { "value" } else { "delta" }
+                )));
+            }
+            let h = sd
+                .tensors
+                .iter_mut()
+                .find(|h| h.name == t.name)
+                .ok_or_else(|| {
+                    plan(format!(
+                        "`{}` is not broadcast under this BN policy",
+                        t.name
+                    ))
+                })?;
+            if is_value {
+                h.data = t.data;
+            } else {
+                h.data.iter_mut().zip(&t.data).for_each(|(h, d)| *h += d);
+            }
+        }
+        Ok(sd)
+    }
+
+    /// The server control variate the download carries, checked against the round's plan.
+    fn control_of(
+        &self,
+        spec: &ModelSpec,
+        select: Select,
+        m: &RoundManifest,
+        download: &Download,
+    ) -> Result<Option<Versioned>, SiteError> {
+        match (&m.plan.objective, download.extras()) {
             (Objective::Scaffold, ServerExtras::Control(tensors)) => {
                 let c = crate::state::from_encoded(spec, tensors)?;
                 let want: Vec<&str> = spec
@@ -148,28 +257,21 @@ impl<N: Net> Site<N> {
                             .into(),
                     });
                 }
-                Some((
-                    b.model_version,
+                Ok(Some((
+                    download.model_version(),
                     c.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
-                ))
+                )))
             }
-            (Objective::Scaffold, _) => {
-                return Err(SiteError::Plan {
-                    round: m.round,
-                    message: "no server control variate beside the model".into(),
-                });
-            }
-            (_, ServerExtras::None) => None,
-            (_, ServerExtras::Control(_)) => {
-                return Err(SiteError::Plan {
-                    round: m.round,
-                    message: "a control variate the plan does not ask for".into(),
-                });
-            }
-        };
-        self.net = import(&self.net, spec, &sd, select)?;
-        self.memory.server_control = control;
-        Ok(())
+            (Objective::Scaffold, _) => Err(SiteError::Plan {
+                round: m.round,
+                message: "no server control variate beside the model".into(),
+            }),
+            (_, ServerExtras::None) => Ok(None),
+            (_, ServerExtras::Control(_)) => Err(SiteError::Plan {
+                round: m.round,
+                message: "a control variate the plan does not ask for".into(),
+            }),
+        }
     }
 
     /// Trains locally for the round that `m` announces, from the current model, with the
@@ -369,6 +471,7 @@ impl<N: Net> Site<N> {
                 m.control
                     .iter()
                     .chain(m.server_control.iter().flat_map(|(_, c)| c))
+                    .chain(m.held.iter().flat_map(|(_, h)| h))
                     .find(|(n, v)| !fits(n, v, false))
             });
         if let Some((name, values)) = bad {

@@ -14,7 +14,9 @@ use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, train_objective};
 use unifed_models::zoo::{Mlp, MlpConfig, seeded};
-use unifed_protocol::messages::{BnPolicy, BnSharing, Objective, RoundManifest, RoundPlan};
+use unifed_protocol::messages::{
+    BnPolicy, BnSharing, Download, Objective, RoundManifest, RoundPlan,
+};
 use unifed_protocol::{Encoding, Envelope, Id, Input, ModelSpec, SiteUpdate, SpecHash, Values};
 
 fn tiny() -> (Mlp, ModelSpec) {
@@ -186,6 +188,7 @@ fn manifest(round: u64, encoding: Encoding, bn: BnPolicy) -> RoundManifest {
         chunk_count: 1,
         payload_len: 1,
         payload_hash: [0; 32],
+        delta: None,
         encoding,
         bn_policy: bn,
         bn_sharing: BnSharing::None,
@@ -423,8 +426,12 @@ fn only_an_accepted_scaffold_update_advances_the_site_variate_and_it_survives_a_
         extras: ServerExtras::None,
         ..broadcast(0)
     };
-    assert!(site.receive(&spec, &scaffold(1), &bare).is_err());
-    site.receive(&spec, &scaffold(1), &broadcast(0)).unwrap();
+    assert!(
+        site.receive(&spec, &scaffold(1), &Download::Model(bare))
+            .is_err()
+    );
+    site.receive(&spec, &scaffold(1), &Download::Model(broadcast(0)))
+        .unwrap();
     let bytes = site
         .train_round(&spec, &fed, &scaffold(1), &tc, &device(), |_| {})
         .unwrap();
@@ -515,7 +522,7 @@ fn under_a_lossy_encoding_the_site_variate_moves_by_exactly_what_the_server_deco
                     .collect(),
             ),
         };
-        site.receive(&spec, &m, &b).unwrap();
+        site.receive(&spec, &m, &Download::Model(b)).unwrap();
         let u = update(
             &site
                 .train_round(&spec, &fed, &m, &tc, &device(), |_| {})

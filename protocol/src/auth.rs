@@ -425,7 +425,7 @@ pub use file::{KeyFileError, credential_path};
 mod tests {
     use super::*;
     use crate::envelope::MessageKind;
-    use crate::messages::ChunkRequest;
+    use crate::messages::{ChunkRequest, Payload};
     use crate::spec::SpecHash;
     use alloc::string::ToString;
     use alloc::vec;
@@ -449,7 +449,7 @@ mod tests {
             &ChunkRequest {
                 model_version: 7,
                 indices: vec![1, 2],
-                package: false,
+                payload: Payload::Model,
             },
         )
     }

@@ -1,5 +1,5 @@
 //! Tensor encodings on the wire: `f32`, `f16`, `q8` (per-tensor symmetric int8 with a scale)
-//! and top-k sparse (the sender keeps the error-feedback residual).
+//! and top-k sparse with f32 or q8 values (the sender keeps the error-feedback residual).
 
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -21,25 +21,40 @@ pub enum Encoding {
         /// Fraction kept, in thousandths (1..=1000).
         per_mille: u16,
     },
+    /// Top-k as [`Encoding::TopK`] with the kept values in per-tensor q8: about 2 bytes per
+    /// kept entry (a one-byte gap and a one-byte value), so `topkq8100` is ~20x below f32.
+    TopKQ8 {
+        /// Fraction kept, in thousandths (1..=1000).
+        per_mille: u16,
+    },
 }
 
 impl core::str::FromStr for Encoding {
     type Err = String;
 
-    /// Parses `f32`, `f16`, `q8` or `topk<per-mille>` (e.g. `topk100` keeps 10%).
+    /// Parses `f32`, `f16`, `q8`, `topk<per-mille>` (e.g. `topk100` keeps 10%) or
+    /// `topkq8<per-mille>` (the same with q8 values).
     fn from_str(s: &str) -> Result<Self, String> {
+        let per_mille = |t: &str, digits: &str| {
+            digits.parse::<u16>().map_err(|_| {
+                alloc::format!(
+                    "`{t}`: topk<per-mille> or topkq8<per-mille>, e.g. topk100 keeps 10%"
+                )
+            })
+        };
         let e = match s {
             "f32" => Encoding::F32,
             "f16" => Encoding::F16,
             "q8" => Encoding::Q8,
+            t if t.starts_with("topkq8") => Encoding::TopKQ8 {
+                per_mille: per_mille(t, &t[6..])?,
+            },
             t if t.starts_with("topk") => Encoding::TopK {
-                per_mille: t[4..].parse().map_err(|_| {
-                    alloc::format!("`{t}`: topk<per-mille>, e.g. topk100 keeps 10%")
-                })?,
+                per_mille: per_mille(t, &t[4..])?,
             },
             other => {
                 return Err(alloc::format!(
-                    "unknown encoding `{other}`: f32, f16, q8 or topk<per-mille>"
+                    "unknown encoding `{other}`: f32, f16, q8, topk<per-mille> or topkq8<per-mille>"
                 ));
             }
         };
@@ -71,6 +86,17 @@ pub enum Values {
         gaps: Vec<u32>,
         /// The kept values.
         values: Vec<f32>,
+    },
+    /// Sparse as [`Values::Sparse`], the kept values as int8 with one scale.
+    SparseQ8 {
+        /// Dense length.
+        len: u32,
+        /// Gaps between successive kept indices (the first is the index itself).
+        gaps: Vec<u32>,
+        /// `max|kept| / 127` (0 when every kept value is 0).
+        scale: f32,
+        /// Two's-complement int8 values, one per kept index.
+        data: Vec<u8>,
     },
 }
 
@@ -110,10 +136,42 @@ impl Encoding {
     /// Checks the encoding's parameters: a top-k fraction must lie in `1..=1000` per mille.
     pub fn validate(&self) -> Result<(), &'static str> {
         match *self {
-            Encoding::TopK { per_mille } if !(1..=1000).contains(&per_mille) => {
+            Encoding::TopK { per_mille } | Encoding::TopKQ8 { per_mille }
+                if !(1..=1000).contains(&per_mille) =>
+            {
                 Err("top-k per_mille must be between 1 and 1000")
             }
             _ => Ok(()),
+        }
+    }
+
+    /// True for `f32`, the one encoding that loses nothing.
+    pub fn is_exact(&self) -> bool {
+        matches!(self, Encoding::F32)
+    }
+
+    /// True if `values` are in this encoding.
+    pub fn holds(&self, values: &Values) -> bool {
+        matches!(
+            (values, self),
+            (Values::F32(_), Encoding::F32)
+                | (Values::F16(_), Encoding::F16)
+                | (Values::Q8 { .. }, Encoding::Q8)
+                | (Values::Sparse { .. }, Encoding::TopK { .. })
+                | (Values::SparseQ8 { .. }, Encoding::TopKQ8 { .. })
+        )
+    }
+}
+
+impl core::fmt::Display for Encoding {
+    /// The name [`core::str::FromStr`] parses: `f32`, `f16`, `q8`, `topk100`, `topkq8100`.
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Encoding::F32 => f.write_str("f32"),
+            Encoding::F16 => f.write_str("f16"),
+            Encoding::Q8 => f.write_str("q8"),
+            Encoding::TopK { per_mille } => write!(f, "topk{per_mille}"),
+            Encoding::TopKQ8 { per_mille } => write!(f, "topkq8{per_mille}"),
         }
     }
 }
@@ -175,7 +233,7 @@ pub fn encode(
             let data = x.iter().map(|&v| q8_quantise(v, scale) as u8).collect();
             Values::Q8 { scale, data }
         }
-        Encoding::TopK { per_mille } => {
+        Encoding::TopK { per_mille } | Encoding::TopKQ8 { per_mille } => {
             kept = top_k_indices(x, per_mille);
             let mut gaps = Vec::with_capacity(kept.len());
             let mut prev = 0u32;
@@ -183,10 +241,22 @@ pub fn encode(
                 gaps.push(if n == 0 { i } else { i - prev });
                 prev = i;
             }
-            Values::Sparse {
-                len: u32::try_from(x.len()).unwrap_or(u32::MAX),
-                gaps,
-                values: kept.iter().map(|&i| x[i as usize]).collect(),
+            let len = u32::try_from(x.len()).unwrap_or(u32::MAX);
+            let values: Vec<f32> = kept.iter().map(|&i| x[i as usize]).collect();
+            if matches!(encoding, Encoding::TopKQ8 { .. }) {
+                let scale = q8_scale(&values);
+                let data = values
+                    .iter()
+                    .map(|&v| q8_quantise(v, scale) as u8)
+                    .collect();
+                Values::SparseQ8 {
+                    len,
+                    gaps,
+                    scale,
+                    data,
+                }
+            } else {
+                Values::Sparse { len, gaps, values }
             }
         }
     };
@@ -200,6 +270,15 @@ pub fn encode(
                 for &i in &kept {
                     if let Some(e) = r.get_mut(i as usize) {
                         *e = 0.0;
+                    }
+                }
+            }
+            Values::SparseQ8 { scale, .. } => {
+                // Dropped entries stay whole; kept ones leave their rounding error.
+                r.extend_from_slice(x);
+                for &i in &kept {
+                    if let Some(e) = r.get_mut(i as usize) {
+                        *e -= f32::from(q8_quantise(*e, *scale)) * scale;
                     }
                 }
             }
@@ -255,40 +334,62 @@ pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
             Ok(data.iter().map(|&q| f32::from(q as i8) * scale).collect())
         }
         Values::Sparse { len, gaps, values } => {
-            let len = *len as usize;
-            if len != numel {
-                return Err(wrong_length(t, numel, len));
-            }
-            if values.len() != gaps.len() {
-                return Err(wrong_length(t, gaps.len(), values.len()));
-            }
-            if gaps.len() > len {
-                return Err(TensorError::BadIndices(t.name.clone()));
-            }
-            // Validate every index before allocating the dense tensor.
-            let mut prev = 0usize;
-            for (n, &g) in gaps.iter().enumerate() {
-                let i = if n == 0 {
-                    g as usize
-                } else if g == 0 {
-                    return Err(TensorError::BadIndices(t.name.clone()));
-                } else {
-                    prev.saturating_add(g as usize)
-                };
-                if i >= len {
-                    return Err(TensorError::BadIndices(t.name.clone()));
-                }
-                prev = i;
-            }
-            let mut dense = alloc::vec![0.0f32; len];
-            let mut i = 0usize;
-            for (n, (&g, &v)) in gaps.iter().zip(values).enumerate() {
-                i = if n == 0 { g as usize } else { i + g as usize };
-                dense[i] = v;
-            }
-            Ok(dense)
+            sparse(t, numel, *len, gaps, values.len(), |n| values[n])
         }
+        Values::SparseQ8 {
+            len,
+            gaps,
+            scale,
+            data,
+        } => sparse(t, numel, *len, gaps, data.len(), |n| {
+            f32::from(data[n] as i8) * scale
+        }),
     }
+}
+
+/// A sparse tensor of dense length `len` (which must equal the shape's `numel`) with one value
+/// per gap (`count` of them, the `n`th given by `value(n)`), its indices checked before the
+/// dense tensor is allocated.
+fn sparse(
+    t: &EncodedTensor,
+    numel: usize,
+    len: u32,
+    gaps: &[u32],
+    count: usize,
+    value: impl Fn(usize) -> f32,
+) -> Result<Vec<f32>, TensorError> {
+    let len = len as usize;
+    if len != numel {
+        return Err(wrong_length(t, numel, len));
+    }
+    if count != gaps.len() {
+        return Err(wrong_length(t, gaps.len(), count));
+    }
+    if gaps.len() > len {
+        return Err(TensorError::BadIndices(t.name.clone()));
+    }
+    // Validate every index before allocating the dense tensor.
+    let mut prev = 0usize;
+    for (n, &g) in gaps.iter().enumerate() {
+        let i = if n == 0 {
+            g as usize
+        } else if g == 0 {
+            return Err(TensorError::BadIndices(t.name.clone()));
+        } else {
+            prev.saturating_add(g as usize)
+        };
+        if i >= len {
+            return Err(TensorError::BadIndices(t.name.clone()));
+        }
+        prev = i;
+    }
+    let mut dense = alloc::vec![0.0f32; len];
+    let mut i = 0usize;
+    for (n, &g) in gaps.iter().enumerate() {
+        i = if n == 0 { g as usize } else { i + g as usize };
+        dense[i] = value(n);
+    }
+    Ok(dense)
 }
 
 /// Checks that `bytes` bytes hold exactly `numel` values of `width` bytes each.

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 4] = *b"UFED";
 
 /// The protocol version this crate speaks; peers refuse envelopes of any other version.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -53,6 +53,8 @@ pub enum MessageKind {
     /// An [`crate::UpdateReceipt`]: the aggregator holds one chunk of a site's update (the
     /// site's upload window moves on).
     UpdateReceipt = 14,
+    /// A [`crate::ModelDelta`] (travels in [`MessageKind::ModelChunk`]s, like the model).
+    ModelDelta = 15,
 }
 
 impl MessageKind {
@@ -74,6 +76,7 @@ impl MessageKind {
             12 => RegistryEntry,
             13 => OnboardReply,
             14 => UpdateReceipt,
+            15 => ModelDelta,
             _ => return None,
         })
     }
@@ -289,7 +292,7 @@ fn take_exact<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
 mod tests {
     use super::*;
     use crate::ids::Id;
-    use crate::messages::{ChunkRequest, SiteState, SiteStatus};
+    use crate::messages::{ChunkRequest, Payload, SiteState, SiteStatus};
     use alloc::format;
     use alloc::vec;
 
@@ -304,7 +307,7 @@ mod tests {
             &ChunkRequest {
                 model_version: 7,
                 indices: vec![1, 5, 9],
-                package: false,
+                payload: Payload::Model,
             },
         )
     }
@@ -372,15 +375,16 @@ mod tests {
     #[test]
     fn a_message_from_another_protocol_version_is_refused_cleanly() {
         // Version 1 had no typed plans and reports, version 2 no control variates, version 3
-        // no signatures: all are refused by a version 4 peer, as is a future version 5.
-        for other in [1u16, 2, 3, 5] {
+        // no signatures, version 4 no model deltas: all are refused by a version 5 peer, as is
+        // a future version 6.
+        for other in [1u16, 2, 3, 4, 6] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 4)")
+                format!("protocol version {other} is not supported (this peer speaks version 5)")
             );
         }
     }

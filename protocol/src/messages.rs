@@ -169,7 +169,11 @@ pub struct RoundManifest {
     pub payload_len: u64,
     /// SHA-256 of the whole model payload.
     pub payload_hash: [u8; 32],
-    /// Encoding sites must use for their updates.
+    /// The same model as a [`ModelDelta`] from the previous version in the federation's
+    /// encoding, for a site that holds that version (absent under `f32`, where the whole model
+    /// costs no more, and at version 0).
+    pub delta: Option<DeltaInfo>,
+    /// Encoding sites must use for their updates (and the aggregator for its deltas).
     pub encoding: Encoding,
     /// BN policy of the federation.
     pub bn_policy: BnPolicy,
@@ -183,6 +187,19 @@ pub struct RoundManifest {
     pub deadline_ms: u64,
     /// True once the federation has run all its rounds.
     pub finished: bool,
+}
+
+/// Where to fetch a model version as a delta from the version before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeltaInfo {
+    /// The version the delta applies to.
+    pub from_version: u64,
+    /// Number of chunks of the delta payload.
+    pub chunk_count: u32,
+    /// Length of the whole delta payload in bytes.
+    pub payload_len: u64,
+    /// SHA-256 of the whole delta payload.
+    pub payload_hash: [u8; 32],
 }
 
 /// One piece of a payload larger than the packet limit.
@@ -200,6 +217,17 @@ pub struct Chunk {
     pub data: Vec<u8>,
 }
 
+/// Which payload of a model version a [`ChunkRequest`] asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Payload {
+    /// The whole round model (a [`ServerBroadcast`]).
+    Model,
+    /// The round model as a [`ModelDelta`] from the previous version.
+    Delta,
+    /// The version's onboarding package.
+    Package,
+}
+
 /// A site asks for chunks of a model version (all of them when `indices` is empty).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkRequest {
@@ -207,8 +235,8 @@ pub struct ChunkRequest {
     pub model_version: u64,
     /// Chunk indices wanted; empty means all. The aggregator serves at most 64 per request.
     pub indices: Vec<u32>,
-    /// Chunks of that version's onboarding package instead of the round model.
-    pub package: bool,
+    /// Which of the version's payloads.
+    pub payload: Payload,
 }
 
 /// The server's model for a round: weights (non-BN only under `local` BN) and extras.
@@ -220,6 +248,53 @@ pub struct ServerBroadcast {
     pub weights: Vec<EncodedTensor>,
     /// Algorithm tensors beside the model (e.g. a server control variate).
     pub extras: ServerExtras,
+}
+
+/// A model version as the change from the version before it: what a site that holds
+/// `from_version` fetches instead of the whole model. The aggregator encodes
+/// `target - held` in the federation's encoding, where `held` is the model every site
+/// following the deltas holds; what the encoding drops stays in the next delta (error
+/// feedback on the server), and sites that follow the deltas all hold the same weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelDelta {
+    /// The version the delta applies to.
+    pub from_version: u64,
+    /// The version it gives.
+    pub model_version: u64,
+    /// Additions to the trainable tensors of the broadcast, in the federation's encoding.
+    pub delta: Vec<EncodedTensor>,
+    /// BN running statistics of the broadcast (under `global` BN) as exact f32 values, not
+    /// deltas: a lossy variance could turn negative.
+    pub values: Vec<EncodedTensor>,
+    /// Algorithm tensors beside the model, whole (as in [`ServerBroadcast`]).
+    pub extras: ServerExtras,
+}
+
+/// A model as a site receives it: whole, or as a delta from the version it holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Download {
+    /// The whole model.
+    Model(ServerBroadcast),
+    /// The change from the version before.
+    Delta(ModelDelta),
+}
+
+impl Download {
+    /// The model version it gives.
+    pub fn model_version(&self) -> u64 {
+        match self {
+            Download::Model(b) => b.model_version,
+            Download::Delta(d) => d.model_version,
+        }
+    }
+
+    /// The algorithm tensors beside the model.
+    pub fn extras(&self) -> &ServerExtras {
+        match self {
+            Download::Model(b) => &b.extras,
+            Download::Delta(d) => &d.extras,
+        }
+    }
 }
 
 /// A site's contribution to a round: the delta of its trained weights against the round's

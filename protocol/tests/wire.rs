@@ -70,6 +70,12 @@ fn a_round_manifest_round_trips_through_an_envelope() {
         chunk_count: 12,
         payload_len: 1_234_567,
         payload_hash: payload_hash(b"model"),
+        delta: Some(DeltaInfo {
+            from_version: 8,
+            chunk_count: 1,
+            payload_len: 4_321,
+            payload_hash: payload_hash(b"delta"),
+        }),
         encoding: Encoding::TopK { per_mille: 10 },
         bn_policy: BnPolicy::Local,
         bn_sharing: BnSharing::Affine,
@@ -90,6 +96,7 @@ fn every_other_payload_round_trips_through_an_envelope() {
         Encoding::F16,
         Encoding::Q8,
         Encoding::TopK { per_mille: 100 },
+        Encoding::TopKQ8 { per_mille: 100 },
     ] {
         let mut u = update(enc);
         u.bn = vec![encode("bn.weight", &[2], &[1.0, -1.0], Encoding::F32, None)];
@@ -100,6 +107,14 @@ fn every_other_payload_round_trips_through_an_envelope() {
             extras: ServerExtras::None,
         };
         through_envelope(MessageKind::ServerBroadcast, &b);
+        let d = ModelDelta {
+            from_version: 9,
+            model_version: 10,
+            delta: u.delta.clone(),
+            values: u.bn.clone(),
+            extras: ServerExtras::None,
+        };
+        through_envelope(MessageKind::ModelDelta, &d);
     }
     for chunk in split(&[1, 2, 3, 4, 5], 2) {
         through_envelope(MessageKind::ModelChunk, &chunk);
@@ -110,7 +125,7 @@ fn every_other_payload_round_trips_through_an_envelope() {
         &ChunkRequest {
             model_version: 9,
             indices: vec![],
-            package: true,
+            payload: Payload::Package,
         },
     );
     for req in [
@@ -227,6 +242,9 @@ fn a_site_update_costs_what_its_encoding_promises() {
     // Top-k at 1 % sends 1 % of the values as f32 plus short delta-coded indices.
     let topk = ratio(Encoding::TopK { per_mille: 10 });
     assert!(topk < 0.02, "top-k {topk}");
+    // With q8 values, 10 % costs about two bytes per kept value: a twentieth of f32.
+    let topkq8 = ratio(Encoding::TopKQ8 { per_mille: 100 });
+    assert!((0.045..0.0625).contains(&topkq8), "top-k q8 {topkq8}");
 }
 
 #[test]

@@ -18,7 +18,9 @@ use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
 use unifed_protocol::max_broadcast_bytes;
-use unifed_protocol::messages::{Answer, Chunk, ChunkRequest, RoundManifest, UpdateAnswer};
+use unifed_protocol::messages::{
+    Answer, Chunk, ChunkRequest, Payload, RoundManifest, UpdateAnswer,
+};
 use unifed_protocol::topics::Topics;
 use unifed_site::{Action as SiteAction, EngineConfig, Event as SiteEvent, SiteEngine};
 
@@ -33,6 +35,10 @@ pub struct RoundRecord {
     pub update_bytes: Vec<usize>,
     /// Bytes of the broadcast model payload.
     pub model_bytes: usize,
+    /// Bytes each site fetched to apply the round's model (the delta's under a lossy
+    /// encoding, the whole model's otherwise).
+    #[serde(default)]
+    pub download_bytes: Vec<usize>,
     /// Wall seconds of the round (training, aggregation, evaluation).
     pub seconds: f64,
 }
@@ -119,12 +125,13 @@ pub fn run_federation<N: Net>(
             )
         })
         .collect();
-    let mut served: Option<(RoundManifest, Vec<Chunk>)> = None;
+    let mut served: Option<(RoundManifest, Vec<Chunk>, Vec<Chunk>)> = None;
     let mut agg_actions = agg.handle(Event::Start, 0)?;
     let mut inbox: VecDeque<(usize, SiteEvent)> = VecDeque::new();
     let mut records = Vec::new();
     let mut t0 = Instant::now();
     let mut update_bytes = vec![0; sites.len()];
+    let mut download_bytes = vec![0; sites.len()];
     let mut model_bytes = 0;
     let mut applied: Vec<Option<u64>> = vec![None; sites.len()];
     let mut recorded = 0u64;
@@ -161,7 +168,11 @@ pub fn run_federation<N: Net>(
                         },
                     ));
                 }
-                Action::Publish { manifest, chunks } => {
+                Action::Publish {
+                    manifest,
+                    chunks,
+                    delta_chunks,
+                } => {
                     let payload: Vec<u8> = chunks.iter().flat_map(|c| c.data.clone()).collect();
                     observe(Observed::Model {
                         version: manifest.model_version,
@@ -183,7 +194,7 @@ pub fn run_federation<N: Net>(
                             },
                         ));
                     }
-                    served = Some((manifest, chunks));
+                    served = Some((manifest, chunks, delta_chunks));
                 }
                 Action::RoundClosed { .. } | Action::Finished { .. } => {}
             }
@@ -200,10 +211,17 @@ pub fn run_federation<N: Net>(
                     let site = &sites[k].id;
                     if topic == topics.chunk_request(site) {
                         let req: ChunkRequest = keyring.open(&payload, usize::MAX)?.payload_as()?;
-                        let Some((m, chunks)) = &served else { continue };
+                        let Some((m, model, delta)) = &served else {
+                            continue;
+                        };
                         if m.model_version != req.model_version {
                             continue;
                         }
+                        let chunks = match req.payload {
+                            Payload::Model => model,
+                            Payload::Delta => delta,
+                            Payload::Package => bail!("the in-process run serves no packages"),
+                        };
                         for i in req.indices {
                             let c = chunks.get(i as usize).context("a chunk out of range")?;
                             inbox.push_back((
@@ -239,10 +257,12 @@ pub fn run_federation<N: Net>(
                 }
                 SiteAction::Apply {
                     manifest,
-                    broadcast,
+                    download,
+                    bytes,
                     ..
                 } => {
-                    sites[k].receive(&spec, &manifest, &broadcast)?;
+                    sites[k].receive(&spec, &manifest, &download)?;
+                    download_bytes[k] = bytes as usize;
                     applied[k] = Some(manifest.model_version);
                     inbox.push_back((
                         k,
@@ -263,6 +283,7 @@ pub fn run_federation<N: Net>(
                             accuracy,
                             update_bytes: update_bytes.clone(),
                             model_bytes,
+                            download_bytes: download_bytes.clone(),
                             seconds: t0.elapsed().as_secs_f64(),
                         };
                         on_round(&rec, sites);

@@ -4,7 +4,8 @@
 //!   FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
 //!   over seeds), the gain of `local` over `global` per algorithm, JSON and a convergence chart
 //!   (results/algorithms.{json,svg}).
-//! - `encodings`: FedBN with each update encoding; bytes per site per round and accuracy.
+//! - `encodings`: FedBN with each encoding over several seeds; bytes per site per round up and
+//!   down, and accuracy against f32 (results/encodings.{json,md}).
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -88,16 +89,17 @@ enum Cmd {
         #[arg(long)]
         render_only: bool,
     },
-    /// FedBN with each encoding (one seed): bytes per site per round and accuracy.
+    /// FedBN with each encoding over several seeds: bytes per site per round up (updates) and
+    /// down (model deltas), and final accuracy against the first encoding (f32).
     Encodings {
         #[command(flatten)]
         common: Common,
-        /// Encodings to compare.
-        #[arg(long, value_delimiter = ',', default_value = "f32,f16,q8,topk100")]
+        /// Encodings to compare; the first is the reference.
+        #[arg(long, value_delimiter = ',', default_value = "f32,topkq8100")]
         encodings: Vec<String>,
-        /// Seed.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
+        /// Number of seeds (0..S).
+        #[arg(long, default_value_t = 3)]
+        seeds: u64,
     },
 }
 
@@ -472,47 +474,147 @@ fn main() -> Result<()> {
         Cmd::Encodings {
             common,
             encodings,
-            seed,
+            seeds,
         } => {
             std::fs::create_dir_all(&common.out)?;
-            println!(
-                "| encoding | bytes per site per round (mean) | vs f32 | final mean accuracy |\n|---|---:|---:|---:|"
-            );
-            let mut rows = Vec::new();
-            let mut base_bytes = None;
+            let mut rows: Vec<EncodingRow> = Vec::new();
             for e in &encodings {
-                let run = run_one(
-                    &data,
-                    &common,
-                    Algorithm::FedAvg,
-                    BnPolicy::Local,
-                    parse_encoding(e)?,
-                    seed,
-                )?;
-                let bytes: Vec<f64> = run
-                    .records
-                    .iter()
-                    .flat_map(|r| r.update_bytes.iter().map(|&b| b as f64))
-                    .collect();
-                let mb = bytes.iter().sum::<f64>() / bytes.len() as f64;
-                let base = *base_bytes.get_or_insert(mb);
-                let acc = run
-                    .records
-                    .last()
-                    .map(|r| r.accuracy.iter().sum::<f64>() / r.accuracy.len() as f64)
-                    .unwrap_or(0.0);
-                println!("| {e} | {mb:.0} | {:.3} | {:.2}% |", mb / base, 100.0 * acc);
-                rows.push(json!({"encoding": e, "bytes_per_site_per_round": mb, "final_mean_accuracy": acc, "records": run.records}));
+                let enc = parse_encoding(e)?;
+                let mut row = EncodingRow {
+                    encoding: e.clone(),
+                    ..Default::default()
+                };
+                for seed in 0..seeds {
+                    let run = run_one(
+                        &data,
+                        &common,
+                        Algorithm::FedAvg,
+                        BnPolicy::Local,
+                        enc,
+                        seed,
+                    )?;
+                    row.add(run.records);
+                    // Written after every run, so a long run cut short keeps what it finished.
+                    write_encodings(&common, seeds, &rows, Some(&row))?;
+                }
+                rows.push(row);
             }
-            let p = common.out.join("encodings.json");
-            std::fs::write(
-                &p,
-                serde_json::to_string_pretty(
-                    &json!({"rounds": common.rounds, "seed": seed, "rows": rows}),
-                )?,
-            )?;
-            println!("wrote {}", p.display());
+            let md = write_encodings(&common, seeds, &rows, None)?;
+            print!("{md}");
         }
     }
     Ok(())
+}
+
+/// One encoding's runs over the seeds.
+#[derive(Default, serde::Serialize)]
+struct EncodingRow {
+    encoding: String,
+    /// Per seed: the final mean accuracy over the sites.
+    final_mean_accuracy: Vec<f64>,
+    /// Per seed: mean bytes of one site's update per round.
+    upload_bytes_per_site_per_round: Vec<f64>,
+    /// Per seed: mean bytes one site fetched per round to apply the new model.
+    download_bytes_per_site_per_round: Vec<f64>,
+    /// Bytes of the whole model (what a new site fetches once).
+    model_bytes: usize,
+    /// Per seed: the round records.
+    runs: Vec<Vec<RoundRecord>>,
+}
+
+impl EncodingRow {
+    fn add(&mut self, records: Vec<RoundRecord>) {
+        let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        self.final_mean_accuracy
+            .push(records.last().map_or(0.0, |r| mean(r.accuracy.clone())));
+        self.upload_bytes_per_site_per_round.push(mean(
+            records
+                .iter()
+                .flat_map(|r| r.update_bytes.iter().map(|&b| b as f64))
+                .collect(),
+        ));
+        self.download_bytes_per_site_per_round.push(mean(
+            records
+                .iter()
+                .flat_map(|r| r.download_bytes.iter().map(|&b| b as f64))
+                .collect(),
+        ));
+        self.model_bytes = records.first().map_or(0, |r| r.model_bytes);
+        self.runs.push(records);
+    }
+}
+
+/// Writes results/encodings.{json,md} for the finished rows (and a partial one) and returns the
+/// markdown table.
+fn write_encodings(
+    common: &Common,
+    seeds: u64,
+    rows: &[EncodingRow],
+    partial: Option<&EncodingRow>,
+) -> Result<String> {
+    let all: Vec<&EncodingRow> = rows.iter().chain(partial).collect();
+    let base = all.first().map(|r| {
+        (
+            mean_std(&r.upload_bytes_per_site_per_round).0,
+            mean_std(&r.download_bytes_per_site_per_round).0,
+            mean_std(&r.final_mean_accuracy).0,
+        )
+    });
+    let mut md = format!(
+        "FedBN, {} rounds of {} epoch(s), {} training images per site, seeds {} (`{}`)\n\n\
+         | encoding | seeds | up bytes/site/round | down bytes/site/round | fewer bytes than f32 (up, down) | final mean accuracy | vs {} |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
+        common.rounds,
+        common.epochs,
+        common.train_samples,
+        seeds,
+        std::env::args().collect::<Vec<_>>().join(" "),
+        all.first().map_or("f32", |r| r.encoding.as_str()),
+    );
+    let mut json_rows = Vec::new();
+    for r in &all {
+        let (up, _) = mean_std(&r.upload_bytes_per_site_per_round);
+        let (down, _) = mean_std(&r.download_bytes_per_site_per_round);
+        let (acc, sd) = mean_std(&r.final_mean_accuracy);
+        let (bu, bd, ba) = base.unwrap_or((up, down, acc));
+        md.push_str(&format!(
+            "| {} | {} | {up:.0} | {down:.0} | {:.1}x, {:.1}x | {:.2}% ± {:.2} | {:+.2} pt |\n",
+            r.encoding,
+            r.final_mean_accuracy.len(),
+            bu / up,
+            bd / down,
+            100.0 * acc,
+            100.0 * sd,
+            100.0 * (acc - ba)
+        ));
+        json_rows.push(json!({
+            "encoding": r.encoding,
+            "seeds": r.final_mean_accuracy.len(),
+            "upload_bytes_per_site_per_round": up,
+            "download_bytes_per_site_per_round": down,
+            "upload_reduction_vs_reference": bu / up,
+            "download_reduction_vs_reference": bd / down,
+            "final_mean_accuracy": acc,
+            "final_mean_accuracy_std": sd,
+            "accuracy_points_vs_reference": 100.0 * (acc - ba),
+            "detail": r,
+        }));
+    }
+    let json = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "rounds": common.rounds,
+        "epochs": common.epochs,
+        "train_samples": common.train_samples,
+        "seeds": seeds,
+        "algorithm": "fedavg",
+        "bn_policy": "local",
+        "note": "down bytes: what a site that holds the previous version fetches (the whole model under f32, the delta otherwise); a new site fetches the whole model once",
+        "rows": json_rows,
+    });
+    std::fs::write(
+        common.out.join("encodings.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    std::fs::write(common.out.join("encodings.md"), &md)?;
+    Ok(md)
 }

@@ -16,12 +16,13 @@ use unifed_sim::{Observed, Site, run_federation};
 
 struct Captured {
     spec: ModelSpec,
+    records: Vec<unifed_sim::RoundRecord>,
     updates: BTreeMap<u64, Vec<SiteUpdate>>,
     models: BTreeMap<u64, ServerBroadcast>,
     states: BTreeMap<u64, Vec<StateDict>>,
 }
 
-fn federate(bn: BnPolicy) -> Captured {
+fn federate(bn: BnPolicy, encoding: Encoding) -> Captured {
     let device = Device::flex();
     let cfg = DigitsCnnConfig {
         conv: [4, 6, 8],
@@ -77,11 +78,12 @@ fn federate(bn: BnPolicy) -> Captured {
     };
     let fc = FederationConfig {
         bn_policy: bn,
-        encoding: Encoding::F32,
+        encoding,
         ..FederationConfig::new("test-fed", 3, 3, Vec::new())
     };
     let mut cap = Captured {
         spec: spec.clone(),
+        records: Vec::new(),
         updates: BTreeMap::new(),
         models: BTreeMap::new(),
         states: BTreeMap::new(),
@@ -112,6 +114,7 @@ fn federate(bn: BnPolicy) -> Captured {
     )
     .unwrap();
     assert_eq!(records.len(), 3);
+    cap.records = records;
     cap
 }
 
@@ -164,7 +167,7 @@ fn check_means(cap: &Captured, select: Select) {
 
 #[test]
 fn fedbn_sites_share_the_weighted_mean_keep_their_own_bn_and_never_send_bn() {
-    let cap = federate(BnPolicy::Local);
+    let cap = federate(BnPolicy::Local, Encoding::F32);
     check_means(&cap, Select::NonBn);
     let is_bn = |name: &str| cap.spec.tensor(name).unwrap().kind.is_bn();
     for ups in cap.updates.values() {
@@ -198,7 +201,7 @@ fn fedbn_sites_share_the_weighted_mean_keep_their_own_bn_and_never_send_bn() {
 
 #[test]
 fn fedavg_averages_bn_too() {
-    let cap = federate(BnPolicy::Global);
+    let cap = federate(BnPolicy::Global, Encoding::F32);
     check_means(&cap, Select::All);
     let is_bn = |name: &str| cap.spec.tensor(name).unwrap().kind.is_bn();
     assert!(
@@ -209,4 +212,52 @@ fn fedavg_averages_bn_too() {
     let last = &cap.states[&3];
     assert_eq!(last[0], last[1]);
     assert_eq!(last[1], last[2]);
+}
+
+/// Under a lossy encoding the model goes down as deltas (after the first, whole download):
+/// every site's broadcast tensors equal the whole model the aggregator serves bit for bit, so
+/// the sites that follow deltas and one that fetches the model hold the same weights, and
+/// each delta is at least 8x smaller than the model (on this tiny model tensor names and
+/// framing weigh more than on a real one).
+fn check_deltas(bn: BnPolicy, select: Select) {
+    let cap = federate(bn, Encoding::TopKQ8 { per_mille: 100 });
+    for r in &cap.records {
+        let model = &cap.models[&r.round];
+        for (k, state) in cap.states[&r.round].iter().enumerate() {
+            let kept: Vec<_> = state
+                .tensors
+                .iter()
+                .filter(|t| select.keeps(t.kind))
+                .collect();
+            assert_eq!(kept.len(), model.weights.len());
+            for (t, w) in kept.iter().zip(&model.weights) {
+                assert_eq!(t.name, w.name);
+                assert!(
+                    t.data == decode(w).unwrap(),
+                    "v{} site {k} `{}` differs from the served model",
+                    r.round,
+                    t.name
+                );
+            }
+            assert!(
+                r.download_bytes[k] * 8 <= r.model_bytes,
+                "v{}: {} bytes down against a model of {}",
+                r.round,
+                r.download_bytes[k],
+                r.model_bytes
+            );
+        }
+        // Training moves every round's model.
+        assert_ne!(model, &cap.models[&(r.round - 1)]);
+    }
+}
+
+#[test]
+fn fedbn_with_a_lossy_encoding_sends_the_model_down_as_deltas_that_every_site_applies_exactly() {
+    check_deltas(BnPolicy::Local, Select::NonBn);
+}
+
+#[test]
+fn fedavg_with_a_lossy_encoding_sends_bn_statistics_whole_beside_the_deltas() {
+    check_deltas(BnPolicy::Global, Select::All);
 }

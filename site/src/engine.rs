@@ -19,7 +19,8 @@ use unifed_protocol::chunking::{Reassembler, payload_hash};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
 use unifed_protocol::messages::{
-    Answer, Chunk, ChunkRequest, RoundManifest, ServerBroadcast, UpdateAnswer, UpdateReceipt,
+    Answer, Chunk, ChunkRequest, Download, ModelDelta, Payload, RoundManifest, ServerBroadcast,
+    UpdateAnswer, UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
 
@@ -81,7 +82,8 @@ pub enum Event {
         version: u64,
     },
     /// The driver could not apply a model (it does not fit the site's spec): it is not fetched
-    /// again until the manifest changes.
+    /// again until the manifest changes. A delta the driver could not apply (it does not hold
+    /// the version the delta starts from) is followed by a fetch of the whole model.
     ApplyFailed {
         /// Its version.
         version: u64,
@@ -118,18 +120,20 @@ pub enum Action {
         /// The message.
         payload: Vec<u8>,
     },
-    /// Apply the broadcast's weights (the non-BN ones under `local` BN), then report
-    /// [`Event::Applied`] or [`Event::ApplyFailed`].
+    /// Apply the model's weights (the non-BN ones under `local` BN), whole or as a delta from
+    /// the version applied last, then report [`Event::Applied`] or [`Event::ApplyFailed`].
     Apply {
         /// The manifest that announced it.
         manifest: RoundManifest,
-        /// The model.
-        broadcast: ServerBroadcast,
+        /// The model, whole or as a delta.
+        download: Download,
         /// True for a site whose first model is past version 0 and that has no checkpoint: a
         /// late joiner, whose BN may need calibrating first.
         joining: bool,
         /// Milliseconds from the first chunk request to the complete model.
         fetch_ms: u64,
+        /// Bytes of the payload fetched: the whole model's or the delta's.
+        bytes: u64,
     },
     /// Train for the manifest's round under its plan and report [`Event::Trained`].
     Train {
@@ -177,10 +181,10 @@ pub struct SiteEngine {
     outstanding: BTreeSet<u32>,
     last_request_ms: Option<u64>,
     fetch_started_ms: Option<u64>,
-    /// A model payload the driver could not apply: not fetched again.
-    refused: Option<[u8; 32]>,
-    /// An [`Action::Apply`] is out and not yet reported.
-    applying: bool,
+    /// Payloads (models or deltas) the driver could not apply: not fetched again.
+    refused: BTreeSet<[u8; 32]>,
+    /// The hash of the payload of an [`Action::Apply`] that is out and not yet reported.
+    applying: Option<[u8; 32]>,
     /// An [`Action::Train`] is out and not yet reported.
     training: Option<u64>,
     pending: Option<Upload>,
@@ -207,8 +211,8 @@ impl SiteEngine {
             outstanding: BTreeSet::new(),
             last_request_ms: None,
             fetch_started_ms: None,
-            refused: None,
-            applying: false,
+            refused: BTreeSet::new(),
+            applying: None,
             training: None,
             pending: None,
             delivered: None,
@@ -252,20 +256,36 @@ impl SiteEngine {
                 self.on_message(&topic, &payload, now_ms, &mut out)
             }
             Event::Applied { version } => {
-                self.applying = false;
+                self.applying = None;
                 self.progress.applied_version = Some(version);
                 self.fetch_started_ms = None;
                 self.last_request_ms = None;
                 out.push(Action::Checkpoint);
             }
             Event::ApplyFailed { version, error } => {
-                self.applying = false;
-                tracing::warn!(
-                    version,
-                    error,
-                    "model refused by the site; waiting for another"
-                );
-                self.refused = self.manifest.as_ref().map(|m| m.payload_hash);
+                if let Some(h) = self.applying.take() {
+                    let delta = self
+                        .manifest
+                        .as_ref()
+                        .and_then(|m| m.delta)
+                        .is_some_and(|d| d.payload_hash == h);
+                    if delta {
+                        tracing::warn!(
+                            version,
+                            error,
+                            "delta refused by the site; fetching the whole model"
+                        );
+                    } else {
+                        tracing::warn!(
+                            version,
+                            error,
+                            "model refused by the site; waiting for another"
+                        );
+                    }
+                    self.refused.insert(h);
+                }
+                self.outstanding.clear();
+                self.last_request_ms = None;
             }
             Event::Trained { round, update } => {
                 self.training = None;
@@ -383,6 +403,16 @@ impl SiteEngine {
                 "{} chunks for {} bytes",
                 m.chunk_count, m.payload_len
             ))
+        } else if let Some(d) = m.delta.filter(|d| {
+            d.from_version >= m.model_version
+                || d.chunk_count == 0
+                || u64::from(d.chunk_count) > d.payload_len.max(1)
+                || d.payload_len > self.cfg.max_model_bytes.saturating_mul(2)
+        }) {
+            Some(format!(
+                "its delta from v{} ({} chunks for {} bytes) does not fit",
+                d.from_version, d.chunk_count, d.payload_len
+            ))
         } else if let Err(e) = m.plan.objective.validate() {
             Some(e)
         } else if self
@@ -403,7 +433,7 @@ impl SiteEngine {
             .as_ref()
             .is_none_or(|cur| cur.payload_hash != m.payload_hash)
         {
-            self.refused = None;
+            self.refused.clear();
             self.outstanding.clear();
             self.last_request_ms = None;
         }
@@ -412,14 +442,15 @@ impl SiteEngine {
 
     fn on_chunk(&mut self, chunk: Chunk, now_ms: u64, out: &mut Vec<Action>) {
         let Some(m) = &self.manifest else { return };
-        if chunk.payload_hash != m.payload_hash {
-            // An older model's, or an onboarding package's.
+        let t = self.target(m);
+        if chunk.payload_hash != t.hash {
+            // An older model's, the payload the site does not fetch, or an onboarding package's.
             return;
         }
-        if chunk.count != m.chunk_count || chunk.total_len != m.payload_len {
+        if chunk.count != t.count || chunk.total_len != t.len {
             return drop_msg("chunk", "its count or length contradict the manifest");
         }
-        if self.applying || self.progress.applied_version == Some(m.model_version) {
+        if self.applying.is_some() || self.progress.applied_version == Some(m.model_version) {
             return;
         }
         self.outstanding.remove(&chunk.index);
@@ -428,30 +459,64 @@ impl SiteEngine {
             Ok(None) => return,
             Err(e) => return drop_msg("chunk", &e.to_string()),
         };
-        if payload_hash(&bytes) != m.payload_hash {
+        if payload_hash(&bytes) != t.hash {
             return drop_msg(
                 "model",
                 "the reassembled payload's hash differs from the manifest's",
             );
         }
-        let broadcast: ServerBroadcast = match postcard::from_bytes(&bytes) {
-            Ok(b) => b,
-            Err(e) => return drop_msg("model", &e.to_string()),
+        let download = match t.payload {
+            Payload::Delta => match postcard::from_bytes::<ModelDelta>(&bytes) {
+                Ok(d) if Some(d.from_version) != m.delta.map(|i| i.from_version) => {
+                    return drop_msg("delta", "its base version differs from the manifest's");
+                }
+                Ok(d) => Download::Delta(d),
+                Err(e) => return drop_msg("delta", &e.to_string()),
+            },
+            _ => match postcard::from_bytes::<ServerBroadcast>(&bytes) {
+                Ok(b) => Download::Model(b),
+                Err(e) => return drop_msg("model", &e.to_string()),
+            },
         };
-        if broadcast.model_version != m.model_version {
+        if download.model_version() != m.model_version {
             return drop_msg("model", "its version differs from the manifest's");
         }
         let joining =
             !self.resumed && self.progress.applied_version.is_none() && m.model_version > 0;
-        self.applying = true;
+        self.applying = Some(t.hash);
         out.push(Action::Apply {
             manifest: m.clone(),
-            broadcast,
+            download,
             joining,
             fetch_ms: self
                 .fetch_started_ms
                 .map_or(0, |t| now_ms.saturating_sub(t)),
+            bytes: t.len,
         });
+    }
+
+    /// What to fetch of the model `m` announces: its delta when the site holds the version the
+    /// delta starts from (and has not refused it), else the whole model.
+    fn target(&self, m: &RoundManifest) -> Target {
+        match m.delta {
+            Some(d)
+                if self.progress.applied_version == Some(d.from_version)
+                    && !self.refused.contains(&d.payload_hash) =>
+            {
+                Target {
+                    payload: Payload::Delta,
+                    hash: d.payload_hash,
+                    count: d.chunk_count,
+                    len: d.payload_len,
+                }
+            }
+            _ => Target {
+                payload: Payload::Model,
+                hash: m.payload_hash,
+                count: m.chunk_count,
+                len: m.payload_len,
+            },
+        }
     }
 
     fn on_answer(&mut self, a: UpdateAnswer, out: &mut Vec<Action>) {
@@ -490,11 +555,12 @@ impl SiteEngine {
         let Some(m) = self.manifest.clone() else {
             return;
         };
-        if self.applying || self.training.is_some() {
+        if self.applying.is_some() || self.training.is_some() {
             return;
         }
         if self.progress.applied_version != Some(m.model_version) {
-            if self.refused == Some(m.payload_hash) {
+            let t = self.target(&m);
+            if self.refused.contains(&t.hash) {
                 return;
             }
             self.fetch_started_ms.get_or_insert(now_ms);
@@ -504,9 +570,9 @@ impl SiteEngine {
                 .is_none_or(|t| now_ms.saturating_sub(t) > FETCH_RETRY_MS);
             if self.outstanding.is_empty() || stale {
                 self.reasm.expire(now_ms);
-                let indices: Vec<u32> = match self.reasm.missing(&m.payload_hash) {
+                let indices: Vec<u32> = match self.reasm.missing(&t.hash) {
                     Some(missing) => missing.into_iter().take(FETCH_WINDOW).collect(),
-                    None => (0..m.chunk_count).take(FETCH_WINDOW).collect(),
+                    None => (0..t.count).take(FETCH_WINDOW).collect(),
                 };
                 if indices.is_empty() {
                     return;
@@ -515,7 +581,7 @@ impl SiteEngine {
                 let req = ChunkRequest {
                     model_version: m.model_version,
                     indices,
-                    package: false,
+                    payload: t.payload,
                 };
                 out.push(Action::Publish {
                     topic: self.topics.chunk_request(&self.cfg.site),
@@ -571,6 +637,14 @@ impl SiteEngine {
             payload,
         ))
     }
+}
+
+/// The payload a site fetches of a manifest's model.
+struct Target {
+    payload: Payload,
+    hash: [u8; 32],
+    count: u32,
+    len: u64,
 }
 
 fn drop_msg(topic: &str, why: &str) {

@@ -7,8 +7,8 @@ use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, RejectReason, RoundManifest, RoundPlan,
-    ServerBroadcast, ServerExtras, UpdateAnswer,
+    Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, DeltaInfo, Download, ModelDelta, Payload,
+    RejectReason, RoundManifest, RoundPlan, ServerBroadcast, ServerExtras, UpdateAnswer,
 };
 use unifed_protocol::topics::Topics;
 use unifed_site::{Action, EngineConfig, Event, Progress, SiteEngine};
@@ -84,6 +84,7 @@ fn model(round: u64, v: u64, sampled: &[&str]) -> (RoundManifest, Vec<Chunk>) {
         chunk_count: chunks.len() as u32,
         payload_len: payload.len() as u64,
         payload_hash: payload_hash(&payload),
+        delta: None,
         encoding: Encoding::F32,
         bn_policy: BnPolicy::Local,
         bn_sharing: BnSharing::None,
@@ -137,6 +138,107 @@ fn deliver(e: &mut SiteEngine, m: &RoundManifest, chunks: &[Chunk]) -> Vec<Actio
     last
 }
 
+/// Model version `v` of [`model`] also offered as a q8 delta from `v - 1`: the manifest and
+/// the delta's chunks.
+fn with_delta(round: u64, v: u64) -> (RoundManifest, Vec<Chunk>, Vec<Chunk>) {
+    let (mut m, chunks) = model(round, v, &[]);
+    let d = ModelDelta {
+        from_version: v - 1,
+        model_version: v,
+        delta: vec![encode("fc.weight", &[40], &[0.5; 40], Encoding::Q8, None)],
+        values: vec![],
+        extras: ServerExtras::None,
+    };
+    let payload = postcard::to_allocvec(&d).unwrap();
+    let delta_chunks = split(&payload, 16);
+    m.encoding = Encoding::Q8;
+    m.delta = Some(DeltaInfo {
+        from_version: v - 1,
+        chunk_count: delta_chunks.len() as u32,
+        payload_len: payload.len() as u64,
+        payload_hash: payload_hash(&payload),
+    });
+    (m, chunks, delta_chunks)
+}
+
+fn request(acts: &[Action]) -> ChunkRequest {
+    let [Action::Publish { topic, payload }] = acts else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(topic, &topics().chunk_request(&id("a")));
+    Envelope::decode(payload).unwrap().payload_as().unwrap()
+}
+
+#[test]
+fn a_site_holding_the_base_version_fetches_the_delta_and_falls_back_to_the_whole_model() {
+    let progress = Progress {
+        applied_version: Some(2),
+        answered_rounds: vec![2],
+    };
+    let mut e = engine(Some(progress));
+    let (m, chunks, delta_chunks) = with_delta(3, 3);
+    let req = request(&e.handle(manifest_msg(&m), 0));
+    assert_eq!(req.payload, Payload::Delta);
+    assert_eq!(req.indices.len(), delta_chunks.len());
+    // The whole model's chunks are not what it fetches: ignored.
+    assert!(deliver(&mut e, &m, &chunks).is_empty());
+    let acts = deliver(&mut e, &m, &delta_chunks);
+    let [
+        Action::Apply {
+            download: Download::Delta(d),
+            bytes,
+            ..
+        },
+    ] = &acts[..]
+    else {
+        panic!("{acts:?}")
+    };
+    assert_eq!((d.from_version, d.model_version), (2, 3));
+    assert_eq!(*bytes, m.delta.unwrap().payload_len);
+    // The driver cannot apply it (say its held model was lost): the whole model comes next.
+    let acts = e.handle(
+        Event::ApplyFailed {
+            version: 3,
+            error: "no held model".into(),
+        },
+        2,
+    );
+    let req = request(&acts);
+    assert_eq!(req.payload, Payload::Model);
+    assert_eq!(req.indices, (0..chunks.len() as u32).collect::<Vec<_>>());
+    let acts = deliver(&mut e, &m, &chunks);
+    assert!(
+        matches!(&acts[..], [Action::Apply { download: Download::Model(b), .. }] if b.model_version == 3),
+        "{acts:?}"
+    );
+}
+
+#[test]
+fn a_site_behind_or_new_fetches_the_whole_model_even_when_a_delta_is_offered() {
+    for progress in [
+        None,
+        Some(Progress {
+            applied_version: Some(1),
+            answered_rounds: vec![1],
+        }),
+    ] {
+        let mut e = engine(progress);
+        let (m, chunks, _) = with_delta(3, 3);
+        let req = request(&e.handle(manifest_msg(&m), 0));
+        assert_eq!(req.payload, Payload::Model);
+        assert_eq!(req.indices.len(), chunks.len());
+    }
+}
+
+#[test]
+fn a_manifest_whose_delta_does_not_fit_is_dropped() {
+    let mut e = engine(None);
+    let (mut m, _, _) = with_delta(3, 3);
+    m.delta.as_mut().unwrap().from_version = 3;
+    assert!(e.handle(manifest_msg(&m), 0).is_empty());
+    assert!(e.manifest().is_none());
+}
+
 #[test]
 fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     let mut e = engine(None);
@@ -151,7 +253,7 @@ fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     let acts = deliver(&mut e, &m, &chunks);
     let [
         Action::Apply {
-            broadcast,
+            download: Download::Model(broadcast),
             joining: false,
             ..
         },
@@ -325,7 +427,7 @@ fn bad_input_on_every_topic_is_dropped_and_changes_nothing() {
     // The real chunks still give the real model, and the site trains as if nothing happened.
     let acts = deliver(&mut e, &m, &chunks);
     assert!(
-        matches!(&acts[..], [Action::Apply { broadcast, .. }] if broadcast.weights[0].name == "fc.weight")
+        matches!(&acts[..], [Action::Apply { download: Download::Model(broadcast), .. }] if broadcast.weights[0].name == "fc.weight")
     );
     assert!(e.progress().answered_rounds.is_empty());
 }

@@ -56,6 +56,8 @@ pub struct Fed {
     pub deadline_secs: u64,
     /// `Local` or `Global`.
     pub bn_policy: String,
+    /// The federation's encoding, both ways.
+    pub encoding: unifed_protocol::Encoding,
     /// The algorithm as a TOML inline table (default `{ name = "fedavg" }`).
     pub algorithm: String,
     /// BN sharing policy: `none`, `affine` or `affine+stats`.
@@ -101,6 +103,7 @@ impl Fed {
             min_sites: 3,
             deadline_secs: 300,
             bn_policy: "Local".into(),
+            encoding: unifed_protocol::Encoding::F32,
             algorithm: "{ name = \"fedavg\" }".into(),
             bn_sharing: "none".into(),
             linger_secs: 3,
@@ -223,7 +226,7 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "data_dir = \"{}\"\nmodel = \"{}\"\nkey = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = [{}]\nrevoked = [{}]\nencoding = \"F32\"\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n{}",
+                "data_dir = \"{}\"\nmodel = \"{}\"\nkey = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = [{}]\nrevoked = [{}]\nencoding = {}\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n{}",
                 self.agg_dir().display(),
                 self.model().display(),
                 self.key_file("aggregator").display(),
@@ -246,6 +249,7 @@ impl Fed {
                     .map(|id| format!("\"{}\"", self.key(id).public()))
                     .collect::<Vec<_>>()
                     .join(", "),
+                toml_encoding(self.encoding),
                 self.bn_policy,
                 self.bn_sharing,
                 self.federation_extra,
@@ -398,4 +402,16 @@ fn spawn(cmd: &mut Command, log: &Path) -> Guard {
             .spawn()
             .expect("spawning a workspace binary"),
     )
+}
+
+/// An encoding as the aggregator's TOML config spells it.
+fn toml_encoding(e: unifed_protocol::Encoding) -> String {
+    use unifed_protocol::Encoding::*;
+    match e {
+        F32 => "\"F32\"".into(),
+        F16 => "\"F16\"".into(),
+        Q8 => "\"Q8\"".into(),
+        TopK { per_mille } => format!("{{ TopK = {{ per_mille = {per_mille} }} }}"),
+        TopKQ8 { per_mille } => format!("{{ TopKQ8 = {{ per_mille = {per_mille} }} }}"),
+    }
 }

@@ -183,7 +183,7 @@ fn noise(
 ) -> usize {
     use unifed_protocol::chunking::payload_hash;
     use unifed_protocol::ids::Id;
-    use unifed_protocol::messages::{Answer, ChunkRequest, UpdateAnswer};
+    use unifed_protocol::messages::{Answer, ChunkRequest, Payload, UpdateAnswer};
     use unifed_protocol::topics::Topics;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -300,7 +300,7 @@ fn noise(
                     let req = ChunkRequest {
                         model_version: m.model_version + 7,
                         indices: vec![0, 1],
-                        package: false,
+                        payload: Payload::Model,
                     };
                     all(
                         topics.chunk_request(&site),

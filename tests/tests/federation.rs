@@ -13,22 +13,33 @@ use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, Packet, Proxy, mosquitto_available, serial};
 use unifed_models::checkpoint;
 use unifed_protocol::chunking::Reassembler;
-use unifed_protocol::encoding::decode;
+use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::messages::{
-    Answer, Chunk, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
+    Answer, Chunk, ModelDelta, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
 };
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
 
 /// Runs the federation and returns its folder and the captured packets.
 fn run(kind: BrokerKind, bn: &str, max_packet: usize) -> (tempfile::TempDir, Fed, Vec<Packet>) {
+    run_with(kind, bn, max_packet, Encoding::F32)
+}
+
+/// [`run`] with the federation's encoding.
+fn run_with(
+    kind: BrokerKind,
+    bn: &str,
+    max_packet: usize,
+    encoding: Encoding,
+) -> (tempfile::TempDir, Fed, Vec<Packet>) {
     let dir = tempfile::tempdir().unwrap();
     let broker = Broker::start(kind, max_packet);
     let proxy = Proxy::start(broker.port);
     let mut fed = Fed::new(dir.path(), proxy.port, max_packet);
     fed.credentials = broker.credentials.clone();
     fed.bn_policy = bn.into();
+    fed.encoding = encoding;
     let mut agg = fed.aggregator();
     let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
     for (a, s) in agents.iter_mut().zip(SITES) {
@@ -277,4 +288,81 @@ fn local_bn_three_agents_three_rounds_on_mosquitto() {
     let _one = serial();
     let (_dir, fed, packets) = run(BrokerKind::Mosquitto, "Local", 32 << 10);
     check(&fed, &packets);
+}
+
+/// Under a lossy encoding the model goes down as deltas over MQTT: each agent fetches the
+/// whole model once (version 0) and then only deltas, at least 8x smaller than the model on
+/// this small CNN; the sum of the deltas it was sent is, bit for bit, the model it ends with and
+/// the whole model the aggregator serves; and the run equals the in-process one.
+#[test]
+fn under_a_lossy_encoding_agents_fetch_deltas_that_add_up_to_the_model_they_end_with() {
+    let _one = serial();
+    let enc = Encoding::TopKQ8 { per_mille: 100 };
+    let (_dir, fed, packets) = run_with(BrokerKind::Embedded, "Local", 32 << 10, enc);
+    let spec = fed.spec();
+    let manifests: Vec<RoundManifest> = packets
+        .iter()
+        .filter(|p| p.to_broker && p.topic == "unifed/v1/e2e/manifest")
+        .map(|p| envelope(p).payload_as().unwrap())
+        .collect();
+    assert_eq!(manifests.len() as u64, fed.rounds + 1);
+    assert!(manifests[0].delta.is_none());
+    let by_hash = |h: [u8; 32]| {
+        manifests
+            .iter()
+            .find_map(|m| {
+                if m.payload_hash == h {
+                    Some((m.model_version, false, m.payload_len))
+                } else {
+                    m.delta
+                        .filter(|d| d.payload_hash == h)
+                        .map(|_| (m.model_version, true, m.payload_len))
+                }
+            })
+            .expect("a payload some manifest announces")
+    };
+    for site in SITES {
+        let mut r = Reassembler::new(u64::MAX, 1 << 30);
+        let mut held: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+        let mut fetched = Vec::new();
+        for p in packets
+            .iter()
+            .filter(|p| !p.to_broker && p.topic == format!("unifed/v1/e2e/chunks/reply/{site}"))
+        {
+            let c: Chunk = envelope(p).payload_as().unwrap();
+            let Some(bytes) = r.insert(c, 0).unwrap() else {
+                continue;
+            };
+            let (v, is_delta, model_len) = by_hash(unifed_protocol::payload_hash(&bytes));
+            fetched.push((v, is_delta));
+            if is_delta {
+                assert!(
+                    bytes.len() as u64 * 8 <= model_len,
+                    "{site}: delta of v{v} is {} bytes against a model of {model_len}",
+                    bytes.len()
+                );
+                let d: ModelDelta = postcard::from_bytes(&bytes).unwrap();
+                assert_eq!(d.from_version + 1, v);
+                for t in &d.delta {
+                    let add = decode(t).unwrap();
+                    let h = held.get_mut(&t.name).unwrap();
+                    h.iter_mut().zip(&add).for_each(|(h, a)| *h += a);
+                }
+            } else {
+                let b: ServerBroadcast = postcard::from_bytes(&bytes).unwrap();
+                held = b
+                    .weights
+                    .iter()
+                    .map(|t| (t.name.clone(), decode(t).unwrap()))
+                    .collect();
+            }
+        }
+        let want: Vec<(u64, bool)> = (0..=fed.rounds).map(|v| (v, v > 0)).collect();
+        assert_eq!(fetched, want, "{site}: the whole model once, then deltas");
+        let last = checkpoint::load(&fed.site_dir(site).join("model.safetensors"), &spec).unwrap();
+        for t in last.tensors.iter().filter(|t| !t.kind.is_bn()) {
+            assert_eq!(t.data, held[&t.name], "{site}: final `{}`", t.name);
+        }
+    }
+    common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
 }

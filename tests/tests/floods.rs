@@ -16,7 +16,7 @@ use unifed_protocol::auth::{Keyring, SigningKey};
 use unifed_protocol::chunking::payload_hash;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{Chunk, ChunkRequest, RoundManifest};
+use unifed_protocol::messages::{Chunk, ChunkRequest, Payload, RoundManifest};
 use unifed_protocol::topics::Topics;
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
@@ -119,7 +119,7 @@ fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) 
                     let req = ChunkRequest {
                         model_version: version,
                         indices: vec![],
-                        package: false,
+                        payload: Payload::Model,
                     };
                     let payload = postcard::to_allocvec(&req).unwrap();
                     out.push((

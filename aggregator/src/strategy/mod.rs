@@ -38,7 +38,7 @@ use crate::config::Weighting;
 use crate::store::{Store, StoreError};
 use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
-use unifed_protocol::encoding::{EncodedTensor, Encoding, Values, decode};
+use unifed_protocol::encoding::{EncodedTensor, Encoding, decode};
 use unifed_protocol::messages::{
     LocalReport, Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdate,
 };
@@ -395,14 +395,7 @@ pub fn dense(
         } else {
             encoding
         };
-        let encoding_ok = matches!(
-            (&t.values, expected),
-            (Values::F32(_), Encoding::F32)
-                | (Values::F16(_), Encoding::F16)
-                | (Values::Q8 { .. }, Encoding::Q8)
-                | (Values::Sparse { .. }, Encoding::TopK { .. })
-        );
-        if !encoding_ok {
+        if !expected.holds(&t.values) {
             return Err(RejectReason::WrongEncoding);
         }
         let v = decode(t).map_err(|e| RejectReason::Malformed(e.to_string()))?;

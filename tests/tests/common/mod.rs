@@ -51,6 +51,7 @@ pub fn same_as_in_process(fed: &Fed, sites: &[&str], algorithm: unifed_aggregato
     let cfg = unifed_aggregator::FederationConfig {
         bn_policy,
         algorithm,
+        encoding: fed.encoding,
         ..unifed_aggregator::FederationConfig::new("e2e", fed.rounds, fed.min_sites, Vec::new())
     };
     let tc = TrainConfig {
