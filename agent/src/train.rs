@@ -27,8 +27,9 @@ use unifed_protocol::messages::{
 use unifed_protocol::topics::Topics;
 use unifed_site::{Action as SiteAction, EngineConfig, Event, Progress, SiteEngine};
 
-use crate::progress::{Report, training_bar};
+use crate::progress::{Phase, Report, training_bar};
 use crate::registry::Owner;
+use unifed_net::report;
 
 /// Where a site's labelled data comes from.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -414,6 +415,9 @@ pub async fn run(
     let mut queue: std::collections::VecDeque<Event> = std::collections::VecDeque::new();
     // What to announce once the checkpoint that follows an applied model is written.
     let mut announce: Option<(RoundManifest, u64, u64)> = None;
+    // The round the next checkpoint belongs to in the timeline, and when each upload started.
+    let mut checkpoint_round = 0u64;
+    let mut upload_started: Option<(u64, Instant)> = None;
     loop {
         let event = match queue.pop_front() {
             Some(e) => e,
@@ -449,6 +453,10 @@ pub async fn run(
                     fetch_ms,
                     bytes,
                 } => {
+                    // The model of version v is what round v + 1 trains from.
+                    let for_round = m.model_version + 1;
+                    report::phase_seconds(for_round, Phase::Download, fetch_ms as f64 / 1000.0);
+                    let applying = Instant::now();
                     let s = site.as_mut().expect("site present");
                     if let Err(e) = s.receive(&spec, &m, &download) {
                         queue.push_back(Event::ApplyFailed {
@@ -501,6 +509,8 @@ pub async fn run(
                             s.train.len()
                         );
                     }
+                    report::phase(for_round, Phase::Apply, applying);
+                    checkpoint_round = for_round;
                     queue.push_back(Event::Applied {
                         version: m.model_version,
                     });
@@ -529,7 +539,14 @@ pub async fn run(
                     );
                     let bar = training_bar(site_id.as_str(), m.round);
                     let job = tokio::task::spawn_blocking(move || {
+                        let started = Instant::now();
                         let r = s.train_round(&spec2, &fed2, &m2, &tc, &dev2, bar);
+                        if r.is_ok() {
+                            let encode = s.encode_seconds();
+                            let train = started.elapsed().as_secs_f64() - encode;
+                            report::phase_seconds(m2.round, Phase::Train, train);
+                            report::phase_seconds(m2.round, Phase::Encode, encode);
+                        }
                         (s, r)
                     });
                     let (s, update) = tokio::select! {
@@ -571,17 +588,24 @@ pub async fn run(
                     round,
                     bytes,
                     messages,
-                } => Report::Uploaded {
-                    round,
-                    bytes,
-                    messages,
+                } => {
+                    upload_started = Some((round, Instant::now()));
+                    Report::Uploaded {
+                        round,
+                        bytes,
+                        messages,
+                    }
+                    .emit()
                 }
-                .emit(),
                 SiteAction::Answered { round, answer } => {
                     let accepted = answer == Answer::Accepted;
                     site.as_mut()
                         .expect("site present")
                         .answered(round, accepted);
+                    if let Some((_, t)) = upload_started.take_if(|(r, _)| *r == round) {
+                        report::phase(round, Phase::Upload, t);
+                    }
+                    checkpoint_round = round;
                     Report::Answered { round, accepted }.emit();
                     match answer {
                         Answer::Accepted => {
@@ -596,7 +620,9 @@ pub async fn run(
                 }
                 SiteAction::Checkpoint => {
                     let s = site.as_ref().expect("site present");
+                    let saving = Instant::now();
                     save(s, engine.progress())?;
+                    report::phase(checkpoint_round, Phase::Checkpoint, saving);
                     if let Some((m, fetch_ms, bytes)) = announce.take() {
                         println!("{site_id}: applied model v{}", m.model_version);
                         Report::Applied {
@@ -606,8 +632,10 @@ pub async fn run(
                         }
                         .emit();
                         if cfg.evaluate_each_model && !m.finished {
+                            let evaluating = Instant::now();
                             let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?
                                 .accuracy();
+                            report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
                             Report::Evaluated {
                                 version: m.model_version,
                                 accuracy: acc,

@@ -8,6 +8,7 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use unifed_net::report::{self, Phase, Report};
 use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop};
 use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
@@ -417,6 +418,7 @@ pub async fn serve(
                     chunks,
                     delta_chunks,
                 } => {
+                    let publishing = Instant::now();
                     wire.send(
                         topics.manifest(),
                         MessageKind::RoundManifest,
@@ -440,6 +442,8 @@ pub async fn serve(
                     };
                     let (chunks, delta_chunks) =
                         tokio::task::block_in_place(|| (seal(&chunks), seal(&delta_chunks)));
+                    // Model v closes round v: its publication is that round's last phase.
+                    report::phase(manifest.model_version, Phase::Publish, publishing);
                     served = Some(Served {
                         manifest,
                         chunks,
@@ -458,6 +462,12 @@ pub async fn serve(
                         "round {round} closed with {} update(s) -> model v{model_version}",
                         sites.len()
                     );
+                    Report::RoundClosed {
+                        round,
+                        model_version,
+                        sites,
+                    }
+                    .emit();
                 }
                 Action::Finished { model_version } => {
                     println!("federation finished: model v{model_version}");
@@ -481,7 +491,11 @@ pub async fn serve(
                     tracing::warn!(revoked = revoked.len(), "revocation list reloaded; other changes take effect at the next start");
                     core.set_revoked(revoked);
                 }
+                let (round, t) = (core.round(), Instant::now());
                 pending = tokio::task::block_in_place(|| core.handle(Event::Tick, now_ms()))?;
+                if pending.iter().any(|a| matches!(a, Action::RoundClosed { .. })) {
+                    report::phase(round, Phase::Fold, t);
+                }
             }
             ev = rx.recv() => match ev {
                 None => bail!("the MQTT event loop stopped"),
@@ -524,7 +538,11 @@ pub async fn serve(
                         };
                         uploads.expire(now_ms());
                         if let Some(bytes) = whole {
+                            let (round, t) = (core.round(), Instant::now());
                             pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;
+                            // The update that closes the round: its spool is counted in the fold.
+                            let closed = pending.iter().any(|a| matches!(a, Action::RoundClosed { .. }));
+                            report::phase(round, if closed { Phase::Fold } else { Phase::Spool }, t);
                         }
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
                         serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, &mut serves).await?;

@@ -1,9 +1,10 @@
 //! The demo's results: the per-site table of every run side by side, `federation.json` and the
 //! convergence chart `federation.svg`.
 
-use crate::run::{Options, RunResult};
+use crate::run::{Options, RoundTimeline, RunResult};
 use anyhow::{Context, Result};
 use serde::Serialize;
+use unifed_agent::progress::Phase;
 use unifed_sim::chart::{Series, line_chart};
 
 #[derive(Serialize)]
@@ -27,6 +28,12 @@ fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
 
 fn mib(b: u64) -> String {
     format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+}
+
+/// The mean of `f` over a run's rounds after the first (all of them for a one-round run).
+fn steady(r: &RunResult, f: impl Fn(&RoundTimeline) -> f64) -> f64 {
+    let skip = usize::from(r.timeline.len() > 1);
+    mean(r.timeline.iter().skip(skip).map(f))
 }
 
 /// Mean bytes one site sends per round.
@@ -98,6 +105,41 @@ pub fn finish(opts: &Options, runs: &[RunResult]) -> Result<()> {
         mib(r.peak_rss_bytes.get("broker").copied().unwrap_or(0))
     });
     table += &row("wall seconds", &|r| format!("{:.0}", r.wall_seconds));
+    // Where a round's time goes (rounds after the first, whose time includes the start-up):
+    // per site for the sites' phases, per round for the aggregator's.
+    table += &format!("\n{:<26}\n", "seconds per round (2..R)");
+    for p in Phase::ALL {
+        let aggregator = matches!(p, Phase::Spool | Phase::Fold | Phase::Publish);
+        table += &row(
+            &format!(
+                "  {}{}",
+                p.name(),
+                if aggregator { " (aggregator)" } else { "" }
+            ),
+            &|r| {
+                format!(
+                    "{:.3}",
+                    steady(r, |t| t.phases.get(&p).map_or(0.0, |s| if aggregator {
+                        s.total
+                    } else {
+                        s.mean()
+                    }))
+                )
+            },
+        );
+    }
+    table += &row("  slowest site's training", &|r| {
+        format!("{:.3}", steady(r, |t| t.training_seconds))
+    });
+    table += &row("  overhead share", &|r| {
+        format!("{:.1}%", 100.0 * steady(r, |t| t.overhead_share))
+    });
+    table += &row("  ... without evaluation", &|r| {
+        format!(
+            "{:.1}%",
+            100.0 * steady(r, |t| t.overhead_share_without_evaluation)
+        )
+    });
     println!("{table}");
 
     std::fs::create_dir_all(&opts.out)

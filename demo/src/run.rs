@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
-use unifed_agent::progress::Report;
+use unifed_agent::progress::{Phase, Report};
 use unifed_agent::train::{AgentConfig, DataConfig};
 use unifed_aggregator::config::{EnrolledSite, FederationConfig};
 use unifed_aggregator::service::ServiceConfig;
@@ -100,6 +100,83 @@ pub struct RunResult {
     pub peak_rss_bytes: BTreeMap<String, u64>,
     /// CPU threads per agent.
     pub threads_per_agent: usize,
+    /// Where each round's time went.
+    pub timeline: Vec<RoundTimeline>,
+}
+
+/// One phase of one round: over the sites for site phases, over the round's updates or calls
+/// for the aggregator's.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PhaseStat {
+    /// Sum of the reported durations, seconds.
+    pub total: f64,
+    /// The longest one, seconds.
+    pub max: f64,
+    /// How many were reported.
+    pub count: usize,
+}
+
+impl PhaseStat {
+    /// The mean duration (0 when none was reported).
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.total / self.count as f64
+        }
+    }
+}
+
+/// Where one round's time went: every phase the agents and the aggregator reported for it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RoundTimeline {
+    /// The round.
+    pub round: u64,
+    /// Seconds from the previous round's close (or the start) to this one's.
+    pub wall_seconds: f64,
+    /// Each phase's durations.
+    pub phases: BTreeMap<Phase, PhaseStat>,
+    /// The slowest site's training, seconds: what the round cannot be shorter than.
+    pub training_seconds: f64,
+    /// `wall - training`: everything that is not training on the critical path.
+    pub overhead_seconds: f64,
+    /// `overhead / wall`.
+    pub overhead_share: f64,
+    /// The overhead without the slowest site's evaluation (the demo's own measurement, which a
+    /// deployed agent can turn off), as a share of the wall time.
+    pub overhead_share_without_evaluation: f64,
+}
+
+/// Builds the timelines of rounds `1..=rounds` from the reported phases and the times rounds
+/// closed.
+fn timelines(rounds: u64, closed: &[f64], phases: &[(u64, Phase, f64)]) -> Vec<RoundTimeline> {
+    let mut prev = 0.0;
+    (1..=rounds)
+        .zip(closed)
+        .map(|(round, &t)| {
+            let wall = t - prev;
+            prev = t;
+            let mut by: BTreeMap<Phase, PhaseStat> = BTreeMap::new();
+            for &(_, p, secs) in phases.iter().filter(|(r, _, _)| *r == round) {
+                let e = by.entry(p).or_default();
+                e.total += secs;
+                e.max = e.max.max(secs);
+                e.count += 1;
+            }
+            let max = |p: Phase| by.get(&p).map_or(0.0, |s| s.max);
+            let training = max(Phase::Train);
+            let overhead = wall - training;
+            RoundTimeline {
+                round,
+                wall_seconds: wall,
+                training_seconds: training,
+                overhead_seconds: overhead,
+                overhead_share: overhead / wall,
+                overhead_share_without_evaluation: (overhead - max(Phase::Evaluate)) / wall,
+                phases: by,
+            }
+        })
+        .collect()
 }
 
 /// Site ids and domains of the options (`grey`, `grey-2`, ... for repeats).
@@ -213,7 +290,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         "aggregator",
         &["aggregator", "--config", &agg_toml.to_string_lossy()],
         &work.join("aggregator.log"),
-        &[],
+        &[("UNIFED_REPORT", "1")],
     )?;
     for (id, domain) in &sites {
         let cfg = AgentConfig {
@@ -301,6 +378,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         })
         .collect();
     let mut round_closed: Vec<f64> = Vec::new();
+    let mut phases: Vec<(u64, Phase, f64)> = Vec::new();
     let mut done: BTreeMap<String, bool> = BTreeMap::new();
     while done.len() < sites.len() {
         let line = match kids.rx.recv_timeout(Duration::from_millis(500)) {
@@ -345,13 +423,26 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     work.join(format!("{who}.log")).display()
                 )
             }
-            Line::Out { who, text } if who == "aggregator" => {
-                if text.starts_with("round ") && text.contains(" closed") {
+            Line::Out { who, text } if who == "aggregator" => match Report::parse(&text) {
+                Some(Report::RoundClosed {
+                    round,
+                    model_version,
+                    sites,
+                }) => {
                     round_closed.push(t0.elapsed().as_secs_f64());
                     rounds_bar.inc(1);
-                    say(format!("{name}: {text}"));
+                    say(format!(
+                        "{name}: round {round} closed with {} update(s) -> model v{model_version}",
+                        sites.len()
+                    ));
                 }
-            }
+                Some(Report::Phase {
+                    round,
+                    phase,
+                    seconds,
+                }) => phases.push((round, phase, seconds)),
+                _ => {}
+            },
             Line::Out { who, text } => {
                 let (Some(r), Some(bar)) = (Report::parse(&text), bars.get(&who)) else {
                     continue;
@@ -407,6 +498,13 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                             100.0 * accuracy
                         ));
                     }
+                    Report::Phase {
+                        round,
+                        phase,
+                        seconds,
+                    } => phases.push((round, phase, seconds)),
+                    // The aggregator's.
+                    Report::RoundClosed { .. } => {}
                 }
             }
         }
@@ -414,12 +512,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     rounds_bar.finish();
     let memory = kids.memory();
     drop(kids);
-    let mut round_seconds = Vec::new();
-    let mut prev = 0.0;
-    for t in round_closed {
-        round_seconds.push(t - prev);
-        prev = t;
-    }
+    let timeline = timelines(opts.rounds, &round_closed, &phases);
+    let round_seconds = timeline.iter().map(|t| t.wall_seconds).collect();
     Ok(RunResult {
         name: name.into(),
         bn_policy: policy.into(),
@@ -433,5 +527,6 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         peak_rss_total_bytes: memory.peak_total,
         peak_rss_bytes: memory.peak_each,
         threads_per_agent: threads,
+        timeline,
     })
 }

@@ -110,6 +110,8 @@ pub struct Site<N: Net> {
     /// The residuals and control variate the update of a round leaves behind, kept until the
     /// aggregator answers: only an accepted update advances them.
     pending: Option<(u64, Memory)>,
+    /// Seconds the last [`Site::train_round`] spent encoding its update after training.
+    encode_seconds: f64,
 }
 
 impl<N: Net> Site<N> {
@@ -122,6 +124,7 @@ impl<N: Net> Site<N> {
             test,
             memory: Memory::default(),
             pending: None,
+            encode_seconds: 0.0,
         })
     }
 
@@ -311,6 +314,7 @@ impl<N: Net> Site<N> {
             device,
             progress,
         )?;
+        let encoding = std::time::Instant::now();
         let d = delta(&export(&net, spec, select), &base)?;
         if let Some(t) = d
             .tensors
@@ -373,7 +377,7 @@ impl<N: Net> Site<N> {
             },
             extras,
         };
-        Ok(Envelope::new(
+        let bytes = Envelope::new(
             MessageKind::SiteUpdate,
             federation.clone(),
             self.id.clone(),
@@ -382,7 +386,15 @@ impl<N: Net> Site<N> {
             spec.hash(),
             &upd,
         )
-        .encode())
+        .encode();
+        self.encode_seconds = encoding.elapsed().as_secs_f64();
+        Ok(bytes)
+    }
+
+    /// Seconds the last [`Site::train_round`] spent after training: the delta, its encoding with
+    /// error feedback, and the envelope.
+    pub fn encode_seconds(&self) -> f64 {
+        self.encode_seconds
     }
 
     /// The server control variate `c` of the manifest's model version.

@@ -3,7 +3,10 @@
 //! One task owns the rumqttc event loop ([`spawn_event_loop`]): it reconnects with exponential
 //! backoff (rumqttc itself retries at full speed), re-subscribes on every ConnAck (a clean
 //! session loses subscriptions), and forwards incoming publishes over a channel, so that the
-//! application task can `publish().await` without starving the loop.
+//! application task can `publish().await` without starving the loop. [`report`] is the typed
+//! contract between the services and a supervising process.
+
+pub mod report;
 
 use rumqttc::{AsyncClient, Event, EventLoop, LastWill, MqttOptions, Packet, QoS};
 use serde::{Deserialize, Serialize};

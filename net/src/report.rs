@@ -1,0 +1,223 @@
+//! How the services report what they do to a supervising process such as the demo
+//! (environment `UNIFED_REPORT=1`): one line per event on stdout, the prefix `@unifed ` and a
+//! JSON [`Report`]. A typed contract between processes, never a log sentence to parse.
+
+use serde::{Deserialize, Serialize};
+
+/// The prefix of a report line.
+pub const PREFIX: &str = "@unifed ";
+
+/// A step of a federated round whose duration is reported: what the per-phase timeline of a
+/// round is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// A site fetches the round's model (first chunk request to the complete payload).
+    Download,
+    /// A site applies it (and calibrates BN when joining).
+    Apply,
+    /// A site writes its checkpoint.
+    Checkpoint,
+    /// A site measures its test accuracy (a supervisor's measurement, not part of a round).
+    Evaluate,
+    /// A site's local training.
+    Train,
+    /// A site encodes its update (delta, error feedback, envelope).
+    Encode,
+    /// A site's update on the wire until the aggregator's answer (spooling included).
+    Upload,
+    /// The aggregator checks and stores one update durably.
+    Spool,
+    /// The aggregator folds the round's updates into the next model and commits it.
+    Fold,
+    /// The aggregator signs the new model's chunks and publishes its manifest.
+    Publish,
+}
+
+impl Phase {
+    /// Every phase in the order a round goes through them.
+    pub const ALL: [Phase; 10] = [
+        Phase::Download,
+        Phase::Apply,
+        Phase::Checkpoint,
+        Phase::Evaluate,
+        Phase::Train,
+        Phase::Encode,
+        Phase::Upload,
+        Phase::Spool,
+        Phase::Fold,
+        Phase::Publish,
+    ];
+
+    /// The phase's name in reports and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Download => "download",
+            Phase::Apply => "apply",
+            Phase::Checkpoint => "checkpoint",
+            Phase::Evaluate => "evaluate",
+            Phase::Train => "train",
+            Phase::Encode => "encode",
+            Phase::Upload => "upload",
+            Phase::Spool => "spool",
+            Phase::Fold => "fold",
+            Phase::Publish => "publish",
+        }
+    }
+}
+
+/// One event of an agent or the aggregator, as a supervisor reads it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Report {
+    /// A step of local training.
+    Training {
+        /// Round being trained.
+        round: u64,
+        /// Epoch (0-based).
+        epoch: usize,
+        /// Steps done in this epoch.
+        done: usize,
+        /// Steps in the epoch.
+        steps: usize,
+    },
+    /// An update was sent (first send, not re-sends).
+    Uploaded {
+        /// Round of the update.
+        round: u64,
+        /// Application bytes of the update envelope.
+        bytes: u64,
+        /// MQTT messages it took.
+        messages: u64,
+    },
+    /// The aggregator answered an update.
+    Answered {
+        /// Round of the update.
+        round: u64,
+        /// Whether it was accepted.
+        accepted: bool,
+    },
+    /// A model version was fetched and applied.
+    Applied {
+        /// Model version.
+        version: u64,
+        /// Bytes of the payload fetched (the whole model's, or the delta's).
+        bytes: u64,
+        /// Seconds from its manifest to having applied it.
+        seconds: f64,
+    },
+    /// Test accuracy of the site's model (global weights, the site's own BN under `local`).
+    Evaluated {
+        /// Model version.
+        version: u64,
+        /// Test accuracy in [0, 1].
+        accuracy: f64,
+    },
+    /// A phase of `round` took `seconds` (a site's model of version `v` is fetched, applied,
+    /// checkpointed and evaluated for round `v + 1`).
+    Phase {
+        /// The round.
+        round: u64,
+        /// The phase.
+        phase: Phase,
+        /// Its duration.
+        seconds: f64,
+    },
+    /// The aggregator closed `round` with the updates of `sites`, giving `model_version`.
+    RoundClosed {
+        /// The round.
+        round: u64,
+        /// The new model version.
+        model_version: u64,
+        /// Sites folded in.
+        sites: Vec<String>,
+    },
+}
+
+impl Report {
+    /// Prints the report line when a supervisor asked for reports.
+    pub fn emit(&self) {
+        if enabled()
+            && let Ok(json) = serde_json::to_string(self)
+        {
+            println!("{PREFIX}{json}");
+        }
+    }
+
+    /// Parses a report line (`None` for any other line).
+    pub fn parse(line: &str) -> Option<Report> {
+        serde_json::from_str(line.strip_prefix(PREFIX)?).ok()
+    }
+}
+
+/// Reports the duration of `phase` of `round` since `since`.
+pub fn phase(round: u64, phase: Phase, since: std::time::Instant) {
+    phase_seconds(round, phase, since.elapsed().as_secs_f64());
+}
+
+/// Reports that `phase` of `round` took `seconds`.
+pub fn phase_seconds(round: u64, phase: Phase, seconds: f64) {
+    Report::Phase {
+        round,
+        phase,
+        seconds,
+    }
+    .emit();
+}
+
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("UNIFED_REPORT").is_some_and(|v| v == "1"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_line_round_trips_and_other_lines_are_not_reports() {
+        for r in [
+            Report::Applied {
+                version: 3,
+                bytes: 56_854_635,
+                seconds: 1.5,
+            },
+            Report::Phase {
+                round: 4,
+                phase: Phase::Fold,
+                seconds: 0.25,
+            },
+            Report::RoundClosed {
+                round: 4,
+                model_version: 4,
+                sites: vec!["grey".into()],
+            },
+        ] {
+            let line = format!("{PREFIX}{}", serde_json::to_string(&r).unwrap());
+            assert_eq!(Report::parse(&line), Some(r));
+        }
+        let line = format!(
+            "{PREFIX}{}",
+            serde_json::to_string(&Report::Phase {
+                round: 1,
+                phase: Phase::Train,
+                seconds: 2.0
+            })
+            .unwrap()
+        );
+        assert_eq!(
+            line,
+            "@unifed {\"event\":\"phase\",\"round\":1,\"phase\":\"train\",\"seconds\":2.0}"
+        );
+        assert_eq!(Report::parse("grey: applied model v3"), None);
+        assert_eq!(Report::parse("@unifed {\"event\":\"nope\"}"), None);
+        assert_eq!(
+            Phase::ALL.len(),
+            Phase::ALL
+                .iter()
+                .map(|p| p.name())
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+        );
+    }
+}
