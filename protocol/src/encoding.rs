@@ -1,5 +1,6 @@
 //! Tensor encodings on the wire: `f32`, `f16`, `q8` (per-tensor symmetric int8 with a scale)
-//! and top-k sparse with f32 or q8 values (the sender keeps the error-feedback residual).
+//! top-k sparse with f32 or q8 values, and dense ternary with a scale per block (the sender
+//! keeps the error-feedback residual).
 
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -27,12 +28,20 @@ pub enum Encoding {
         /// Fraction kept, in thousandths (1..=1000).
         per_mille: u16,
     },
+    /// Every value as one of `{-s, 0, +s}`, with one f16 scale `s` per block of
+    /// [`TERNARY_BLOCK`] values, five values packed per byte: 1.66 bits per value, ~19x below
+    /// f32, and every value moves every round (with error feedback, what it rounds away goes
+    /// out later).
+    Ternary,
 }
+
+/// Values per scale of [`Encoding::Ternary`].
+pub const TERNARY_BLOCK: usize = 256;
 
 impl core::str::FromStr for Encoding {
     type Err = String;
 
-    /// Parses `f32`, `f16`, `q8`, `topk<per-mille>` (e.g. `topk100` keeps 10%) or
+    /// Parses `f32`, `f16`, `q8`, `ternary`, `topk<per-mille>` (e.g. `topk100` keeps 10%) or
     /// `topkq8<per-mille>` (the same with q8 values).
     fn from_str(s: &str) -> Result<Self, String> {
         let per_mille = |t: &str, digits: &str| {
@@ -46,6 +55,7 @@ impl core::str::FromStr for Encoding {
             "f32" => Encoding::F32,
             "f16" => Encoding::F16,
             "q8" => Encoding::Q8,
+            "ternary" => Encoding::Ternary,
             t if t.starts_with("topkq8") => Encoding::TopKQ8 {
                 per_mille: per_mille(t, &t[6..])?,
             },
@@ -54,7 +64,7 @@ impl core::str::FromStr for Encoding {
             },
             other => {
                 return Err(alloc::format!(
-                    "unknown encoding `{other}`: f32, f16, q8, topk<per-mille> or topkq8<per-mille>"
+                    "unknown encoding `{other}`: f32, f16, q8, ternary, topk<per-mille> or topkq8<per-mille>"
                 ));
             }
         };
@@ -97,6 +107,16 @@ pub enum Values {
         scale: f32,
         /// Two's-complement int8 values, one per kept index.
         data: Vec<u8>,
+    },
+    /// Dense ternary: value `i` is `(t_i - 1) * scale_{i / 256}` with the digit `t_i` in
+    /// `0..=2`.
+    Ternary {
+        /// Dense length.
+        len: u32,
+        /// One little-endian f16 scale per block of [`TERNARY_BLOCK`] values.
+        scales: Vec<u8>,
+        /// Five base-3 digits per byte, the first in the lowest place (each byte below 243).
+        digits: Vec<u8>,
     },
 }
 
@@ -159,6 +179,7 @@ impl Encoding {
                 | (Values::Q8 { .. }, Encoding::Q8)
                 | (Values::Sparse { .. }, Encoding::TopK { .. })
                 | (Values::SparseQ8 { .. }, Encoding::TopKQ8 { .. })
+                | (Values::Ternary { .. }, Encoding::Ternary)
         )
     }
 }
@@ -172,6 +193,7 @@ impl core::fmt::Display for Encoding {
             Encoding::Q8 => f.write_str("q8"),
             Encoding::TopK { per_mille } => write!(f, "topk{per_mille}"),
             Encoding::TopKQ8 { per_mille } => write!(f, "topkq8{per_mille}"),
+            Encoding::Ternary => f.write_str("ternary"),
         }
     }
 }
@@ -233,6 +255,7 @@ pub fn encode(
             let data = x.iter().map(|&v| q8_quantise(v, scale) as u8).collect();
             Values::Q8 { scale, data }
         }
+        Encoding::Ternary => ternary(x),
         Encoding::TopK { per_mille } | Encoding::TopKQ8 { per_mille } => {
             kept = top_k_indices(x, per_mille);
             let mut gaps = Vec::with_capacity(kept.len());
@@ -272,6 +295,10 @@ pub fn encode(
                         *e = 0.0;
                     }
                 }
+            }
+            Values::Ternary { .. } => {
+                let back = decode_ternary(x.len(), &encoded).unwrap_or_default();
+                r.extend(x.iter().zip(back).map(|(v, d)| v - d));
             }
             Values::SparseQ8 { scale, .. } => {
                 // Dropped entries stay whole; kept ones leave their rounding error.
@@ -344,7 +371,96 @@ pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
         } => sparse(t, numel, *len, gaps, data.len(), |n| {
             f32::from(data[n] as i8) * scale
         }),
+        Values::Ternary { len, .. } => {
+            if *len as usize != numel {
+                return Err(wrong_length(t, numel, *len as usize));
+            }
+            decode_ternary(numel, &t.values).map_err(|found| wrong_length(t, numel, found))
+        }
     }
+}
+
+/// Ternary encoding of `x` (see [`Encoding::Ternary`]): per block, the scale minimising the
+/// error of rounding to `{-s, 0, s}` after one step from `mean|x|` (the mean magnitude of the
+/// values at least half of it), rounded to f16; a block holding NaN or infinity gets a NaN
+/// scale so that it decodes as NaN and is rejected.
+fn ternary(x: &[f32]) -> Values {
+    let mut scales = Vec::with_capacity(2 * x.len().div_ceil(TERNARY_BLOCK));
+    let mut digits = Vec::with_capacity(x.len().div_ceil(5));
+    let (mut byte, mut place, mut filled) = (0u8, 1u8, 0);
+    for block in x.chunks(TERNARY_BLOCK) {
+        let s = if block.iter().any(|v| !v.is_finite()) {
+            f32::NAN
+        } else {
+            let mean = block.iter().map(|v| v.abs()).sum::<f32>() / block.len() as f32;
+            let (sum, n) = block
+                .iter()
+                .map(|v| v.abs())
+                .filter(|&a| a >= mean / 2.0)
+                .fold((0.0f32, 0u32), |(s, n), a| (s + a, n + 1));
+            if n == 0 { mean } else { sum / n as f32 }
+        };
+        let h = half::f16::from_f32(s);
+        scales.extend_from_slice(&h.to_le_bytes());
+        let s = h.to_f32();
+        for &v in block {
+            let d = if s > 0.0 && v >= s / 2.0 {
+                2
+            } else if s > 0.0 && v <= -s / 2.0 {
+                0
+            } else {
+                1
+            };
+            byte += d * place;
+            filled += 1;
+            if filled == 5 {
+                digits.push(byte);
+                (byte, place, filled) = (0, 1, 0);
+            } else {
+                place *= 3;
+            }
+        }
+    }
+    if filled > 0 {
+        digits.push(byte);
+    }
+    Values::Ternary {
+        len: u32::try_from(x.len()).unwrap_or(u32::MAX),
+        scales,
+        digits,
+    }
+}
+
+/// The `numel` values of a [`Values::Ternary`]; on a length that does not fit, the count of
+/// values the bytes hold, for the error.
+fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
+    let Values::Ternary { scales, digits, .. } = v else {
+        return Err(0);
+    };
+    if scales.len() != 2 * numel.div_ceil(TERNARY_BLOCK) {
+        return Err(scales.len() / 2 * TERNARY_BLOCK);
+    }
+    if digits.len() != numel.div_ceil(5) || digits.iter().any(|&b| b > 242) {
+        return Err(digits.len() * 5);
+    }
+    let scale = |b: usize| half::f16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]).to_f32();
+    let mut out = Vec::with_capacity(numel);
+    for (i, &b) in digits.iter().enumerate() {
+        let mut b = b;
+        for k in 0..5 {
+            let at = 5 * i + k;
+            if at == numel {
+                break;
+            }
+            out.push(f32::from(b % 3) - 1.0);
+            b /= 3;
+        }
+    }
+    for (b, block) in out.chunks_mut(TERNARY_BLOCK).enumerate() {
+        let s = scale(b);
+        block.iter_mut().for_each(|v| *v *= s);
+    }
+    Ok(out)
 }
 
 /// A sparse tensor of dense length `len` (which must equal the shape's `numel`) with one value
@@ -506,6 +622,52 @@ mod tests {
         let back = decode(&t).unwrap();
         assert_eq!(back.len(), x.len());
         (t, back)
+    }
+
+    #[test]
+    fn ternary_keeps_signs_costs_under_two_bits_and_feeds_back_its_error() {
+        let x = sample(1000, 9);
+        let (t, back) = round_trip(&x, Encoding::Ternary);
+        let Values::Ternary { scales, digits, .. } = &t.values else {
+            panic!("{t:?}")
+        };
+        assert_eq!((scales.len(), digits.len()), (8, 200));
+        for (a, b) in x.iter().zip(&back) {
+            // Zero or the value's own sign.
+            assert!(*b == 0.0 || a.signum() == b.signum(), "{a} -> {b}");
+        }
+        // Error feedback: what is sent plus what stays behind is the input.
+        let mut r = Vec::new();
+        let t = encode("w", &[1000], &x, Encoding::Ternary, Some(&mut r));
+        let sent = decode(&t).unwrap();
+        for ((a, s), e) in x.iter().zip(&sent).zip(&r) {
+            assert!((s + e - a).abs() <= 1e-6 * a.abs().max(1.0));
+        }
+        // A NaN poisons its block's scale, so the receiver sees non-finite values.
+        let mut bad = x.clone();
+        bad[300] = f32::NAN;
+        let back = decode(&encode("w", &[1000], &bad, Encoding::Ternary, None)).unwrap();
+        assert!(back[256..512].iter().all(|v| v.is_nan()));
+        assert!(back[..256].iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn a_malformed_ternary_tensor_is_an_error() {
+        let x = sample(12, 3);
+        let t = encode("w", &[12], &x, Encoding::Ternary, None);
+        let with = |f: &dyn Fn(&mut Vec<u8>, &mut Vec<u8>)| {
+            let mut t = t.clone();
+            if let Values::Ternary { scales, digits, .. } = &mut t.values {
+                f(scales, digits);
+            }
+            decode(&t)
+        };
+        assert!(with(&|_, d| d[0] = 243).is_err());
+        assert!(with(&|_, d| d.push(0)).is_err());
+        assert!(with(&|s, _| s.push(0)).is_err());
+        let mut short = t.clone();
+        short.shape = vec![11];
+        assert!(decode(&short).is_err());
     }
 
     #[test]

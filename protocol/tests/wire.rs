@@ -245,6 +245,9 @@ fn a_site_update_costs_what_its_encoding_promises() {
     // With q8 values, 10 % costs about two bytes per kept value: a twentieth of f32.
     let topkq8 = ratio(Encoding::TopKQ8 { per_mille: 100 });
     assert!((0.045..0.0625).contains(&topkq8), "top-k q8 {topkq8}");
+    // Ternary: 1.6 bits per value and an f16 scale per 256 values.
+    let ternary = ratio(Encoding::Ternary);
+    assert!((0.05..0.0625).contains(&ternary), "ternary {ternary}");
 }
 
 #[test]

@@ -4,6 +4,8 @@
 //!   FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
 //!   over seeds), the gain of `local` over `global` per algorithm, JSON and a convergence chart
 //!   (results/algorithms.{json,svg}).
+//! - `aggregator-memory`: the aggregator's peak memory for one round of 10, 30 and 100 sites
+//!   (results/aggregator-memory.json).
 //! - `encodings`: FedBN with each encoding over several seeds; bytes per site per round up and
 //!   down, and accuracy against f32 (results/encodings.{json,md}).
 
@@ -89,6 +91,19 @@ enum Cmd {
         #[arg(long)]
         render_only: bool,
     },
+    /// The aggregator's peak memory for one round of the full-size model with each number of
+    /// sites (each measured in its own process).
+    AggregatorMemory {
+        /// Site counts.
+        #[arg(long, value_delimiter = ',', default_value = "10,30,100")]
+        sites: Vec<usize>,
+        /// Output folder.
+        #[arg(long, default_value = "results")]
+        out: PathBuf,
+        /// Measure this one count here and print it as JSON (what each child does).
+        #[arg(long, hide = true)]
+        one: Option<usize>,
+    },
     /// FedBN with each encoding over several seeds: bytes per site per round up (updates) and
     /// down (model deltas), and final accuracy against the first encoding (f32).
     Encodings {
@@ -100,6 +115,10 @@ enum Cmd {
         /// Number of seeds (0..S).
         #[arg(long, default_value_t = 3)]
         seeds: u64,
+        /// Keep the rows of an earlier `encodings.json` in the output folder for encodings this
+        /// run does not repeat (same rounds, epochs, samples and seeds required), in front.
+        #[arg(long)]
+        merge: bool,
     },
 }
 
@@ -471,13 +490,32 @@ fn main() -> Result<()> {
                 write_compare(&common, seeds, &encoding, mu, &runs)?;
             }
         }
+        Cmd::AggregatorMemory { one: Some(n), .. } => {
+            println!(
+                "{}",
+                serde_json::to_string(&unifed_sim::memory::measure(n)?)?
+            );
+        }
+        Cmd::AggregatorMemory {
+            sites,
+            out,
+            one: None,
+        } => aggregator_memory(&sites, &out)?,
         Cmd::Encodings {
             common,
             encodings,
             seeds,
+            merge,
         } => {
             std::fs::create_dir_all(&common.out)?;
             let mut rows: Vec<EncodingRow> = Vec::new();
+            if merge {
+                rows = earlier_encodings(&common, seeds)?
+                    .into_iter()
+                    .filter(|r| !encodings.contains(&r.encoding))
+                    .collect();
+                eprintln!("kept {} encoding(s) of the earlier results", rows.len());
+            }
             for e in &encodings {
                 let enc = parse_encoding(e)?;
                 let mut row = EncodingRow {
@@ -506,8 +544,32 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// The rows of an earlier `encodings.json` in `common.out` run under the same settings.
+fn earlier_encodings(common: &Common, seeds: u64) -> Result<Vec<EncodingRow>> {
+    let p = common.out.join("encodings.json");
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(&p).with_context(|| format!("--merge: reading {}", p.display()))?,
+    )?;
+    let same = v["rounds"] == json!(common.rounds)
+        && v["epochs"] == json!(common.epochs)
+        && v["train_samples"] == json!(common.train_samples)
+        && v["seeds"] == json!(seeds);
+    if !same {
+        anyhow::bail!(
+            "--merge: {} was run with other rounds, epochs, samples or seeds",
+            p.display()
+        );
+    }
+    v["rows"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| Ok(serde_json::from_value(r["detail"].clone())?))
+        .collect()
+}
+
 /// One encoding's runs over the seeds.
-#[derive(Default, serde::Serialize)]
+#[derive(Default, serde::Serialize, serde::Deserialize)]
 struct EncodingRow {
     encoding: String,
     /// Per seed: the final mean accuracy over the sites.
@@ -617,4 +679,58 @@ fn write_encodings(
     )?;
     std::fs::write(common.out.join("encodings.md"), &md)?;
     Ok(md)
+}
+
+/// Measures each site count in a child process and writes results/aggregator-memory.{json,md}.
+fn aggregator_memory(counts: &[usize], out: &std::path::Path) -> Result<()> {
+    use unifed_sim::memory::MemoryRow;
+    std::fs::create_dir_all(out)?;
+    let exe = std::env::current_exe()?;
+    let mut rows: Vec<MemoryRow> = Vec::new();
+    for &n in counts {
+        let o = std::process::Command::new(&exe)
+            .args(["aggregator-memory", "--one", &n.to_string()])
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("running {}", exe.display()))?;
+        if !o.status.success() {
+            anyhow::bail!("measuring {n} sites failed ({})", o.status);
+        }
+        let row: MemoryRow = serde_json::from_slice(&o.stdout)
+            .with_context(|| format!("the measurement of {n} sites"))?;
+        eprintln!(
+            "{n} sites: aggregator +{:.0} MiB (process peak {:.0} MiB)",
+            row.aggregator_bytes as f64 / (1 << 20) as f64,
+            row.peak_bytes as f64 / (1 << 20) as f64
+        );
+        rows.push(row);
+    }
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let mut md = format!(
+        "One round of the full-size digits CNN through the aggregator core (`{}`)\n\n\
+         | sites | update MB | aggregator peak MiB | process peak MiB | spool s/update | fold s |\n\
+         |---:|---:|---:|---:|---:|---:|\n",
+        std::env::args().collect::<Vec<_>>().join(" ")
+    );
+    for r in &rows {
+        md.push_str(&format!(
+            "| {} | {:.1} | {:.0} | {:.0} | {:.3} | {:.2} |\n",
+            r.sites,
+            r.update_bytes as f64 / 1e6,
+            mib(r.aggregator_bytes),
+            mib(r.peak_bytes),
+            r.spool_seconds_per_update,
+            r.fold_seconds
+        ));
+    }
+    print!("{md}");
+    std::fs::write(out.join("aggregator-memory.md"), &md)?;
+    std::fs::write(
+        out.join("aggregator-memory.json"),
+        serde_json::to_string_pretty(&json!({
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "rows": rows,
+        }))?,
+    )?;
+    Ok(())
 }

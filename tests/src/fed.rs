@@ -411,6 +411,7 @@ fn toml_encoding(e: unifed_protocol::Encoding) -> String {
         F32 => "\"F32\"".into(),
         F16 => "\"F16\"".into(),
         Q8 => "\"Q8\"".into(),
+        Ternary => "\"Ternary\"".into(),
         TopK { per_mille } => format!("{{ TopK = {{ per_mille = {per_mille} }} }}"),
         TopKQ8 { per_mille } => format!("{{ TopKQ8 = {{ per_mille = {per_mille} }} }}"),
     }

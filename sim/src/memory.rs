@@ -1,0 +1,173 @@
+//! The aggregator's memory against the number of sites: one round of the full-size digits CNN
+//! with `n` enrolled sites, each sending a full f32 update, driven through the aggregator core
+//! in this process. Run once per process (peak resident memory only grows), so the
+//! `aggregator-memory` command starts one child per site count.
+
+use crate::sim_key;
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+use unifed_aggregator::{Action, Aggregator, EnrolledSite, Event, FederationConfig, GlobalModel};
+use unifed_models::backend::Backend;
+use unifed_models::state::{Select, export};
+use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
+use unifed_protocol::encoding::{Encoding, encode};
+use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::{Answer, LocalReport, SiteExtras, SiteUpdate};
+
+/// What one site count measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemoryRow {
+    /// Enrolled sites, all sending an update in the round.
+    pub sites: usize,
+    /// Values of the model.
+    pub model_values: usize,
+    /// Bytes of one update envelope.
+    pub update_bytes: usize,
+    /// Peak resident memory of the process before the aggregator opened (the model, the spec
+    /// and the test's own buffers), bytes.
+    pub baseline_peak_bytes: u64,
+    /// Peak resident memory of the process at the end of the round, bytes.
+    pub peak_bytes: u64,
+    /// `peak - baseline`: what the aggregator added, bytes.
+    pub aggregator_bytes: u64,
+    /// Mean seconds to check and spool one update.
+    pub spool_seconds_per_update: f64,
+    /// Seconds to fold the round into the next model and commit it.
+    pub fold_seconds: f64,
+}
+
+/// The process's peak resident memory (`VmHWM`), bytes.
+pub fn peak_rss() -> Result<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kb = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    Ok(kb * 1024)
+}
+
+/// One round of `n` sites through the aggregator core, in a temporary data directory.
+pub fn measure(n: usize) -> Result<MemoryRow> {
+    if n == 0 {
+        bail!("at least one site");
+    }
+    let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
+    let mc = ModelConfig::fedbn_digits();
+    let net = seeded(&device, 0, |d| DigitsCnnConfig::default().init(d));
+    let spec = spec_of(&net, &mc.classes, &mc.input);
+    let initial = GlobalModel {
+        spec: spec.clone(),
+        tensors: export(&net, &spec, Select::All)
+            .tensors
+            .into_iter()
+            .map(|t| t.data)
+            .collect(),
+    };
+    drop(net);
+    let ids: Vec<String> = (0..n).map(|i| format!("site-{i:03}")).collect();
+    let cfg = FederationConfig::new(
+        "memory",
+        1,
+        n,
+        ids.iter()
+            .map(|s| EnrolledSite::new(s, sim_key(s).public()))
+            .collect(),
+    );
+    let federation = Id::new("memory").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let hash = spec.hash();
+    // One update's values, made once: every site sends the same delta scaled by its index.
+    let carried: Vec<_> = spec.tensors.iter().filter(|t| !t.kind.is_bn()).collect();
+    let values: Vec<Vec<f32>> = carried
+        .iter()
+        .map(|t| {
+            (0..t.numel())
+                .map(|k| 1e-3 * ((k % 997) as f32 * 0.37).sin())
+                .collect()
+        })
+        .collect();
+    let update = |i: usize| -> Vec<u8> {
+        let scale = 1.0 + i as f32 / n as f32;
+        let delta = carried
+            .iter()
+            .zip(&values)
+            .map(|(t, v)| {
+                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+                let scaled: Vec<f32> = v.iter().map(|x| x * scale).collect();
+                encode(&t.name, &shape, &scaled, Encoding::F32, None)
+            })
+            .collect();
+        let u = SiteUpdate {
+            round: 1,
+            base_version: 0,
+            samples: 100,
+            delta,
+            bn: Vec::new(),
+            report: LocalReport::default(),
+            extras: SiteExtras::None,
+        };
+        let site = Id::new(&ids[i]).expect("valid id");
+        sim_key(&ids[i]).sign(&Envelope::new(
+            MessageKind::SiteUpdate,
+            federation.clone(),
+            site,
+            1,
+            0,
+            hash,
+            &u,
+        ))
+    };
+    let first = update(0);
+    let update_bytes = first.len();
+    drop(first);
+    let baseline = peak_rss()?;
+    let dir = tempfile::tempdir()?;
+    let mut agg = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
+    agg.handle(Event::Start, 0)?;
+    let mut spool = 0.0;
+    let mut fold = 0.0;
+    for i in 0..n {
+        let bytes = update(i);
+        let t = Instant::now();
+        let acts = agg.handle(
+            Event::Update {
+                site: ids[i].clone(),
+                bytes,
+            },
+            1,
+        )?;
+        let secs = t.elapsed().as_secs_f64();
+        if !acts.iter().any(|a| {
+            matches!(
+                a,
+                Action::Answer {
+                    answer: Answer::Accepted,
+                    ..
+                }
+            )
+        }) {
+            bail!("the update of {} was not accepted: {acts:?}", ids[i]);
+        }
+        if acts.iter().any(|a| matches!(a, Action::RoundClosed { .. })) {
+            fold = secs;
+        } else {
+            spool += secs;
+        }
+    }
+    if agg.model_version() != 1 {
+        bail!("the round did not close");
+    }
+    let peak = peak_rss()?;
+    Ok(MemoryRow {
+        sites: n,
+        model_values: spec.tensors.iter().map(|t| t.numel()).sum(),
+        update_bytes,
+        baseline_peak_bytes: baseline,
+        peak_bytes: peak,
+        aggregator_bytes: peak.saturating_sub(baseline),
+        spool_seconds_per_update: spool / (n.max(2) - 1) as f64,
+        fold_seconds: fold,
+    })
+}
