@@ -63,6 +63,18 @@ pub enum Observed<'a> {
     },
 }
 
+/// The global model of version 0 taken from `net`: every tensor of `spec`, in spec order.
+pub fn initial_model<N: Net>(net: &N, spec: &unifed_protocol::ModelSpec) -> GlobalModel {
+    GlobalModel {
+        spec: spec.clone(),
+        tensors: unifed_models::state::export(net, spec, unifed_models::state::Select::All)
+            .tensors
+            .into_iter()
+            .map(|t| t.data)
+            .collect(),
+    }
+}
+
 /// The signing key of `who` in an in-process run, derived from its id: every message crosses
 /// the in-memory transport signed and is checked as on the network, but nothing leaves the
 /// process, so the keys need no secrecy.

@@ -14,10 +14,9 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
 use unifed_aggregator::strategy::{FedOptConfig, ScaffoldConfig};
-use unifed_aggregator::{Algorithm, FederationConfig, GlobalModel};
+use unifed_aggregator::{Algorithm, FederationConfig};
 use unifed_models::backend::{Backend, cap_cpu_threads};
 use unifed_models::data::{BuiltinData, Domain, SplitSizes};
-use unifed_models::state::{Select, export};
 use unifed_models::train::TrainConfig;
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_protocol::encoding::Encoding;
@@ -64,7 +63,8 @@ enum Cmd {
         /// Number of seeds (0..S).
         #[arg(long, default_value_t = 3)]
         seeds: u64,
-        /// Update encoding: f32, f16, q8 or topk<per-mille>.
+        /// Encoding of updates and model deltas: f32, f16, q8, ternary, topk<per-mille> or
+        /// topkq8<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
         /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold.
@@ -247,14 +247,7 @@ fn run_one(
             dd.test.dataset(&format!("{}/test", d.name()), &spec)?,
         )?);
     }
-    let initial = GlobalModel {
-        spec: spec.clone(),
-        tensors: export(&net0, &spec, Select::All)
-            .tensors
-            .into_iter()
-            .map(|t| t.data)
-            .collect(),
-    };
+    let initial = unifed_sim::initial_model(&net0, &spec);
     let cfg = FederationConfig {
         algorithm,
         bn_policy: bn,

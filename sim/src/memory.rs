@@ -7,9 +7,8 @@ use crate::sim_key;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
-use unifed_aggregator::{Action, Aggregator, EnrolledSite, Event, FederationConfig, GlobalModel};
+use unifed_aggregator::{Action, Aggregator, EnrolledSite, Event, FederationConfig};
 use unifed_models::backend::Backend;
-use unifed_models::state::{Select, export};
 use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
@@ -58,14 +57,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
     let mc = ModelConfig::fedbn_digits();
     let net = seeded(&device, 0, |d| DigitsCnnConfig::default().init(d));
     let spec = spec_of(&net, &mc.classes, &mc.input);
-    let initial = GlobalModel {
-        spec: spec.clone(),
-        tensors: export(&net, &spec, Select::All)
-            .tensors
-            .into_iter()
-            .map(|t| t.data)
-            .collect(),
-    };
+    let initial = crate::initial_model(&net, &spec);
     drop(net);
     let ids: Vec<String> = (0..n).map(|i| format!("site-{i:03}")).collect();
     let cfg = FederationConfig::new(

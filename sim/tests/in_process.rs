@@ -2,7 +2,7 @@
 //! the sample-weighted mean computed independently from the decoded updates on the transport.
 
 use std::collections::BTreeMap;
-use unifed_aggregator::{FederationConfig, GlobalModel};
+use unifed_aggregator::FederationConfig;
 use unifed_models::backend::Device;
 use unifed_models::data::{BuiltinData, Domain, SplitSizes};
 use unifed_models::state::{Select, StateDict, export};
@@ -68,14 +68,7 @@ fn federate(bn: BnPolicy, encoding: Encoding) -> Captured {
         .unwrap()
     })
     .collect();
-    let initial = GlobalModel {
-        spec: spec.clone(),
-        tensors: export(&net0, &spec, Select::All)
-            .tensors
-            .into_iter()
-            .map(|t| t.data)
-            .collect(),
-    };
+    let initial = unifed_sim::initial_model(&net0, &spec);
     let fc = FederationConfig {
         bn_policy: bn,
         encoding,
