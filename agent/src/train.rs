@@ -249,6 +249,15 @@ struct SiteCheckpoint {
     model: Vec<u8>,
 }
 
+/// [`SiteCheckpoint`] as written: borrowed, so writing copies nothing of the site's memory
+/// (same fields in the same order, so the same bytes).
+#[derive(Serialize)]
+struct SiteCheckpointRef<'a> {
+    progress: &'a Progress,
+    memory: &'a Memory,
+    model: &'a [u8],
+}
+
 impl SiteFiles {
     fn new(dir: &std::path::Path) -> Self {
         SiteFiles {
@@ -289,16 +298,17 @@ impl SiteFiles {
     /// Replaces the checkpoint atomically, then its copies.
     fn write(&self, spec: &ModelSpec, site: &Site<AnyNet>, progress: &Progress) -> Result<()> {
         let model = checkpoint::to_bytes(&export(&site.net, spec, Select::All), spec)?;
-        let c = SiteCheckpoint {
-            progress: progress.clone(),
-            memory: site.memory().clone(),
-            model,
+        let c = SiteCheckpointRef {
+            progress,
+            memory: site.memory(),
+            model: &model,
         };
         let mut bytes = CHECKPOINT_MAGIC.to_vec();
         bytes.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
-        bytes.extend(postcard::to_allocvec(&c).context("encoding the checkpoint")?);
+        let bytes = postcard::to_extend(&c, bytes).context("encoding the checkpoint")?;
         checkpoint::write_atomic(&self.checkpoint, &bytes)?;
-        checkpoint::write_atomic(&self.model, &c.model)?;
+        drop(bytes);
+        checkpoint::write_atomic(&self.model, &model)?;
         checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
             .with_context(|| format!("writing {}", self.progress.display()))
     }

@@ -6,7 +6,7 @@ use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
 use crate::objective::Term;
-use crate::state::{NamedTensor, Select, StateDict, delta, export, import};
+use crate::state::{NamedTensor, Select, StateDict, export, import, subtract};
 use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_objective};
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
@@ -315,7 +315,11 @@ impl<N: Net> Site<N> {
             progress,
         )?;
         let encoding = std::time::Instant::now();
-        let d = delta(&export(&net, spec, select), &base)?;
+        // The delta is made in the trained tensors' own buffers, and the base dropped as soon as
+        // nothing needs it: a full-size update costs two copies of the model at its peak, not five.
+        let mut d = export(&net, spec, select);
+        subtract(&mut d, &base)?;
+        drop(base);
         if let Some(t) = d
             .tensors
             .iter()
@@ -324,7 +328,12 @@ impl<N: Net> Site<N> {
             return Err(SiteError::NonFinite(t.name.clone()));
         }
         self.net = net;
-        let mut next = self.memory.clone();
+        // What an accepted update advances: the residuals and the site's control variate.
+        let mut next = Memory {
+            residual: self.memory.residual.clone(),
+            control: self.memory.control.clone(),
+            ..Memory::default()
+        };
         let extras = match &server_c {
             Some(c) => {
                 let dc = control_delta(&d, c, rep.steps, tc.lr / (1.0 - tc.momentum));
@@ -347,7 +356,7 @@ impl<N: Net> Site<N> {
         let residual = &mut next.residual;
         let encoded = d
             .tensors
-            .iter()
+            .into_iter()
             .map(|t| {
                 // Statistics carry no error feedback; everything else keeps its residual.
                 let r = (!t.kind.is_bn_stat()).then(|| residual.entry(t.name.clone()).or_default());
@@ -377,16 +386,14 @@ impl<N: Net> Site<N> {
             },
             extras,
         };
-        let bytes = Envelope::new(
+        let bytes = Envelope::encode_new(
             MessageKind::SiteUpdate,
-            federation.clone(),
-            self.id.clone(),
-            m.round,
-            m.model_version,
+            federation,
+            &self.id,
+            (m.round, m.model_version),
             spec.hash(),
             &upd,
-        )
-        .encode();
+        );
         self.encode_seconds = encoding.elapsed().as_secs_f64();
         Ok(bytes)
     }

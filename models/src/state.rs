@@ -384,6 +384,13 @@ pub fn apply_non_bn<N: Net>(
 
 /// `new - reference`, tensor by tensor; both must hold the same names and shapes in the same order.
 pub fn delta(new: &StateDict, reference: &StateDict) -> Result<StateDict, StateError> {
+    let mut d = new.clone();
+    subtract(&mut d, reference)?;
+    Ok(d)
+}
+
+/// [`delta`] in place: `new` becomes `new - reference` in its own buffers.
+pub fn subtract(new: &mut StateDict, reference: &StateDict) -> Result<(), StateError> {
     if new.spec_hash != reference.spec_hash {
         return Err(StateError::SpecHashMismatch {
             expected: reference.spec_hash.to_string(),
@@ -397,29 +404,16 @@ pub fn delta(new: &StateDict, reference: &StateDict) -> Result<StateDict, StateE
             reference.tensors.len()
         )));
     }
-    let tensors = new
-        .tensors
-        .iter()
-        .zip(&reference.tensors)
-        .map(|(a, b)| {
-            if a.name != b.name || a.shape != b.shape {
-                return Err(StateError::Mismatch(format!(
-                    "`{}` {:?} against `{}` {:?}",
-                    a.name, a.shape, b.name, b.shape
-                )));
-            }
-            Ok(NamedTensor {
-                name: a.name.clone(),
-                shape: a.shape.clone(),
-                kind: a.kind,
-                data: a.data.iter().zip(&b.data).map(|(x, y)| x - y).collect(),
-            })
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(StateDict {
-        spec_hash: new.spec_hash,
-        tensors,
-    })
+    for (a, b) in new.tensors.iter_mut().zip(&reference.tensors) {
+        if a.name != b.name || a.shape != b.shape {
+            return Err(StateError::Mismatch(format!(
+                "`{}` {:?} against `{}` {:?}",
+                a.name, a.shape, b.name, b.shape
+            )));
+        }
+        a.data.iter_mut().zip(&b.data).for_each(|(x, y)| *x -= y);
+    }
+    Ok(())
 }
 
 /// `reference + delta`, the inverse of [`delta`].
