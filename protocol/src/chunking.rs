@@ -15,32 +15,30 @@ pub fn payload_hash(payload: &[u8]) -> [u8; 32] {
 /// last). An empty payload gives one empty chunk. A `max_chunk_bytes` of 0 is treated as 1,
 /// and chunks grow beyond it only if the payload would otherwise need more than `u32::MAX`.
 pub fn split(payload: &[u8], max_chunk_bytes: usize) -> Vec<Chunk> {
+    chunks(payload, max_chunk_bytes).collect()
+}
+
+/// The chunks of [`split`] one at a time, each copied out of `payload` only when it is taken
+/// (a sender that signs and keeps them never holds the whole payload twice in chunks).
+pub fn chunks(payload: &[u8], max_chunk_bytes: usize) -> impl Iterator<Item = Chunk> + '_ {
     let hash = payload_hash(payload);
     let total_len = payload.len() as u64;
     let size = max_chunk_bytes
         .max(1)
         .max(payload.len().div_ceil(u32::MAX as usize));
-    if payload.is_empty() {
-        return alloc::vec![Chunk {
+    // An empty payload is one empty chunk.
+    let count = payload.len().div_ceil(size).max(1) as u32;
+    (0..count).map(move |i| {
+        let at = (i as usize).saturating_mul(size);
+        Chunk {
             payload_hash: hash,
-            index: 0,
-            count: 1,
-            total_len: 0,
-            data: Vec::new(),
-        }];
-    }
-    let count = payload.len().div_ceil(size) as u32;
-    payload
-        .chunks(size)
-        .enumerate()
-        .map(|(i, data)| Chunk {
-            payload_hash: hash,
-            index: i as u32,
+            index: i,
             count,
             total_len,
-            data: data.to_vec(),
-        })
-        .collect()
+            data: payload[at.min(payload.len())..at.saturating_add(size).min(payload.len())]
+                .to_vec(),
+        }
+    })
 }
 
 /// Why a chunk was refused.

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use unifed_protocol::SpecHash;
 use unifed_protocol::auth::SigningKey;
-use unifed_protocol::chunking::{payload_hash, split};
+use unifed_protocol::chunking::{chunks, payload_hash};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::UpdateReceipt;
@@ -53,8 +53,7 @@ impl Upload {
         let chunks = if bytes.len() <= limit {
             Vec::new()
         } else {
-            split(&bytes, (limit - 512).min(MAX_CHUNK))
-                .into_iter()
+            chunks(&bytes, (limit - 512).min(MAX_CHUNK))
                 .map(|c| {
                     key.sign(&Envelope::new(
                         MessageKind::UpdateChunk,
