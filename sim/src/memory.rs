@@ -120,12 +120,12 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
     agg.handle(Event::Start, 0)?;
     let mut spool = 0.0;
     let mut fold = 0.0;
-    for i in 0..n {
+    for (i, id) in ids.iter().enumerate() {
         let bytes = update(i);
         let t = Instant::now();
         let acts = agg.handle(
             Event::Update {
-                site: ids[i].clone(),
+                site: id.clone(),
                 bytes,
             },
             1,
@@ -140,7 +140,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
                 }
             )
         }) {
-            bail!("the update of {} was not accepted: {acts:?}", ids[i]);
+            bail!("the update of {id} was not accepted: {acts:?}");
         }
         if acts.iter().any(|a| matches!(a, Action::RoundClosed { .. })) {
             fold = secs;
