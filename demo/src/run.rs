@@ -22,7 +22,7 @@ use unifed_protocol::messages::BnPolicy;
 /// The demo's options.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Options {
-    /// Federated rounds of each run (12: about 11 minutes for both runs on 2 cores).
+    /// Federated rounds of each run (12: about 14 minutes for both runs on 2 cores).
     #[arg(long, default_value_t = 12)]
     pub rounds: u64,
     /// Sites, one built-in training domain each (a domain named twice makes a second site,
