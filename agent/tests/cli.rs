@@ -7,14 +7,19 @@ fn agent() -> Command {
     Command::new(env!("CARGO_BIN_EXE_unifed-agent"))
 }
 
-#[test]
-fn spec_command_prints_the_digits_cnn_spec_with_its_hash() {
-    let out = agent().args(["spec", "--arch", "digits"]).output().unwrap();
+/// Asserts that the command succeeded, showing its stderr when not.
+fn succeeded(out: &std::process::Output) {
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn spec_command_prints_the_digits_cnn_spec_with_its_hash() {
+    let out = agent().args(["spec", "--arch", "digits"]).output().unwrap();
+    succeeded(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["non_bn_params"], 14_213_578);
     assert_eq!(v["hash"].as_str().unwrap().len(), 64);
@@ -41,11 +46,7 @@ fn a_domain_is_rendered_from_a_folder_of_other_digits() {
         .arg(&out_dir)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     for d in ["3", "7"] {
         let file = std::fs::read_dir(out_dir.join(d))
             .unwrap()
@@ -123,11 +124,7 @@ fn init_writes_a_pytorch_style_checkpoint_with_the_spec_hash() {
         .arg(&out)
         .output()
         .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    succeeded(&run);
     let spec: serde_json::Value = serde_json::from_slice(
         &agent()
             .args(["spec", "--arch", "mlp"])
@@ -171,7 +168,7 @@ fn calibrate_rewrites_only_the_bn_statistics_and_the_result_evaluates() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    succeeded(&o);
     assert!(
         text.contains("calibrated every BN layer on 642 images"),
         "{text}"
@@ -338,11 +335,7 @@ fn bench_names_why_there_is_no_pytorch_reference_instead_of_writing_null_alone()
         .arg(&out_file)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_file).unwrap()).unwrap();
     assert!(v["pytorch"].is_null());
     let why = v["pytorch_error"].as_str().unwrap();

@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{payload_hash, split};
-use unifed_protocol::encoding::{EncodedTensor, Encoding, decode, encode};
+use unifed_protocol::encoding::{EncodedTensor, Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -498,13 +498,10 @@ impl Aggregator {
             return Ok(());
         };
         let mut delta = Vec::new();
-        let mut values = Vec::new();
         for &i in &self.update_idx {
             let t = &self.spec.tensors[i];
-            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
             if t.kind.is_bn_stat() {
                 held[i].copy_from_slice(&self.model[i]);
-                values.push(encode(&t.name, &shape, &held[i], Encoding::F32, None));
                 continue;
             }
             let d: Vec<f32> = self.model[i]
@@ -512,11 +509,17 @@ impl Aggregator {
                 .zip(&held[i])
                 .map(|(x, h)| x - h)
                 .collect();
-            let e = encode(&t.name, &shape, &d, self.cfg.encoding, None);
+            let e = t.encode(&d, self.cfg.encoding, None);
             let back = decode(&e).map_err(|e| CoreError::Model(e.to_string()))?;
             held[i].iter_mut().zip(&back).for_each(|(h, d)| *h += d);
             delta.push(e);
         }
+        let values = strategy::exact(
+            self.update_idx
+                .iter()
+                .filter(|&&i| self.spec.tensors[i].kind.is_bn_stat())
+                .map(|&i| (&self.spec.tensors[i], held[i].as_slice())),
+        );
         let payload = postcard::to_allocvec(&ModelDelta {
             from_version: version.saturating_sub(1),
             model_version: version,

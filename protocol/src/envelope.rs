@@ -152,6 +152,16 @@ struct BodyRef<'a> {
     signature: Option<&'a [u8]>,
 }
 
+/// [`MAGIC`], version and kind, in a buffer with room for a body around a payload of
+/// `payload_len` bytes (and the signature appended later).
+fn header(kind: MessageKind, payload_len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + 160 + payload_len);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&kind.as_u16().to_le_bytes());
+    out
+}
+
 /// The owned twin of [`BodyRef`]; both must list the same fields in the same order.
 #[derive(Deserialize)]
 struct Body {
@@ -205,10 +215,7 @@ impl Envelope {
     ) -> Vec<u8> {
         const PLAIN: &str = "postcard cannot fail on a derived Serialize of plain data";
         let len = postcard::experimental::serialized_size(payload).expect(PLAIN);
-        let mut out = Vec::with_capacity(HEADER_LEN + 160 + len);
-        out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-        out.extend_from_slice(&kind.as_u16().to_le_bytes());
+        let out = header(kind, len);
         // The fields of `BodyRef` in order; the payload as its byte string: length, then bytes.
         let head = (federation, sender, round, model_version, &spec_hash, len);
         let out = postcard::to_extend(&head, out).expect(PLAIN);
@@ -229,10 +236,7 @@ impl Envelope {
     }
 
     fn encode_with(&self, signature: Option<&[u8]>) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER_LEN + 160 + self.payload.len());
-        out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-        out.extend_from_slice(&self.kind.as_u16().to_le_bytes());
+        let out = header(self.kind, self.payload.len());
         let body = BodyRef {
             federation: &self.federation,
             sender: &self.sender,

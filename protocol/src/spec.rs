@@ -61,6 +61,17 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
+    /// `values` of this tensor in wire form (see [`crate::encoding::encode`]).
+    pub fn encode(
+        &self,
+        values: &[f32],
+        encoding: crate::encoding::Encoding,
+        residual: Option<&mut Vec<f32>>,
+    ) -> crate::encoding::EncodedTensor {
+        let shape: Vec<u32> = self.shape.iter().map(|&d| d as u32).collect();
+        crate::encoding::encode(&self.name, &shape, values, encoding, residual)
+    }
+
     /// Number of elements (product of the shape).
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

@@ -10,7 +10,7 @@ use std::time::Instant;
 use unifed_aggregator::{Action, Aggregator, EnrolledSite, Event, FederationConfig};
 use unifed_models::backend::Backend;
 use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
-use unifed_protocol::encoding::{Encoding, encode};
+use unifed_protocol::encoding::Encoding;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{Answer, LocalReport, SiteExtras, SiteUpdate};
@@ -86,9 +86,8 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
             .iter()
             .zip(&values)
             .map(|(t, v)| {
-                let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
                 let scaled: Vec<f32> = v.iter().map(|x| x * scale).collect();
-                encode(&t.name, &shape, &scaled, Encoding::F32, None)
+                t.encode(&scaled, Encoding::F32, None)
             })
             .collect();
         let u = SiteUpdate {

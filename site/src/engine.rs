@@ -264,24 +264,15 @@ impl SiteEngine {
             }
             Event::ApplyFailed { version, error } => {
                 if let Some(h) = self.applying.take() {
-                    let delta = self
-                        .manifest
-                        .as_ref()
-                        .and_then(|m| m.delta)
-                        .is_some_and(|d| d.payload_hash == h);
-                    if delta {
-                        tracing::warn!(
-                            version,
-                            error,
-                            "delta refused by the site; fetching the whole model"
-                        );
-                    } else {
-                        tracing::warn!(
-                            version,
-                            error,
-                            "model refused by the site; waiting for another"
-                        );
-                    }
+                    // The next fetch is the whole model when a delta was refused (see `target`).
+                    let payload = self.manifest.as_ref().map_or(Payload::Model, |m| {
+                        if m.delta.is_some_and(|d| d.payload_hash == h) {
+                            Payload::Delta
+                        } else {
+                            Payload::Model
+                        }
+                    });
+                    tracing::warn!(version, error, ?payload, "payload refused by the site");
                     self.refused.insert(h);
                 }
                 self.outstanding.clear();

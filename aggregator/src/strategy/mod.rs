@@ -422,9 +422,6 @@ pub(crate) fn exact<'a>(
     tensors: impl Iterator<Item = (&'a TensorSpec, &'a [f32])>,
 ) -> Vec<EncodedTensor> {
     tensors
-        .map(|(t, v)| {
-            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
-            unifed_protocol::encoding::encode(&t.name, &shape, v, Encoding::F32, None)
-        })
+        .map(|(t, v)| t.encode(v, Encoding::F32, None))
         .collect()
 }
