@@ -238,8 +238,6 @@ pub async fn fetch_package(
 const STALL: Duration = Duration::from_secs(60);
 /// Re-send period of an unanswered request.
 const RESEND: Duration = Duration::from_secs(5);
-/// Package chunks asked for at a time.
-const WINDOW: usize = 16;
 
 /// An MQTT session of a site's onboarding tool (`unifed-agent calibrate --config`,
 /// `unifed-agent fetch-calibrated`).
@@ -462,9 +460,11 @@ impl OnboardClient {
         progress(0, info.chunk_count);
         loop {
             if outstanding.is_empty() || requested.is_none_or(|t| t.elapsed() > RESEND) {
+                let window =
+                    unifed_protocol::chunking::fetch_window(info.payload_len, info.chunk_count);
                 let indices: Vec<u32> = match reasm.missing(&info.payload_hash) {
-                    Some(m) => m.into_iter().take(WINDOW).collect(),
-                    None => (0..info.chunk_count).take(WINDOW).collect(),
+                    Some(m) => m.into_iter().take(window).collect(),
+                    None => (0..info.chunk_count).take(window).collect(),
                 };
                 outstanding = indices.iter().copied().collect();
                 let req = ChunkRequest {

@@ -249,15 +249,6 @@ struct SiteCheckpoint {
     model: Vec<u8>,
 }
 
-/// [`SiteCheckpoint`] as written: borrowed, so writing copies nothing of the site's memory
-/// (same fields in the same order, so the same bytes).
-#[derive(Serialize)]
-struct SiteCheckpointRef<'a> {
-    progress: &'a Progress,
-    memory: &'a Memory,
-    model: &'a [u8],
-}
-
 impl SiteFiles {
     fn new(dir: &std::path::Path) -> Self {
         SiteFiles {
@@ -295,20 +286,24 @@ impl SiteFiles {
         Ok(Some((state, c.memory, c.progress)))
     }
 
-    /// Replaces the checkpoint atomically, then its copies.
+    /// Replaces the checkpoint atomically, then its copies. Both model files are written from
+    /// one export of the model as they go: the model is never serialised whole in memory.
     fn write(&self, spec: &ModelSpec, site: &Site<AnyNet>, progress: &Progress) -> Result<()> {
-        let model = checkpoint::to_bytes(&export(&site.net, spec, Select::All), spec)?;
-        let c = SiteCheckpointRef {
-            progress,
-            memory: site.memory(),
-            model: &model,
-        };
-        let mut bytes = CHECKPOINT_MAGIC.to_vec();
-        bytes.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
-        let bytes = postcard::to_extend(&c, bytes).context("encoding the checkpoint")?;
-        checkpoint::write_atomic(&self.checkpoint, &bytes)?;
-        drop(bytes);
-        checkpoint::write_atomic(&self.model, &model)?;
+        use std::io::Write;
+        let state = export(&site.net, spec, Select::All);
+        let layout = checkpoint::Layout::new(&state, spec);
+        // `SiteCheckpoint` in postcard is its fields one after the other, and a byte string is
+        // its length then its bytes: so the head below, then the model file, is exactly
+        // `SiteCheckpoint { progress, memory, model }`.
+        let mut head = CHECKPOINT_MAGIC.to_vec();
+        head.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
+        let head = postcard::to_extend(&(progress, site.memory(), layout.len() as usize), head)
+            .context("encoding the checkpoint")?;
+        checkpoint::write_atomic_with(&self.checkpoint, |w| {
+            w.write_all(&head)?;
+            layout.write(&state, w)
+        })?;
+        checkpoint::write_atomic_with(&self.model, |w| layout.write(&state, w))?;
         checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
             .with_context(|| format!("writing {}", self.progress.display()))
     }
@@ -520,6 +515,8 @@ pub async fn run(
                         );
                     }
                     report::phase(for_round, Phase::Apply, applying);
+                    // The download's chunks and decoded tensors are gone: give their pages back.
+                    unifed_net::release_free_memory();
                     checkpoint_round = for_round;
                     queue.push_back(Event::Applied {
                         version: m.model_version,
@@ -557,6 +554,8 @@ pub async fn run(
                             report::phase_seconds(m2.round, Phase::Train, train);
                             report::phase_seconds(m2.round, Phase::Encode, encode);
                         }
+                        // Training's buffers and the update's pieces are freed now.
+                        unifed_net::release_free_memory();
                         (s, r)
                     });
                     let (s, update) = tokio::select! {
@@ -632,6 +631,7 @@ pub async fn run(
                     let s = site.as_ref().expect("site present");
                     let saving = Instant::now();
                     save(s, engine.progress())?;
+                    unifed_net::release_free_memory();
                     report::phase(checkpoint_round, Phase::Checkpoint, saving);
                     if let Some((m, fetch_ms, bytes)) = announce.take() {
                         println!("{site_id}: applied model v{}", m.model_version);
@@ -645,6 +645,7 @@ pub async fn run(
                             let evaluating = Instant::now();
                             let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?
                                 .accuracy();
+                            unifed_net::release_free_memory();
                             report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
                             Report::Evaluated {
                                 version: m.model_version,

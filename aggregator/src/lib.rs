@@ -19,6 +19,7 @@
 //! - [`fold`]: the weighted mean over spooled deltas.
 //! - [`bnshare`]: the sites' shared BN tensors pooled for the onboarding package.
 //! - [`onboard`]: onboarding packages and the registry of sites' sealed, calibrated BN.
+//! - [`uploads`]: sites' chunked uploads, spooled to disk as they arrive.
 //! - [`service`]: the core on MQTT (`unifed-aggregator serve`).
 //!
 //! The core never needs burn or a network; the service adds MQTT.
@@ -32,6 +33,7 @@ pub mod onboard;
 pub mod service;
 pub mod store;
 pub mod strategy;
+pub mod uploads;
 
 pub use crate::config::{EnrolledSite, FederationConfig, Weighting};
 pub use crate::core::{Action, Aggregator, CoreError, Event, GlobalModel};

@@ -4,6 +4,7 @@
 
 use crate::config::FederationConfig;
 use crate::core::{Action, Aggregator, Event, GlobalModel};
+use crate::uploads::SpooledUploads;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -44,18 +45,19 @@ pub struct ServiceConfig {
     /// this long, so a site that connects then still finds the round.
     #[serde(default = "default_manifest_every")]
     pub manifest_every_secs: u64,
-    /// Memory all sites' incomplete chunked uploads may hold together (bytes, counted as
-    /// really held). Each site also holds at most one update's worth (`max_update_bytes`) and
-    /// two uploads at a time, so one site cannot crowd out another.
-    #[serde(default = "default_upload_memory")]
-    pub max_upload_memory_bytes: usize,
+    /// Bytes all sites' incomplete chunked uploads may take together, spooled in the data
+    /// folder's `incoming/` as they arrive (memory holds only which chunks came). Each site also
+    /// takes at most one update's worth (`max_update_bytes`) and two uploads at a time, so one
+    /// site cannot crowd out another. (`max_upload_memory_bytes` is its former name.)
+    #[serde(default = "default_upload_bytes", alias = "max_upload_memory_bytes")]
+    pub max_upload_bytes: usize,
     /// The broker.
     pub broker: BrokerConfig,
     /// The federation.
     pub federation: FederationConfig,
 }
 
-fn default_upload_memory() -> usize {
+fn default_upload_bytes() -> usize {
     1 << 30
 }
 
@@ -157,58 +159,19 @@ impl ServeCounts {
     }
 }
 
-/// Every site's incomplete chunked uploads: one bounded reassembler per (admitted, so
-/// enrolled) site, each holding at most an equal share of the total cap, so together they
-/// never exceed it.
-struct Uploads {
-    sites: std::collections::BTreeMap<Id, unifed_protocol::chunking::Reassembler>,
-    per_site: usize,
-    last_expire_ms: u64,
-}
-
-impl Uploads {
-    /// Room for `sites` enrolled sites: each one update's bytes, the overhead of its chunks
-    /// and slack, but at most an equal share of `total`, so that full sites never block the
-    /// others.
-    fn new(max_update_bytes: usize, total: usize, sites: usize) -> Self {
-        let per_site =
-            (max_update_bytes + max_update_bytes / 16 + (1 << 20)).min(total / sites.max(1));
-        if per_site < max_update_bytes {
-            tracing::warn!(
-                per_site,
-                max_update_bytes,
-                "max_upload_memory_bytes shared by the enrolled sites leaves less than \
-                 max_update_bytes per site: larger chunked updates cannot be uploaded"
-            );
-        }
-        Uploads {
-            sites: Default::default(),
+/// Disk each enrolled site's incomplete upload may take: one update's bytes, the slack of its
+/// chunks and a MiB, but at most an equal share of `total`.
+fn upload_share(max_update_bytes: usize, total: usize, sites: usize) -> u64 {
+    let per_site = (max_update_bytes + max_update_bytes / 16 + (1 << 20)).min(total / sites.max(1));
+    if per_site < max_update_bytes {
+        tracing::warn!(
             per_site,
-            last_expire_ms: 0,
-        }
+            max_update_bytes,
+            "max_upload_bytes shared by the enrolled sites leaves less than max_update_bytes \
+             per site: larger chunked updates cannot be uploaded"
+        );
     }
-
-    /// Adds `site`'s chunk; the whole update when complete.
-    fn insert(&mut self, site: &Id, c: Chunk, now_ms: u64) -> Result<Option<Vec<u8>>, String> {
-        let per_site = self.per_site;
-        self.sites
-            .entry(site.clone())
-            .or_insert_with(|| {
-                unifed_protocol::chunking::Reassembler::new(600_000, per_site).with_max_sets(2)
-            })
-            .insert(c, now_ms)
-            .map_err(|e| e.to_string())
-    }
-
-    /// Drops expired sets, at most once per [`EXPIRE_EVERY_MS`].
-    fn expire(&mut self, now_ms: u64) {
-        if now_ms.saturating_sub(self.last_expire_ms) >= EXPIRE_EVERY_MS {
-            self.last_expire_ms = now_ms;
-            for r in self.sites.values_mut() {
-                r.expire(now_ms);
-            }
-        }
-    }
+    per_site as u64
 }
 
 /// The last onboarding package built (packages of a version never change).
@@ -377,13 +340,18 @@ pub async fn serve(
     // Registry entries arrive in chunks too (small: one model's BN layers).
     let mut entries =
         unifed_protocol::chunking::Reassembler::new(120_000, 16 * core.max_entry_bytes());
-    // Reassembly of chunked uploads: bounded memory per site and in all, incomplete sets
-    // dropped after 10 minutes.
-    let mut uploads = Uploads::new(
-        cfg.federation.max_update_bytes,
-        cfg.max_upload_memory_bytes,
-        cfg.federation.sites.len(),
-    );
+    // Chunked uploads spooled to disk as they arrive: bounded per site and in all, incomplete
+    // sets dropped after 10 minutes.
+    let mut uploads = SpooledUploads::open(
+        &cfg.data_dir.join("incoming"),
+        upload_share(
+            cfg.federation.max_update_bytes,
+            cfg.max_upload_bytes,
+            cfg.federation.sites.len(),
+        ),
+        600_000,
+    )?;
+    let mut last_expire_ms = 0;
     let mut serves = ServeCounts::default();
     let mut finished_at: Option<Instant> = None;
     let mut manifest_at = Instant::now();
@@ -434,14 +402,18 @@ pub async fn serve(
                         "published manifest"
                     );
                     let at = (manifest.round, manifest.model_version);
-                    let seal = |chunks: &[Chunk]| -> Vec<Vec<u8>> {
+                    // The old version's chunks go before the new ones are sealed, and each chunk
+                    // is freed as soon as its envelope is made: one copy of the model at a time.
+                    drop(served.take());
+                    let seal = |chunks: Vec<Chunk>| -> Vec<Vec<u8>> {
                         chunks
-                            .iter()
-                            .map(|c| wire.seal(MessageKind::ModelChunk, at, c))
+                            .into_iter()
+                            .map(|c| wire.seal(MessageKind::ModelChunk, at, &c))
                             .collect()
                     };
                     let (chunks, delta_chunks) =
-                        tokio::task::block_in_place(|| (seal(&chunks), seal(&delta_chunks)));
+                        tokio::task::block_in_place(|| (seal(chunks), seal(delta_chunks)));
+                    unifed_net::release_free_memory();
                     // Model v closes round v: its publication is that round's last phase.
                     report::phase(manifest.model_version, Phase::Publish, publishing);
                     served = Some(Served {
@@ -494,6 +466,7 @@ pub async fn serve(
                 let (round, t) = (core.round(), Instant::now());
                 pending = tokio::task::block_in_place(|| core.handle(Event::Tick, now_ms()))?;
                 if pending.iter().any(|a| matches!(a, Action::RoundClosed { .. })) {
+                    unifed_net::release_free_memory();
                     report::phase(round, Phase::Fold, t);
                 }
             }
@@ -520,7 +493,9 @@ pub async fn serve(
                             let inserted = opened.and_then(|(id, env)| {
                                 let c = env.payload_as::<Chunk>().map_err(|e| e.to_string())?;
                                 let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
-                                uploads.insert(&id, c, now_ms()).map(|done| (id, r, done))
+                                tokio::task::block_in_place(|| uploads.insert(&id, c, now_ms()))
+                                    .map(|done| (id, r, done))
+                                    .map_err(|e| e.to_string())
                             });
                             match inserted {
                                 Ok((id, r, done)) => {
@@ -536,10 +511,15 @@ pub async fn serve(
                         } else {
                             Some(payload)
                         };
-                        uploads.expire(now_ms());
+                        // Expired sets are swept at most once per EXPIRE_EVERY_MS.
+                        if now_ms().saturating_sub(last_expire_ms) >= EXPIRE_EVERY_MS {
+                            last_expire_ms = now_ms();
+                            uploads.expire(last_expire_ms);
+                        }
                         if let Some(bytes) = whole {
                             let (round, t) = (core.round(), Instant::now());
                             pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;
+                            unifed_net::release_free_memory();
                             // The update that closes the round: its spool is counted in the fold.
                             let closed = pending.iter().any(|a| matches!(a, Action::RoundClosed { .. }));
                             report::phase(round, if closed { Phase::Fold } else { Phase::Spool }, t);

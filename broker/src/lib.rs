@@ -10,7 +10,9 @@
 //! - `dynamic_filters = true`, or a publish to a topic nobody subscribed to disconnects the
 //!   publisher;
 //! - router limits are non-zero (rumqttd's zero defaults panic or refuse every connection), and
-//!   each filter's in-memory log is bounded to 2 segments of at least 4 packets or 16 MiB.
+//!   each filter's in-memory log is bounded ([`log_limits`]): 32 MiB for the filters every site
+//!   shares, 8 MiB for a site's own model and package replies, in segments of 1 MiB (or one
+//!   packet), so the broker's memory grows by 9 MiB per site rather than 32.
 
 pub mod tls;
 
@@ -50,6 +52,31 @@ pub struct BrokerArgs {
 /// Log filter for a broker process: rumqttd logs every client disconnect, clean ones included,
 /// at ERROR from `rumqttd::server::broker`; that target is off unless RUST_LOG asks for it.
 pub const LOG_FILTER: &str = "warn,rumqttd::server::broker=off";
+
+/// Bytes a filter shared by every site (the aggregator's `update/+`) keeps at least: the upload
+/// windows of 16 sites at once (2 MiB each, see `unifed_site::upload::WINDOW_BYTES`).
+pub const SHARED_LOG_BYTES: usize = 32 << 20;
+/// Bytes one site's bulk reply filter keeps at least: twice a site's fetch window
+/// (`unifed_protocol::chunking::FETCH_WINDOW_BYTES`).
+pub const PER_SITE_LOG_BYTES: usize = 8 << 20;
+/// The filters that carry bulk data to one site: model chunks and onboarding packages. Each
+/// site has its own, so their logs are kept small (see [`PER_SITE_LOG_BYTES`]).
+pub const PER_SITE_BULK_FILTERS: [&str; 2] =
+    ["unifed/+/+/chunks/reply/+", "unifed/+/+/onboard/reply/+"];
+
+/// The in-memory log limits of a shared filter and of a per-site bulk filter, for packets of at
+/// most `packet` bytes. rumqttd keeps a filter's log in segments and drops the oldest when a new
+/// one starts, so a log of `n` segments of `s` bytes keeps at least `(n - 1) * s` bytes and holds
+/// at most `n * s` plus one packet: many small segments waste less memory than two large ones.
+/// A segment holds at least one packet.
+pub fn log_limits(packet: usize) -> (rumqttd::SegmentConfig, rumqttd::SegmentConfig) {
+    let segment = packet.max(1 << 20);
+    let limits = |keep: usize| rumqttd::SegmentConfig {
+        max_segment_size: segment,
+        max_segment_count: keep.max(2 * packet).div_ceil(segment) + 1,
+    };
+    (limits(SHARED_LOG_BYTES), limits(PER_SITE_LOG_BYTES))
+}
 
 /// Runs the broker in this process until it fails (rumqttd has no shutdown: end the process).
 /// Prints `unifed-broker listening on <addr>` once the port accepts connections.
@@ -109,18 +136,20 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
         next_connection_delay_ms: 1,
         connections,
     };
-    // Two segments of 16 MiB (or 4 packets) per subscription: room for the windowed uploads of
-    // dozens of sites at once (see the agent's `uplink`); what a subscriber lags beyond that,
-    // rumqttd skips.
-    let segment = (4 * (args.max_packet_bytes + 4096)).max(16 << 20);
+    let (shared, per_site) = log_limits(args.max_packet_bytes + 4096);
     let config = rumqttd::Config {
         id: 0,
         router: rumqttd::RouterConfig {
             max_connections: args.max_connections,
             max_outgoing_packet_count: 200,
-            max_segment_size: segment,
-            max_segment_count: 2,
-            custom_segment: None,
+            max_segment_size: shared.max_segment_size,
+            max_segment_count: shared.max_segment_count,
+            custom_segment: Some(
+                PER_SITE_BULK_FILTERS
+                    .iter()
+                    .map(|f| (f.to_string(), per_site.clone()))
+                    .collect(),
+            ),
             initialized_filters: None,
             shared_subscriptions_strategy: Default::default(),
         },
@@ -161,6 +190,14 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
     println!("unifed-broker listening on {shown}");
     use std::io::Write;
     std::io::stdout().flush()?;
+    // rumqttd drops a filter's oldest segment as a new one starts; hand those pages back to the
+    // system every few seconds rather than keep the broker at its high-water mark.
+    std::thread::spawn(|| {
+        loop {
+            std::thread::sleep(Duration::from_secs(2));
+            unifed_net::release_free_memory();
+        }
+    });
     match handle.join() {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => bail!("broker stopped: {e}"),

@@ -254,6 +254,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         .map_err(anyhow::Error::msg)?;
     let model = work.join("init.safetensors");
     unifed_agent::model::write_initial("digits", &Default::default(), opts.seed, &device, &model)?;
+    // The supervisor holds nothing of the model from here on.
+    unifed_net::release_free_memory();
 
     // Identities as a real deployment makes them: each party's key on its own disk, only the
     // public keys exchanged (sites enrolled with the aggregator, the aggregator pinned by sites).
@@ -281,7 +283,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         chunk_bytes: 256 << 10,
         linger_secs: 3600,
         manifest_every_secs: 30,
-        max_upload_memory_bytes: 1 << 30,
+        // Spooled on disk as chunks arrive: room for every site's largest update.
+        max_upload_bytes: 4 << 30,
         broker: broker.clone(),
         federation: fc.clone(),
     };

@@ -24,116 +24,155 @@ fn file_err(path: &Path, message: impl ToString) -> StateError {
     }
 }
 
-/// Serialises `state` as safetensors bytes (F32), with the spec hash in the metadata.
-pub fn to_bytes(state: &StateDict, spec: &ModelSpec) -> Result<Vec<u8>, StateError> {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = state
-        .tensors
-        .iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                t.shape.clone(),
-                t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            )
-        })
-        .collect();
-    // PyTorch's BatchNorm also saves an int64 `num_batches_tracked`; burn keeps no such
-    // counter, so write 0 for every BN layer so that `load_state_dict(strict=True)` accepts
-    // the file (the counter only matters to PyTorch BN layers built with momentum=None).
-    let zero = 0i64.to_le_bytes();
-    let counters: Vec<String> = state
-        .tensors
-        .iter()
-        .filter(|t| t.kind == unifed_protocol::TensorKind::BnRunningMean)
-        .filter_map(|t| {
-            t.name
-                .strip_suffix(".running_mean")
-                .map(|p| format!("{p}.num_batches_tracked"))
-        })
-        .collect();
-    let counter_views = counters.iter().map(|n| {
-        TensorView::new(Dtype::I64, vec![], &zero)
-            .map(|v| (n.clone(), v))
-            .map_err(|e| StateError::Mismatch(e.to_string()))
-    });
-    let views = bytes
-        .iter()
-        .map(|(n, s, b)| {
-            Ok((
-                n.clone(),
-                TensorView::new(Dtype::F32, s.clone(), b)
-                    .map_err(|e| StateError::Mismatch(e.to_string()))?,
-            ))
-        })
-        .chain(counter_views)
-        .collect::<Result<Vec<_>, StateError>>()?;
-    let meta = HashMap::from([
-        (META_SPEC_HASH.to_string(), state.spec_hash.to_string()),
-        (META_ARCH.to_string(), spec.architecture.clone()),
-        ("format".to_string(), "pt".to_string()),
-    ]);
-    let bytes = safetensors::serialize(views, Some(meta))
-        .map_err(|e| StateError::Mismatch(e.to_string()))?;
-    Ok(canonical_header(bytes))
+/// The safetensors layout of a state: its canonical header and the order of its data, so the
+/// file can be written straight from the state's tensors, without a serialised copy in memory.
+/// The bytes are those of `safetensors::serialize` with the header's keys sorted (the metadata
+/// is a map whose order changes from process to process), so the same state always gives the
+/// same bytes.
+pub struct Layout {
+    header: Vec<u8>,
+    /// Tensor indices of `state` in data order (the crate's: by name).
+    order: Vec<usize>,
+    /// BN layers, each with an int64 `num_batches_tracked` of 0 written before the floats.
+    counters: usize,
+    data_len: u64,
 }
 
-/// The file with its JSON header's keys sorted (the metadata map is a `HashMap`, whose order
-/// changes from process to process), so the same state always gives the same bytes. Tensor
-/// offsets are relative to the data section and stay valid.
-fn canonical_header(bytes: Vec<u8>) -> Vec<u8> {
-    use serde_json::Value;
-    use std::collections::BTreeMap;
-    fn sorted(v: Value) -> Value {
-        match v {
-            Value::Object(m) => {
-                let b: BTreeMap<String, Value> =
-                    m.into_iter().map(|(k, v)| (k, sorted(v))).collect();
-                serde_json::to_value(b).expect("a map of values serialises")
-            }
-            other => other,
+impl Layout {
+    /// The layout of `state` (F32 tensors, the spec hash and architecture in the metadata).
+    /// PyTorch's BatchNorm also saves an int64 `num_batches_tracked`; burn keeps no such
+    /// counter, so 0 is written for every BN layer and `load_state_dict(strict=True)` accepts
+    /// the file (the counter only matters to PyTorch BN layers built with momentum=None).
+    pub fn new(state: &StateDict, spec: &ModelSpec) -> Layout {
+        use serde_json::{Value, json};
+        use std::collections::BTreeMap;
+        let counters: Vec<String> = state
+            .tensors
+            .iter()
+            .filter(|t| t.kind == unifed_protocol::TensorKind::BnRunningMean)
+            .filter_map(|t| {
+                t.name
+                    .strip_suffix(".running_mean")
+                    .map(|p| format!("{p}.num_batches_tracked"))
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..state.tensors.len()).collect();
+        order.sort_by(|&a, &b| state.tensors[a].name.cmp(&state.tensors[b].name));
+        let mut header: BTreeMap<String, Value> = BTreeMap::new();
+        let mut offset = 0u64;
+        // safetensors puts the wider dtype first: the int64 counters, then the floats.
+        let mut sorted_counters = counters.clone();
+        sorted_counters.sort();
+        for n in &sorted_counters {
+            header.insert(
+                n.clone(),
+                json!({"data_offsets": [offset, offset + 8], "dtype": "I64", "shape": []}),
+            );
+            offset += 8;
+        }
+        for &i in &order {
+            let t = &state.tensors[i];
+            let len = 4 * t.data.len() as u64;
+            header.insert(
+                t.name.clone(),
+                json!({"data_offsets": [offset, offset + len], "dtype": "F32", "shape": t.shape}),
+            );
+            offset += len;
+        }
+        let meta: BTreeMap<&str, String> = BTreeMap::from([
+            (META_SPEC_HASH, state.spec_hash.to_string()),
+            (META_ARCH, spec.architecture.clone()),
+            ("format", "pt".to_string()),
+        ]);
+        header.insert(
+            "__metadata__".into(),
+            serde_json::to_value(meta).expect("a map of strings serialises"),
+        );
+        let mut text = serde_json::to_vec(&header).expect("a JSON map serialises");
+        // safetensors pads the header with spaces to a multiple of 8 bytes.
+        while !text.len().is_multiple_of(8) {
+            text.push(b' ');
+        }
+        Layout {
+            header: text,
+            order,
+            counters: counters.len(),
+            data_len: offset,
         }
     }
-    let Some(n) = bytes
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
-    else {
-        return bytes;
-    };
-    let Some(Ok(header)) = bytes.get(8..8 + n).map(serde_json::from_slice::<Value>) else {
-        return bytes;
-    };
-    // `to_value` of a BTreeMap builds a serde_json map in the BTreeMap's (sorted) order, and
-    // serialising it keeps that order with or without serde_json's `preserve_order`.
-    let mut text = serde_json::to_vec(&sorted(header)).expect("a JSON value serialises");
-    // safetensors pads the header with spaces to a multiple of 8 bytes.
-    while !text.len().is_multiple_of(8) {
-        text.push(b' ');
+
+    /// Length of the whole file in bytes.
+    pub fn len(&self) -> u64 {
+        8 + self.header.len() as u64 + self.data_len
     }
-    let mut out = Vec::with_capacity(8 + text.len() + bytes.len() - 8 - n);
-    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
-    out.extend_from_slice(&text);
-    out.extend_from_slice(&bytes[8 + n..]);
-    out
+
+    /// True for a file without tensors (it still has a header).
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty() && self.counters == 0
+    }
+
+    /// Writes the file of `state` (the state this layout was made from) to `w`, a few KiB of
+    /// bytes at a time.
+    pub fn write(&self, state: &StateDict, w: &mut impl std::io::Write) -> std::io::Result<()> {
+        w.write_all(&(self.header.len() as u64).to_le_bytes())?;
+        w.write_all(&self.header)?;
+        for _ in 0..self.counters {
+            w.write_all(&0i64.to_le_bytes())?;
+        }
+        let mut buf = Vec::with_capacity(64 << 10);
+        for &i in &self.order {
+            for part in state.tensors[i].data.chunks(16 << 10) {
+                buf.clear();
+                buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+                w.write_all(&buf)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serialises `state` as safetensors bytes (F32), with the spec hash in the metadata (see
+/// [`Layout`]).
+pub fn to_bytes(state: &StateDict, spec: &ModelSpec) -> Result<Vec<u8>, StateError> {
+    let layout = Layout::new(state, spec);
+    let mut out = Vec::with_capacity(layout.len() as usize);
+    layout
+        .write(state, &mut out)
+        .expect("writing to memory cannot fail");
+    Ok(out)
 }
 
 /// Writes `state` to `path` as safetensors, atomically and durably (temporary file, fsync,
-/// rename, fsync of the folder), so a crash leaves the old or the new checkpoint.
+/// rename, fsync of the folder), so a crash leaves the old or the new checkpoint. The file is
+/// written from the tensors as it goes, never whole in memory.
 pub fn save(path: &Path, state: &StateDict, spec: &ModelSpec) -> Result<(), StateError> {
-    write_atomic(path, &to_bytes(state, spec)?)
+    let layout = Layout::new(state, spec);
+    write_atomic_with(path, |w| layout.write(state, w))
 }
 
 /// Writes `bytes` to `path` atomically and durably (`<path>.tmp`, fsync, rename, fsync of the
 /// folder): a crash leaves the old file or the new one, never half of one. Every file a site
 /// keeps (checkpoint, residual, progress) is written this way.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
+    write_atomic_with(path, |w| std::io::Write::write_all(w, bytes))
+}
+
+/// [`write_atomic`] of what `write` writes, through a buffer: a large file need not be whole in
+/// memory first.
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
+) -> Result<(), StateError> {
+    use std::io::Write;
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(".tmp");
     let tmp = path.with_file_name(name);
     {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp).map_err(|e| file_err(&tmp, e))?;
-        f.write_all(bytes)
-            .and_then(|_| f.sync_all())
+        let f = std::fs::File::create(&tmp).map_err(|e| file_err(&tmp, e))?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        write(&mut w)
+            .and_then(|_| w.flush())
+            .and_then(|_| w.get_ref().sync_all())
             .map_err(|e| file_err(&tmp, e))?;
     }
     std::fs::rename(&tmp, path).map_err(|e| file_err(path, e))?;

@@ -293,7 +293,6 @@ impl<N: Net> Site<N> {
         progress: impl FnMut(TrainEvent),
     ) -> Result<Vec<u8>, SiteError> {
         let select = select_for(m.bn_policy);
-        let base = export(&self.net, spec, select);
         let tc = TrainConfig {
             seed: round_seed(tc.seed, m.round),
             ..tc.clone()
@@ -302,7 +301,7 @@ impl<N: Net> Site<N> {
             Objective::Scaffold => Some(self.server_control(m)?.clone()),
             _ => None,
         };
-        let correction = server_c.as_ref().map(|c| self.correction(&base, c));
+        let correction = server_c.as_ref().map(|c| self.correction(spec, select, c));
         let term = Term::new(&m.plan.objective, &self.net, select, correction.as_ref())
             .map_err(TrainError::BadConfig)?;
         let (net, rep) = train_objective(
@@ -315,11 +314,11 @@ impl<N: Net> Site<N> {
             progress,
         )?;
         let encoding = std::time::Instant::now();
-        // The delta is made in the trained tensors' own buffers, and the base dropped as soon as
-        // nothing needs it: a full-size update costs two copies of the model at its peak, not five.
+        // The delta is made in the trained tensors' own buffers, and the base exported only now
+        // (self.net still holds it) and dropped as soon as it is subtracted: training never has
+        // a copy of the base beside the optimiser's state.
         let mut d = export(&net, spec, select);
-        subtract(&mut d, &base)?;
-        drop(base);
+        subtract(&mut d, &export(&self.net, spec, select))?;
         if let Some(t) = d
             .tensors
             .iter()
@@ -418,12 +417,17 @@ impl<N: Net> Site<N> {
         }
     }
 
-    /// SCAFFOLD's correction `c - c_i` for the trainable tensors of `base`.
-    fn correction(&self, base: &StateDict, c: &BTreeMap<String, Vec<f32>>) -> StateDict {
-        let tensors = base
+    /// SCAFFOLD's correction `c - c_i` for the trainable tensors of `spec` that `select` keeps.
+    fn correction(
+        &self,
+        spec: &ModelSpec,
+        select: Select,
+        c: &BTreeMap<String, Vec<f32>>,
+    ) -> StateDict {
+        let tensors = spec
             .tensors
             .iter()
-            .filter(|t| !t.kind.is_bn_stat())
+            .filter(|t| select.keeps(t.kind) && !t.kind.is_bn_stat())
             .filter_map(|t| {
                 let c = c.get(&t.name)?;
                 let ci = self.memory.control.get(&t.name);
@@ -432,11 +436,16 @@ impl<N: Net> Site<N> {
                     .enumerate()
                     .map(|(k, &c)| c - ci.and_then(|ci| ci.get(k)).copied().unwrap_or(0.0))
                     .collect();
-                Some(NamedTensor { data, ..t.clone() })
+                Some(NamedTensor {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    kind: t.kind,
+                    data,
+                })
             })
             .collect();
         StateDict {
-            spec_hash: base.spec_hash,
+            spec_hash: spec.hash(),
             tensors,
         }
     }

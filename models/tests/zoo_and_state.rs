@@ -6,10 +6,10 @@ use common::*;
 use unifed_models::checkpoint;
 use unifed_models::data::Dataset;
 use unifed_models::error::StateError;
-use unifed_models::state::{Select, add_delta, apply_non_bn, delta, export, import};
+use unifed_models::state::{Select, StateDict, add_delta, apply_non_bn, delta, export, import};
 use unifed_models::train::{TrainConfig, train_local};
 use unifed_models::zoo::{DigitsCnnConfig, MlpConfig, ResNetConfig, Stem, seeded};
-use unifed_protocol::TensorKind;
+use unifed_protocol::{ModelSpec, TensorKind};
 
 #[test]
 fn digits_cnn_has_the_papers_layers_and_14213578_non_bn_parameters() {
@@ -340,4 +340,96 @@ fn a_digits_cnn_config_is_read_back_from_its_spec_and_a_foreign_spec_is_refused(
     );
     let err = DigitsCnnConfig::from_spec(&spec).unwrap_err();
     assert!(err.contains("not a digits-CNN spec"), "{err}");
+}
+
+/// What `safetensors::serialize` writes for `state` (with zero BN counters), its header's keys
+/// then sorted: the bytes our streaming writer must reproduce.
+fn reference_bytes(state: &StateDict, spec: &ModelSpec) -> Vec<u8> {
+    use safetensors::{Dtype, tensor::TensorView};
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = state
+        .tensors
+        .iter()
+        .map(|t| {
+            let b = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (t.name.clone(), t.shape.clone(), b)
+        })
+        .collect();
+    let zero = 0i64.to_le_bytes();
+    let counters: Vec<String> = state
+        .tensors
+        .iter()
+        .filter_map(|t| t.name.strip_suffix(".running_mean"))
+        .map(|p| format!("{p}.num_batches_tracked"))
+        .collect();
+    let views = data
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .chain(counters.iter().map(|n| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::I64, vec![], &zero).unwrap(),
+            )
+        }));
+    let meta = std::collections::HashMap::from([
+        (
+            checkpoint::META_SPEC_HASH.to_string(),
+            state.spec_hash.to_string(),
+        ),
+        (checkpoint::META_ARCH.to_string(), spec.architecture.clone()),
+        ("format".to_string(), "pt".to_string()),
+    ]);
+    let bytes = safetensors::serialize(views, Some(meta)).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    // serde_json's map is sorted by key (the workspace does not turn on `preserve_order`).
+    let sorted: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_value(header).unwrap();
+    let mut text = serde_json::to_vec(&sorted).unwrap();
+    while !text.len().is_multiple_of(8) {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    out
+}
+
+#[test]
+fn safetensors_are_streamed_byte_for_byte_as_the_safetensors_crate_writes_them() {
+    let d = device();
+    let small = seeded(&d, 5, |d| {
+        DigitsCnnConfig {
+            conv: [4, 6, 8],
+            fc: [32, 16],
+            ..Default::default()
+        }
+        .init(d)
+    });
+    let resnet = seeded(&d, 6, |d| ResNetConfig::new(3, [32, 32], 3).init(d));
+    for (state, spec) in [
+        {
+            let spec = spec(&small, 10, image_input(3, 28, 28));
+            (export(&small, &spec, Select::All), spec)
+        },
+        {
+            let spec = spec(&resnet, 3, image_input(3, 32, 32));
+            (export(&resnet, &spec, Select::All), spec)
+        },
+    ] {
+        let layout = checkpoint::Layout::new(&state, &spec);
+        let bytes = checkpoint::to_bytes(&state, &spec).unwrap();
+        assert_eq!(bytes.len() as u64, layout.len());
+        assert_eq!(
+            bytes,
+            reference_bytes(&state, &spec),
+            "{}",
+            spec.architecture
+        );
+        assert_eq!(checkpoint::from_bytes(&bytes, &spec).unwrap(), state);
+    }
 }

@@ -157,6 +157,18 @@ pub fn held_for(total_len: u64, count: u32) -> usize {
         .saturating_add(SET_OVERHEAD)
 }
 
+/// Bytes of chunks a receiver asks for at once: a broker keeps only a few MiB per topic in
+/// memory (`unifed-broker` keeps 8 MiB per site), so a larger request would overrun a slow
+/// subscriber.
+pub const FETCH_WINDOW_BYTES: u64 = 4 << 20;
+
+/// How many chunks of a payload of `total_len` bytes in `count` chunks to ask for at once:
+/// [`FETCH_WINDOW_BYTES`] worth, at least one and at most 64.
+pub fn fetch_window(total_len: u64, count: u32) -> usize {
+    let chunk = total_len.div_ceil(u64::from(count.max(1))).max(1);
+    (FETCH_WINDOW_BYTES / chunk).clamp(1, 64) as usize
+}
+
 /// Collects chunks of many payloads at once and hands each payload back once it is complete
 /// and its hash checks out. Memory is bounded by `max_pending_bytes`, counted as what is really
 /// held: chunk data plus [`CHUNK_OVERHEAD`] per chunk and [`SET_OVERHEAD`] per set, so a flood
@@ -352,6 +364,16 @@ impl Reassembler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fetch_window_is_a_few_mib_of_chunks() {
+        // 57 MB in 256 KiB chunks: 16 at a time; in 1 MiB chunks: 4; tiny chunks: 64 at most.
+        assert_eq!(fetch_window(56_850_000, 217), 16);
+        assert_eq!(fetch_window(56_850_000, 55), 4);
+        assert_eq!(fetch_window(64 << 20, 2), 1);
+        assert_eq!(fetch_window(10_000, 100), 64);
+        assert_eq!(fetch_window(0, 0), 64);
+    }
     use alloc::vec;
 
     fn payload(n: usize) -> Vec<u8> {

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use unifed_protocol::SpecHash;
 use unifed_protocol::auth::{Keyring, PublicKey, SigningKey};
-use unifed_protocol::chunking::{Reassembler, payload_hash};
+use unifed_protocol::chunking::{Reassembler, fetch_window, payload_hash};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
 use unifed_protocol::messages::{
@@ -24,9 +24,6 @@ use unifed_protocol::messages::{
 };
 use unifed_protocol::topics::Topics;
 
-/// Chunks of a model asked for at a time: the broker keeps only a few packets per topic in
-/// memory, so a whole model requested at once would overrun a slow subscriber.
-pub const FETCH_WINDOW: usize = 16;
 /// A fetch window that completed nothing for this long (ms) is asked for again.
 pub const FETCH_RETRY_MS: u64 = 5_000;
 /// An incomplete model fetch is dropped after this long (ms) without a chunk.
@@ -561,9 +558,10 @@ impl SiteEngine {
                 .is_none_or(|t| now_ms.saturating_sub(t) > FETCH_RETRY_MS);
             if self.outstanding.is_empty() || stale {
                 self.reasm.expire(now_ms);
+                let window = fetch_window(t.len, t.count);
                 let indices: Vec<u32> = match self.reasm.missing(&t.hash) {
-                    Some(missing) => missing.into_iter().take(FETCH_WINDOW).collect(),
-                    None => (0..t.count).take(FETCH_WINDOW).collect(),
+                    Some(missing) => missing.into_iter().take(window).collect(),
+                    None => (0..t.count).take(window).collect(),
                 };
                 if indices.is_empty() {
                     return;

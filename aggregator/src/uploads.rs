@@ -1,0 +1,404 @@
+//! Sites' chunked uploads, spooled to disk as their chunks arrive: an incomplete update costs
+//! the aggregator a file and a set of received indices, not its bytes in memory, however many
+//! sites upload at once. A complete update is read back once, checked against its SHA-256 and
+//! handed to the core (which decodes and spools it durably); its file is then removed.
+//!
+//! Chunks are written where they belong in the payload: every chunk but the last has the same
+//! length (as `unifed_protocol::chunking::chunks` cuts them), which the set's first chunk fixes;
+//! a chunk that disagrees is refused before anything is written. Each site holds at most two
+//! sets (a new one drops its oldest) of at most `per_site` bytes each; sets whose first chunk is
+//! older than the timeout are dropped. The folder is emptied at start: chunks of a previous
+//! process are re-sent by their sites.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use unifed_protocol::chunking::{ChunkError, payload_hash};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::Chunk;
+
+/// Incomplete sets one site may hold at once.
+const SETS_PER_SITE: usize = 2;
+/// Shortest chunk (but the last) accepted: senders cut at least this much (`unifed_site`'s
+/// upload keeps 512 bytes below the packet limit of at least 1 KiB), and it bounds the
+/// received-index bitmap of a set to a bit per 512 bytes of its payload.
+pub const MIN_CHUNK: u64 = 512;
+
+/// Why a chunk was not kept.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    /// The chunk does not fit its set (see [`ChunkError`]).
+    #[error(transparent)]
+    Chunk(#[from] ChunkError),
+    /// The spool file could not be written or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+}
+
+/// One incomplete set.
+#[derive(Debug)]
+struct Set {
+    hash: [u8; 32],
+    count: u32,
+    total_len: u64,
+    /// Length of every chunk but the last.
+    size: u64,
+    first_ms: u64,
+    /// One bit per chunk: received.
+    received: Vec<u64>,
+    got: u32,
+    file: File,
+    path: PathBuf,
+}
+
+impl Set {
+    fn has(&self, index: u32) -> bool {
+        self.received[index as usize / 64] & (1 << (index % 64)) != 0
+    }
+
+    /// The length chunk `index` must have.
+    fn chunk_len(&self, index: u32) -> u64 {
+        if index + 1 == self.count {
+            self.total_len - self.size * u64::from(self.count - 1)
+        } else {
+            self.size
+        }
+    }
+}
+
+/// Every site's incomplete chunked uploads, spooled in one folder.
+#[derive(Debug)]
+pub struct SpooledUploads {
+    dir: PathBuf,
+    per_site: u64,
+    timeout_ms: u64,
+    sites: BTreeMap<Id, Vec<Set>>,
+}
+
+impl SpooledUploads {
+    /// Uploads spooled in `dir` (emptied now), each at most `per_site` bytes, dropped when
+    /// their first chunk is older than `timeout_ms`.
+    pub fn open(dir: &Path, per_site: u64, timeout_ms: u64) -> Result<Self, UploadError> {
+        let io = |source| UploadError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        match std::fs::remove_dir_all(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+            _ => {}
+        }
+        std::fs::create_dir_all(dir).map_err(io)?;
+        Ok(SpooledUploads {
+            dir: dir.to_path_buf(),
+            per_site,
+            timeout_ms,
+            sites: BTreeMap::new(),
+        })
+    }
+
+    /// Adds `site`'s chunk, received at `now_ms`; returns the whole payload when this chunk
+    /// completes its set. A repeated chunk is ignored. A set whose payload does not match its
+    /// hash is dropped.
+    pub fn insert(
+        &mut self,
+        site: &Id,
+        chunk: Chunk,
+        now_ms: u64,
+    ) -> Result<Option<Vec<u8>>, UploadError> {
+        let Chunk {
+            payload_hash: hash,
+            index,
+            count,
+            total_len,
+            data,
+        } = chunk;
+        let len = data.len() as u64;
+        let possible = if total_len == 0 {
+            count == 1
+        } else {
+            count >= 1 && u64::from(count) <= total_len
+        };
+        if !possible {
+            return Err(ChunkError::ImpossibleSet { count, total_len }.into());
+        }
+        if index >= count {
+            return Err(ChunkError::IndexOutOfRange { index, count }.into());
+        }
+        if total_len > self.per_site {
+            return Err(ChunkError::PayloadTooLarge {
+                total_len,
+                limit: self.per_site as usize,
+            }
+            .into());
+        }
+        let bad_len = |room: u64| ChunkError::BadChunkLength {
+            index,
+            len: data.len(),
+            room,
+        };
+        let sets = self.sites.entry(site.clone()).or_default();
+        let k = match sets.iter().position(|s| s.hash == hash) {
+            Some(k) => {
+                let s = &sets[k];
+                if s.count != count || s.total_len != total_len {
+                    return Err(ChunkError::SetMismatch {
+                        count,
+                        total_len,
+                        set_count: s.count,
+                        set_total_len: s.total_len,
+                    }
+                    .into());
+                }
+                if s.has(index) {
+                    return Ok(None);
+                }
+                if len != s.chunk_len(index) {
+                    return Err(bad_len(s.chunk_len(index)).into());
+                }
+                k
+            }
+            None => {
+                let size = geometry(index, count, total_len, len).ok_or_else(|| bad_len(0))?;
+                if sets.len() >= SETS_PER_SITE {
+                    // The oldest set goes: a site uploads one update at a time.
+                    let old = sets.remove(0);
+                    let _ = std::fs::remove_file(&old.path);
+                }
+                let path = self.dir.join(format!("{site}.{}.part", hex(&hash[..8])));
+                let file = File::options()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&path)
+                    .map_err(|source| UploadError::Io {
+                        path: path.clone(),
+                        source,
+                    })?;
+                sets.push(Set {
+                    hash,
+                    count,
+                    total_len,
+                    size,
+                    first_ms: now_ms,
+                    received: vec![0; (count as usize).div_ceil(64)],
+                    got: 0,
+                    file,
+                    path,
+                });
+                sets.len() - 1
+            }
+        };
+        let s = &mut sets[k];
+        s.file
+            .write_all_at(&data, s.size * u64::from(index))
+            .map_err(|source| UploadError::Io {
+                path: s.path.clone(),
+                source,
+            })?;
+        s.received[index as usize / 64] |= 1 << (index % 64);
+        s.got += 1;
+        if s.got < count {
+            return Ok(None);
+        }
+        let s = sets.remove(k);
+        if sets.is_empty() {
+            self.sites.remove(site);
+        }
+        let mut payload = vec![0u8; total_len as usize];
+        let read = s.file.read_exact_at(&mut payload, 0);
+        let _ = std::fs::remove_file(&s.path);
+        read.map_err(|source| UploadError::Io {
+            path: s.path.clone(),
+            source,
+        })?;
+        if payload_hash(&payload) != hash {
+            return Err(ChunkError::HashMismatch.into());
+        }
+        Ok(Some(payload))
+    }
+
+    /// Drops (and deletes) every set whose first chunk is older than the timeout at `now_ms`.
+    pub fn expire(&mut self, now_ms: u64) {
+        let timeout = self.timeout_ms;
+        for sets in self.sites.values_mut() {
+            sets.retain(|s| {
+                let keep = now_ms.saturating_sub(s.first_ms) <= timeout;
+                if !keep {
+                    let _ = std::fs::remove_file(&s.path);
+                }
+                keep
+            });
+        }
+        self.sites.retain(|_, sets| !sets.is_empty());
+    }
+
+    /// Incomplete sets held, over all sites.
+    pub fn pending_sets(&self) -> usize {
+        self.sites.values().map(Vec::len).sum()
+    }
+}
+
+/// The length of every chunk but the last in a set of `count` chunks and `total_len` bytes
+/// whose chunk `index` has `len` bytes, or `None` if no such cut exists.
+fn geometry(index: u32, count: u32, total_len: u64, len: u64) -> Option<u64> {
+    if count == 1 {
+        return (len == total_len).then_some(len);
+    }
+    let others = u64::from(count - 1);
+    let size = if index + 1 == count {
+        // The last chunk: the others share what it leaves, equally.
+        let rest = total_len.checked_sub(len)?;
+        (rest % others == 0).then_some(rest / others)?
+    } else {
+        len
+    };
+    // Every chunk but the last is full and not short, the last one is not empty and not larger.
+    let last = total_len.checked_sub(size.checked_mul(others)?)?;
+    (size >= MIN_CHUNK && last > 0 && last <= size).then_some(size)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unifed_protocol::chunking::chunks;
+
+    fn payload(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    fn site(s: &str) -> Id {
+        Id::new(s).unwrap()
+    }
+
+    #[test]
+    fn chunks_in_any_order_give_the_payload_back_and_leave_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = SpooledUploads::open(&dir.path().join("in"), 1 << 20, 60_000).unwrap();
+        let p = payload(10_000);
+        let mut cs: Vec<Chunk> = chunks(&p, 3_000).collect();
+        cs.reverse(); // the last chunk (1,000 bytes) first
+        let n = cs.len();
+        for (k, c) in cs.into_iter().enumerate() {
+            let done = u.insert(&site("a"), c, 0).unwrap();
+            assert_eq!(done.is_some(), k + 1 == n);
+            if let Some(got) = done {
+                assert_eq!(got, p);
+            }
+        }
+        assert_eq!(u.pending_sets(), 0);
+        assert_eq!(std::fs::read_dir(dir.path().join("in")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_chunk_of_the_wrong_length_is_refused_before_it_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
+        let p = payload(10_000);
+        let cs: Vec<Chunk> = chunks(&p, 3_000).collect();
+        u.insert(&site("a"), cs[0].clone(), 0).unwrap();
+        let mut short = cs[1].clone();
+        short.data.truncate(2_000);
+        assert!(matches!(
+            u.insert(&site("a"), short, 0),
+            Err(UploadError::Chunk(ChunkError::BadChunkLength {
+                index: 1,
+                ..
+            }))
+        ));
+        // A first chunk that no equal cut explains (a 1,001-byte last chunk of 4).
+        let mut odd = chunks(&payload(9_001), 3_000).last().unwrap();
+        odd.data.push(0);
+        assert!(matches!(
+            u.insert(&site("b"), odd, 0),
+            Err(UploadError::Chunk(ChunkError::BadChunkLength { .. }))
+        ));
+        // The set of `a` is intact and completes.
+        let mut done = None;
+        for c in cs.into_iter().skip(1) {
+            done = u.insert(&site("a"), c, 0).unwrap();
+        }
+        assert_eq!(done, Some(p));
+    }
+
+    #[test]
+    fn tampered_chunks_fail_the_hash_and_drop_the_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
+        let mut cs: Vec<Chunk> = chunks(&payload(5_000), 1_000).collect();
+        cs[2].data[7] ^= 1;
+        let mut last = Ok(None);
+        for c in cs {
+            last = u.insert(&site("a"), c, 0);
+        }
+        assert!(matches!(
+            last,
+            Err(UploadError::Chunk(ChunkError::HashMismatch))
+        ));
+        assert_eq!(u.pending_sets(), 0);
+    }
+
+    #[test]
+    fn limits_sets_per_site_size_and_age() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = SpooledUploads::open(dir.path(), 4_000, 1_000).unwrap();
+        assert!(matches!(
+            u.insert(
+                &site("a"),
+                chunks(&payload(5_000), 1_000).next().unwrap(),
+                0
+            ),
+            Err(UploadError::Chunk(ChunkError::PayloadTooLarge { .. }))
+        ));
+        // Three sets of one site: the oldest is dropped, the others stay.
+        for (k, n) in [3_000, 3_001, 3_002].into_iter().enumerate() {
+            let c = chunks(&payload(n), 1_000).next().unwrap();
+            u.insert(&site("a"), c, k as u64).unwrap();
+        }
+        u.insert(
+            &site("b"),
+            chunks(&payload(2_000), 1_000).next().unwrap(),
+            500,
+        )
+        .unwrap();
+        assert_eq!(u.pending_sets(), 3);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+        // At 1,400 ms the sets of `a` (first chunks at 1 and 2 ms) are too old; `b`'s is not.
+        u.expire(1_400);
+        assert_eq!(u.pending_sets(), 1);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn geometry_accepts_exactly_the_cuts_of_chunks() {
+        for (total, size) in [(10_000u64, 3_000u64), (9_000, 3_000), (1, 1), (1_025, 512)] {
+            let count = total.div_ceil(size) as u32;
+            for index in 0..count {
+                let len = if index + 1 == count {
+                    total - size * u64::from(count - 1)
+                } else {
+                    size
+                };
+                assert_eq!(
+                    geometry(index, count, total, len),
+                    Some(size),
+                    "{total}/{size}"
+                );
+            }
+        }
+        assert_eq!(geometry(0, 2, 10_000, 4_000), None); // 2 x 4,000 cannot carry 10,000 bytes
+        assert_eq!(geometry(1, 2, 10_000, 0), None); // an empty last chunk
+        assert_eq!(geometry(0, 3, 1_000, 400), None); // chunks shorter than MIN_CHUNK
+        assert_eq!(geometry(0, 1, 0, 0), Some(0)); // the empty payload
+    }
+}
