@@ -77,14 +77,15 @@ impl core::str::FromStr for Encoding {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Values {
     /// Little-endian f32 bytes.
-    F32(Vec<u8>),
+    F32(#[serde(with = "serde_bytes")] Vec<u8>),
     /// Little-endian IEEE f16 bytes.
-    F16(Vec<u8>),
+    F16(#[serde(with = "serde_bytes")] Vec<u8>),
     /// int8 values (as bytes) and their scale.
     Q8 {
         /// `max|x| / 127` (0 for an all-zero tensor).
         scale: f32,
         /// Two's-complement int8 values.
+        #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     /// Sparse: `len` values, all zero except at `indices` (strictly increasing, each stored as
@@ -106,6 +107,7 @@ pub enum Values {
         /// `max|kept| / 127` (0 when every kept value is 0).
         scale: f32,
         /// Two's-complement int8 values, one per kept index.
+        #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     /// Dense ternary: value `i` is `(t_i - 1) * scale_{i / 256}` with the digit `t_i` in
@@ -114,8 +116,10 @@ pub enum Values {
         /// Dense length.
         len: u32,
         /// One little-endian f16 scale per block of [`TERNARY_BLOCK`] values.
+        #[serde(with = "serde_bytes")]
         scales: Vec<u8>,
         /// Five base-3 digits per byte, the first in the lowest place (each byte below 243).
+        #[serde(with = "serde_bytes")]
         digits: Vec<u8>,
     },
 }

@@ -148,6 +148,7 @@ struct BodyRef<'a> {
     round: u64,
     model_version: u64,
     spec_hash: &'a SpecHash,
+    #[serde(with = "serde_bytes")]
     payload: &'a [u8],
     signature: Option<&'a [u8]>,
 }
@@ -170,6 +171,7 @@ struct Body {
     round: u64,
     model_version: u64,
     spec_hash: SpecHash,
+    #[serde(with = "serde_bytes")]
     payload: Vec<u8>,
     signature: Option<Vec<u8>>,
 }

@@ -214,6 +214,7 @@ pub struct Chunk {
     /// Length of the whole payload.
     pub total_len: u64,
     /// This chunk's bytes.
+    #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
 }
 
@@ -527,6 +528,7 @@ pub struct RegistryEntry {
     /// How `data` is protected.
     pub sealing: Sealing,
     /// The postcard list of the site's BN [`EncodedTensor`]s, sealed or plain.
+    #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
 }
 

@@ -276,3 +276,86 @@ fn bn_sharing_policies_parse_and_select_their_tensors() {
         [false, true, true, true, true]
     );
 }
+
+/// Byte strings are (de)serialised as one block, where they once went byte by byte through
+/// serde's sequence visitor: postcard writes the same bytes either way (a length, then the
+/// bytes), so peers of both kinds read each other.
+#[test]
+fn byte_strings_make_the_same_postcard_bytes_as_sequences_of_bytes() {
+    #[derive(Serialize)]
+    struct SeqChunk {
+        payload_hash: [u8; 32],
+        index: u32,
+        count: u32,
+        total_len: u64,
+        data: Vec<u8>,
+    }
+    #[derive(Serialize)]
+    enum SeqValues {
+        F32(Vec<u8>),
+        _F16(Vec<u8>),
+        Q8 { scale: f32, data: Vec<u8> },
+    }
+    #[derive(Serialize)]
+    struct SeqBody<'a> {
+        federation: &'a Id,
+        sender: &'a Id,
+        round: u64,
+        model_version: u64,
+        spec_hash: &'a SpecHash,
+        payload: &'a [u8],
+        signature: Option<&'a [u8]>,
+    }
+    let data: Vec<u8> = (0..=255u8).cycle().take(700).collect();
+    let c = Chunk {
+        payload_hash: [3; 32],
+        index: 2,
+        count: 9,
+        total_len: 1000,
+        data: data.clone(),
+    };
+    let seq = SeqChunk {
+        payload_hash: [3; 32],
+        index: 2,
+        count: 9,
+        total_len: 1000,
+        data: data.clone(),
+    };
+    let bytes = postcard::to_allocvec(&c).unwrap();
+    assert_eq!(bytes, postcard::to_allocvec(&seq).unwrap());
+    assert_eq!(postcard::from_bytes::<Chunk>(&bytes).unwrap(), c);
+    assert_eq!(
+        postcard::to_allocvec(&Values::F32(data.clone())).unwrap(),
+        postcard::to_allocvec(&SeqValues::F32(data.clone())).unwrap()
+    );
+    let q8 = Values::Q8 {
+        scale: 0.5,
+        data: data.clone(),
+    };
+    let seq_q8 = SeqValues::Q8 { scale: 0.5, data };
+    assert_eq!(
+        postcard::to_allocvec(&q8).unwrap(),
+        postcard::to_allocvec(&seq_q8).unwrap()
+    );
+    let e = Envelope::new(
+        MessageKind::UpdateChunk,
+        id("fed"),
+        id("site-1"),
+        4,
+        9,
+        spec_hash(),
+        &c,
+    );
+    let wire = e.encode();
+    let body = SeqBody {
+        federation: &e.federation,
+        sender: &e.sender,
+        round: 4,
+        model_version: 9,
+        spec_hash: &e.spec_hash,
+        payload: &e.payload,
+        signature: None,
+    };
+    assert_eq!(&wire[8..], &postcard::to_allocvec(&body).unwrap()[..]);
+    assert_eq!(Envelope::decode(&wire).unwrap(), e);
+}

@@ -552,21 +552,35 @@ impl SiteEngine {
                 return;
             }
             self.fetch_started_ms.get_or_insert(now_ms);
-            // Ask for what is missing, again if nothing completed within FETCH_RETRY_MS.
+            // Ask for what is missing: the next chunks once half the window has arrived (so the
+            // pipe never runs dry, and at most one and a half windows are in flight), and
+            // everything missing again if nothing was asked for within FETCH_RETRY_MS.
             let stale = self
                 .last_request_ms
                 .is_none_or(|t| now_ms.saturating_sub(t) > FETCH_RETRY_MS);
-            if self.outstanding.is_empty() || stale {
+            let window = fetch_window(t.len, t.count);
+            if self.outstanding.len() <= window / 2 || stale {
                 self.reasm.expire(now_ms);
-                let window = fetch_window(t.len, t.count);
+                if stale {
+                    self.outstanding.clear();
+                }
+                let room = window - self.outstanding.len().min(window);
+                let asked = &self.outstanding;
                 let indices: Vec<u32> = match self.reasm.missing(&t.hash) {
-                    Some(missing) => missing.into_iter().take(window).collect(),
-                    None => (0..t.count).take(window).collect(),
+                    Some(missing) => missing
+                        .into_iter()
+                        .filter(|i| !asked.contains(i))
+                        .take(room)
+                        .collect(),
+                    None => (0..t.count)
+                        .filter(|i| !asked.contains(i))
+                        .take(room)
+                        .collect(),
                 };
                 if indices.is_empty() {
                     return;
                 }
-                self.outstanding = indices.iter().copied().collect();
+                self.outstanding.extend(indices.iter().copied());
                 let req = ChunkRequest {
                     model_version: m.model_version,
                     indices,

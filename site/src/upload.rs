@@ -1,7 +1,7 @@
 //! How a site's update reaches the aggregator, without I/O. An update that fits one MQTT packet
 //! is sent whole and re-sent until answered. A larger one is cut into `UpdateChunk` messages
-//! sent through a window: at most [`WINDOW`] chunks without an `UpdateReceipt` are in flight, so
-//! the broker never holds more than a few of a site's chunks for the aggregator. rumqttd keeps a
+//! sent through a window: at most [`WINDOW_BYTES`] of chunks without an `UpdateReceipt` are in
+//! flight, so the broker never holds more than a few MiB of a site's chunks for the aggregator. rumqttd keeps a
 //! bounded log per subscription and skips what a slow subscriber has not read, so an unpaced
 //! 57 MB upload from five sites at once loses chunks. A chunk without a receipt is sent again
 //! after [`CHUNK_TIMEOUT_MS`] (at once after a reconnect); if all chunks have receipts but no
@@ -15,8 +15,9 @@ use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::UpdateReceipt;
 
-/// Chunks of one update in flight without a receipt.
-pub const WINDOW: usize = 4;
+/// Bytes of chunks of one update in flight without a receipt (at least one chunk): 7 chunks of
+/// 256 KiB, so the broker's 32 MiB log of updates holds the windows of 16 sites at once.
+pub const WINDOW_BYTES: usize = 2 << 20;
 /// Largest update chunk: small enough that a window of every site fits a broker's log.
 pub const MAX_CHUNK: usize = 256 << 10;
 /// A chunk without a receipt for this long (ms) is sent again.
@@ -155,7 +156,11 @@ impl Upload {
             out.push(self.chunks[i as usize].clone());
             self.inflight.insert(i, Some(now_ms));
         }
-        while self.inflight.len() < WINDOW && self.next < self.chunks.len() {
+        let window = self
+            .chunks
+            .first()
+            .map_or(1, |c| (WINDOW_BYTES / c.len().max(1)).max(1));
+        while self.inflight.len() < window && self.next < self.chunks.len() {
             out.push(self.chunks[self.next].clone());
             self.inflight.insert(self.next as u32, Some(now_ms));
             self.next += 1;

@@ -64,6 +64,11 @@ fn update_envelope() -> Vec<u8> {
 
 /// Model version `v`: its broadcast payload cut into chunks, and its manifest for `round`.
 fn model(round: u64, v: u64, sampled: &[&str]) -> (RoundManifest, Vec<Chunk>) {
+    model_cut(round, v, sampled, 64)
+}
+
+/// [`model`] cut into chunks of `cut` bytes.
+fn model_cut(round: u64, v: u64, sampled: &[&str], cut: usize) -> (RoundManifest, Vec<Chunk>) {
     let b = ServerBroadcast {
         model_version: v,
         weights: vec![encode(
@@ -76,7 +81,7 @@ fn model(round: u64, v: u64, sampled: &[&str]) -> (RoundManifest, Vec<Chunk>) {
         extras: ServerExtras::None,
     };
     let payload = postcard::to_allocvec(&b).unwrap();
-    let chunks = split(&payload, 64);
+    let chunks = split(&payload, cut);
     let m = RoundManifest {
         round,
         model_version: v,
@@ -237,6 +242,41 @@ fn a_manifest_whose_delta_does_not_fit_is_dropped() {
     m.delta.as_mut().unwrap().from_version = 3;
     assert!(e.handle(manifest_msg(&m), 0).is_empty());
     assert!(e.manifest().is_none());
+}
+
+#[test]
+fn a_fetch_asks_for_more_once_half_its_window_arrived_and_never_for_a_chunk_twice() {
+    let mut e = engine(None);
+    // 1-byte chunks: far more than one window (64 chunks at most).
+    let (m, chunks) = model_cut(1, 0, &[], 1);
+    assert!(chunks.len() > 128, "{}", chunks.len());
+    let first = request(&e.handle(manifest_msg(&m), 0));
+    assert_eq!(first.indices, (0..64).collect::<Vec<u32>>());
+    let mut asked: Vec<u32> = first.indices.clone();
+    let mut next = 0usize;
+    let mut applied = false;
+    // Deliver what was asked, in order; each time half a window is left, more is asked for.
+    while next < chunks.len() {
+        let acts = e.handle(chunk_msg(&m, &chunks[next]), 1);
+        next += 1;
+        match &acts[..] {
+            [] => {}
+            [Action::Apply { .. }] => applied = true,
+            _ => {
+                let more = request(&acts);
+                // Exactly enough to fill the window again: half of it, the next in line.
+                assert_eq!(asked.len() - next, 32, "{acts:?}");
+                let from = *asked.last().unwrap() + 1;
+                let want: Vec<u32> = (from..(from + 32).min(chunks.len() as u32)).collect();
+                assert_eq!(more.indices, want);
+                asked.extend(more.indices);
+            }
+        }
+        assert!(next <= asked.len(), "chunk {next} arrived unasked");
+    }
+    assert!(applied);
+    // Every chunk was asked for once.
+    assert_eq!(asked, (0..chunks.len() as u32).collect::<Vec<_>>());
 }
 
 #[test]
