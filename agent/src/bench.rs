@@ -35,6 +35,62 @@ pub struct Args {
     /// Skip the PyTorch reference.
     #[arg(long)]
     no_torch: bool,
+    /// CPU thread counts to measure one after the other in one run, e.g. `2,all` (`all`: every
+    /// core); burn's CPU backend runs in a child process per count (its thread pool is fixed at
+    /// start), PyTorch with the same count. Default: the threads of this process only.
+    #[arg(long, value_delimiter = ',')]
+    thread_counts: Vec<String>,
+}
+
+/// The thread counts `--thread-counts` names, in order, duplicates dropped (`all` is every
+/// core).
+fn thread_counts(list: &[String]) -> Result<Vec<usize>> {
+    let all = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut out: Vec<usize> = Vec::new();
+    for t in list {
+        let n = match t.trim() {
+            "all" => all,
+            s => s
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .with_context(|| {
+                    format!("--thread-counts: `{s}` is neither a positive count nor `all`")
+                })?,
+        };
+        if !out.contains(&n) {
+            out.push(n);
+        }
+    }
+    Ok(out)
+}
+
+/// burn's CPU figures at `threads` threads, measured by this binary in a child process.
+fn cpu_row_in_child(backend: Backend, threads: usize, args: &Args) -> Result<Value> {
+    let out = std::env::temp_dir().join(format!(
+        "unifed-bench-{}-{threads}.json",
+        std::process::id()
+    ));
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let status = Command::new(exe)
+        .args(["--threads", &threads.to_string(), "bench", "--no-torch"])
+        .args(["--backends", &backend.to_string()])
+        .args(["--steps", &args.steps.to_string()])
+        .args(["--warmup", &args.warmup.to_string()])
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("starting the benchmark child")?;
+    if !status.success() {
+        anyhow::bail!("the benchmark child at {threads} threads failed ({status})");
+    }
+    let v: Value = serde_json::from_slice(&std::fs::read(&out)?)?;
+    let _ = std::fs::remove_file(&out);
+    v["burn"]
+        .get(0)
+        .cloned()
+        .context("the benchmark child wrote no burn figures")
 }
 
 fn peak_rss_mib() -> f64 {
@@ -175,15 +231,19 @@ fn last_line(out: &[u8]) -> String {
         .to_string()
 }
 
-/// Runs the PyTorch reference with `py`; its JSON line, or why there is none.
-fn torch_reference(py: &Path, args: &Args) -> Result<Value, String> {
-    println!("benchmarking PyTorch with {} ...", py.display());
+/// Runs the PyTorch reference with `py` on `threads` threads; its JSON line, or why there is
+/// none.
+fn torch_reference(py: &Path, args: &Args, threads: usize) -> Result<Value, String> {
+    println!(
+        "benchmarking PyTorch with {} on {threads} thread(s) ...",
+        py.display()
+    );
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_bench.py");
     let out = Command::new(py)
         .arg(&script)
         .args([
             "--threads",
-            &cpu_threads().to_string(),
+            &threads.to_string(),
             "--steps",
             &args.steps.to_string(),
             "--warmup",
@@ -219,29 +279,67 @@ pub fn run(args: &Args) -> Result<()> {
             .map(|b| b.parse().map_err(anyhow::Error::msg))
             .collect::<Result<_>>()?
     };
-    for backend in backends {
-        println!("benchmarking burn on {backend} ...");
-        rows.push(
-            bench_backend(backend, args.warmup, args.steps)
-                .with_context(|| format!("backend {backend}"))?,
-        );
-    }
-    let torch: Result<Value, String> = if args.no_torch {
-        Err("skipped (--no-torch)".into())
+    let counts = thread_counts(&args.thread_counts)?;
+    let counts = if counts.is_empty() {
+        vec![cpu_threads()]
     } else {
-        find_python(&args.python).and_then(|py| torch_reference(&py, args))
+        counts
     };
-    if let Err(why) = &torch {
+    for backend in backends {
+        if backend == Backend::Flex && args.thread_counts.is_empty() {
+            println!("benchmarking burn on {backend} ...");
+            rows.push(
+                bench_backend(backend, args.warmup, args.steps)
+                    .with_context(|| format!("backend {backend}"))?,
+            );
+        } else if backend == Backend::Flex {
+            for &n in &counts {
+                println!("benchmarking burn on {backend} with {n} thread(s) ...");
+                rows.push(cpu_row_in_child(backend, n, args)?);
+            }
+        } else {
+            println!("benchmarking burn on {backend} ...");
+            rows.push(
+                bench_backend(backend, args.warmup, args.steps)
+                    .with_context(|| format!("backend {backend}"))?,
+            );
+        }
+    }
+    // PyTorch at every thread count (on CUDA once).
+    let torch_counts = if args.torch_device == "cpu" {
+        counts.clone()
+    } else {
+        vec![cpu_threads()]
+    };
+    let mut torch = Vec::new();
+    let mut torch_error = None;
+    if args.no_torch {
+        torch_error = Some("skipped (--no-torch)".to_string());
+    } else {
+        match find_python(&args.python) {
+            Ok(py) => {
+                for &n in &torch_counts {
+                    match torch_reference(&py, args, n) {
+                        Ok(v) => torch.push(v),
+                        Err(why) => {
+                            torch_error = Some(why);
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(why) => torch_error = Some(why),
+        }
+    }
+    if let Some(why) = &torch_error {
         println!("no PyTorch reference: {why}");
     }
-    let torch_error = torch.as_ref().err().cloned();
-    let torch = torch.ok();
     let f = |v: &Value, k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
     println!(
         "\n| framework | backend | threads | train samples/s (b32) | infer samples/s (b32) | infer samples/s (b256) | peak RSS MiB |"
     );
     println!("|---|---|---:|---:|---:|---:|---:|");
-    for r in rows.iter().chain(torch.iter()) {
+    for r in rows.iter().chain(&torch) {
         println!(
             "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0} |",
             r.get("framework")
@@ -256,17 +354,28 @@ pub fn run(args: &Args) -> Result<()> {
         );
     }
     let mut ratios = Vec::new();
-    if let Some(t) = &torch {
-        for r in &rows {
+    // Each burn row against PyTorch on the same threads (a GPU row against the one reference).
+    let threads = |v: &Value| v.get("threads").and_then(Value::as_u64);
+    for r in &rows {
+        let cpu = r["backend"].as_str() == Some("flex");
+        let Some(t) = torch
+            .iter()
+            .find(|t| !cpu || args.torch_device != "cpu" || threads(t) == threads(r))
+        else {
+            continue;
+        };
+        {
             let ratio = json!({
                 "backend": r["backend"],
+                "threads": r["threads"],
                 "train": f(r, "train_samples_per_s") / f(t, "train_samples_per_s"),
                 "infer_b32": f(r, "infer_b32_samples_per_s") / f(t, "infer_b32_samples_per_s"),
                 "infer_b256": f(r, "infer_b256_samples_per_s") / f(t, "infer_b256_samples_per_s"),
             });
             println!(
-                "burn {} / PyTorch: train {:.2}x, infer b32 {:.2}x, infer b256 {:.2}x",
+                "burn {} on {} thread(s) / PyTorch: train {:.2}x, infer b32 {:.2}x, infer b256 {:.2}x",
                 r["backend"].as_str().unwrap_or("?"),
+                threads(r).unwrap_or(0),
                 f(&ratio, "train"),
                 f(&ratio, "infer_b32"),
                 f(&ratio, "infer_b256")

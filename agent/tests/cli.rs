@@ -337,7 +337,7 @@ fn bench_names_why_there_is_no_pytorch_reference_instead_of_writing_null_alone()
         .unwrap();
     succeeded(&out);
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_file).unwrap()).unwrap();
-    assert!(v["pytorch"].is_null());
+    assert_eq!(v["pytorch"], serde_json::json!([]));
     let why = v["pytorch_error"].as_str().unwrap();
     assert!(
         why.contains("python-without-torch cannot import torch")
@@ -346,4 +346,45 @@ fn bench_names_why_there_is_no_pytorch_reference_instead_of_writing_null_alone()
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains(why));
     assert!(v["burn"][0]["train_samples_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bench_measures_each_thread_count_in_one_run_and_names_a_bad_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_file = dir.path().join("bench.json");
+    let out = agent()
+        .args(["bench", "--steps", "2", "--warmup", "1", "--no-torch"])
+        .args(["--thread-counts", "1,all,1", "--out"])
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    succeeded(&out);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_file).unwrap()).unwrap();
+    let all = std::thread::available_parallelism().unwrap().get() as u64;
+    let mut want = vec![1];
+    if all > 1 {
+        want.push(all);
+    }
+    let got: Vec<u64> = v["burn"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["threads"].as_u64().unwrap())
+        .collect();
+    assert_eq!(got, want);
+    for r in v["burn"].as_array().unwrap() {
+        assert!(r["train_samples_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+
+    let out = agent()
+        .args(["bench", "--no-torch", "--thread-counts", "2,none", "--out"])
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`none` is neither a positive count nor `all`"),
+        "{err}"
+    );
 }
