@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use unifed_protocol::chunking::{ChunkError, payload_hash};
+use unifed_protocol::chunking::{ChunkError, check_set, payload_hash};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::Chunk;
 
@@ -119,24 +119,7 @@ impl SpooledUploads {
             data,
         } = chunk;
         let len = data.len() as u64;
-        let possible = if total_len == 0 {
-            count == 1
-        } else {
-            count >= 1 && u64::from(count) <= total_len
-        };
-        if !possible {
-            return Err(ChunkError::ImpossibleSet { count, total_len }.into());
-        }
-        if index >= count {
-            return Err(ChunkError::IndexOutOfRange { index, count }.into());
-        }
-        if total_len > self.per_site {
-            return Err(ChunkError::PayloadTooLarge {
-                total_len,
-                limit: self.per_site as usize,
-            }
-            .into());
-        }
+        check_set((index, count, total_len), self.per_site as usize)?;
         let bad_len = |room: u64| ChunkError::BadChunkLength {
             index,
             len: data.len(),

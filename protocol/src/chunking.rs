@@ -157,6 +157,30 @@ pub fn held_for(total_len: u64, count: u32) -> usize {
         .saturating_add(SET_OVERHEAD)
 }
 
+/// Checks what a chunk `(index, count, total_len)` claims about its set before anything is held:
+/// a set that can exist (one chunk for an empty payload, no more chunks than bytes), an index
+/// in range, and a payload of at most `limit` bytes.
+pub fn check_set(
+    (index, count, total_len): (u32, u32, u64),
+    limit: usize,
+) -> Result<(), ChunkError> {
+    let possible = if total_len == 0 {
+        count == 1
+    } else {
+        count >= 1 && u64::from(count) <= total_len
+    };
+    if !possible {
+        return Err(ChunkError::ImpossibleSet { count, total_len });
+    }
+    if index >= count {
+        return Err(ChunkError::IndexOutOfRange { index, count });
+    }
+    if total_len > limit as u64 {
+        return Err(ChunkError::PayloadTooLarge { total_len, limit });
+    }
+    Ok(())
+}
+
 /// Bytes of chunks a receiver asks for at once: a broker keeps only a few MiB per topic in
 /// memory (`unifed-broker` keeps 8 MiB per site), so a larger request would overrun a slow
 /// subscriber.
@@ -227,23 +251,7 @@ impl Reassembler {
             total_len,
             data,
         } = chunk;
-        let possible = if total_len == 0 {
-            count == 1
-        } else {
-            count >= 1 && u64::from(count) <= total_len
-        };
-        if !possible {
-            return Err(ChunkError::ImpossibleSet { count, total_len });
-        }
-        if index >= count {
-            return Err(ChunkError::IndexOutOfRange { index, count });
-        }
-        if total_len > self.max_pending_bytes as u64 {
-            return Err(ChunkError::PayloadTooLarge {
-                total_len,
-                limit: self.max_pending_bytes,
-            });
-        }
+        check_set((index, count, total_len), self.max_pending_bytes)?;
 
         let (received, got) = match self.sets.get(&hash) {
             Some(set) => {
