@@ -118,6 +118,62 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
         .map_err(|e| io(dir, e))
 }
 
+/// A sealed binary file written as it goes: atomically and durably like [`write_atomic`], its
+/// SHA-256 computed on the way and appended by [`SealedFile::finish`] (the bytes [`sealed`]
+/// makes), so a model-sized file is never whole in memory.
+struct SealedFile {
+    w: std::io::BufWriter<File>,
+    h: sha2::Sha256,
+    tmp: PathBuf,
+    path: PathBuf,
+}
+
+impl SealedFile {
+    fn create(path: &Path) -> Result<SealedFile, StoreError> {
+        let tmp = path.with_extension("tmp");
+        let f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        Ok(SealedFile {
+            w: std::io::BufWriter::with_capacity(1 << 20, f),
+            h: sha2::Sha256::new(),
+            tmp,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
+        self.h.update(bytes);
+        self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))
+    }
+
+    /// What [`put_tensors`] appends, a block of values at a time.
+    fn put_tensors(&mut self, tensors: &[Vec<f32>]) -> Result<(), StoreError> {
+        self.put(&(tensors.len() as u32).to_le_bytes())?;
+        let mut buf = Vec::with_capacity(64 << 10);
+        for t in tensors {
+            self.put(&(t.len() as u64).to_le_bytes())?;
+            for part in t.chunks(16 << 10) {
+                buf.clear();
+                buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+                self.put(&buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the checksum, syncs, and puts the file in place.
+    fn finish(mut self) -> Result<(), StoreError> {
+        let sum: [u8; 32] = self.h.finalize_reset().into();
+        self.w.write_all(&sum).map_err(|e| io(&self.tmp, e))?;
+        self.w.flush().map_err(|e| io(&self.tmp, e))?;
+        self.w.get_ref().sync_all().map_err(|e| io(&self.tmp, e))?;
+        fs::rename(&self.tmp, &self.path).map_err(|e| io(&self.path, e))?;
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io(dir, e))
+    }
+}
+
 /// A site's answer remembered for re-sends after its round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClosedRound {
@@ -265,10 +321,12 @@ impl Store {
         spec_hash: &[u8; 32],
         tensors: &[Vec<f32>],
     ) -> Result<(), StoreError> {
-        let mut b = Vec::with_capacity(64 + tensors.iter().map(|t| 8 + 4 * t.len()).sum::<usize>());
-        put_header(&mut b, MODEL_MAGIC, Some(spec_hash), version);
-        put_tensors(&mut b, tensors);
-        write_atomic(&self.model_path(version), &sealed(b))
+        let mut head = Vec::new();
+        put_header(&mut head, MODEL_MAGIC, Some(spec_hash), version);
+        let mut f = SealedFile::create(&self.model_path(version))?;
+        f.put(&head)?;
+        f.put_tensors(tensors)?;
+        f.finish()
     }
 
     /// Reads model `version`, checking magic, format, spec hash and version.
@@ -300,14 +358,14 @@ impl Store {
         tensors: &[Vec<f32>],
         delta: &[u8],
     ) -> Result<(), StoreError> {
-        let mut b = Vec::with_capacity(
-            72 + delta.len() + tensors.iter().map(|t| 8 + 4 * t.len()).sum::<usize>(),
-        );
-        put_header(&mut b, HELD_MAGIC, Some(spec_hash), version);
-        put_tensors(&mut b, tensors);
-        b.extend_from_slice(&(delta.len() as u64).to_le_bytes());
-        b.extend_from_slice(delta);
-        write_atomic(&self.held_path(version), &sealed(b))
+        let mut head = Vec::new();
+        put_header(&mut head, HELD_MAGIC, Some(spec_hash), version);
+        let mut f = SealedFile::create(&self.held_path(version))?;
+        f.put(&head)?;
+        f.put_tensors(tensors)?;
+        f.put(&(delta.len() as u64).to_le_bytes())?;
+        f.put(delta)?;
+        f.finish()
     }
 
     /// Reads the held model and delta payload of `version`; `None` when none was written.
@@ -511,17 +569,17 @@ impl Store {
     pub fn spool_put(&self, round: u64, site: &str, c: &Contribution) -> Result<(), StoreError> {
         let d = self.spool_dir(round);
         fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
-        let mut b = Vec::new();
-        b.extend_from_slice(SPOOL_MAGIC);
-        b.extend_from_slice(&SPOOL_VERSION.to_le_bytes());
-        b.extend_from_slice(&round.to_le_bytes());
-        b.extend_from_slice(&c.samples.to_le_bytes());
-        put_tensors(&mut b, &c.delta);
-        put_tensors(&mut b, &c.bn);
+        let mut f = SealedFile::create(&d.join(format!("{site}.upd")))?;
+        f.put(SPOOL_MAGIC)?;
+        f.put(&SPOOL_VERSION.to_le_bytes())?;
+        f.put(&round.to_le_bytes())?;
+        f.put(&c.samples.to_le_bytes())?;
+        f.put_tensors(&c.delta)?;
+        f.put_tensors(&c.bn)?;
         let typed = postcard::to_allocvec(&(&c.report, &c.extras)).expect("report serialises");
-        b.extend_from_slice(&(typed.len() as u32).to_le_bytes());
-        b.extend_from_slice(&typed);
-        write_atomic(&d.join(format!("{site}.upd")), &sealed(b))?;
+        f.put(&(typed.len() as u32).to_le_bytes())?;
+        f.put(&typed)?;
+        f.finish()?;
         File::open(self.dir.join("spool"))
             .and_then(|f| f.sync_all())
             .map_err(|e| io(&self.dir.join("spool"), e))
