@@ -286,13 +286,7 @@ pub fn run(args: &Args) -> Result<()> {
         counts
     };
     for backend in backends {
-        if backend == Backend::Flex && args.thread_counts.is_empty() {
-            println!("benchmarking burn on {backend} ...");
-            rows.push(
-                bench_backend(backend, args.warmup, args.steps)
-                    .with_context(|| format!("backend {backend}"))?,
-            );
-        } else if backend == Backend::Flex {
+        if backend == Backend::Flex && !args.thread_counts.is_empty() {
             for &n in &counts {
                 println!("benchmarking burn on {backend} with {n} thread(s) ...");
                 rows.push(cpu_row_in_child(backend, n, args)?);
@@ -364,24 +358,22 @@ pub fn run(args: &Args) -> Result<()> {
         else {
             continue;
         };
-        {
-            let ratio = json!({
-                "backend": r["backend"],
-                "threads": r["threads"],
-                "train": f(r, "train_samples_per_s") / f(t, "train_samples_per_s"),
-                "infer_b32": f(r, "infer_b32_samples_per_s") / f(t, "infer_b32_samples_per_s"),
-                "infer_b256": f(r, "infer_b256_samples_per_s") / f(t, "infer_b256_samples_per_s"),
-            });
-            println!(
-                "burn {} on {} thread(s) / PyTorch: train {:.2}x, infer b32 {:.2}x, infer b256 {:.2}x",
-                r["backend"].as_str().unwrap_or("?"),
-                threads(r).unwrap_or(0),
-                f(&ratio, "train"),
-                f(&ratio, "infer_b32"),
-                f(&ratio, "infer_b256")
-            );
-            ratios.push(ratio);
-        }
+        let ratio = json!({
+            "backend": r["backend"],
+            "threads": r["threads"],
+            "train": f(r, "train_samples_per_s") / f(t, "train_samples_per_s"),
+            "infer_b32": f(r, "infer_b32_samples_per_s") / f(t, "infer_b32_samples_per_s"),
+            "infer_b256": f(r, "infer_b256_samples_per_s") / f(t, "infer_b256_samples_per_s"),
+        });
+        println!(
+            "burn {} on {} thread(s) / PyTorch: train {:.2}x, infer b32 {:.2}x, infer b256 {:.2}x",
+            r["backend"].as_str().unwrap_or("?"),
+            threads(r).unwrap_or(0),
+            f(&ratio, "train"),
+            f(&ratio, "infer_b32"),
+            f(&ratio, "infer_b256")
+        );
+        ratios.push(ratio);
     }
     if let Some(parent) = args.out.parent() {
         std::fs::create_dir_all(parent)?;

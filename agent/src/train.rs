@@ -515,8 +515,6 @@ pub async fn run(
                         );
                     }
                     report::phase(for_round, Phase::Apply, applying);
-                    // The download's chunks and decoded tensors are gone: give their pages back.
-                    unifed_net::release_free_memory();
                     checkpoint_round = for_round;
                     queue.push_back(Event::Applied {
                         version: m.model_version,
@@ -631,6 +629,8 @@ pub async fn run(
                     let s = site.as_ref().expect("site present");
                     let saving = Instant::now();
                     save(s, engine.progress())?;
+                    // The download's or the upload's buffers and the checkpoint's are freed
+                    // now (every apply and every answer is followed by a checkpoint).
                     unifed_net::release_free_memory();
                     report::phase(checkpoint_round, Phase::Checkpoint, saving);
                     if let Some((m, fetch_ms, bytes)) = announce.take() {

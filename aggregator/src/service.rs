@@ -135,8 +135,6 @@ const MAX_CHUNKS_PER_REQUEST: usize = 64;
 /// Times one chunk of a model version is served to one site: enough for a site that lost
 /// chunks or restarted mid-fetch, never a request storm's amplifier.
 const MAX_SERVES_PER_CHUNK: u8 = 8;
-/// Milliseconds between sweeps of expired upload sets (amortised: not on every message).
-const EXPIRE_EVERY_MS: u64 = 1_000;
 
 /// How often each chunk was served to each site, per model version and payload served.
 #[derive(Default)]
@@ -351,7 +349,6 @@ pub async fn serve(
         ),
         600_000,
     )?;
-    let mut last_expire_ms = 0;
     let mut serves = ServeCounts::default();
     let mut finished_at: Option<Instant> = None;
     let mut manifest_at = Instant::now();
@@ -511,11 +508,7 @@ pub async fn serve(
                         } else {
                             Some(payload)
                         };
-                        // Expired sets are swept at most once per EXPIRE_EVERY_MS.
-                        if now_ms().saturating_sub(last_expire_ms) >= EXPIRE_EVERY_MS {
-                            last_expire_ms = now_ms();
-                            uploads.expire(last_expire_ms);
-                        }
+                        uploads.expire(now_ms());
                         if let Some(bytes) = whole {
                             let (round, t) = (core.round(), Instant::now());
                             pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;

@@ -65,13 +65,6 @@ fn io(path: &Path, e: impl ToString) -> StoreError {
     }
 }
 
-/// `b` with its SHA-256 appended: what every binary file of the store holds.
-fn sealed(mut b: Vec<u8>) -> Vec<u8> {
-    let h: [u8; 32] = sha2::Sha256::digest(&b).into();
-    b.extend_from_slice(&h);
-    b
-}
-
 /// The contents of a binary file without its checksum, if the checksum holds.
 fn unsealed<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a [u8], StoreError> {
     let Some(n) = bytes.len().checked_sub(CHECKSUM_LEN) else {
@@ -105,22 +98,35 @@ fn corrupt(path: &Path, m: impl Into<String>) -> StoreError {
 
 /// Writes `bytes` to `path` atomically and durably.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = path.with_extension("tmp");
     {
         let mut f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
         f.write_all(bytes).map_err(|e| io(&tmp, e))?;
         f.sync_all().map_err(|e| io(&tmp, e))?;
     }
-    fs::rename(&tmp, path).map_err(|e| io(path, e))?;
+    commit(&tmp, path)
+}
+
+/// Puts the synced temporary file `tmp` in place as `path` and syncs their folder.
+fn commit(tmp: &Path, path: &Path) -> Result<(), StoreError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::rename(tmp, path).map_err(|e| io(path, e))?;
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io(dir, e))
 }
 
+/// Writes `body` with its SHA-256 appended (what every binary file of the store holds),
+/// atomically and durably.
+fn write_sealed(path: &Path, body: &[u8]) -> Result<(), StoreError> {
+    let mut f = SealedFile::create(path)?;
+    f.put(body)?;
+    f.finish()
+}
+
 /// A sealed binary file written as it goes: atomically and durably like [`write_atomic`], its
-/// SHA-256 computed on the way and appended by [`SealedFile::finish`] (the bytes [`sealed`]
-/// makes), so a model-sized file is never whole in memory.
+/// SHA-256 computed on the way and appended by [`SealedFile::finish`], so a model-sized file is
+/// never whole in memory.
 struct SealedFile {
     w: std::io::BufWriter<File>,
     h: sha2::Sha256,
@@ -145,7 +151,8 @@ impl SealedFile {
         self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))
     }
 
-    /// What [`put_tensors`] appends, a block of values at a time.
+    /// Tensors as the store keeps them: their count, then each one's length and its
+    /// little-endian values, a block of values at a time.
     fn put_tensors(&mut self, tensors: &[Vec<f32>]) -> Result<(), StoreError> {
         self.put(&(tensors.len() as u32).to_le_bytes())?;
         let mut buf = Vec::with_capacity(64 << 10);
@@ -166,11 +173,7 @@ impl SealedFile {
         self.w.write_all(&sum).map_err(|e| io(&self.tmp, e))?;
         self.w.flush().map_err(|e| io(&self.tmp, e))?;
         self.w.get_ref().sync_all().map_err(|e| io(&self.tmp, e))?;
-        fs::rename(&self.tmp, &self.path).map_err(|e| io(&self.path, e))?;
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| io(dir, e))
+        commit(&self.tmp, &self.path)
     }
 }
 
@@ -402,7 +405,7 @@ impl Store {
         let mut b = Vec::new();
         put_header(&mut b, STRATEGY_MAGIC, Some(spec_hash), version);
         b.extend(postcard::to_allocvec(state).expect("strategy state serialises"));
-        write_atomic(&self.strategy_path(version), &sealed(b))
+        write_sealed(&self.strategy_path(version), &b)
     }
 
     /// Reads the strategy's state as of model `version`; `None` when none was written.
@@ -470,8 +473,10 @@ impl Store {
             b.extend_from_slice(&(s.len() as u32).to_le_bytes());
             b.extend_from_slice(s.as_bytes());
         }
-        put_tensors(&mut b, tensors);
-        write_atomic(&self.share_path(version), &sealed(b))
+        let mut f = SealedFile::create(&self.share_path(version))?;
+        f.put(&b)?;
+        f.put_tensors(tensors)?;
+        f.finish()
     }
 
     /// Reads the pooled BN of version `version`: `None` if it has none (policy `none`, or
@@ -517,7 +522,7 @@ impl Store {
         put_header(&mut b, ENTRY_MAGIC, None, version);
         b.extend_from_slice(&(entry.len() as u64).to_le_bytes());
         b.extend_from_slice(entry);
-        write_atomic(&self.entry_path(site, version), &sealed(b))?;
+        write_sealed(&self.entry_path(site, version), &b)?;
         File::open(self.dir.join("registry"))
             .and_then(|f| f.sync_all())
             .map_err(|e| io(&self.dir.join("registry"), e))
@@ -755,16 +760,6 @@ fn put_header(b: &mut Vec<u8>, magic: &[u8; 4], spec_hash: Option<&[u8; 32]>, ve
         b.extend_from_slice(h);
     }
     b.extend_from_slice(&version.to_le_bytes());
-}
-
-fn put_tensors(b: &mut Vec<u8>, tensors: &[Vec<f32>]) {
-    b.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
-    for t in tensors {
-        b.extend_from_slice(&(t.len() as u64).to_le_bytes());
-        for v in t {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-    }
 }
 
 struct Reader<'a> {

@@ -18,6 +18,8 @@ use unifed_protocol::chunking::{ChunkError, check_set, payload_hash};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::Chunk;
 
+/// Milliseconds between sweeps of expired sets (amortised: not on every message).
+pub const SWEEP_EVERY_MS: u64 = 1_000;
 /// Incomplete sets one site may hold at once.
 const SETS_PER_SITE: usize = 2;
 /// Shortest chunk (but the last) accepted: senders cut at least this much (`unifed_site`'s
@@ -79,6 +81,7 @@ pub struct SpooledUploads {
     per_site: u64,
     timeout_ms: u64,
     sites: BTreeMap<Id, Vec<Set>>,
+    last_sweep_ms: Option<u64>,
 }
 
 impl SpooledUploads {
@@ -99,6 +102,7 @@ impl SpooledUploads {
             per_site,
             timeout_ms,
             sites: BTreeMap::new(),
+            last_sweep_ms: None,
         })
     }
 
@@ -207,8 +211,16 @@ impl SpooledUploads {
         Ok(Some(payload))
     }
 
-    /// Drops (and deletes) every set whose first chunk is older than the timeout at `now_ms`.
+    /// Drops (and deletes) every set whose first chunk is older than the timeout at `now_ms`;
+    /// called on every message, it sweeps at most once per [`SWEEP_EVERY_MS`].
     pub fn expire(&mut self, now_ms: u64) {
+        if self
+            .last_sweep_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) < SWEEP_EVERY_MS)
+        {
+            return;
+        }
+        self.last_sweep_ms = Some(now_ms);
         let timeout = self.timeout_ms;
         for sets in self.sites.values_mut() {
             sets.retain(|s| {

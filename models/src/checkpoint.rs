@@ -46,7 +46,7 @@ impl Layout {
     pub fn new(state: &StateDict, spec: &ModelSpec) -> Layout {
         use serde_json::{Value, json};
         use std::collections::BTreeMap;
-        let counters: Vec<String> = state
+        let mut counters: Vec<String> = state
             .tensors
             .iter()
             .filter(|t| t.kind == unifed_protocol::TensorKind::BnRunningMean)
@@ -61,9 +61,8 @@ impl Layout {
         let mut header: BTreeMap<String, Value> = BTreeMap::new();
         let mut offset = 0u64;
         // safetensors puts the wider dtype first: the int64 counters, then the floats.
-        let mut sorted_counters = counters.clone();
-        sorted_counters.sort();
-        for n in &sorted_counters {
+        counters.sort();
+        for n in &counters {
             header.insert(
                 n.clone(),
                 json!({"data_offsets": [offset, offset + 8], "dtype": "I64", "shape": []}),

@@ -1,8 +1,8 @@
 //! How a site's update reaches the aggregator, without I/O. An update that fits one MQTT packet
 //! is sent whole and re-sent until answered. A larger one is cut into `UpdateChunk` messages
 //! sent through a window: at most [`WINDOW_BYTES`] of chunks without an `UpdateReceipt` are in
-//! flight, so the broker never holds more than a few MiB of a site's chunks for the aggregator. rumqttd keeps a
-//! bounded log per subscription and skips what a slow subscriber has not read, so an unpaced
+//! flight, so the broker never holds more than a few MiB of a site's chunks for the aggregator.
+//! rumqttd keeps a bounded log per subscription and skips what a slow subscriber has not read, so an unpaced
 //! 57 MB upload from five sites at once loses chunks. A chunk without a receipt is sent again
 //! after [`CHUNK_TIMEOUT_MS`] (at once after a reconnect); if all chunks have receipts but no
 //! answer comes within the re-send interval, the whole update goes again.
