@@ -235,6 +235,8 @@ struct SiteFiles {
     checkpoint: PathBuf,
     model: PathBuf,
     progress: PathBuf,
+    /// Scratch: the starting model while a round trains ([`Site::park_base_in`]).
+    parked: PathBuf,
 }
 
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
@@ -255,6 +257,7 @@ impl SiteFiles {
             checkpoint: dir.join("checkpoint.bin"),
             model: dir.join("model.safetensors"),
             progress: dir.join("progress.json"),
+            parked: dir.join("training-base.f32"),
         }
     }
 
@@ -348,6 +351,10 @@ pub async fn run(
         None => (net, None, None),
     };
     let mut site: Option<Site<AnyNet>> = Some(Site::new(&cfg.site, net, train, test)?);
+    // Training holds one copy of the model: the starting one waits in this file.
+    site.as_mut()
+        .expect("site present")
+        .park_base_in(files.parked.clone());
     if let Some(m) = memory {
         // Residuals and control variates of the last accepted update, and the server's c.
         site.as_mut()

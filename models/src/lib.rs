@@ -36,6 +36,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod objective;
+mod park;
 pub mod site;
 pub mod state;
 pub mod train;

@@ -6,8 +6,11 @@ use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
 use crate::objective::Term;
-use crate::state::{NamedTensor, Select, StateDict, export, import, subtract};
-use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_objective};
+use crate::park::Parked;
+use crate::state::{
+    NamedTensor, Select, StateDict, export, import, import_into, stand_in, subtract,
+};
+use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_objective, train_owned};
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -47,6 +50,14 @@ pub enum SiteError {
     /// The memory kept in the site's checkpoint does not fit its model.
     #[error("the site's memory: {0}")]
     Memory(String),
+    /// The starting model could not be parked in, or read back from, its file.
+    #[error("the starting model parked in {path}: {source}")]
+    Park {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
 }
 
 /// Which tensors travel under a BN policy.
@@ -71,6 +82,14 @@ pub fn encoding_for(kind: TensorKind, encoding: Encoding) -> Encoding {
         Encoding::F32
     } else {
         encoding
+    }
+}
+
+/// The error of a parked model's file at `path`.
+fn park_error(path: &std::path::Path, source: std::io::Error) -> SiteError {
+    SiteError::Park {
+        path: path.to_path_buf(),
+        source,
     }
 }
 
@@ -112,6 +131,8 @@ pub struct Site<N: Net> {
     pending: Option<(u64, Memory)>,
     /// Seconds the last [`Site::train_round`] spent encoding its update after training.
     encode_seconds: f64,
+    /// Where training parks the starting model ([`Site::park_base_in`]).
+    park: Option<std::path::PathBuf>,
 }
 
 impl<N: Net> Site<N> {
@@ -125,7 +146,16 @@ impl<N: Net> Site<N> {
             memory: Memory::default(),
             pending: None,
             encode_seconds: 0.0,
+            park: None,
         })
+    }
+
+    /// Makes [`Site::train_round`] park the starting model in the file at `path` while it
+    /// trains, so that training holds one copy of the model instead of two (the delta reads it
+    /// back a block at a time). Objectives that train against the starting weights (FedProx)
+    /// keep them in memory regardless.
+    pub fn park_base_in(&mut self, path: std::path::PathBuf) {
+        self.park = Some(path);
     }
 
     /// Applies the model of the round `m` announces, whole or as a delta from the version the
@@ -146,14 +176,20 @@ impl<N: Net> Site<N> {
             Download::Delta(d) => self.add_to_held(spec, select, m, d)?,
         };
         let control = self.control_of(spec, select, m, download)?;
-        self.net = import(&self.net, spec, &sd, select)?;
-        self.memory.server_control = control;
-        self.memory.held = (!m.encoding.is_exact()).then(|| {
+        // Under a lossy encoding the site keeps what it applied; otherwise the tensors move
+        // into the model and the old ones are freed as they go.
+        let held = (!m.encoding.is_exact()).then(|| {
             (
                 download.model_version(),
-                sd.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
+                sd.tensors
+                    .iter()
+                    .map(|t| (t.name.clone(), t.data.clone()))
+                    .collect(),
             )
         });
+        import_into(&mut self.net, spec, sd, select)?;
+        self.memory.server_control = control;
+        self.memory.held = held;
         Ok(())
     }
 
@@ -304,29 +340,70 @@ impl<N: Net> Site<N> {
         let correction = server_c.as_ref().map(|c| self.correction(spec, select, c));
         let term = Term::new(&m.plan.objective, &self.net, select, correction.as_ref())
             .map_err(TrainError::BadConfig)?;
-        let (net, rep) = train_objective(
-            &self.net,
-            &self.train,
-            spec.classes.len(),
-            &tc,
-            &term,
-            device,
-            progress,
-        )?;
+        // FedProx's term holds the starting weights itself: parking them would save nothing.
+        let parked = match (&self.park, &term) {
+            (Some(p), Term::None | Term::Control { .. }) => Some(
+                Parked::write(p, &export(&self.net, spec, Select::All))
+                    .map_err(|e| park_error(p, e))?,
+            ),
+            _ => None,
+        };
+        let classes = spec.classes.len();
+        let (net, rep) = match &parked {
+            None => train_objective(
+                &self.net,
+                &self.train,
+                classes,
+                &tc,
+                &term,
+                device,
+                progress,
+            )?,
+            Some(parked) => {
+                // Until training ends the site holds a stand-in, and the file the weights.
+                let placeholder = stand_in(&self.net);
+                let base = std::mem::replace(&mut self.net, placeholder);
+                let (net, rep) =
+                    train_owned(base, &self.train, classes, &tc, &term, device, progress);
+                match rep {
+                    Ok(rep) => (net, rep),
+                    Err(e) => {
+                        self.unpark(parked, net, spec)?;
+                        return Err(e.into());
+                    }
+                }
+            }
+        };
         let encoding = std::time::Instant::now();
-        // The delta is made in the trained tensors' own buffers, and the base exported only now
-        // (self.net still holds it) and dropped as soon as it is subtracted: training never has
-        // a copy of the base beside the optimiser's state.
+        // The delta is made in the trained tensors' own buffers, and the base exported (or read
+        // back from its file) only now and dropped as soon as it is subtracted: training never
+        // has a copy of the base beside the optimiser's state.
         let mut d = export(&net, spec, select);
-        subtract(&mut d, &export(&self.net, spec, select))?;
+        match &parked {
+            None => subtract(&mut d, &export(&self.net, spec, select))?,
+            Some(p) => {
+                if let Err(e) = p.subtract_from(&mut d) {
+                    self.unpark(p, net, spec)?;
+                    return Err(park_error(p.path(), e));
+                }
+            }
+        }
         if let Some(t) = d
             .tensors
             .iter()
             .find(|t| t.data.iter().any(|v| !v.is_finite()))
         {
-            return Err(SiteError::NonFinite(t.name.clone()));
+            let name = t.name.clone();
+            if let Some(p) = &parked {
+                self.unpark(p, net, spec)?;
+            }
+            return Err(SiteError::NonFinite(name));
         }
         self.net = net;
+        if let Some(p) = parked {
+            // A file left behind is replaced by the next round's; it never holds state.
+            let _ = p.remove();
+        }
         // What an accepted update advances: the residuals and the site's control variate.
         let mut next = Memory {
             residual: self.memory.residual.clone(),
@@ -395,6 +472,23 @@ impl<N: Net> Site<N> {
         );
         self.encode_seconds = encoding.elapsed().as_secs_f64();
         Ok(bytes)
+    }
+
+    /// Puts the parked starting model back after a round that sends nothing, written into
+    /// `net` (the model training returned); if the file cannot be read, the site keeps `net`.
+    fn unpark(&mut self, parked: &Parked, net: N, spec: &ModelSpec) -> Result<(), SiteError> {
+        let base = parked.read().map_err(|e| park_error(parked.path(), e));
+        let base = base.and_then(|sd| Ok(import(&net, spec, &sd, Select::All)?));
+        match base {
+            Ok(base) => {
+                self.net = base;
+                Ok(())
+            }
+            Err(e) => {
+                self.net = net;
+                Err(e)
+            }
+        }
     }
 
     /// Seconds the last [`Site::train_round`] spent after training: the delta, its encoding with

@@ -274,8 +274,15 @@ pub fn validate(state: &StateDict, spec: &ModelSpec, select: Select) -> Result<(
 struct Writer<'a, N: Net> {
     net: &'a N,
     walk: Walker,
-    values: HashMap<&'a str, &'a NamedTensor>,
+    values: Values<'a>,
     select: Select,
+}
+
+/// The tensors a [`Writer`] writes in: borrowed (each copied as it goes in) or owned (each moved
+/// in, so the import holds no second copy).
+enum Values<'a> {
+    Borrowed(HashMap<&'a str, &'a NamedTensor>),
+    Owned(HashMap<String, NamedTensor>),
 }
 
 impl<N: Net> ModuleMapper for Writer<'_, N> {
@@ -293,12 +300,22 @@ impl<N: Net> ModuleMapper for Writer<'_, N> {
             return param;
         }
         let name = torch_name(self.net, &path, kind);
-        let Some(src) = self.values.get(name.as_str()) else {
-            return param;
+        let (data, shape) = match &mut self.values {
+            Values::Borrowed(v) => match v.get(name.as_str()) {
+                Some(src) => (src.data.clone(), src.shape.clone()),
+                None => return param,
+            },
+            Values::Owned(v) => match v.remove(name.as_str()) {
+                Some(src) => (src.data, src.shape),
+                None => return param,
+            },
         };
         param.map(|t| {
             let rg = t.is_require_grad();
-            burn_tensor::<D>(src, linear_w, &t.device()).set_require_grad(rg)
+            let device = t.device();
+            // The old tensor goes before the new one is made.
+            drop(t);
+            from_torch::<D>(data, shape, linear_w, &device).set_require_grad(rg)
         })
     }
 }
@@ -310,7 +327,17 @@ pub(crate) fn burn_tensor<const D: usize>(
     linear_w: bool,
     device: &burn::tensor::Device,
 ) -> Tensor<D> {
-    let t = Tensor::<D>::from_data(TensorData::new(src.data.clone(), src.shape.clone()), device);
+    from_torch(src.data.clone(), src.shape.clone(), linear_w, device)
+}
+
+/// Values of `shape` in PyTorch layout as a burn tensor on `device` (see [`burn_tensor`]).
+fn from_torch<const D: usize>(
+    data: Vec<f32>,
+    shape: Vec<usize>,
+    linear_w: bool,
+    device: &burn::tensor::Device,
+) -> Tensor<D> {
+    let t = Tensor::<D>::from_data(TensorData::new(data, shape), device);
     if linear_w { t.swap_dims(0, 1) } else { t }
 }
 
@@ -328,10 +355,55 @@ pub fn import<N: Net>(
     let mut w = Writer {
         net: &copy,
         walk: Walker::default(),
-        values: state.tensors.iter().map(|t| (t.name.as_str(), t)).collect(),
+        values: Values::Borrowed(state.tensors.iter().map(|t| (t.name.as_str(), t)).collect()),
         select,
     };
     Ok(copy.clone().map(&mut w))
+}
+
+/// [`import`] into `net` itself, consuming `state`: each tensor is moved in and the one it
+/// replaces freed as it goes, so the import never holds two copies of the model. On an error
+/// (from validating `state` first) `net` is unchanged.
+pub fn import_into<N: Net>(
+    net: &mut N,
+    spec: &ModelSpec,
+    state: StateDict,
+    select: Select,
+) -> Result<(), StateError> {
+    validate(&state, spec, select)?;
+    // `valid()` syncs the running statistics into fresh ones; the stand-in then lets go of the
+    // model's tensors, so that `copy` holds the only reference to each.
+    let copy = net.valid();
+    *net = stand_in(&copy);
+    let mut w = Writer {
+        net: &*net,
+        walk: Walker::default(),
+        values: Values::Owned(
+            state
+                .tensors
+                .into_iter()
+                .map(|t| (t.name.clone(), t))
+                .collect(),
+        ),
+        select,
+    };
+    let written = copy.map(&mut w);
+    *net = written;
+    Ok(())
+}
+
+/// `net` with every float parameter replaced by a one-value tensor: a stand-in that holds none
+/// of its weights (names and architecture only) while the model itself is elsewhere.
+pub(crate) fn stand_in<N: Net>(net: &N) -> N {
+    struct Hollow;
+    impl ModuleMapper for Hollow {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.map(|t| Tensor::zeros([1; D], &t.device()))
+        }
+    }
+    // `valid()` gives the stand-in running statistics of its own: a clone would share them, and
+    // the mapping would empty the model's.
+    net.valid().map(&mut Hollow)
 }
 
 /// The tensors of a message (a broadcast, an onboarding package, a registry entry) decoded into

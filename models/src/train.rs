@@ -214,12 +214,48 @@ pub fn train_objective<N: Net>(
     cfg: &TrainConfig,
     term: &Term,
     device: &Device,
-    mut progress: impl FnMut(TrainEvent),
+    progress: impl FnMut(TrainEvent),
 ) -> Result<(N, TrainReport), TrainError> {
-    cfg.validate()?;
-    check_data(net, data, classes)?;
+    let (net, report) = train_owned(net.clone(), data, classes, cfg, term, device, progress);
+    report.map(|r| (net, r))
+}
+
+/// [`train_objective`] on a model it owns: with no other copy of the starting weights alive,
+/// the optimiser's steps replace them and training holds one copy of the model. The model
+/// always comes back: trained, as it stood when training diverged, or untouched after a config
+/// or data error.
+pub fn train_owned<N: Net>(
+    net: N,
+    data: &Dataset,
+    classes: usize,
+    cfg: &TrainConfig,
+    term: &Term,
+    device: &Device,
+    progress: impl FnMut(TrainEvent),
+) -> (N, Result<TrainReport, TrainError>) {
+    if let Err(e) = cfg
+        .validate()
+        .and_then(|()| check_data(&net, data, classes))
+    {
+        return (net, Err(e));
+    }
+    let model = net.valid().train();
+    drop(net);
+    let (model, report) = run_epochs(model, data, cfg, term, device, progress);
+    (model.valid(), report)
+}
+
+/// The epochs of [`train_owned`] on `model` in autodiff mode; returns it as it stands at the end
+/// or when the loss diverged.
+fn run_epochs<N: Net>(
+    mut model: N,
+    data: &Dataset,
+    cfg: &TrainConfig,
+    term: &Term,
+    device: &Device,
+    mut progress: impl FnMut(TrainEvent),
+) -> (N, Result<TrainReport, TrainError>) {
     let ad = device.clone().autodiff();
-    let mut model = net.valid().train();
     let mut sgd = SgdConfig::new();
     if cfg.momentum > 0.0 {
         sgd = sgd.with_momentum(Some(
@@ -265,12 +301,12 @@ pub fn train_objective<N: Net>(
         }
         let loss = loss_sum / data.len() as f64;
         if !loss.is_finite() {
-            return Err(TrainError::Diverged(loss, epoch));
+            return (model, Err(TrainError::Diverged(loss, epoch)));
         }
         report.epoch_losses.push(loss);
         progress(TrainEvent::EpochEnd { epoch, loss });
     }
-    Ok((model.valid(), report))
+    (model, Ok(report))
 }
 
 /// Evaluates `net` with its stored BN statistics (inference mode) in batches of `batch_size`.

@@ -542,3 +542,79 @@ fn under_a_lossy_encoding_the_site_variate_moves_by_exactly_what_the_server_deco
         }
     }
 }
+
+#[test]
+fn a_site_that_parks_its_starting_model_on_disk_sends_the_same_bytes_and_restores_it_on_failure() {
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("base.f32");
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    for bn in [BnPolicy::Local, BnPolicy::Global] {
+        let mut plain = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+        let mut parking = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+        parking.park_base_in(file.clone());
+        for round in 1..=2 {
+            let m = manifest(round, Encoding::F32, bn);
+            let a = plain
+                .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                .unwrap();
+            let b = parking
+                .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                .unwrap();
+            assert_eq!(a, b, "{bn:?} round {round}: the update's bytes differ");
+            assert_eq!(
+                export(&plain.net, &spec, Select::All),
+                export(&parking.net, &spec, Select::All)
+            );
+            assert!(!file.exists(), "the parked model outlived its round");
+        }
+    }
+
+    // A round that blows up sends nothing and leaves the starting model in place, bit for bit.
+    let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+    site.park_base_in(file.clone());
+    let before = export(&site.net, &spec, Select::All);
+    let wild = TrainConfig {
+        lr: 1e30,
+        ..tc.clone()
+    };
+    let err = site
+        .train_round(
+            &spec,
+            &fed,
+            &manifest(1, Encoding::F32, BnPolicy::Local),
+            &wild,
+            &device(),
+            |_| {},
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            unifed_models::site::SiteError::NonFinite(_) | unifed_models::site::SiteError::Train(_)
+        ),
+        "{err}"
+    );
+    assert_eq!(export(&site.net, &spec, Select::All), before);
+
+    // A parking file that cannot be written is an error naming it, and nothing trains.
+    let mut site = Site::new("a", net, data(16), data(8)).unwrap();
+    let bad = dir.path().join("no-such-folder").join("base.f32");
+    site.park_base_in(bad.clone());
+    let err = site
+        .train_round(
+            &spec,
+            &fed,
+            &manifest(1, Encoding::F32, BnPolicy::Local),
+            &tc,
+            &device(),
+            |_| {},
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("no-such-folder"), "{err}");
+    assert_eq!(export(&site.net, &spec, Select::All), before);
+}
