@@ -990,6 +990,26 @@ impl Aggregator {
     /// current model and strategy state are committed again as the next version (so every site
     /// applies the global model again instead of training on from its own weights).
     fn close_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        // Each update is read once, by the fold, which checks it in full before using any of its
+        // values: a damaged one stops the fold, the model and strategy go back to the committed
+        // ones, and the damaged updates are set aside below before the fold runs again.
+        match self.fold_round(now_ms) {
+            Err(CoreError::Store(StoreError::Corrupt { path, message })) => {
+                tracing::warn!(path = %path.display(), message, "a spooled update is damaged; checking every one before folding again");
+                self.model = self
+                    .store
+                    .load_model(self.state.model_version, &self.hash.0)?;
+                self.strategy = Self::committed_strategy(
+                    &self.store,
+                    &self.cfg,
+                    &self.setup,
+                    &self.state,
+                    &self.hash,
+                )
+                .map_err(CoreError::Model)?;
+            }
+            folded => return folded,
+        }
         let round = self.state.round;
         let resend = self.set_aside_damaged(round, now_ms)?;
         if !resend.is_empty()

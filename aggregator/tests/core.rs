@@ -1376,6 +1376,46 @@ fn a_damaged_spool_file_is_set_aside_its_site_asked_to_resend_and_the_round_clos
 }
 
 #[test]
+fn an_update_found_damaged_by_the_fold_after_others_is_asked_again_and_the_round_closes_as_if_intact()
+ {
+    use unifed_aggregator::Algorithm;
+    use unifed_aggregator::strategy::FedOptConfig;
+    // FedAdam keeps moments: a fold stopped half-way must leave neither them nor the model moved.
+    let run = |damage: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = FederationConfig {
+            algorithm: Algorithm::FedAdam(FedOptConfig::default()),
+            ..config(2, 3, BnPolicy::Local)
+        };
+        let mut agg = open(dir.path(), cfg);
+        agg.handle(Event::Start, 0).unwrap();
+        let b = good("b", 1, 0, 9, BnPolicy::Local);
+        send(&mut agg, "a", good("a", 1, 0, 7, BnPolicy::Local));
+        send(&mut agg, "b", b.clone());
+        if damage {
+            // "b" is folded after "a" (site order).
+            tamper(&dir.path().join("spool/r1/b.upd"), |x| x[60] ^= 0x10);
+        }
+        let acts = send(&mut agg, "c", good("c", 1, 0, 5, BnPolicy::Local));
+        if damage {
+            assert_eq!(
+                answers(&acts),
+                vec![("c".into(), Answer::Accepted), ("b".into(), Answer::Resend)]
+            );
+            assert_eq!(agg.round(), 1);
+            send(&mut agg, "b", b);
+        }
+        assert_eq!(agg.round(), 2);
+        for (site, samples) in [("a", 7), ("b", 9), ("c", 5)] {
+            send(&mut agg, site, good(site, 2, 1, samples, BnPolicy::Local));
+        }
+        assert!(agg.finished());
+        agg.model().to_vec()
+    };
+    assert_eq!(run(true), run(false));
+}
+
+#[test]
 fn a_damaged_model_file_or_an_edited_or_stale_state_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let mut agg = open(dir.path(), config(2, 2, BnPolicy::Local));
