@@ -141,6 +141,9 @@ enum DataCmd {
 
 fn main() -> Result<()> {
     unifed_net::init_logging("warn");
+    // Training's allocation pattern from the first step (a federation run goes lean between
+    // its phases).
+    unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Fast);
     let cli = Cli::parse();
     if let Some(t) = cli.threads {
         cap_cpu_threads(t).map_err(anyhow::Error::msg)?;

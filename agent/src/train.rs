@@ -321,6 +321,8 @@ pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<Option<f64>
         unifed_models::backend::cap_cpu_threads(t)
             .map_err(|e| anyhow::anyhow!("{}: threads: {e}", path.display()))?;
     }
+    // Lean between phases, fast only while training and evaluating (see unifed_net::memory).
+    unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
     unifed_net::block_on(run(cfg, unifed_net::stop_signal()))?
 }
 
@@ -552,7 +554,9 @@ pub async fn run(
                     let bar = training_bar(site_id.as_str(), m.round);
                     let job = tokio::task::spawn_blocking(move || {
                         let started = Instant::now();
-                        let r = s.train_round(&spec2, &fed2, &m2, &tc, &dev2, bar);
+                        let r = unifed_net::memory::with_fast_allocation(|| {
+                            s.train_round(&spec2, &fed2, &m2, &tc, &dev2, bar)
+                        });
                         if r.is_ok() {
                             let encode = s.encode_seconds();
                             let train = started.elapsed().as_secs_f64() - encode;
@@ -650,8 +654,12 @@ pub async fn run(
                         .emit();
                         if cfg.evaluate_each_model && !m.finished {
                             let evaluating = Instant::now();
-                            let acc = tokio::task::block_in_place(|| s.evaluate(&spec, &device))?
-                                .accuracy();
+                            let acc = tokio::task::block_in_place(|| {
+                                unifed_net::memory::with_fast_allocation(|| {
+                                    s.evaluate(&spec, &device)
+                                })
+                            })?
+                            .accuracy();
                             unifed_net::release_free_memory();
                             report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
                             Report::Evaluated {
@@ -664,8 +672,10 @@ pub async fn run(
                 }
                 SiteAction::Finished { manifest: m } => {
                     let s = site.as_ref().expect("site present");
-                    let acc =
-                        tokio::task::block_in_place(|| s.evaluate(&spec, &device))?.accuracy();
+                    let acc = tokio::task::block_in_place(|| {
+                        unifed_net::memory::with_fast_allocation(|| s.evaluate(&spec, &device))
+                    })?
+                    .accuracy();
                     Report::Evaluated {
                         version: m.model_version,
                         accuracy: acc,

@@ -6,7 +6,10 @@
 //! application task can `publish().await` without starving the loop. [`report`] is the typed
 //! contract between the services and a supervising process.
 
+pub mod memory;
 pub mod report;
+
+pub use memory::release_free_memory;
 
 use rumqttc::{AsyncClient, Event, EventLoop, LastWill, MqttOptions, Packet, QoS};
 use serde::{Deserialize, Serialize};
@@ -245,20 +248,4 @@ pub fn init_logging(default_filter: &str) {
         )
         .with_writer(std::io::stderr)
         .init();
-}
-
-/// Hands the pages of freed memory back to the system. glibc's malloc keeps what a process
-/// freed (a downloaded model's chunks, a decoded update, a checkpoint's buffers) mapped for
-/// reuse, so a process that just handled a 57 MB model stays 100-200 MB above what it holds;
-/// the agent and the aggregator call this after each phase of a round. Training's own buffers
-/// are untouched (their reuse within a round is what keeps training fast). No-op elsewhere
-/// than glibc.
-#[allow(unsafe_code)]
-pub fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free pages of malloc's own arenas to the kernel; it
-    // takes each arena's lock and is safe to call from any thread at any time.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }

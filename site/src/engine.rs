@@ -543,6 +543,16 @@ impl SiteEngine {
         let Some(m) = self.manifest.clone() else {
             return;
         };
+        // A manifest of a later round, or the final one, means the delivered update's round
+        // has closed: no re-send can be asked for, and its bytes are freed before the next
+        // model arrives.
+        if self
+            .delivered
+            .as_ref()
+            .is_some_and(|d| d.round != m.round || m.finished)
+        {
+            self.delivered = None;
+        }
         if self.applying.is_some() || self.training.is_some() {
             return;
         }
@@ -600,9 +610,6 @@ impl SiteEngine {
                 out.push(Action::Finished { manifest: m });
             }
             return;
-        }
-        if self.delivered.as_ref().is_some_and(|d| d.round != m.round) {
-            self.delivered = None;
         }
         let sampled = m.sampled.is_empty() || m.sampled.contains(&self.cfg.site);
         if let Some(p) = &mut self.pending {

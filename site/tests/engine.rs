@@ -601,7 +601,8 @@ fn a_resend_answer_sends_the_accepted_update_again_until_its_round_closes() {
         &acts[..],
         [Action::Answered { round: 1, .. }, Action::Checkpoint]
     ));
-    // Once the next round opens, a late resend of round 1 finds nothing to send.
+    // Once the next round opens (before its model is fetched), the update is let go: a late
+    // resend of round 1 finds nothing to send and leaves round 1 answered.
     let (m2, _) = model(2, 1, &[]);
     e.handle(manifest_msg(&m2), 7);
     let acts = e.handle(answer(1, [0; 32], Answer::Resend), 8);
@@ -611,4 +612,52 @@ fn a_resend_answer_sends_the_accepted_update_again_until_its_round_closes() {
         ),
         "{acts:?}"
     );
+    assert_eq!(e.progress().answered_rounds, vec![1]);
+}
+
+#[test]
+fn the_final_manifest_lets_the_delivered_update_go() {
+    let mut e = engine(None);
+    let (m, chunks) = model(1, 0, &[]);
+    e.handle(manifest_msg(&m), 0);
+    deliver(&mut e, &m, &chunks);
+    e.handle(Event::Applied { version: 0 }, 1);
+    let acts = e.handle(
+        Event::Trained {
+            round: 1,
+            update: update_envelope(),
+        },
+        2,
+    );
+    let Some(Action::Publish { payload: sent, .. }) = acts.last() else {
+        panic!("{acts:?}")
+    };
+    let answer = |update_hash, answer| {
+        msg(
+            topics().ack(&id("a")),
+            agg(
+                MessageKind::UpdateAnswer,
+                1,
+                0,
+                &UpdateAnswer {
+                    round: 1,
+                    update_hash,
+                    answer,
+                },
+            ),
+        )
+    };
+    e.handle(answer(payload_hash(sent), Answer::Accepted), 3);
+    // The federation ends with round 1: its manifest keeps the round number, and finishes.
+    let (mut last, _) = model(1, 1, &[]);
+    last.finished = true;
+    e.handle(manifest_msg(&last), 4);
+    let acts = e.handle(answer([0; 32], Answer::Resend), 5);
+    assert!(
+        acts.iter().all(
+            |a| !matches!(a, Action::Publish { topic, .. } if topic == &topics().update(&id("a")))
+        ),
+        "{acts:?}"
+    );
+    assert_eq!(e.progress().answered_rounds, vec![1]);
 }
