@@ -449,7 +449,7 @@ impl Aggregator {
                 }
                 self.close_round(now_ms)
             }
-            Event::Update { site, bytes } => self.on_update(&site, &bytes, now_ms),
+            Event::Update { site, bytes } => self.on_update(&site, bytes, now_ms),
         }
     }
 
@@ -669,10 +669,14 @@ impl Aggregator {
         }])
     }
 
+    /// Checks, spools and answers one update, then closes the round if it was the last one
+    /// needed. Each model-sized form of the update (the message, the envelope's payload, the
+    /// encoded update, the dense delta) is let go as soon as the next one is made, and all of
+    /// them before the round is folded.
     fn on_update(
         &mut self,
         topic_site: &str,
-        bytes: &[u8],
+        bytes: Vec<u8>,
         now_ms: u64,
     ) -> Result<Vec<Action>, CoreError> {
         let Ok(site) = Id::new(topic_site) else {
@@ -685,8 +689,8 @@ impl Aggregator {
         let open = self.state.round;
         // Every answer names the bytes it answers, so a site never takes another message's
         // answer (a reject of someone's garbage on its topic) for its own update's.
-        let hash = payload_hash(bytes);
-        let env = match self.admit(&site, bytes, self.cfg.max_update_bytes) {
+        let hash = payload_hash(&bytes);
+        let env = match self.admit(&site, &bytes, self.cfg.max_update_bytes) {
             Ok(e) => e,
             Err(why) => {
                 // Not answered: only the site's own signed bytes earn an answer, and junk must
@@ -695,6 +699,7 @@ impl Aggregator {
                 return Ok(Vec::new());
             }
         };
+        drop(bytes);
         if env.kind != MessageKind::SiteUpdate {
             return self.reject(
                 now_ms,
@@ -725,8 +730,10 @@ impl Aggregator {
                 );
             }
         };
+        let (env_round, env_version) = (env.round, env.model_version);
+        drop(env);
         let round = upd.round;
-        if round != env.round {
+        if round != env_round {
             return self.reject(
                 now_ms,
                 (&site, hash),
@@ -793,9 +800,7 @@ impl Aggregator {
         {
             return self.reject(now_ms, (&site, hash), round, RejectReason::NotSampled);
         }
-        if upd.base_version != self.state.model_version
-            || env.model_version != self.state.model_version
-        {
+        if upd.base_version != self.state.model_version || env_version != self.state.model_version {
             return self.reject(
                 now_ms,
                 (&site, hash),
@@ -829,9 +834,14 @@ impl Aggregator {
             Ok(x) => x,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
+        // The encoded update goes here (the block drops what is not moved out of it).
+        let (samples, report) = {
+            let u = upd;
+            (u.samples, u.report)
+        };
         let contribution = Contribution {
-            samples: upd.samples,
-            report: upd.report,
+            samples,
+            report,
             extras,
             delta,
             bn,
@@ -855,15 +865,13 @@ impl Aggregator {
         }
         // Durable first, then the accept.
         self.store.spool_put(round, site.as_str(), &contribution)?;
+        drop(contribution);
         self.audit(
             now_ms,
             round,
             site.as_str(),
             "accepted",
-            format!(
-                "{} samples, update norm {ratio:.4} of the model's",
-                upd.samples
-            ),
+            format!("{samples} samples, update norm {ratio:.4} of the model's"),
         )?;
         self.accepted.insert(site.as_str().to_string());
         let mut actions = vec![Action::Answer {

@@ -30,6 +30,7 @@ pub mod core;
 pub mod fold;
 pub mod mosquitto;
 pub mod onboard;
+mod sealed;
 pub mod service;
 pub mod store;
 pub mod strategy;

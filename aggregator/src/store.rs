@@ -16,6 +16,7 @@
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
 
+use crate::sealed::{SealedFile, read_sealed, read_sealed_optional, write_sealed};
 use crate::strategy::{Contribution, StrategyState};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
@@ -30,8 +31,6 @@ const SPOOL_MAGIC: &[u8; 4] = b"UFES";
 /// Format version of spool files: 2 added the typed report and algorithm extras of protocol 2;
 /// 3 keeps the extras decoded (SCAFFOLD's control-variate delta); 4 added the checksum.
 const SPOOL_VERSION: u32 = 4;
-/// Length of the SHA-256 trailer of every binary file.
-const CHECKSUM_LEN: usize = 32;
 const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
@@ -58,38 +57,14 @@ pub enum StoreError {
     },
 }
 
-fn io(path: &Path, e: impl ToString) -> StoreError {
+pub(crate) fn io(path: &Path, e: impl ToString) -> StoreError {
     StoreError::Io {
         path: path.into(),
         message: e.to_string(),
     }
 }
 
-/// The contents of a binary file without its checksum, if the checksum holds.
-fn unsealed<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a [u8], StoreError> {
-    let Some(n) = bytes.len().checked_sub(CHECKSUM_LEN) else {
-        return Err(corrupt(path, "truncated: shorter than its checksum"));
-    };
-    let (body, sum) = bytes.split_at(n);
-    if sha2::Sha256::digest(body).as_slice() != sum {
-        return Err(corrupt(
-            path,
-            "checksum mismatch: the file was damaged or changed outside the aggregator",
-        ));
-    }
-    Ok(body)
-}
-
-/// A reader over the checked contents of the binary file `path`.
-fn reader<'a>(path: &'a Path, bytes: &'a [u8]) -> Result<Reader<'a>, StoreError> {
-    Ok(Reader {
-        b: unsealed(path, bytes)?,
-        at: 0,
-        path,
-    })
-}
-
-fn corrupt(path: &Path, m: impl Into<String>) -> StoreError {
+pub(crate) fn corrupt(path: &Path, m: impl Into<String>) -> StoreError {
     StoreError::Corrupt {
         path: path.into(),
         message: m.into(),
@@ -108,73 +83,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
 }
 
 /// Puts the synced temporary file `tmp` in place as `path` and syncs their folder.
-fn commit(tmp: &Path, path: &Path) -> Result<(), StoreError> {
+pub(crate) fn commit(tmp: &Path, path: &Path) -> Result<(), StoreError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::rename(tmp, path).map_err(|e| io(path, e))?;
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io(dir, e))
-}
-
-/// Writes `body` with its SHA-256 appended (what every binary file of the store holds),
-/// atomically and durably.
-fn write_sealed(path: &Path, body: &[u8]) -> Result<(), StoreError> {
-    let mut f = SealedFile::create(path)?;
-    f.put(body)?;
-    f.finish()
-}
-
-/// A sealed binary file written as it goes: atomically and durably like [`write_atomic`], its
-/// SHA-256 computed on the way and appended by [`SealedFile::finish`], so a model-sized file is
-/// never whole in memory.
-struct SealedFile {
-    w: std::io::BufWriter<File>,
-    h: sha2::Sha256,
-    tmp: PathBuf,
-    path: PathBuf,
-}
-
-impl SealedFile {
-    fn create(path: &Path) -> Result<SealedFile, StoreError> {
-        let tmp = path.with_extension("tmp");
-        let f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
-        Ok(SealedFile {
-            w: std::io::BufWriter::with_capacity(1 << 20, f),
-            h: sha2::Sha256::new(),
-            tmp,
-            path: path.to_path_buf(),
-        })
-    }
-
-    fn put(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
-        self.h.update(bytes);
-        self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))
-    }
-
-    /// Tensors as the store keeps them: their count, then each one's length and its
-    /// little-endian values, a block of values at a time.
-    fn put_tensors(&mut self, tensors: &[Vec<f32>]) -> Result<(), StoreError> {
-        self.put(&(tensors.len() as u32).to_le_bytes())?;
-        let mut buf = Vec::with_capacity(64 << 10);
-        for t in tensors {
-            self.put(&(t.len() as u64).to_le_bytes())?;
-            for part in t.chunks(16 << 10) {
-                buf.clear();
-                buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
-                self.put(&buf)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Appends the checksum, syncs, and puts the file in place.
-    fn finish(mut self) -> Result<(), StoreError> {
-        let sum: [u8; 32] = self.h.finalize_reset().into();
-        self.w.write_all(&sum).map_err(|e| io(&self.tmp, e))?;
-        self.w.flush().map_err(|e| io(&self.tmp, e))?;
-        self.w.get_ref().sync_all().map_err(|e| io(&self.tmp, e))?;
-        commit(&self.tmp, &self.path)
-    }
 }
 
 /// A site's answer remembered for re-sends after its round.
@@ -338,13 +252,10 @@ impl Store {
         version: u64,
         spec_hash: &[u8; 32],
     ) -> Result<Vec<Vec<f32>>, StoreError> {
-        let p = self.model_path(version);
-        let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
-        let mut r = reader(&p, &bytes)?;
-        r.header(MODEL_MAGIC, Some(spec_hash), version)?;
-        let t = r.tensors()?;
-        r.end()?;
-        Ok(t)
+        read_sealed(&self.model_path(version), |r| {
+            r.header(MODEL_MAGIC, Some(spec_hash), version)?;
+            r.tensors()
+        })
     }
 
     fn held_path(&self, version: u64) -> PathBuf {
@@ -377,17 +288,13 @@ impl Store {
         version: u64,
         spec_hash: &[u8; 32],
     ) -> Result<Option<Held>, StoreError> {
-        let p = self.held_path(version);
-        let Some(bytes) = read_optional(&p)? else {
-            return Ok(None);
-        };
-        let mut r = reader(&p, &bytes)?;
-        r.header(HELD_MAGIC, Some(spec_hash), version)?;
-        let t = r.tensors()?;
-        let n = usize::try_from(r.u64()?).map_err(|_| corrupt(&p, "delta length"))?;
-        let delta = r.take(n)?.to_vec();
-        r.end()?;
-        Ok(Some((t, delta)))
+        read_sealed_optional(&self.held_path(version), |r| {
+            r.header(HELD_MAGIC, Some(spec_hash), version)?;
+            let t = r.tensors()?;
+            let n = usize::try_from(r.u64()?).map_err(|_| corrupt(r.path(), "delta length"))?;
+            let delta = r.take(n)?.to_vec();
+            Ok((t, delta))
+        })
     }
 
     fn strategy_path(&self, version: u64) -> PathBuf {
@@ -414,15 +321,12 @@ impl Store {
         version: u64,
         spec_hash: &[u8; 32],
     ) -> Result<Option<StrategyState>, StoreError> {
-        let p = self.strategy_path(version);
-        let Some(bytes) = read_optional(&p)? else {
-            return Ok(None);
-        };
-        let mut r = reader(&p, &bytes)?;
-        r.header(STRATEGY_MAGIC, Some(spec_hash), version)?;
-        let rest = r.take(r.b.len() - r.at)?;
-        let state = postcard::from_bytes(rest).map_err(|e| corrupt(&p, e.to_string()))?;
-        Ok(Some(state))
+        read_sealed_optional(&self.strategy_path(version), |r| {
+            r.header(STRATEGY_MAGIC, Some(spec_hash), version)?;
+            let n = usize::try_from(r.left()).map_err(|_| corrupt(r.path(), "too large"))?;
+            let path = r.path().to_path_buf();
+            postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(&path, e.to_string()))
+        })
     }
 
     /// Deletes model versions (and their pooled BN, strategy state and held model) older than the newest
@@ -488,22 +392,19 @@ impl Store {
         spec_hash: &[u8; 32],
     ) -> Result<Option<(Vec<String>, Vec<Vec<f32>>)>, StoreError> {
         let p = self.share_path(version);
-        let Some(bytes) = read_optional(&p)? else {
-            return Ok(None);
-        };
-        let mut r = reader(&p, &bytes)?;
-        r.header(SHARE_MAGIC, Some(spec_hash), version)?;
-        let n = r.u32()? as usize;
-        let mut sites = Vec::with_capacity(n.min(4096));
-        for _ in 0..n {
-            let len = r.u32()? as usize;
-            let s = std::str::from_utf8(r.take(len)?)
-                .map_err(|_| corrupt(&p, "a site id is not UTF-8"))?;
-            sites.push(s.to_string());
-        }
-        let t = r.tensors()?;
-        r.end()?;
-        Ok(Some((sites, t)))
+        read_sealed_optional(&p, |r| {
+            r.header(SHARE_MAGIC, Some(spec_hash), version)?;
+            let n = r.u32()? as usize;
+            let mut sites = Vec::with_capacity(n.min(4096));
+            for _ in 0..n {
+                let len = r.u32()? as usize;
+                let s = std::str::from_utf8(r.take(len)?)
+                    .map_err(|_| corrupt(&p, "a site id is not UTF-8"))?;
+                sites.push(s.to_string());
+            }
+            let t = r.tensors()?;
+            Ok((sites, t))
+        })
     }
 
     fn entry_path(&self, site: &str, version: u64) -> PathBuf {
@@ -530,16 +431,11 @@ impl Store {
 
     /// `site`'s registry entry for model `version`, if stored.
     pub fn registry_get(&self, site: &str, version: u64) -> Result<Option<Vec<u8>>, StoreError> {
-        let p = self.entry_path(site, version);
-        let Some(bytes) = read_optional(&p)? else {
-            return Ok(None);
-        };
-        let mut r = reader(&p, &bytes)?;
-        r.header(ENTRY_MAGIC, None, version)?;
-        let len = r.u64()? as usize;
-        let entry = r.take(len)?.to_vec();
-        r.end()?;
-        Ok(Some(entry))
+        read_sealed_optional(&self.entry_path(site, version), |r| {
+            r.header(ENTRY_MAGIC, None, version)?;
+            let len = usize::try_from(r.u64()?).map_err(|_| corrupt(r.path(), "truncated"))?;
+            Ok(r.take(len)?.to_vec())
+        })
     }
 
     /// Deletes every site's registry entries of model versions pruned by
@@ -629,31 +525,37 @@ impl Store {
 
     /// Reads a spooled contribution.
     pub fn spool_get(&self, round: u64, site: &str) -> Result<Contribution, StoreError> {
+        // Read a block at a time (the file is never whole in memory beside its values).
         let p = self.spool_dir(round).join(format!("{site}.upd"));
-        let bytes = fs::read(&p).map_err(|e| io(&p, e))?;
-        let mut r = reader(&p, &bytes)?;
-        r.magic_version(SPOOL_MAGIC, SPOOL_VERSION)?;
-        if r.u64()? != round {
-            return Err(corrupt(&p, "round in the file differs from its folder"));
-        }
-        let samples = r.u64()?;
-        let delta = r.tensors()?;
-        let bn = r.tensors()?;
-        let n = r.u32()? as usize;
-        let (report, extras) =
-            postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(&p, e.to_string()))?;
-        r.end()?;
+        let c = read_sealed(&p, |r| {
+            r.magic_version(SPOOL_MAGIC, SPOOL_VERSION)?;
+            if r.u64()? != round {
+                return Err(corrupt(&p, "round in the file differs from its folder"));
+            }
+            let samples = r.u64()?;
+            let delta = r.tensors()?;
+            let bn = r.tensors()?;
+            let n = r.u32()? as usize;
+            let (report, extras) =
+                postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(&p, e.to_string()))?;
+            Ok(Contribution {
+                samples,
+                report,
+                extras,
+                delta,
+                bn,
+            })
+        })?;
         // Only finite values were ever accepted: anything else was written by someone else.
-        if delta.iter().chain(&bn).flatten().any(|v| !v.is_finite()) {
+        if c.delta
+            .iter()
+            .chain(&c.bn)
+            .flatten()
+            .any(|v| !v.is_finite())
+        {
             return Err(corrupt(&p, "holds a value that is not finite"));
         }
-        Ok(Contribution {
-            samples,
-            report,
-            extras,
-            delta,
-            bn,
-        })
+        Ok(c)
     }
 
     /// Checks `site`'s spooled update of `round` in full (checksum, format, finite values)
@@ -723,15 +625,6 @@ impl Store {
     }
 }
 
-/// The contents of `p`, or `None` if there is no such file.
-fn read_optional(p: &Path) -> Result<Option<Vec<u8>>, StoreError> {
-    match fs::read(p) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(io(p, e)),
-    }
-}
-
 /// The versions N of the files `v{N}{suffix}` in `dir`, ascending (none if `dir` is absent).
 fn versions_in(dir: &Path, suffix: &str) -> Result<Vec<u64>, StoreError> {
     if !dir.exists() {
@@ -760,103 +653,4 @@ fn put_header(b: &mut Vec<u8>, magic: &[u8; 4], spec_hash: Option<&[u8; 32]>, ve
         b.extend_from_slice(h);
     }
     b.extend_from_slice(&version.to_le_bytes());
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
-    path: &'a Path,
-}
-
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Result<&[u8], StoreError> {
-        if self.b.len() - self.at < n {
-            return Err(corrupt(self.path, "truncated"));
-        }
-        let s = &self.b[self.at..self.at + n];
-        self.at += n;
-        Ok(s)
-    }
-
-    fn u32(&mut self) -> Result<u32, StoreError> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-
-    fn u64(&mut self) -> Result<u64, StoreError> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
-    }
-
-    fn magic(&mut self, m: &[u8; 4]) -> Result<(), StoreError> {
-        self.magic_version(m, FORMAT_VERSION)
-    }
-
-    fn magic_version(&mut self, m: &[u8; 4], want: u32) -> Result<(), StoreError> {
-        if self.take(4)? != m {
-            return Err(corrupt(self.path, "bad magic"));
-        }
-        let v = self.u32()?;
-        if v != want {
-            return Err(corrupt(
-                self.path,
-                format!("format version {v} is not {want}"),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Checks a file's header: magic and format version, spec hash (when the file has one) and
-    /// the version its name gives.
-    fn header(
-        &mut self,
-        magic: &[u8; 4],
-        spec_hash: Option<&[u8; 32]>,
-        version: u64,
-    ) -> Result<(), StoreError> {
-        self.magic(magic)?;
-        if let Some(h) = spec_hash
-            && self.take(32)? != h
-        {
-            return Err(corrupt(
-                self.path,
-                "spec hash differs from the federation's",
-            ));
-        }
-        if self.u64()? != version {
-            return Err(corrupt(
-                self.path,
-                "version in the file differs from its name",
-            ));
-        }
-        Ok(())
-    }
-
-    fn tensors(&mut self) -> Result<Vec<Vec<f32>>, StoreError> {
-        let n = self.u32()? as usize;
-        let mut out = Vec::with_capacity(n.min(4096));
-        for _ in 0..n {
-            let len = self.u64()? as usize;
-            let bytes = self.take(
-                len.checked_mul(4)
-                    .ok_or_else(|| corrupt(self.path, "length overflows"))?,
-            )?;
-            out.push(
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            );
-        }
-        Ok(out)
-    }
-
-    fn end(&self) -> Result<(), StoreError> {
-        if self.at != self.b.len() {
-            return Err(corrupt(self.path, "trailing bytes"));
-        }
-        Ok(())
-    }
 }

@@ -1,0 +1,376 @@
+//! Sealed binary files of the data directory: the body, then the SHA-256 of the body. Both ways
+//! go a block at a time, so a model-sized file is never whole in memory: [`SealedFile`] hashes
+//! what it writes, and [`read_sealed`] hashes what it reads and checks the sum at the end before
+//! the caller gets anything.
+
+use crate::store::{FORMAT_VERSION, StoreError, commit, corrupt, io};
+use sha2::Digest;
+use std::fs::File;
+use std::io::{BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+
+/// Length of the SHA-256 trailer of every sealed file.
+pub(crate) const CHECKSUM_LEN: usize = 32;
+
+/// Values read or written per block.
+const BLOCK_VALUES: usize = 16 << 10;
+
+/// A sealed binary file written as it goes: atomically and durably (temporary file, fsync,
+/// rename, fsync of the folder), its SHA-256 computed on the way and appended by
+/// [`SealedFile::finish`].
+pub(crate) struct SealedFile {
+    w: std::io::BufWriter<File>,
+    h: sha2::Sha256,
+    tmp: PathBuf,
+    path: PathBuf,
+}
+
+impl SealedFile {
+    /// Starts writing `path` (as `path.tmp` until [`SealedFile::finish`]).
+    pub(crate) fn create(path: &Path) -> Result<SealedFile, StoreError> {
+        let tmp = path.with_extension("tmp");
+        let f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        Ok(SealedFile {
+            w: std::io::BufWriter::with_capacity(1 << 20, f),
+            h: sha2::Sha256::new(),
+            tmp,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Appends `bytes` to the body.
+    pub(crate) fn put(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
+        self.h.update(bytes);
+        self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))
+    }
+
+    /// Tensors as the store keeps them: their count, then each one's length and its
+    /// little-endian values, a block of values at a time.
+    pub(crate) fn put_tensors(&mut self, tensors: &[Vec<f32>]) -> Result<(), StoreError> {
+        self.put(&(tensors.len() as u32).to_le_bytes())?;
+        let mut buf = Vec::with_capacity(BLOCK_VALUES * 4);
+        for t in tensors {
+            self.put(&(t.len() as u64).to_le_bytes())?;
+            for part in t.chunks(BLOCK_VALUES) {
+                buf.clear();
+                buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+                self.put(&buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the checksum, syncs, and puts the file in place.
+    pub(crate) fn finish(mut self) -> Result<(), StoreError> {
+        let sum: [u8; 32] = self.h.finalize_reset().into();
+        self.w.write_all(&sum).map_err(|e| io(&self.tmp, e))?;
+        self.w.flush().map_err(|e| io(&self.tmp, e))?;
+        self.w.get_ref().sync_all().map_err(|e| io(&self.tmp, e))?;
+        commit(&self.tmp, &self.path)
+    }
+}
+
+/// Writes `body` sealed, atomically and durably.
+pub(crate) fn write_sealed(path: &Path, body: &[u8]) -> Result<(), StoreError> {
+    let mut f = SealedFile::create(path)?;
+    f.put(body)?;
+    f.finish()
+}
+
+/// Reads the body of the sealed file `path` with `parse`, which must consume all of it. The
+/// checksum is checked after `parse`, and a damaged file is reported as a checksum mismatch
+/// whatever `parse` made of it, so nothing read from a damaged file reaches the caller.
+pub(crate) fn read_sealed<T>(
+    path: &Path,
+    parse: impl FnOnce(&mut Reader) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let f = File::open(path).map_err(|e| io(path, e))?;
+    read_open(path, f, parse)
+}
+
+/// [`read_sealed`], or `None` when `path` does not exist.
+pub(crate) fn read_sealed_optional<T>(
+    path: &Path,
+    parse: impl FnOnce(&mut Reader) -> Result<T, StoreError>,
+) -> Result<Option<T>, StoreError> {
+    match File::open(path) {
+        Ok(f) => read_open(path, f, parse).map(Some),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(path, e)),
+    }
+}
+
+fn read_open<T>(
+    path: &Path,
+    f: File,
+    parse: impl FnOnce(&mut Reader) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let len = f.metadata().map_err(|e| io(path, e))?.len();
+    let Some(body) = len.checked_sub(CHECKSUM_LEN as u64) else {
+        return Err(corrupt(path, "truncated: shorter than its checksum"));
+    };
+    let mut r = Reader {
+        f: BufReader::with_capacity(1 << 20, f),
+        h: sha2::Sha256::new(),
+        left: body,
+        buf: Vec::new(),
+        path,
+    };
+    let parsed = parse(&mut r);
+    // Whatever `parse` left unread is hashed too: the checksum speaks first.
+    let sealed = r.finish();
+    match (parsed, sealed) {
+        (_, Err(e)) => Err(e),
+        (Err(e), Ok(_)) => Err(e),
+        (Ok(t), Ok(0)) => Ok(t),
+        (Ok(_), Ok(_)) => Err(corrupt(path, "trailing bytes")),
+    }
+}
+
+/// The body of a sealed file, read in order and hashed on the way.
+pub(crate) struct Reader<'a> {
+    f: BufReader<File>,
+    h: sha2::Sha256,
+    /// Body bytes not read yet.
+    left: u64,
+    buf: Vec<u8>,
+    path: &'a Path,
+}
+
+impl Reader<'_> {
+    /// The file being read.
+    pub(crate) fn path(&self) -> &Path {
+        self.path
+    }
+
+    /// Body bytes not read yet.
+    pub(crate) fn left(&self) -> u64 {
+        self.left
+    }
+
+    /// The next `n` bytes of the body.
+    pub(crate) fn take(&mut self, n: usize) -> Result<&[u8], StoreError> {
+        if n as u64 > self.left {
+            return Err(corrupt(self.path, "truncated"));
+        }
+        self.buf.resize(n, 0);
+        self.f
+            .read_exact(&mut self.buf)
+            .map_err(|e| io(self.path, e))?;
+        self.h.update(&self.buf);
+        self.left -= n as u64;
+        Ok(&self.buf)
+    }
+
+    /// A little-endian u32.
+    pub(crate) fn u32(&mut self) -> Result<u32, StoreError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    /// A little-endian u64.
+    pub(crate) fn u64(&mut self) -> Result<u64, StoreError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+
+    /// A magic and format version, which must be `m` and `want`.
+    pub(crate) fn magic_version(&mut self, m: &[u8; 4], want: u32) -> Result<(), StoreError> {
+        if self.take(4)? != m {
+            return Err(corrupt(self.path, "bad magic"));
+        }
+        let v = self.u32()?;
+        if v != want {
+            return Err(corrupt(
+                self.path,
+                format!("format version {v} is not {want}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A magic and the store's format version.
+    pub(crate) fn magic(&mut self, m: &[u8; 4]) -> Result<(), StoreError> {
+        self.magic_version(m, FORMAT_VERSION)
+    }
+
+    /// Checks a file's header: magic and format version, spec hash (when the file has one) and
+    /// the version its name gives.
+    pub(crate) fn header(
+        &mut self,
+        magic: &[u8; 4],
+        spec_hash: Option<&[u8; 32]>,
+        version: u64,
+    ) -> Result<(), StoreError> {
+        self.magic(magic)?;
+        if let Some(h) = spec_hash
+            && self.take(32)? != h
+        {
+            return Err(corrupt(
+                self.path,
+                "spec hash differs from the federation's",
+            ));
+        }
+        if self.u64()? != version {
+            return Err(corrupt(
+                self.path,
+                "version in the file differs from its name",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Tensors as [`SealedFile::put_tensors`] writes them; a length is checked against what is
+    /// left of the file before anything is allocated for it.
+    pub(crate) fn tensors(&mut self) -> Result<Vec<Vec<f32>>, StoreError> {
+        let n = self.u32()? as usize;
+        let mut out = Vec::with_capacity(n.min(4096));
+        for _ in 0..n {
+            let len = self.u64()?;
+            if len.checked_mul(4).is_none_or(|b| b > self.left) {
+                return Err(corrupt(self.path, "truncated"));
+            }
+            let len = len as usize;
+            let mut t = Vec::with_capacity(len);
+            while t.len() < len {
+                let part = (len - t.len()).min(BLOCK_VALUES);
+                let bytes = self.take(part * 4)?;
+                t.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+            }
+            out.push(t);
+        }
+        Ok(out)
+    }
+
+    /// Hashes the rest of the body, checks the checksum, and returns how many body bytes the
+    /// parse had left unread.
+    fn finish(mut self) -> Result<u64, StoreError> {
+        let unread = self.left;
+        let mut block = vec![0u8; 64 << 10];
+        while self.left > 0 {
+            let n = (self.left as usize).min(block.len());
+            self.f
+                .read_exact(&mut block[..n])
+                .map_err(|e| io(self.path, e))?;
+            self.h.update(&block[..n]);
+            self.left -= n as u64;
+        }
+        let mut sum = [0u8; CHECKSUM_LEN];
+        self.f.read_exact(&mut sum).map_err(|e| io(self.path, e))?;
+        // A file that grew since it was measured is not the file that was sealed.
+        let grew = self.f.read(&mut [0u8; 1]).map_err(|e| io(self.path, e))? > 0;
+        if grew || self.h.finalize().as_slice() != sum {
+            return Err(corrupt(
+                self.path,
+                "checksum mismatch: the file was damaged or changed outside the aggregator",
+            ));
+        }
+        Ok(unread)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writes a file of a magic, then tensors longer than a block, and returns its path.
+    fn sample(dir: &Path) -> (PathBuf, Vec<Vec<f32>>) {
+        let tensors = vec![
+            (0..BLOCK_VALUES * 2 + 7).map(|i| i as f32 * 0.5).collect(),
+            vec![],
+            vec![-1.25, f32::MIN_POSITIVE],
+        ];
+        let p = dir.join("x.bin");
+        let mut f = SealedFile::create(&p).unwrap();
+        f.put(b"UFEX").unwrap();
+        f.put_tensors(&tensors).unwrap();
+        f.finish().unwrap();
+        (p, tensors)
+    }
+
+    fn parse(r: &mut Reader) -> Result<Vec<Vec<f32>>, StoreError> {
+        if r.take(4)? != b"UFEX" {
+            return Err(corrupt(r.path(), "bad magic"));
+        }
+        r.tensors()
+    }
+
+    fn message(e: StoreError) -> String {
+        match e {
+            StoreError::Corrupt { message, .. } => message,
+            other => panic!("expected Corrupt, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn tensors_read_back_exactly_across_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, tensors) = sample(dir.path());
+        assert_eq!(read_sealed(&p, parse).unwrap(), tensors);
+        let body = 4 + 4 + 3 * 8 + 4 * (BLOCK_VALUES * 2 + 7 + 2);
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().len(),
+            (body + CHECKSUM_LEN) as u64
+        );
+    }
+
+    #[test]
+    fn a_damaged_length_is_reported_as_the_checksum_mismatch_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, _) = sample(dir.path());
+        let mut b = std::fs::read(&p).unwrap();
+        // The first tensor's length (after magic and count) made huge: the parse alone would
+        // call it truncated.
+        b[8 + 7] = 0x7f;
+        std::fs::write(&p, &b).unwrap();
+        assert!(message(read_sealed(&p, parse).unwrap_err()).starts_with("checksum mismatch"));
+    }
+
+    #[test]
+    fn a_flipped_value_an_extra_byte_and_a_cut_file_are_all_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, _) = sample(dir.path());
+        let good = std::fs::read(&p).unwrap();
+
+        let mut flipped = good.clone();
+        flipped[100] ^= 1;
+        std::fs::write(&p, &flipped).unwrap();
+        assert!(message(read_sealed(&p, parse).unwrap_err()).starts_with("checksum mismatch"));
+
+        let mut longer = good.clone();
+        longer.push(0);
+        std::fs::write(&p, &longer).unwrap();
+        assert!(message(read_sealed(&p, parse).unwrap_err()).starts_with("checksum mismatch"));
+
+        std::fs::write(&p, &good[..200]).unwrap();
+        assert!(message(read_sealed(&p, parse).unwrap_err()).starts_with("checksum mismatch"));
+
+        std::fs::write(&p, &good[..5]).unwrap();
+        assert_eq!(
+            message(read_sealed(&p, parse).unwrap_err()),
+            "truncated: shorter than its checksum"
+        );
+    }
+
+    #[test]
+    fn a_body_the_parse_leaves_unread_is_trailing_bytes_and_an_absent_file_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, _) = sample(dir.path());
+        let magic_only = |r: &mut Reader| r.take(4).map(<[u8]>::to_vec);
+        assert_eq!(
+            message(read_sealed(&p, magic_only).unwrap_err()),
+            "trailing bytes"
+        );
+        assert!(
+            read_sealed_optional(&dir.path().join("absent.bin"), parse)
+                .unwrap()
+                .is_none()
+        );
+    }
+}
