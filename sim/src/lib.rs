@@ -5,6 +5,7 @@
 //! the algorithm suite grows from here.
 
 pub mod chart;
+pub mod heap;
 pub mod memory;
 
 use anyhow::{Context, Result, anyhow, bail};

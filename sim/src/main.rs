@@ -433,6 +433,10 @@ fn write_compare(
     Ok(())
 }
 
+/// Counts heap bytes, so `aggregator-memory` can tell the aggregator's share of the process.
+#[global_allocator]
+static HEAP: unifed_sim::heap::Counting = unifed_sim::heap::Counting;
+
 fn main() -> Result<()> {
     unifed_net::init_logging("warn");
     let cli = Cli::parse();
@@ -692,8 +696,8 @@ fn aggregator_memory(counts: &[usize], out: &std::path::Path) -> Result<()> {
         let row: MemoryRow = serde_json::from_slice(&o.stdout)
             .with_context(|| format!("the measurement of {n} sites"))?;
         eprintln!(
-            "{n} sites: aggregator +{:.0} MiB (process peak {:.0} MiB)",
-            row.aggregator_bytes as f64 / (1 << 20) as f64,
+            "{n} sites: aggregator heap peak {:.0} MiB (process peak {:.0} MiB)",
+            row.aggregator_heap_peak_bytes as f64 / (1 << 20) as f64,
             row.peak_bytes as f64 / (1 << 20) as f64
         );
         rows.push(row);
@@ -701,16 +705,21 @@ fn aggregator_memory(counts: &[usize], out: &std::path::Path) -> Result<()> {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let mut md = format!(
         "One round of the full-size digits CNN through the aggregator core (`{}`)\n\n\
-         | sites | update MB | aggregator peak MiB | process peak MiB | spool s/update | fold s |\n\
-         |---:|---:|---:|---:|---:|---:|\n",
+         The aggregator's heap peak counts every byte it has allocated and not freed at once \
+         (the model, the update handed to it, the fold); the process peak is resident memory, \
+         the measuring program's own buffers included.\n\n\
+         | sites | update MB | model MB | aggregator heap peak MiB | x model | process peak MiB | spool s/update | fold s |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
         std::env::args().collect::<Vec<_>>().join(" ")
     );
     for r in &rows {
         md.push_str(&format!(
-            "| {} | {:.1} | {:.0} | {:.0} | {:.3} | {:.2} |\n",
+            "| {} | {:.1} | {:.1} | {:.0} | {:.2} | {:.0} | {:.3} | {:.2} |\n",
             r.sites,
             r.update_bytes as f64 / 1e6,
-            mib(r.aggregator_bytes),
+            (r.model_values * 4) as f64 / 1e6,
+            mib(r.aggregator_heap_peak_bytes),
+            r.aggregator_heap_peak_bytes as f64 / (r.model_values * 4) as f64,
             mib(r.peak_bytes),
             r.spool_seconds_per_update,
             r.fold_seconds
