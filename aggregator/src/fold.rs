@@ -30,6 +30,23 @@ impl Fold {
         self.count += 1;
     }
 
+    /// Adds one delta with weight `w` in the total, its tensor `k` scaled by `coefs[k]` in the
+    /// sum (`coefs` all `w`: exactly [`Fold::add`]). The caller adds updates in site order.
+    pub fn add_scaled(&mut self, w: f64, coefs: &[f64], delta: &[Vec<f32>]) {
+        for ((a, d), &c) in self.acc.iter_mut().zip(delta).zip(coefs) {
+            for (x, y) in a.iter_mut().zip(d) {
+                *x += c * *y as f64;
+            }
+        }
+        self.weight += w;
+        self.count += 1;
+    }
+
+    /// The total weight folded so far.
+    pub fn weight(&self) -> f64 {
+        self.weight
+    }
+
     /// Number of updates folded.
     pub fn count(&self) -> usize {
         self.count

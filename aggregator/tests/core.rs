@@ -897,6 +897,17 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
             max_control_norm: 1e4
         })
     );
+    assert_eq!(
+        with("algorithm = { name = \"fednova\", momentum = 0.9 }")
+            .unwrap()
+            .algorithm,
+        Algorithm::FedNova(unifed_aggregator::strategy::FedNovaConfig { momentum: 0.9 })
+    );
+    let errs = with("algorithm = { name = \"fednova\", momentum = 1.0 }")
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert!(errs.iter().any(|e| e.contains("momentum")), "{errs:?}");
     // A misspelt parameter is an error, not a silent default.
     assert!(with("algorithm = { name = \"fedadam\", beta_1 = 0.5 }").is_err());
     assert!(with("algorithm = { name = \"fedprox\", mu = 0.01, nu = 1.0 }").is_err());
@@ -1645,4 +1656,119 @@ fn under_a_lossy_encoding_the_model_goes_down_as_error_fed_deltas_that_survive_a
     let after = delta_of(&agg.handle(Event::Start, 6_000).unwrap()).unwrap();
     assert_eq!(before, after);
     assert_eq!(agg.held_model(), &held_before[..]);
+}
+
+/// Site `site`'s update of round 1 reporting `steps` local steps.
+fn with_steps(site: &str, samples: u64, steps: u64, bn: BnPolicy) -> Vec<u8> {
+    update_bytes(
+        &Upd {
+            site,
+            round: 1,
+            version: 0,
+            samples,
+            bn,
+        },
+        |u, _| u.report.local_steps = steps,
+    )
+}
+
+/// The model after one round of `algorithm` over `sites` (site, samples, local steps).
+fn one_round(
+    algorithm: unifed_aggregator::Algorithm,
+    bn: BnPolicy,
+    sites: &[(&str, u64, u64)],
+) -> Vec<Vec<f32>> {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        algorithm,
+        ..config(1, sites.len(), bn)
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    for &(s, n, steps) in sites {
+        let acts = send(&mut agg, s, with_steps(s, n, steps, bn));
+        assert_eq!(answers(&acts)[0].1, Answer::Accepted, "{s}");
+    }
+    assert_eq!(agg.model_version(), 1);
+    agg.model().to_vec()
+}
+
+fn bits(model: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    model
+        .iter()
+        .map(|t| t.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn fednova_with_equal_step_counts_is_fedavg_bit_for_bit_and_differs_with_unequal_ones() {
+    use unifed_aggregator::Algorithm;
+    use unifed_aggregator::strategy::FedNovaConfig;
+    let nova = |momentum| Algorithm::FedNova(FedNovaConfig { momentum });
+    for bn in [BnPolicy::Local, BnPolicy::Global] {
+        let equal = [("a", 743, 24), ("b", 300, 24), ("c", 57, 24)];
+        let fedavg = one_round(Algorithm::FedAvg, bn, &equal);
+        assert_eq!(bits(&one_round(nova(0.0), bn, &equal)), bits(&fedavg));
+        assert_eq!(bits(&one_round(nova(0.9), bn, &equal)), bits(&fedavg));
+        let unequal = [("a", 743, 24), ("b", 300, 10), ("c", 57, 2)];
+        let fedavg = one_round(Algorithm::FedAvg, bn, &unequal);
+        let fednova = one_round(nova(0.0), bn, &unequal);
+        assert_ne!(fednova[0], fedavg[0]);
+        // BN running statistics are not stepped: under `global` BN they take the plain mean.
+        for (i, t) in spec().tensors.iter().enumerate() {
+            if t.kind.is_bn_stat() {
+                assert_eq!(fednova[i], fedavg[i], "{}", t.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn fednova_steps_by_tau_eff_times_the_mean_of_normalised_deltas() {
+    use unifed_aggregator::Algorithm;
+    use unifed_aggregator::strategy::FedNovaConfig;
+    // a: w 1, 2 steps; b: w 3, 4 steps. tau_eff = (1*2 + 3*4) / 4 = 3.5, and each value moves
+    // by 3.5 * (1/4 * Δa / 2 + 3/4 * Δb / 4).
+    let sites = [("a", 1, 2), ("b", 3, 4)];
+    let got = one_round(
+        Algorithm::FedNova(FedNovaConfig::default()),
+        BnPolicy::Local,
+        &sites,
+    );
+    let base = initial().tensors;
+    for (i, t) in spec().tensors.iter().enumerate() {
+        for k in 0..base[i].len() {
+            let want = if t.kind.is_bn() {
+                base[i][k] as f64
+            } else {
+                let da = delta_values("a", 1, i, base[i].len())[k] as f64;
+                let db = delta_values("b", 1, i, base[i].len())[k] as f64;
+                base[i][k] as f64 + 3.5 * (0.25 * da / 2.0 + 0.75 * db / 4.0)
+            };
+            let g = got[i][k] as f64;
+            assert!((g - want).abs() < 1e-6, "{}[{k}]: {g} vs {want}", t.name);
+        }
+    }
+}
+
+#[test]
+fn fednova_rejects_an_update_that_reports_no_local_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        algorithm: unifed_aggregator::Algorithm::FedNova(Default::default()),
+        ..config(1, 2, BnPolicy::Local)
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    let acts = send(&mut agg, "a", with_steps("a", 10, 0, BnPolicy::Local));
+    match &answers(&acts)[..] {
+        [(s, Answer::Rejected(RejectReason::Malformed(m)))] => {
+            assert_eq!(s, "a");
+            assert!(m.contains("0 steps"), "{m}");
+        }
+        other => panic!("expected a malformed reject, got {other:?}"),
+    }
+    // The round goes on: a good update is still taken.
+    let acts = send(&mut agg, "a", with_steps("a", 10, 5, BnPolicy::Local));
+    assert_eq!(answers(&acts)[0].1, Answer::Accepted);
 }

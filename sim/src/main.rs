@@ -1,6 +1,6 @@
 //! `unifed-sim`: in-process federations on the built-in domains.
 //!
-//! - `compare`: algorithms (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, SCAFFOLD) x BN policies (`local`: client-specific BN, so
+//! - `compare`: algorithms (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, SCAFFOLD, FedNova) x BN policies (`local`: client-specific BN, so
 //!   FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
 //!   over seeds), the gain of `local` over `global` per algorithm, JSON and a convergence chart
 //!   (results/algorithms.{json,svg}).
@@ -67,7 +67,7 @@ enum Cmd {
         /// topkq8<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
-        /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold.
+        /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, fednova.
         #[arg(
             long,
             value_delimiter = ',',
@@ -138,8 +138,10 @@ fn parse_algorithm(s: &str, mu: f64, fedopt_lr: f64) -> Result<Algorithm> {
         "fedyogi" => Algorithm::FedYogi(opt),
         "fedadagrad" => Algorithm::FedAdagrad(opt),
         "scaffold" => Algorithm::Scaffold(ScaffoldConfig::default()),
+        "fednova" => Algorithm::FedNova(Default::default()),
         o => anyhow::bail!(
-            "unknown algorithm `{o}`: fedavg, fedprox, fedadam, fedyogi, fedadagrad or scaffold"
+            "unknown algorithm `{o}`: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold \
+             or fednova"
         ),
     };
     a.validate().map_err(anyhow::Error::msg)?;
@@ -168,6 +170,7 @@ fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
         Algorithm::FedYogi(_) => "FedYogi",
         Algorithm::FedAdagrad(_) => "FedAdagrad",
         Algorithm::Scaffold(_) => "SCAFFOLD",
+        Algorithm::FedNova(_) => "FedNova",
     };
     match bn {
         BnPolicy::Local => format!("{name} (local BN)"),

@@ -2,7 +2,7 @@
 //! the sample-weighted mean computed independently from the decoded updates on the transport.
 
 use std::collections::BTreeMap;
-use unifed_aggregator::FederationConfig;
+use unifed_aggregator::{Algorithm, FederationConfig};
 use unifed_models::backend::Device;
 use unifed_models::data::{BuiltinData, Domain, SplitSizes};
 use unifed_models::state::{Select, StateDict, export};
@@ -23,6 +23,16 @@ struct Captured {
 }
 
 fn federate(bn: BnPolicy, encoding: Encoding) -> Captured {
+    federate_with(Algorithm::FedAvg, bn, encoding, [48, 64, 40])
+}
+
+/// A federation of `algorithm` whose sites (grey, texture, lowres) train on `train` images.
+fn federate_with(
+    algorithm: Algorithm,
+    bn: BnPolicy,
+    encoding: Encoding,
+    train: [usize; 3],
+) -> Captured {
     let device = Device::flex();
     let cfg = DigitsCnnConfig {
         conv: [4, 6, 8],
@@ -40,36 +50,34 @@ fn federate(bn: BnPolicy, encoding: Encoding) -> Captured {
     let net0 = init();
     let spec = spec_of(&net0, &classes, &input);
     let data = BuiltinData::load().unwrap();
-    let mut sites: Vec<Site<DigitsCnn>> = [
-        (Domain::Grey, 48),
-        (Domain::Texture, 64),
-        (Domain::Lowres, 40),
-    ]
-    .iter()
-    .map(|&(d, n)| {
-        let dd = data
-            .domain(
-                d,
-                &SplitSizes {
-                    train: n,
-                    val: 0,
-                    test: 32,
-                    unseen_test: 64,
-                },
-                0,
+    let mut sites: Vec<Site<DigitsCnn>> = [Domain::Grey, Domain::Texture, Domain::Lowres]
+        .into_iter()
+        .zip(train)
+        .map(|(d, n)| {
+            let dd = data
+                .domain(
+                    d,
+                    &SplitSizes {
+                        train: n,
+                        val: 0,
+                        test: 32,
+                        unseen_test: 64,
+                    },
+                    0,
+                )
+                .unwrap();
+            Site::new(
+                d.name(),
+                init(),
+                dd.train.dataset("train", &spec).unwrap(),
+                dd.test.dataset("test", &spec).unwrap(),
             )
-            .unwrap();
-        Site::new(
-            d.name(),
-            init(),
-            dd.train.dataset("train", &spec).unwrap(),
-            dd.test.dataset("test", &spec).unwrap(),
-        )
-        .unwrap()
-    })
-    .collect();
+            .unwrap()
+        })
+        .collect();
     let initial = unifed_sim::initial_model(&net0, &spec);
     let fc = FederationConfig {
+        algorithm,
         bn_policy: bn,
         encoding,
         ..FederationConfig::new("test-fed", 3, 3, Vec::new())
@@ -253,4 +261,68 @@ fn fedbn_with_a_lossy_encoding_sends_the_model_down_as_deltas_that_every_site_ap
 #[test]
 fn fedavg_with_a_lossy_encoding_sends_bn_statistics_whole_beside_the_deltas() {
     check_deltas(BnPolicy::Global, Select::All);
+}
+
+/// FedNova's model of version `v` computed here from the decoded updates of round `v` and their
+/// reported step counts: `prev + tau_eff * sum_i p_i delta_i / tau_i` (plain SGD).
+fn expected_nova(cap: &Captured, v: u64) -> BTreeMap<String, Vec<f32>> {
+    let prev = &cap.models[&(v - 1)];
+    let ups = &cap.updates[&v];
+    let total: f64 = ups.iter().map(|u| u.samples as f64).sum();
+    let p = |u: &SiteUpdate| u.samples as f64 / total;
+    let tau_eff: f64 = ups.iter().map(|u| p(u) * u.report.local_steps as f64).sum();
+    prev.weights
+        .iter()
+        .map(|w| {
+            let base = decode(w).unwrap();
+            let mut acc = vec![0.0f64; base.len()];
+            for u in ups {
+                let d = decode(u.delta.iter().find(|t| t.name == w.name).unwrap()).unwrap();
+                let c = p(u) / u.report.local_steps as f64;
+                for (a, x) in acc.iter_mut().zip(d) {
+                    *a += c * x as f64;
+                }
+            }
+            (
+                w.name.clone(),
+                base.iter()
+                    .zip(acc)
+                    .map(|(b, a)| (*b as f64 + tau_eff * a) as f32)
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn fednova_through_the_site_engine_is_fedavg_bit_for_bit_with_equal_steps_and_normalised_without() {
+    let nova = Algorithm::FedNova(Default::default());
+    // 48, 64 and 40 images in batches of 32 are 2 steps each.
+    let equal = [48, 64, 40];
+    let avg = federate_with(Algorithm::FedAvg, BnPolicy::Local, Encoding::F32, equal);
+    let fednova = federate_with(nova, BnPolicy::Local, Encoding::F32, equal);
+    let steps =
+        |c: &Captured| -> Vec<u64> { c.updates[&1].iter().map(|u| u.report.local_steps).collect() };
+    assert_eq!(steps(&fednova), vec![2, 2, 2]);
+    assert_eq!(fednova.models, avg.models);
+    // 48, 128 and 40 images: 2, 4 and 2 steps.
+    let unequal = [48, 128, 40];
+    let avg = federate_with(Algorithm::FedAvg, BnPolicy::Local, Encoding::F32, unequal);
+    let fednova = federate_with(nova, BnPolicy::Local, Encoding::F32, unequal);
+    let mut s = steps(&fednova);
+    s.sort();
+    assert_eq!(s, vec![2, 2, 4]);
+    assert_ne!(fednova.models[&1], avg.models[&1]);
+    for v in 1..=3u64 {
+        let want = expected_nova(&fednova, v);
+        for w in &fednova.models[&v].weights {
+            let got = decode(w).unwrap();
+            let err = got
+                .iter()
+                .zip(&want[&w.name])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(err <= 1e-6, "v{v} {}: {err}", w.name);
+        }
+    }
 }

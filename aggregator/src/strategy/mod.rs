@@ -27,10 +27,12 @@
 //! control variate: they are averaged (FedOpt's NaN in peers came from Adam on variances).
 
 mod fedavg;
+mod fednova;
 mod fedopt;
 mod scaffold;
 
 pub use fedavg::FedAvg;
+pub use fednova::{FedNova, FedNovaConfig};
 pub use fedopt::{FedOpt, FedOptConfig, Rule};
 pub use scaffold::{Scaffold, ScaffoldConfig};
 
@@ -65,6 +67,9 @@ pub enum Algorithm {
     FedAdagrad(FedOptConfig),
     /// SCAFFOLD with option II control variates (Karimireddy et al.).
     Scaffold(ScaffoldConfig),
+    /// FedNova: each site's delta normalised by its local step count before the mean (Wang
+    /// et al.); with equal step counts exactly FedAvg.
+    FedNova(FedNovaConfig),
 }
 
 impl Algorithm {
@@ -77,6 +82,7 @@ impl Algorithm {
                 c.validate()
             }
             Algorithm::Scaffold(c) => c.validate(),
+            Algorithm::FedNova(c) => c.validate(),
         }
     }
 
@@ -89,12 +95,16 @@ impl Algorithm {
             Algorithm::FedYogi(_) => "fedyogi",
             Algorithm::FedAdagrad(_) => "fedadagrad",
             Algorithm::Scaffold(_) => "scaffold",
+            Algorithm::FedNova(_) => "fednova",
         }
     }
 
     /// True when the server keeps state between rounds that a restart must find.
     pub fn is_stateful(&self) -> bool {
-        !matches!(self, Algorithm::FedAvg | Algorithm::FedProx { .. })
+        !matches!(
+            self,
+            Algorithm::FedAvg | Algorithm::FedProx { .. } | Algorithm::FedNova(_)
+        )
     }
 }
 
@@ -102,7 +112,7 @@ impl Algorithm {
 /// [`Setup::tensors`] that a gradient trains (BN running statistics left out), in order.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub enum StrategyState {
-    /// The strategy keeps nothing between rounds (FedAvg, FedProx).
+    /// The strategy keeps nothing between rounds (FedAvg, FedProx, FedNova).
     #[default]
     Stateless,
     /// FedOpt's first and second moments.
@@ -350,6 +360,9 @@ pub fn from_config(
         }
         (Algorithm::Scaffold(c), s @ (None | Some(StrategyState::Scaffold { .. }))) => {
             Ok(Box::new(Scaffold::new(*c, setup, s)?))
+        }
+        (Algorithm::FedNova(c), None | Some(StrategyState::Stateless)) => {
+            Ok(Box::new(FedNova::new(*c, setup)))
         }
         (_, Some(s)) => mismatch(&s),
     }
