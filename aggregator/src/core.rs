@@ -1004,17 +1004,7 @@ impl Aggregator {
         match self.fold_round(now_ms) {
             Err(CoreError::Store(StoreError::Corrupt { path, message })) => {
                 tracing::warn!(path = %path.display(), message, "a spooled update is damaged; checking every one before folding again");
-                self.model = self
-                    .store
-                    .load_model(self.state.model_version, &self.hash.0)?;
-                self.strategy = Self::committed_strategy(
-                    &self.store,
-                    &self.cfg,
-                    &self.setup,
-                    &self.state,
-                    &self.hash,
-                )
-                .map_err(CoreError::Model)?;
+                self.restore_committed()?;
             }
             folded => return folded,
         }
@@ -1030,6 +1020,18 @@ impl Aggregator {
         let mut actions = resend;
         actions.extend(self.fold_round(now_ms)?);
         Ok(actions)
+    }
+
+    /// Puts the committed model and strategy state of the current version back in place of
+    /// whatever a fold made of them.
+    fn restore_committed(&mut self) -> Result<(), CoreError> {
+        self.model = self
+            .store
+            .load_model(self.state.model_version, &self.hash.0)?;
+        self.strategy =
+            Self::committed_strategy(&self.store, &self.cfg, &self.setup, &self.state, &self.hash)
+                .map_err(CoreError::Model)?;
+        Ok(())
     }
 
     /// Checks every spooled update of `round` in full before any is used. A damaged one
@@ -1094,18 +1096,7 @@ impl Aggregator {
             Err(problem) => {
                 tracing::error!(round, %problem, "combined model refused; round discarded");
                 self.audit(now_ms, round, "-", "round-discarded", problem)?;
-                // Back to the committed model and strategy.
-                self.model = self
-                    .store
-                    .load_model(self.state.model_version, &self.hash.0)?;
-                self.strategy = Self::committed_strategy(
-                    &self.store,
-                    &self.cfg,
-                    &self.setup,
-                    &self.state,
-                    &self.hash,
-                )
-                .map_err(CoreError::Model)?;
+                self.restore_committed()?;
                 // ... re-published as a new version: the sites that trained in the discarded
                 // round hold their own trained weights, and a new version makes every site
                 // fetch and apply the global model again before it trains.

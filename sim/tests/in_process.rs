@@ -122,6 +122,17 @@ fn federate_with(
 /// Expected tensors of version `v`: the broadcast of `v - 1` plus the weighted mean of round
 /// v's decoded deltas, computed here in f64.
 fn expected(cap: &Captured, v: u64) -> BTreeMap<String, Vec<f32>> {
+    expected_sum(cap, v, |p, _| p, 1.0)
+}
+
+/// The broadcast of `v - 1` plus `scale * sum_i coef(p_i, u_i) delta_i` over round v's decoded
+/// updates `u_i`, `p_i` their share of the samples; in f64.
+fn expected_sum(
+    cap: &Captured,
+    v: u64,
+    coef: impl Fn(f64, &SiteUpdate) -> f64,
+    scale: f64,
+) -> BTreeMap<String, Vec<f32>> {
     let prev = &cap.models[&(v - 1)];
     let ups = &cap.updates[&v];
     let total: f64 = ups.iter().map(|u| u.samples as f64).sum();
@@ -131,16 +142,17 @@ fn expected(cap: &Captured, v: u64) -> BTreeMap<String, Vec<f32>> {
             let base = decode(w).unwrap();
             let mut acc = vec![0.0f64; base.len()];
             for u in ups {
+                let c = coef(u.samples as f64 / total, u);
                 let d = decode(u.delta.iter().find(|t| t.name == w.name).unwrap()).unwrap();
                 for (a, x) in acc.iter_mut().zip(d) {
-                    *a += u.samples as f64 * x as f64;
+                    *a += c * x as f64;
                 }
             }
             (
                 w.name.clone(),
                 base.iter()
                     .zip(acc)
-                    .map(|(b, a)| (*b as f64 + a / total) as f32)
+                    .map(|(b, a)| (*b as f64 + scale * a) as f32)
                     .collect(),
             )
         })
@@ -266,32 +278,13 @@ fn fedavg_with_a_lossy_encoding_sends_bn_statistics_whole_beside_the_deltas() {
 /// FedNova's model of version `v` computed here from the decoded updates of round `v` and their
 /// reported step counts: `prev + tau_eff * sum_i p_i delta_i / tau_i` (plain SGD).
 fn expected_nova(cap: &Captured, v: u64) -> BTreeMap<String, Vec<f32>> {
-    let prev = &cap.models[&(v - 1)];
     let ups = &cap.updates[&v];
     let total: f64 = ups.iter().map(|u| u.samples as f64).sum();
-    let p = |u: &SiteUpdate| u.samples as f64 / total;
-    let tau_eff: f64 = ups.iter().map(|u| p(u) * u.report.local_steps as f64).sum();
-    prev.weights
+    let tau_eff: f64 = ups
         .iter()
-        .map(|w| {
-            let base = decode(w).unwrap();
-            let mut acc = vec![0.0f64; base.len()];
-            for u in ups {
-                let d = decode(u.delta.iter().find(|t| t.name == w.name).unwrap()).unwrap();
-                let c = p(u) / u.report.local_steps as f64;
-                for (a, x) in acc.iter_mut().zip(d) {
-                    *a += c * x as f64;
-                }
-            }
-            (
-                w.name.clone(),
-                base.iter()
-                    .zip(acc)
-                    .map(|(b, a)| (*b as f64 + tau_eff * a) as f32)
-                    .collect(),
-            )
-        })
-        .collect()
+        .map(|u| u.samples as f64 / total * u.report.local_steps as f64)
+        .sum();
+    expected_sum(cap, v, |p, u| p / u.report.local_steps as f64, tau_eff)
 }
 
 #[test]

@@ -550,8 +550,9 @@ fn a_round_whose_training_failed_is_not_trained_again_and_the_next_one_is() {
     );
 }
 
-#[test]
-fn a_resend_answer_sends_the_accepted_update_again_until_its_round_closes() {
+/// An engine that has fetched model v0, trained round 1 and sent its update; returns the
+/// engine and the update's bytes.
+fn sent_round_one() -> (SiteEngine, Vec<u8>) {
     let mut e = engine(None);
     let (m, chunks) = model(1, 0, &[]);
     e.handle(manifest_msg(&m), 0);
@@ -568,21 +569,35 @@ fn a_resend_answer_sends_the_accepted_update_again_until_its_round_closes() {
         panic!("{acts:?}")
     };
     let sent = sent.clone();
-    let answer = |round, update_hash, answer| {
-        msg(
-            topics().ack(&id("a")),
-            agg(
-                MessageKind::UpdateAnswer,
+    (e, sent)
+}
+
+/// The aggregator's answer to the update of `round` with hash `update_hash`.
+fn answer(round: u64, update_hash: [u8; 32], answer: Answer) -> Event {
+    msg(
+        topics().ack(&id("a")),
+        agg(
+            MessageKind::UpdateAnswer,
+            round,
+            0,
+            &UpdateAnswer {
                 round,
-                0,
-                &UpdateAnswer {
-                    round,
-                    update_hash,
-                    answer,
-                },
-            ),
-        )
-    };
+                update_hash,
+                answer,
+            },
+        ),
+    )
+}
+
+/// True when `acts` send no update.
+fn sends_no_update(acts: &[Action]) -> bool {
+    acts.iter()
+        .all(|a| !matches!(a, Action::Publish { topic, .. } if topic == &topics().update(&id("a"))))
+}
+
+#[test]
+fn a_resend_answer_sends_the_accepted_update_again_until_its_round_closes() {
+    let (mut e, sent) = sent_round_one();
     e.handle(answer(1, payload_hash(&sent), Answer::Accepted), 3);
     assert_eq!(e.progress().answered_rounds, vec![1]);
     // Another round's resend is not this update's; this round's sends the same bytes again.
@@ -606,58 +621,19 @@ fn a_resend_answer_sends_the_accepted_update_again_until_its_round_closes() {
     let (m2, _) = model(2, 1, &[]);
     e.handle(manifest_msg(&m2), 7);
     let acts = e.handle(answer(1, [0; 32], Answer::Resend), 8);
-    assert!(
-        acts.iter().all(
-            |a| !matches!(a, Action::Publish { topic, .. } if topic == &topics().update(&id("a")))
-        ),
-        "{acts:?}"
-    );
+    assert!(sends_no_update(&acts), "{acts:?}");
     assert_eq!(e.progress().answered_rounds, vec![1]);
 }
 
 #[test]
 fn the_final_manifest_lets_the_delivered_update_go() {
-    let mut e = engine(None);
-    let (m, chunks) = model(1, 0, &[]);
-    e.handle(manifest_msg(&m), 0);
-    deliver(&mut e, &m, &chunks);
-    e.handle(Event::Applied { version: 0 }, 1);
-    let acts = e.handle(
-        Event::Trained {
-            round: 1,
-            update: update_envelope(),
-        },
-        2,
-    );
-    let Some(Action::Publish { payload: sent, .. }) = acts.last() else {
-        panic!("{acts:?}")
-    };
-    let answer = |update_hash, answer| {
-        msg(
-            topics().ack(&id("a")),
-            agg(
-                MessageKind::UpdateAnswer,
-                1,
-                0,
-                &UpdateAnswer {
-                    round: 1,
-                    update_hash,
-                    answer,
-                },
-            ),
-        )
-    };
-    e.handle(answer(payload_hash(sent), Answer::Accepted), 3);
+    let (mut e, sent) = sent_round_one();
+    e.handle(answer(1, payload_hash(&sent), Answer::Accepted), 3);
     // The federation ends with round 1: its manifest keeps the round number, and finishes.
     let (mut last, _) = model(1, 1, &[]);
     last.finished = true;
     e.handle(manifest_msg(&last), 4);
-    let acts = e.handle(answer([0; 32], Answer::Resend), 5);
-    assert!(
-        acts.iter().all(
-            |a| !matches!(a, Action::Publish { topic, .. } if topic == &topics().update(&id("a")))
-        ),
-        "{acts:?}"
-    );
+    let acts = e.handle(answer(1, [0; 32], Answer::Resend), 5);
+    assert!(sends_no_update(&acts), "{acts:?}");
     assert_eq!(e.progress().answered_rounds, vec![1]);
 }
