@@ -1,5 +1,7 @@
-//! SingleSet: each built-in training domain trained alone (no federation), evaluated on its
-//! fixed test split every epoch: the no-federation baseline.
+//! The no-federation baselines on the built-in domains. SingleSet: each training domain trained
+//! alone, evaluated on its own fixed test split every epoch. Centralised (`--pooled`): one model
+//! trained on every domain's training images together, as if the sites pooled their data,
+//! evaluated on each domain's test split every epoch.
 
 use anyhow::{Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -7,7 +9,7 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
 use unifed_models::backend::{Backend, cpu_threads};
-use unifed_models::data::{BuiltinData, Domain, SplitSizes, preview_grid};
+use unifed_models::data::{BuiltinData, Dataset, Domain, DomainSplit, SplitSizes, preview_grid};
 use unifed_models::train::{TrainConfig, TrainEvent, evaluate, train_local};
 use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 
@@ -32,6 +34,10 @@ pub struct Args {
     /// Batch size (FedBN: 32).
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
+    /// Train one model on all the domains' training images together (the centralised
+    /// baseline; writes centralised.json) instead of one model per domain.
+    #[arg(long)]
+    pooled: bool,
     /// Folder for results (JSON, preview grid).
     #[arg(long, default_value = "results")]
     out: PathBuf,
@@ -65,8 +71,13 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
         train: args.train_samples,
         ..SplitSizes::default()
     };
+    let method = if args.pooled {
+        "Centralised"
+    } else {
+        "SingleSet"
+    };
     println!(
-        "SingleSet on the built-in digits: {} domain(s), {} train images each, {} epochs, backend {backend}, {} CPU threads",
+        "{method} on the built-in digits: {} domain(s), {} train images each, {} epochs, backend {backend}, {} CPU threads",
         domains.len(),
         sizes.train,
         args.epochs,
@@ -78,25 +89,47 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
     let style = ProgressStyle::with_template("{prefix:>9} [{bar:30}] {pos}/{len} {msg}")
         .expect("valid template")
         .progress_chars("=> ");
-    let mut results = Vec::new();
-    let mut previews = Vec::new();
+    let spec = spec_of(
+        &seeded(&device, args.seed, |d| DigitsCnnConfig::default().init(d)),
+        &cfg.classes,
+        &cfg.input,
+    );
+    // Every domain's splits, then what each model trains on and is tested on.
+    let mut splits: Vec<(Domain, Dataset, Dataset, DomainSplit)> = Vec::new();
     for &domain in &domains {
         let dd = data.domain(domain, &sizes, args.seed)?;
-        let net0 = seeded(&device, args.seed, |d| DigitsCnnConfig::default().init(d));
-        let spec = spec_of(&net0, &cfg.classes, &cfg.input);
         let train = dd
             .train
             .dataset(&format!("{}/train", domain.name()), &spec)?;
         let test = dd.test.dataset(&format!("{}/test", domain.name()), &spec)?;
+        splits.push((domain, train, test, dd.test));
+    }
+    let jobs: Vec<(String, Dataset, Vec<usize>)> = if args.pooled {
+        let parts: Vec<&Dataset> = splits.iter().map(|s| &s.1).collect();
+        vec![(
+            "pooled".into(),
+            Dataset::pooled("pooled/train", &parts)?,
+            (0..splits.len()).collect(),
+        )]
+    } else {
+        splits
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.0.name().to_string(), s.1.clone(), vec![i]))
+            .collect()
+    };
+    let mut results = Vec::new();
+    for (name, train, tests) in &jobs {
         let bar = mp.add(ProgressBar::new(
             (args.epochs * train.len().div_ceil(args.batch_size)) as u64,
         ));
         bar.set_style(style.clone());
-        bar.set_prefix(domain.name());
+        bar.set_prefix(name.clone());
         let t0 = Instant::now();
-        let mut net = net0;
+        // A fresh model per job (clones of one would share its BN running statistics).
+        let mut net = seeded(&device, args.seed, |d| DigitsCnnConfig::default().init(d));
         let mut losses = Vec::new();
-        let mut accs = Vec::new();
+        let mut accs = vec![Vec::new(); tests.len()];
         for epoch in 0..args.epochs {
             let tc = TrainConfig {
                 lr: args.lr,
@@ -105,36 +138,40 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
                 seed: args.seed.wrapping_add(epoch as u64),
                 ..Default::default()
             };
-            let (trained, rep) =
-                train_local(&net, &train, spec.classes.len(), &tc, &device, |e| {
-                    if let TrainEvent::Step { .. } = e {
-                        bar.inc(1);
-                    }
-                })?;
+            let (trained, rep) = train_local(&net, train, spec.classes.len(), &tc, &device, |e| {
+                if let TrainEvent::Step { .. } = e {
+                    bar.inc(1);
+                }
+            })?;
             net = trained;
-            let ev = evaluate(&net, &test, spec.classes.len(), 256, &device)?;
+            for (acc, &t) in accs.iter_mut().zip(tests) {
+                let ev = evaluate(&net, &splits[t].2, spec.classes.len(), 256, &device)?;
+                acc.push(ev.accuracy());
+            }
             losses.push(rep.epoch_losses[0]);
-            accs.push(ev.accuracy());
+            let mean = accs.iter().filter_map(|a| a.last()).sum::<f64>() / tests.len() as f64;
             bar.set_message(format!(
                 "epoch {} loss {:.3} test acc {:.1}%",
                 epoch + 1,
                 rep.epoch_losses[0],
-                100.0 * ev.accuracy()
+                100.0 * mean
             ));
         }
         bar.finish();
-        results.push(DomainResult {
-            domain: domain.name().into(),
-            train_samples: train.len(),
-            test_samples: test.len(),
-            final_test_accuracy: *accs.last().unwrap_or(&0.0),
-            epoch_loss: losses,
-            epoch_test_accuracy: accs,
-            seconds: t0.elapsed().as_secs_f64(),
-        });
-        previews.push((domain, dd.test));
+        let seconds = t0.elapsed().as_secs_f64();
+        for (acc, &t) in accs.into_iter().zip(tests) {
+            results.push(DomainResult {
+                domain: splits[t].0.name().into(),
+                train_samples: train.len(),
+                test_samples: splits[t].2.len(),
+                final_test_accuracy: *acc.last().unwrap_or(&0.0),
+                epoch_loss: losses.clone(),
+                epoch_test_accuracy: acc,
+                seconds,
+            });
+        }
     }
-    println!("\n| domain | train | test | SingleSet test accuracy | seconds |");
+    println!("\n| domain | train | test | {method} test accuracy | seconds |");
     println!("|---|---:|---:|---:|---:|");
     for r in &results {
         println!(
@@ -149,10 +186,15 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
     let mean =
         results.iter().map(|r| r.final_test_accuracy).sum::<f64>() / results.len().max(1) as f64;
     println!("| mean | | | {:.2}% | |", 100.0 * mean);
-    let json = args.out.join("singleset.json");
+    let json = args.out.join(if args.pooled {
+        "centralised.json"
+    } else {
+        "singleset.json"
+    });
     std::fs::write(
         &json,
         serde_json::to_string_pretty(&serde_json::json!({
+            "method": method,
             "backend": backend.to_string(),
             "threads": cpu_threads(),
             "epochs": args.epochs,
@@ -163,7 +205,7 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
             "mean_accuracy": mean,
         }))?,
     )?;
-    let rows: Vec<_> = previews.iter().map(|(d, s)| (*d, s)).collect();
+    let rows: Vec<_> = splits.iter().map(|s| (s.0, &s.3)).collect();
     let png = args.out.join("singleset-domains.png");
     preview_grid(&rows, 16, 2).save(&png)?;
     println!("wrote {} and {}", json.display(), png.display());

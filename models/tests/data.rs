@@ -238,3 +238,33 @@ fn the_builtin_dataset_has_eight_deterministic_domains_of_the_promised_sizes() {
         .unwrap_err();
     assert!(too_many.to_string().contains("base images"), "{too_many}");
 }
+
+#[test]
+fn pooled_datasets_keep_every_sample_in_order_and_refuse_other_sizes() {
+    use unifed_models::data::Dataset;
+    let d = |name: &str, features, x: Vec<f32>, y: Vec<usize>| Dataset {
+        name: name.into(),
+        features,
+        x,
+        y,
+    };
+    let a = d("a/train", 2, vec![1.0, 2.0, 3.0, 4.0], vec![0, 1]);
+    let b = d("b/train", 2, vec![5.0, 6.0], vec![7]);
+    let p = Dataset::pooled("pooled", &[&a, &b]).unwrap();
+    assert_eq!(p.len(), 3);
+    assert_eq!(p.features, 2);
+    assert_eq!(p.x, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    assert_eq!(p.y, vec![0, 1, 7]);
+    assert_eq!(p.subset("b again", &[2]).x, b.x);
+    let c = d("c/train", 3, vec![0.0; 3], vec![0]);
+    match Dataset::pooled("pooled", &[&a, &c]) {
+        Err(DataError::Invalid(m)) => {
+            assert!(m.contains("a/train") && m.contains("c/train"), "{m}")
+        }
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    assert!(matches!(
+        Dataset::pooled("pooled", &[]),
+        Err(DataError::Invalid(_))
+    ));
+}

@@ -20,6 +20,8 @@ pub use idx::{read_idx, read_idx_digits};
 pub use partition::{Partition, partition};
 pub use preprocess::preprocess;
 
+use crate::error::DataError;
+
 /// Labelled samples, preprocessed for one model input: row `i` of `x` (length `features`) has
 /// class index `y[i]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,6 +60,26 @@ impl Dataset {
             x,
             y: idx.iter().map(|&i| self.y[i]).collect(),
         }
+    }
+
+    /// The samples of every part, in order, as one dataset (centralised training on the sites'
+    /// pooled data). Parts of different sample sizes are refused, naming both.
+    pub fn pooled(name: impl Into<String>, parts: &[&Dataset]) -> Result<Dataset, DataError> {
+        let Some(first) = parts.first() else {
+            return Err(DataError::Invalid("no datasets to pool".into()));
+        };
+        if let Some(other) = parts.iter().find(|p| p.features != first.features) {
+            return Err(DataError::Invalid(format!(
+                "{} has {} values per sample and {} has {}: they cannot be pooled",
+                first.name, first.features, other.name, other.features
+            )));
+        }
+        Ok(Dataset {
+            name: name.into(),
+            features: first.features,
+            x: parts.iter().flat_map(|p| p.x.iter().copied()).collect(),
+            y: parts.iter().flat_map(|p| p.y.iter().copied()).collect(),
+        })
     }
 
     /// Samples per class index, for `classes` classes.
