@@ -6,6 +6,7 @@
 use anyhow::{Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
+use std::borrow::Cow;
 use std::path::PathBuf;
 use std::time::Instant;
 use unifed_models::backend::{Backend, cpu_threads};
@@ -41,6 +42,14 @@ pub struct Args {
     /// Folder for results (JSON, preview grid).
     #[arg(long, default_value = "results")]
     out: PathBuf,
+}
+
+/// One domain's data: its training and test sets, and the test images for the preview grid.
+struct Split {
+    domain: Domain,
+    train: Dataset,
+    test: Dataset,
+    preview: DomainSplit,
 }
 
 #[derive(Serialize)]
@@ -94,28 +103,36 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
         &cfg.classes,
         &cfg.input,
     );
-    // Every domain's splits, then what each model trains on and is tested on.
-    let mut splits: Vec<(Domain, Dataset, Dataset, DomainSplit)> = Vec::new();
+    let mut splits = Vec::new();
     for &domain in &domains {
         let dd = data.domain(domain, &sizes, args.seed)?;
-        let train = dd
-            .train
-            .dataset(&format!("{}/train", domain.name()), &spec)?;
-        let test = dd.test.dataset(&format!("{}/test", domain.name()), &spec)?;
-        splits.push((domain, train, test, dd.test));
+        splits.push(Split {
+            domain,
+            train: dd
+                .train
+                .dataset(&format!("{}/train", domain.name()), &spec)?,
+            test: dd.test.dataset(&format!("{}/test", domain.name()), &spec)?,
+            preview: dd.test,
+        });
     }
-    let jobs: Vec<(String, Dataset, Vec<usize>)> = if args.pooled {
-        let parts: Vec<&Dataset> = splits.iter().map(|s| &s.1).collect();
+    // What each model trains on, and the domains it is tested on.
+    let jobs: Vec<(String, Cow<Dataset>, Vec<&Split>)> = if args.pooled {
+        let parts: Vec<&Dataset> = splits.iter().map(|s| &s.train).collect();
         vec![(
             "pooled".into(),
-            Dataset::pooled("pooled/train", &parts)?,
-            (0..splits.len()).collect(),
+            Cow::Owned(Dataset::pooled("pooled/train", &parts)?),
+            splits.iter().collect(),
         )]
     } else {
         splits
             .iter()
-            .enumerate()
-            .map(|(i, s)| (s.0.name().to_string(), s.1.clone(), vec![i]))
+            .map(|s| {
+                (
+                    s.domain.name().to_string(),
+                    Cow::Borrowed(&s.train),
+                    vec![s],
+                )
+            })
             .collect()
     };
     let mut results = Vec::new();
@@ -144,8 +161,8 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
                 }
             })?;
             net = trained;
-            for (acc, &t) in accs.iter_mut().zip(tests) {
-                let ev = evaluate(&net, &splits[t].2, spec.classes.len(), 256, &device)?;
+            for (acc, t) in accs.iter_mut().zip(tests) {
+                let ev = evaluate(&net, &t.test, spec.classes.len(), 256, &device)?;
                 acc.push(ev.accuracy());
             }
             losses.push(rep.epoch_losses[0]);
@@ -159,11 +176,11 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
         }
         bar.finish();
         let seconds = t0.elapsed().as_secs_f64();
-        for (acc, &t) in accs.into_iter().zip(tests) {
+        for (acc, t) in accs.into_iter().zip(tests) {
             results.push(DomainResult {
-                domain: splits[t].0.name().into(),
+                domain: t.domain.name().into(),
                 train_samples: train.len(),
-                test_samples: splits[t].2.len(),
+                test_samples: t.test.len(),
                 final_test_accuracy: *acc.last().unwrap_or(&0.0),
                 epoch_loss: losses.clone(),
                 epoch_test_accuracy: acc,
@@ -205,7 +222,7 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
             "mean_accuracy": mean,
         }))?,
     )?;
-    let rows: Vec<_> = splits.iter().map(|s| (s.0, &s.3)).collect();
+    let rows: Vec<_> = splits.iter().map(|s| (s.domain, &s.preview)).collect();
     let png = args.out.join("singleset-domains.png");
     preview_grid(&rows, 16, 2).save(&png)?;
     println!("wrote {} and {}", json.display(), png.display());

@@ -21,17 +21,11 @@ impl Fold {
 
     /// Adds one delta with weight `w`. The caller adds updates in site order.
     pub fn add(&mut self, w: f64, delta: &[Vec<f32>]) {
-        for (a, d) in self.acc.iter_mut().zip(delta) {
-            for (x, y) in a.iter_mut().zip(d) {
-                *x += w * *y as f64;
-            }
-        }
-        self.weight += w;
-        self.count += 1;
+        self.add_scaled(w, &vec![w; delta.len()], delta);
     }
 
     /// Adds one delta with weight `w` in the total, its tensor `k` scaled by `coefs[k]` in the
-    /// sum (`coefs` all `w`: exactly [`Fold::add`]). The caller adds updates in site order.
+    /// sum (`coefs` all `w`: [`Fold::add`]). The caller adds updates in site order.
     pub fn add_scaled(&mut self, w: f64, coefs: &[f64], delta: &[Vec<f32>]) {
         for ((a, d), &c) in self.acc.iter_mut().zip(delta).zip(coefs) {
             for (x, y) in a.iter_mut().zip(d) {

@@ -26,7 +26,7 @@ use super::{Extras, RoundReader, Setup, Strategy, StrategyState, no_extras, step
 use crate::fold::Fold;
 use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
-use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, SiteUpdate};
+use unifed_protocol::messages::{RejectReason, SiteUpdate};
 
 /// FedNova's parameters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -78,12 +78,6 @@ impl FedNova {
 }
 
 impl Strategy for FedNova {
-    fn plan(&self, _round: u64) -> RoundPlan {
-        RoundPlan {
-            objective: Objective::CrossEntropy,
-        }
-    }
-
     fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
         if update.report.local_steps == 0 {
             return Err(RejectReason::Malformed(

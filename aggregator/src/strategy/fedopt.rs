@@ -19,7 +19,7 @@
 use super::{Extras, RoundReader, Setup, Strategy, StrategyState, no_extras, step_by};
 use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
-use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, SiteUpdate};
+use unifed_protocol::messages::{RejectReason, SiteUpdate};
 
 /// The server optimiser's parameters. Defaults are the FedOpt paper's: `beta1 = 0.9`,
 /// `beta2 = 0.99`, `tau = 1e-3`, and server learning rate `eta = 0.01` (the paper tunes `eta`
@@ -159,12 +159,6 @@ impl FedOpt {
 }
 
 impl Strategy for FedOpt {
-    fn plan(&self, _round: u64) -> RoundPlan {
-        RoundPlan {
-            objective: Objective::CrossEntropy,
-        }
-    }
-
     fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
         no_extras(update)
     }

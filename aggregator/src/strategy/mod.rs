@@ -303,8 +303,13 @@ impl<'a> RoundReader<'a> {
 
 /// A server strategy: pure policy over the core's round loop.
 pub trait Strategy: std::fmt::Debug + Send {
-    /// The plan every site sampled in `round` follows.
-    fn plan(&self, round: u64) -> RoundPlan;
+    /// The plan every site sampled in `round` follows: plain cross-entropy unless the
+    /// algorithm's sites train under another objective.
+    fn plan(&self, _round: u64) -> RoundPlan {
+        RoundPlan {
+            objective: Objective::CrossEntropy,
+        }
+    }
 
     /// The tensors that travel beside the current model in its broadcast.
     fn extras(&self) -> ServerExtras {
