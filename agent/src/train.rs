@@ -240,7 +240,17 @@ struct SiteFiles {
 }
 
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
-const CHECKPOINT_VERSION: u32 = 2;
+/// 3 added MOON's previous local model to the memory; a version 2 checkpoint is still read.
+const CHECKPOINT_VERSION: u32 = 3;
+
+/// The memory of a version 2 checkpoint: [`Memory`] before MOON's previous local model.
+#[derive(Deserialize)]
+struct MemoryV2 {
+    residual: std::collections::BTreeMap<String, Vec<f32>>,
+    control: std::collections::BTreeMap<String, Vec<f32>>,
+    server_control: Option<(u64, std::collections::BTreeMap<String, Vec<f32>>)>,
+    held: Option<(u64, std::collections::BTreeMap<String, Vec<f32>>)>,
+}
 
 /// What `checkpoint.bin` holds after its magic and version.
 #[derive(Serialize, Deserialize)]
@@ -276,14 +286,27 @@ impl SiteFiles {
             bail!("{}: not a site checkpoint", p.display());
         }
         let v = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
-        if v != CHECKPOINT_VERSION {
-            bail!(
-                "{}: format version {v} is not {CHECKPOINT_VERSION}",
+        let c: SiteCheckpoint = match v {
+            CHECKPOINT_VERSION => postcard::from_bytes(&bytes[8..]),
+            2 => postcard::from_bytes::<(Progress, MemoryV2, Vec<u8>)>(&bytes[8..]).map(
+                |(progress, m, model)| SiteCheckpoint {
+                    progress,
+                    memory: Memory {
+                        residual: m.residual,
+                        control: m.control,
+                        server_control: m.server_control,
+                        held: m.held,
+                        previous: None,
+                    },
+                    model,
+                },
+            ),
+            v => bail!(
+                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 2, which it reads)",
                 p.display()
-            );
+            ),
         }
-        let c: SiteCheckpoint = postcard::from_bytes(&bytes[8..])
-            .with_context(|| format!("reading {}", p.display()))?;
+        .with_context(|| format!("reading {}", p.display()))?;
         let state = checkpoint::from_bytes(&c.model, spec)
             .with_context(|| format!("the model in {}", p.display()))?;
         Ok(Some((state, c.memory, c.progress)))
@@ -697,6 +720,55 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_version_2_checkpoint_is_read_with_an_empty_previous_model_and_a_future_one_refused() {
+        use unifed_models::zoo::{MlpConfig, seeded, spec_of};
+        let device = unifed_models::backend::Backend::Flex.device().unwrap();
+        let net = seeded(&device, 1, |d| {
+            MlpConfig {
+                inputs: 4,
+                hidden: [3, 3],
+                classes: 2,
+            }
+            .init(d)
+        });
+        let spec = spec_of(
+            &net,
+            &["a".into(), "b".into()],
+            &unifed_protocol::Input::Features { len: 4 },
+        );
+        let state = export(&net, &spec, Select::All);
+        let model = checkpoint::to_bytes(&state, &spec).unwrap();
+        let name = spec.tensors[0].name.clone();
+        let residual: std::collections::BTreeMap<String, Vec<f32>> =
+            [(name.clone(), vec![0.5; spec.tensors[0].numel()])].into();
+        let progress = Progress {
+            applied_version: Some(4),
+            answered_rounds: vec![3, 4],
+        };
+        // Version 2's layout: the memory's four maps, then the model.
+        let old = (
+            &progress,
+            (&residual, &residual, None::<(u64, ())>, None::<(u64, ())>),
+            &model,
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let files = SiteFiles::new(dir.path());
+        let mut bytes = CHECKPOINT_MAGIC.to_vec();
+        bytes.extend_from_slice(&2u32.to_le_bytes());
+        std::fs::write(&files.checkpoint, postcard::to_extend(&old, bytes).unwrap()).unwrap();
+        let (sd, memory, read) = files.read(&spec).unwrap().unwrap();
+        assert_eq!(sd.tensors, state.tensors);
+        assert_eq!(read, progress);
+        assert_eq!((&memory.residual, &memory.control), (&residual, &residual));
+        assert!(memory.previous.is_none() && memory.held.is_none());
+        let mut bytes = std::fs::read(&files.checkpoint).unwrap();
+        bytes[4..8].copy_from_slice(&9u32.to_le_bytes());
+        std::fs::write(&files.checkpoint, bytes).unwrap();
+        let err = format!("{:#}", files.read(&spec).unwrap_err());
+        assert!(err.contains("format version 9 is not 3"), "{err}");
+    }
 
     #[test]
     fn the_example_agent_config_parses_with_its_defaults() {

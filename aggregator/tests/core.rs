@@ -809,6 +809,16 @@ fn the_manifest_carries_the_strategys_typed_plan() {
             Algorithm::FedProx { mu: 0.01 },
             Objective::Proximal { mu: 0.01 },
         ),
+        (
+            Algorithm::Moon(unifed_aggregator::strategy::MoonConfig {
+                mu: 5.0,
+                temperature: 0.2,
+            }),
+            Objective::Contrastive {
+                mu: 5.0,
+                temperature: 0.2,
+            },
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let cfg = FederationConfig {
@@ -908,6 +918,31 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
         .validate()
         .unwrap_err();
     assert!(errs.iter().any(|e| e.contains("momentum")), "{errs:?}");
+    use unifed_aggregator::strategy::MoonConfig;
+    assert_eq!(
+        with("algorithm = { name = \"moon\" }").unwrap().algorithm,
+        Algorithm::Moon(MoonConfig {
+            mu: 1.0,
+            temperature: 0.5
+        })
+    );
+    assert_eq!(
+        with("algorithm = { name = \"moon\", mu = 5.0, temperature = 0.2 }")
+            .unwrap()
+            .algorithm,
+        Algorithm::Moon(MoonConfig {
+            mu: 5.0,
+            temperature: 0.2
+        })
+    );
+    for bad in ["temperature = 0.0", "mu = -1.0"] {
+        let errs = with(&format!("algorithm = {{ name = \"moon\", {bad} }}"))
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        let field = bad.split(' ').next().unwrap();
+        assert!(errs.iter().any(|e| e.contains(field)), "{errs:?}");
+    }
     // A misspelt parameter is an error, not a silent default.
     assert!(with("algorithm = { name = \"fedadam\", beta_1 = 0.5 }").is_err());
     assert!(with("algorithm = { name = \"fedprox\", mu = 0.01, nu = 1.0 }").is_err());

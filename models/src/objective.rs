@@ -4,7 +4,11 @@
 //!
 //! The round's plan names the objective ([`Objective`]); [`Term::new`] prepares it from the
 //! model the site starts training from, and [`Term::apply`] adjusts each step's gradients.
+//! MOON's term is the exception: its loss is a function of the representation the model is
+//! training, so [`Term::contrast`] hands training a [`Contrast`] whose loss joins the
+//! cross-entropy before backpropagation.
 
+use crate::bn::BnPass;
 use crate::state::{Select, StateDict, Walker, burn_tensor, torch_name};
 use crate::zoo::Net;
 use burn::module::{ModuleVisitor, Param, ParamId};
@@ -167,11 +171,60 @@ pub fn add_correction<N: Net>(net: &N, grads: &mut GradientsParams, correction: 
     net.visit(&mut Corr { grads, correction });
 }
 
+/// The cosine similarity of each row of `x` with the same row of `y`, `[n, d] x [n, d] ->
+/// [n, 1]`: each row divided by its L2 norm clamped at 1e-8 (PyTorch's `cosine_similarity`,
+/// so an all-zero representation has similarity 0 instead of NaN).
+pub fn cosine_rows(x: Tensor<2>, y: Tensor<2>) -> Tensor<2> {
+    let unit = |t: Tensor<2>| {
+        let norm = t.clone().powi_scalar(2).sum_dim(1).sqrt().clamp_min(1e-8);
+        t / norm
+    };
+    (unit(x) * unit(y)).sum_dim(1)
+}
+
+/// MOON's model-contrastive loss (Li et al. 2021, eq. 3) of representations `z` (the model
+/// being trained), `z_glob` (the round's starting model) and `z_prev` (the site's previous
+/// local model), rows being samples: the mean over the batch of
+/// `-log(e^(a/t) / (e^(a/t) + e^(b/t)))` with `a = cos(z, z_glob)`, `b = cos(z, z_prev)`,
+/// computed as `softplus((b - a) / t)`. Shape `[1]`.
+pub fn contrastive_loss(
+    z: Tensor<2>,
+    z_glob: Tensor<2>,
+    z_prev: Tensor<2>,
+    temperature: f64,
+) -> Tensor<1> {
+    let a = cosine_rows(z.clone(), z_glob);
+    let b = cosine_rows(z, z_prev);
+    burn::tensor::activation::softplus((b - a).div_scalar(temperature), 1.0).mean()
+}
+
+/// MOON's term prepared for one local training run: the round's starting model and the site's
+/// previous local model, both frozen in inference mode (BN on their stored statistics), whose
+/// representations of each batch anchor the contrastive loss.
+#[derive(Debug, Clone)]
+pub struct Contrast<N: Net> {
+    mu: f64,
+    temperature: f64,
+    global: N,
+    previous: N,
+}
+
+impl<N: Net> Contrast<N> {
+    /// `mu` times the contrastive loss of `z`, the representation of the batch `x` by the model
+    /// being trained (autodiff), against the two frozen models' representations of `x`, which
+    /// are computed without autodiff and so enter the loss as constants.
+    pub fn loss(&self, z: Tensor<2>, x: &Tensor<2>) -> Tensor<1> {
+        let x = x.clone().inner();
+        let z_glob = self.global.features(x.clone(), &mut BnPass::standard());
+        let z_prev = self.previous.features(x, &mut BnPass::standard());
+        contrastive_loss(z, z_glob, z_prev, self.temperature).mul_scalar(self.mu)
+    }
+}
+
 /// An objective prepared for one local training run.
-#[derive(Debug, Clone, Default)]
-pub enum Term {
+#[derive(Debug, Clone)]
+pub enum Term<N: Net> {
     /// Nothing beyond the loss's own gradients.
-    #[default]
     None,
     /// FedProx's proximal term toward the starting tensors.
     Proximal {
@@ -185,18 +238,38 @@ pub enum Term {
         /// The correction, by parameter.
         correction: Reference,
     },
+    /// MOON's model-contrastive loss.
+    Contrastive(Contrast<N>),
 }
 
-impl Term {
+/// What a site keeps between rounds that an objective may train against.
+#[derive(Debug, Clone)]
+pub struct SiteState<'a, N: Net> {
+    /// SCAFFOLD's correction `c - c_i` (PyTorch names and layouts).
+    pub correction: Option<&'a StateDict>,
+    /// MOON's previous local model: the model the site trained in its last accepted round.
+    pub previous: Option<N>,
+}
+
+impl<N: Net> Default for SiteState<'_, N> {
+    fn default() -> Self {
+        SiteState {
+            correction: None,
+            previous: None,
+        }
+    }
+}
+
+impl<N: Net> Term<N> {
     /// Prepares `objective` for training that starts from `net`; `scope` selects the tensors
     /// the federation averages (a term covers the trainable ones among them). SCAFFOLD needs
-    /// its `correction` `c - c_i` (PyTorch names and layouts); an objective that cannot be
-    /// prepared is an error naming why.
-    pub fn new<N: Net>(
+    /// the site's correction; MOON trains on cross-entropy alone until the site has a previous
+    /// local model. An objective that cannot be prepared is an error naming why.
+    pub fn new(
         objective: &Objective,
         net: &N,
         scope: Select,
-        correction: Option<&StateDict>,
+        state: SiteState<'_, N>,
     ) -> Result<Self, String> {
         objective.validate()?;
         Ok(match *objective {
@@ -208,21 +281,48 @@ impl Term {
                 reference: Reference::of(net, scope),
             },
             Objective::Scaffold => {
-                let values = correction
+                let values = state
+                    .correction
                     .ok_or("a SCAFFOLD round needs the control-variate correction c - c_i")?;
                 Term::Control {
                     correction: Reference::from_values(net, values, scope),
                 }
             }
+            Objective::Contrastive { mu: 0.0, .. } => Term::None,
+            Objective::Contrastive { mu, temperature } => match state.previous {
+                // The paper's code: with no previous model the only logit is the positive
+                // one, whose cross-entropy is 0.
+                None => Term::None,
+                Some(previous) => Term::Contrastive(Contrast {
+                    mu,
+                    temperature,
+                    global: net.valid(),
+                    previous: previous.valid(),
+                }),
+            },
         })
     }
 
     /// Adjusts one step's gradients of `net`.
-    pub fn apply<N: Net>(&self, net: &N, grads: &mut GradientsParams) {
+    pub fn apply(&self, net: &N, grads: &mut GradientsParams) {
         match self {
-            Term::None => {}
+            Term::None | Term::Contrastive(_) => {}
             Term::Proximal { mu, reference } => add_proximal(net, grads, reference, *mu),
             Term::Control { correction } => add_correction(net, grads, correction),
         }
+    }
+
+    /// The loss term on the representation, if the objective has one (MOON).
+    pub fn contrast(&self) -> Option<&Contrast<N>> {
+        match self {
+            Term::Contrastive(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// True when the term keeps the starting weights itself (FedProx's reference, MOON's
+    /// frozen starting model), so parking them in a file would save nothing.
+    pub fn holds_start(&self) -> bool {
+        matches!(self, Term::Proximal { .. } | Term::Contrastive(_))
     }
 }

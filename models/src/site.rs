@@ -5,7 +5,7 @@
 use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
-use crate::objective::Term;
+use crate::objective::{SiteState, Term};
 use crate::park::Parked;
 use crate::state::{
     NamedTensor, Select, StateDict, export, import, import_into, stand_in, subtract,
@@ -97,7 +97,8 @@ fn park_error(path: &std::path::Path, source: std::io::Error) -> SiteError {
 type Versioned = (u64, BTreeMap<String, Vec<f32>>);
 
 /// What a site carries from round to round besides its model, by tensor name: error-feedback
-/// residuals and SCAFFOLD's control variates. Persisted beside the checkpoint.
+/// residuals, SCAFFOLD's control variates and MOON's previous local model. Persisted beside the
+/// checkpoint.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Memory {
     /// Error-feedback residual of each tensor, as of the last accepted update.
@@ -111,6 +112,9 @@ pub struct Memory {
     /// aggregator sent them (before any local training), and that version: the next model
     /// arrives as a delta to add to them.
     pub held: Option<(u64, BTreeMap<String, Vec<f32>>)>,
+    /// Under MOON, every tensor of the model the site trained in its last accepted round (its
+    /// previous local model, BN included); absent under other objectives and before the first.
+    pub previous: Option<BTreeMap<String, Vec<f32>>>,
 }
 
 /// One site: its own model (and so its own BN layers), data and error-feedback residuals.
@@ -338,11 +342,21 @@ impl<N: Net> Site<N> {
             _ => None,
         };
         let correction = server_c.as_ref().map(|c| self.correction(spec, select, c));
-        let term = Term::new(&m.plan.objective, &self.net, select, correction.as_ref())
+        let contrastive = matches!(m.plan.objective, Objective::Contrastive { .. });
+        let state = SiteState {
+            correction: correction.as_ref(),
+            previous: if contrastive {
+                self.previous_net(spec)?
+            } else {
+                None
+            },
+        };
+        let term = Term::new(&m.plan.objective, &self.net, select, state)
             .map_err(TrainError::BadConfig)?;
-        // FedProx's term holds the starting weights itself: parking them would save nothing.
-        let parked = match (&self.park, &term) {
-            (Some(p), Term::None | Term::Control { .. }) => Some(
+        // A term that holds the starting weights itself (FedProx, MOON) gains nothing from
+        // parking them.
+        let parked = match &self.park {
+            Some(p) if !term.holds_start() => Some(
                 Parked::write(p, &export(&self.net, spec, Select::All))
                     .map_err(|e| park_error(p, e))?,
             ),
@@ -404,10 +418,18 @@ impl<N: Net> Site<N> {
             // A file left behind is replaced by the next round's; it never holds state.
             let _ = p.remove();
         }
-        // What an accepted update advances: the residuals and the site's control variate.
+        // What an accepted update advances: the residuals, the site's control variate and,
+        // under MOON, the previous local model (the one just trained).
         let mut next = Memory {
             residual: self.memory.residual.clone(),
             control: self.memory.control.clone(),
+            previous: contrastive.then(|| {
+                export(&self.net, spec, Select::All)
+                    .tensors
+                    .into_iter()
+                    .map(|t| (t.name, t.data))
+                    .collect()
+            }),
             ..Memory::default()
         };
         let extras = match &server_c {
@@ -511,6 +533,35 @@ impl<N: Net> Site<N> {
         }
     }
 
+    /// MOON's previous local model, built from the memory (`None` before the site's first
+    /// accepted MOON round). A memory that lacks a tensor of the spec is an error naming it.
+    fn previous_net(&self, spec: &ModelSpec) -> Result<Option<N>, SiteError> {
+        let Some(previous) = &self.memory.previous else {
+            return Ok(None);
+        };
+        let tensors = spec
+            .tensors
+            .iter()
+            .map(|t| match previous.get(&t.name) {
+                Some(data) if data.len() == t.numel() => Ok(NamedTensor {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    kind: t.kind,
+                    data: data.clone(),
+                }),
+                _ => Err(SiteError::Memory(format!(
+                    "the previous local model lacks `{}`",
+                    t.name
+                ))),
+            })
+            .collect::<Result<_, _>>()?;
+        let sd = StateDict {
+            spec_hash: spec.hash(),
+            tensors,
+        };
+        Ok(Some(import(&self.net, spec, &sd, Select::All)?))
+    }
+
     /// SCAFFOLD's correction `c - c_i` for the trainable tensors of `spec` that `select` keeps.
     fn correction(
         &self,
@@ -553,6 +604,7 @@ impl<N: Net> Site<N> {
                 // The server's c stays whatever was applied last (a newer model may have come).
                 self.memory.residual = next.residual;
                 self.memory.control = next.control;
+                self.memory.previous = next.previous;
             } else if r != round {
                 self.pending = Some((r, next));
             }
@@ -594,6 +646,7 @@ impl<N: Net> Site<N> {
                     .iter()
                     .chain(m.server_control.iter().flat_map(|(_, c)| c))
                     .chain(m.held.iter().flat_map(|(_, h)| h))
+                    .chain(m.previous.iter().flatten())
                     .find(|(n, v)| !fits(n, v, false))
             });
         if let Some((name, values)) = bad {

@@ -212,7 +212,7 @@ pub fn train_objective<N: Net>(
     data: &Dataset,
     classes: usize,
     cfg: &TrainConfig,
-    term: &Term,
+    term: &Term<N>,
     device: &Device,
     progress: impl FnMut(TrainEvent),
 ) -> Result<(N, TrainReport), TrainError> {
@@ -229,7 +229,7 @@ pub fn train_owned<N: Net>(
     data: &Dataset,
     classes: usize,
     cfg: &TrainConfig,
-    term: &Term,
+    term: &Term<N>,
     device: &Device,
     progress: impl FnMut(TrainEvent),
 ) -> (N, Result<TrainReport, TrainError>) {
@@ -251,7 +251,7 @@ fn run_epochs<N: Net>(
     mut model: N,
     data: &Dataset,
     cfg: &TrainConfig,
-    term: &Term,
+    term: &Term<N>,
     device: &Device,
     mut progress: impl FnMut(TrainEvent),
 ) -> (N, Result<TrainReport, TrainError>) {
@@ -289,9 +289,14 @@ fn run_epochs<N: Net>(
         for (k, idx) in bs.iter().enumerate() {
             let (x, y) = batch_tensors(data, idx, &ad);
             let mut pass = BnPass::standard();
-            let logits = model.forward(x, &mut pass);
-            let loss = loss_fn.forward(logits, y);
+            let z = model.features(x.clone(), &mut pass);
+            let loss = loss_fn.forward(model.head(z.clone()), y);
+            // The reported loss is the cross-entropy alone, comparable across objectives.
             loss_sum += loss.clone().into_scalar::<f32>() as f64 * idx.len() as f64;
+            let loss = match term.contrast() {
+                Some(c) => loss + c.loss(z, &x),
+                None => loss,
+            };
             let mut grads = GradientsParams::from_grads(loss.backward(), &model);
             term.apply(&model, &mut grads);
             model = optim.step(cfg.lr, model, grads);

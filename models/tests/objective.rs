@@ -9,7 +9,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use common::*;
 use unifed_models::data::Dataset;
-use unifed_models::objective::{Reference, Term, add_proximal};
+use unifed_models::objective::{Reference, SiteState, Term, add_proximal};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, train_objective};
@@ -135,7 +135,7 @@ fn a_fedprox_step_pulls_the_averaged_weights_toward_the_round_model_and_leaves_l
         ..TrainConfig::default()
     };
     let run = |epochs, objective: Objective, scope| {
-        let term = Term::new(&objective, &net0, scope, None).unwrap();
+        let term = Term::new(&objective, &net0, scope, SiteState::default()).unwrap();
         let (n, _) = train_objective(&net0, &d, 2, &tc(epochs), &term, &device(), |_| {}).unwrap();
         export(&n, &spec, Select::All).tensors
     };
@@ -321,7 +321,7 @@ fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
             .enumerate()
             .for_each(|(k, v)| *v = 0.5 - 0.01 * k as f32);
     }
-    let run = |term: &Term| {
+    let run = |term: &Term<Mlp>| {
         let (n, rep) = train_objective(&net0, &d, 2, &tc, term, &device(), |_| {}).unwrap();
         assert_eq!(rep.steps, 1);
         export(&n, &spec, Select::All).tensors
@@ -331,7 +331,10 @@ fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
         &Objective::Scaffold,
         &net0,
         Select::NonBn,
-        Some(&correction),
+        SiteState {
+            correction: Some(&correction),
+            previous: None,
+        },
     )
     .unwrap();
     let corrected = run(&term);
@@ -355,7 +358,15 @@ fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
         }
     }
     // A SCAFFOLD round without its correction cannot be prepared.
-    assert!(Term::new(&Objective::Scaffold, &net0, Select::NonBn, None).is_err());
+    assert!(
+        Term::new(
+            &Objective::Scaffold,
+            &net0,
+            Select::NonBn,
+            SiteState::default()
+        )
+        .is_err()
+    );
 }
 
 #[test]

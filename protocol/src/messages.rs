@@ -74,8 +74,8 @@ impl core::str::FromStr for BnSharing {
 
 /// The local objective a sampled site optimises in a round, chosen by the server's strategy.
 /// One variant per family of local terms; the algorithms of UniFed's suite add theirs here
-/// (SCAFFOLD's control-variate correction, MOON's contrastive term, FedDC's drift, FedCD's
-/// mask-gradient matching, FedImpro's synthetic features).
+/// (FedDC's drift, FedCD's mask-gradient matching, FedImpro's synthetic features join
+/// SCAFFOLD's correction and MOON's contrastive term).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub enum Objective {
     /// Cross-entropy alone (FedAvg, FedBN, and the FedOpt family, whose difference is on the
@@ -95,6 +95,19 @@ pub enum Objective {
     /// the update carries `c_i+ - c_i` in [`SiteExtras::Control`], with
     /// `c_i+ = c_i - c + (x - y_i) / (K lr)`.
     Scaffold,
+    /// MOON (Li, He and Song, CVPR 2021): cross-entropy plus `mu` times the model-contrastive
+    /// loss on the representation `z` of each sample, which pulls it towards the round's
+    /// starting model's representation and away from the site's previous local model's:
+    /// `-log(e^(cos(z, z_glob)/t) / (e^(cos(z, z_glob)/t) + e^(cos(z, z_prev)/t)))`, averaged
+    /// over the batch. Both other models run in inference mode and are not trained; a site
+    /// with no previous local model (its first round) trains on cross-entropy alone, as the
+    /// paper's code does.
+    Contrastive {
+        /// The weight `mu` of the contrastive loss (MOON: 5 on CIFAR-10, 1 on CIFAR-100).
+        mu: f64,
+        /// The temperature `t` (MOON: 0.5).
+        temperature: f64,
+    },
 }
 
 impl Objective {
@@ -106,6 +119,17 @@ impl Objective {
             Objective::Proximal { mu } => Err(alloc::format!(
                 "FedProx mu must be finite and non-negative, got {mu}"
             )),
+            Objective::Contrastive { mu, .. } if !(mu.is_finite() && mu >= 0.0) => Err(
+                alloc::format!("MOON mu must be finite and non-negative, got {mu}"),
+            ),
+            Objective::Contrastive { temperature, .. }
+                if !(temperature.is_finite() && temperature > 0.0) =>
+            {
+                Err(alloc::format!(
+                    "MOON temperature must be finite and positive, got {temperature}"
+                ))
+            }
+            Objective::Contrastive { .. } => Ok(()),
         }
     }
 }

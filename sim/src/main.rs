@@ -1,7 +1,7 @@
 //! `unifed-sim`: in-process federations on the built-in domains.
 //!
-//! - `compare`: algorithms (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, SCAFFOLD, FedNova) x BN policies (`local`: client-specific BN, so
-//!   FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
+//! - `compare`: algorithms (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, SCAFFOLD, FedNova,
+//!   MOON) x BN policies (`local`: client-specific BN, so FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
 //!   over seeds), the gain of `local` over `global` per algorithm, JSON and a convergence chart
 //!   (results/algorithms.{json,svg}).
 //! - `aggregator-memory`: the aggregator's peak memory for one round of 10, 30 and 100 sites
@@ -67,7 +67,7 @@ enum Cmd {
         /// topkq8<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
-        /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, fednova.
+        /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, fednova, moon.
         #[arg(
             long,
             value_delimiter = ',',
@@ -139,9 +139,10 @@ fn parse_algorithm(s: &str, mu: f64, fedopt_lr: f64) -> Result<Algorithm> {
         "fedadagrad" => Algorithm::FedAdagrad(opt),
         "scaffold" => Algorithm::Scaffold(ScaffoldConfig::default()),
         "fednova" => Algorithm::FedNova(Default::default()),
+        "moon" => Algorithm::Moon(Default::default()),
         o => anyhow::bail!(
-            "unknown algorithm `{o}`: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold \
-             or fednova"
+            "unknown algorithm `{o}`: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, \
+             fednova or moon"
         ),
     };
     a.validate().map_err(anyhow::Error::msg)?;
@@ -171,6 +172,7 @@ fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
         Algorithm::FedAdagrad(_) => "FedAdagrad",
         Algorithm::Scaffold(_) => "SCAFFOLD",
         Algorithm::FedNova(_) => "FedNova",
+        Algorithm::Moon(_) => "MOON",
     };
     match bn {
         BnPolicy::Local => format!("{name} (local BN)"),

@@ -319,3 +319,24 @@ fn fednova_through_the_site_engine_is_fedavg_bit_for_bit_with_equal_steps_and_no
         }
     }
 }
+
+#[test]
+fn moon_through_the_site_engine_is_fedavg_in_round_one_then_contrasts_with_each_previous_model() {
+    let sizes = [48, 64, 40];
+    let avg = federate_with(Algorithm::FedAvg, BnPolicy::Local, Encoding::F32, sizes);
+    let moon = federate_with(
+        Algorithm::Moon(Default::default()),
+        BnPolicy::Local,
+        Encoding::F32,
+        sizes,
+    );
+    // No site has a previous local model in round 1: MOON's updates are FedAvg's, bit for bit.
+    assert_eq!(moon.updates[&1], avg.updates[&1]);
+    assert_eq!(moon.models[&1], avg.models[&1]);
+    // From round 2 the contrastive term moves every site's update.
+    for (m, a) in moon.updates[&2].iter().zip(&avg.updates[&2]) {
+        assert_ne!(m.delta, a.delta, "round 2 of a MOON site equals FedAvg's");
+    }
+    // The server's rule is FedAvg's: every model is the weighted mean of the decoded updates.
+    check_means(&moon, Select::NonBn);
+}

@@ -1,8 +1,9 @@
-//! Stateful strategies over MQTT with the real binaries: a FedAdam federation (server moments)
-//! and a SCAFFOLD federation (control variates both ways), each run once uninterrupted and once
-//! with an agent killed (SIGKILL) while it trains and the aggregator killed with a round half
-//! collected. Both must end bit-identical: the global model, the server's stored strategy state,
-//! and every site's model (BN included) and memory (its control variate). The uninterrupted run
+//! Stateful strategies over MQTT with the real binaries: a FedAdam federation (server moments),
+//! a SCAFFOLD federation (control variates both ways) and a MOON federation (each site's
+//! previous local model), each run once uninterrupted and once with an agent killed (SIGKILL)
+//! while it trains and the aggregator killed with a round half collected. Both must end
+//! bit-identical: the global model, the server's stored strategy state, and every site's model
+//! (BN included) and memory (its control variate, its previous local model). The uninterrupted run
 //! must also equal the in-process run of the same federation.
 
 mod common;
@@ -33,6 +34,8 @@ fn fed_for(dir: &std::path::Path, port: u16, algorithm: &str, bn: &str) -> Fed {
 /// What a finished federation left on disk, compared bit for bit.
 #[derive(Debug, PartialEq)]
 struct Outcome {
+    /// The spec's tensors in order: name, and whether BN owns it.
+    tensors: Vec<(String, bool)>,
     model: Vec<Vec<u32>>,
     strategy: Vec<u8>,
     sites: Vec<(Vec<Vec<u32>>, Memory)>,
@@ -80,6 +83,11 @@ fn outcome(fed: &Fed) -> Outcome {
         })
         .collect();
     Outcome {
+        tensors: spec
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.kind.is_bn()))
+            .collect(),
         model: bits(model),
         strategy,
         sites,
@@ -176,5 +184,35 @@ fn scaffold_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
     for (_, m) in &want.sites {
         assert!(!m.control.is_empty() && m.control.values().flatten().any(|&v| v != 0.0));
         assert_eq!(m.server_control.as_ref().map(|(v, _)| *v), Some(3));
+    }
+}
+
+#[test]
+fn moon_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
+    let alg = "{ name = \"moon\" }";
+    let want = uninterrupted(alg, Algorithm::Moon(Default::default()), "Local");
+    let got = disturbed(alg, "Local");
+    assert!(got.model == want.model, "the global model differs");
+    assert!(
+        got.sites == want.sites,
+        "a site's model or previous local model differs"
+    );
+    // Every site ends holding the model it trained in the last round as its previous one: its
+    // own BN, as in its model file, beside non-BN weights that the final model replaced there.
+    for (model, m) in &want.sites {
+        let previous = m.previous.as_ref().expect("no previous local model");
+        let mut replaced = 0;
+        for (k, (name, bn)) in want.tensors.iter().enumerate() {
+            let kept: Vec<u32> = previous[name].iter().map(|v| v.to_bits()).collect();
+            if *bn {
+                assert!(
+                    kept == model[k],
+                    "{name}: the previous model's BN is not the site's"
+                );
+            } else {
+                replaced += usize::from(kept != model[k]);
+            }
+        }
+        assert!(replaced > 0, "the previous model is the final global one");
     }
 }

@@ -31,7 +31,7 @@ mod fednova;
 mod fedopt;
 mod scaffold;
 
-pub use fedavg::FedAvg;
+pub use fedavg::{FedAvg, MoonConfig};
 pub use fednova::{FedNova, FedNovaConfig};
 pub use fedopt::{FedOpt, FedOptConfig, Rule};
 pub use scaffold::{Scaffold, ScaffoldConfig};
@@ -70,6 +70,9 @@ pub enum Algorithm {
     /// FedNova: each site's delta normalised by its local step count before the mean (Wang
     /// et al.); with equal step counts exactly FedAvg.
     FedNova(FedNovaConfig),
+    /// MOON: FedAvg's mean, with sites adding a model-contrastive loss on their representation
+    /// against the round's model and their previous local model (Li, He and Song).
+    Moon(MoonConfig),
 }
 
 impl Algorithm {
@@ -83,6 +86,7 @@ impl Algorithm {
             }
             Algorithm::Scaffold(c) => c.validate(),
             Algorithm::FedNova(c) => c.validate(),
+            Algorithm::Moon(c) => c.objective().validate(),
         }
     }
 
@@ -96,6 +100,7 @@ impl Algorithm {
             Algorithm::FedAdagrad(_) => "fedadagrad",
             Algorithm::Scaffold(_) => "scaffold",
             Algorithm::FedNova(_) => "fednova",
+            Algorithm::Moon(_) => "moon",
         }
     }
 
@@ -103,7 +108,10 @@ impl Algorithm {
     pub fn is_stateful(&self) -> bool {
         !matches!(
             self,
-            Algorithm::FedAvg | Algorithm::FedProx { .. } | Algorithm::FedNova(_)
+            Algorithm::FedAvg
+                | Algorithm::FedProx { .. }
+                | Algorithm::FedNova(_)
+                | Algorithm::Moon(_)
         )
     }
 }
@@ -112,7 +120,7 @@ impl Algorithm {
 /// [`Setup::tensors`] that a gradient trains (BN running statistics left out), in order.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub enum StrategyState {
-    /// The strategy keeps nothing between rounds (FedAvg, FedProx, FedNova).
+    /// The strategy keeps nothing between rounds (FedAvg, FedProx, FedNova, MOON).
     #[default]
     Stateless,
     /// FedOpt's first and second moments.
@@ -368,6 +376,9 @@ pub fn from_config(
         }
         (Algorithm::FedNova(c), None | Some(StrategyState::Stateless)) => {
             Ok(Box::new(FedNova::new(*c, setup)))
+        }
+        (Algorithm::Moon(c), None | Some(StrategyState::Stateless)) => {
+            Ok(Box::new(FedAvg::new(c.objective())))
         }
         (_, Some(s)) => mismatch(&s),
     }
