@@ -240,10 +240,12 @@ struct SiteFiles {
 }
 
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
-/// 3 added MOON's previous local model to the memory; a version 2 checkpoint is still read.
+/// 3 added MOON's previous local model and FedDC's drift to the memory; a version 2
+/// checkpoint is still read.
 const CHECKPOINT_VERSION: u32 = 3;
 
-/// The memory of a version 2 checkpoint: [`Memory`] before MOON's previous local model.
+/// The memory of a version 2 checkpoint: [`Memory`] before MOON's previous local model and
+/// FedDC's drift.
 #[derive(Deserialize)]
 struct MemoryV2 {
     residual: std::collections::BTreeMap<String, Vec<f32>>,
@@ -297,6 +299,7 @@ impl SiteFiles {
                         server_control: m.server_control,
                         held: m.held,
                         previous: None,
+                        drift: Default::default(),
                     },
                     model,
                 },
@@ -679,7 +682,7 @@ pub async fn run(
                             let evaluating = Instant::now();
                             let acc = tokio::task::block_in_place(|| {
                                 unifed_net::memory::with_fast_allocation(|| {
-                                    s.evaluate(&spec, &device)
+                                    s.evaluate(&spec, &m.plan, &cfg.train, &device)
                                 })
                             })?
                             .accuracy();
@@ -696,7 +699,9 @@ pub async fn run(
                 SiteAction::Finished { manifest: m } => {
                     let s = site.as_ref().expect("site present");
                     let acc = tokio::task::block_in_place(|| {
-                        unifed_net::memory::with_fast_allocation(|| s.evaluate(&spec, &device))
+                        unifed_net::memory::with_fast_allocation(|| {
+                            s.evaluate(&spec, &m.plan, &cfg.train, &device)
+                        })
                     })?
                     .accuracy();
                     Report::Evaluated {

@@ -819,6 +819,13 @@ fn the_manifest_carries_the_strategys_typed_plan() {
                 temperature: 0.2,
             },
         ),
+        (
+            Algorithm::PerFedAvg(Default::default()),
+            Objective::Meta {
+                alpha: 0.01,
+                beta: 0.01,
+            },
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let cfg = FederationConfig {
@@ -935,6 +942,34 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
             temperature: 0.2
         })
     );
+    assert_eq!(
+        with("algorithm = { name = \"feddc\", alpha = 0.1 }")
+            .unwrap()
+            .algorithm,
+        Algorithm::FedDc(unifed_aggregator::strategy::FedDcConfig {
+            alpha: 0.1,
+            max_control_norm: 1e4
+        })
+    );
+    assert_eq!(
+        with("algorithm = { name = \"perfedavg\", beta = 0.002 }")
+            .unwrap()
+            .algorithm,
+        Algorithm::PerFedAvg(unifed_aggregator::strategy::PerFedAvgConfig {
+            alpha: 0.01,
+            beta: 0.002
+        })
+    );
+    let errs = with("algorithm = { name = \"perfedavg\", alpha = 0.0 }")
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert!(errs.iter().any(|e| e.contains("alpha")), "{errs:?}");
+    let errs = with("algorithm = { name = \"feddc\", alpha = -0.1 }")
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert!(errs.iter().any(|e| e.contains("alpha")), "{errs:?}");
     for bad in ["temperature = 0.0", "mu = -1.0"] {
         let errs = with(&format!("algorithm = {{ name = \"moon\", {bad} }}"))
             .unwrap()
@@ -1806,4 +1841,93 @@ fn fednova_rejects_an_update_that_reports_no_local_steps() {
     // The round goes on: a good update is still taken.
     let acts = send(&mut agg, "a", with_steps("a", 10, 5, BnPolicy::Local));
     assert_eq!(answers(&acts)[0].1, Answer::Accepted);
+}
+
+#[test]
+fn feddc_adds_the_mean_drift_of_all_sites_to_the_mean_and_keeps_scaffolds_variate() {
+    use unifed_aggregator::strategy::FedDcConfig;
+    let cfg = || FederationConfig {
+        algorithm: unifed_aggregator::Algorithm::FedDc(FedDcConfig {
+            alpha: 0.05,
+            ..Default::default()
+        }),
+        sites: enrolled()[..3].to_vec(),
+        ..config(3, 2, BnPolicy::Local)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), cfg());
+    let start = agg.handle(Event::Start, 0).unwrap();
+    assert_eq!(
+        start.iter().find_map(|a| match a {
+            Action::Publish { manifest, .. } => Some(manifest.plan.objective),
+            _ => None,
+        }),
+        Some(unifed_protocol::Objective::Drift { alpha: 0.05 })
+    );
+    assert!(matches!(
+        broadcast_of(&start).extras,
+        unifed_protocol::ServerExtras::Control(_)
+    ));
+    // Without a variate an update is refused, as under SCAFFOLD.
+    let none = send(&mut agg, "a", with_extras("a", 1, 0, SiteExtras::None));
+    assert!(matches!(
+        &answers(&none)[0].1,
+        Answer::Rejected(RejectReason::UnexpectedExtras(_))
+    ));
+    // Round 1 from a and b, round 2 from a and c, round 3 from b and c after a restart; N = 3
+    // registered sites. Each model is FedAvg's mean plus H / 3, H the sum of every delta
+    // received so far (non-BN under local), which the stored state carries over the restart.
+    let mut h: Vec<Vec<f64>> = initial()
+        .tensors
+        .iter()
+        .map(|t| vec![0.0; t.len()])
+        .collect();
+    let mut x = initial().tensors;
+    for (round, sites) in [(1u64, ["a", "b"]), (2, ["a", "c"]), (3, ["b", "c"])] {
+        if round == 3 {
+            drop(agg);
+            agg = open(dir.path(), cfg());
+            agg.handle(Event::Start, 0).unwrap();
+        }
+        for s in sites {
+            let acts = send(&mut agg, s, with_extras(s, round, round - 1, control(s)));
+            assert_eq!(answers(&acts)[0].1, Answer::Accepted);
+        }
+        assert_eq!(agg.model_version(), round);
+        let mean = expected_after(
+            &x,
+            &[(sites[0], 10), (sites[1], 10)],
+            round,
+            BnPolicy::Local,
+        );
+        let sp = spec();
+        x = mean
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                if sp.tensors[i].kind.is_bn() {
+                    return m.clone();
+                }
+                let hsum: Vec<f32> = (0..m.len())
+                    .map(|k| {
+                        let add: f64 = sites
+                            .iter()
+                            .map(|s| delta_values(s, round, i, m.len())[k] as f64)
+                            .sum();
+                        h[i][k] = (h[i][k] + add) as f32 as f64;
+                        h[i][k] as f32
+                    })
+                    .collect();
+                m.iter()
+                    .zip(hsum)
+                    .map(|(m, h)| (*m as f64 + h as f64 / 3.0) as f32)
+                    .collect()
+            })
+            .collect();
+        assert_eq!(agg.model(), &x[..], "version {round}");
+    }
+    // A SCAFFOLD federation does not take a FedDC state.
+    drop(agg);
+    let scaffold = Aggregator::open(dir.path(), scaffold_cfg(), initial(), 64).unwrap_err();
+    assert!(scaffold.to_string().contains("scaffold"), "{scaffold}");
 }

@@ -240,15 +240,34 @@ pub enum Term<N: Net> {
     },
     /// MOON's model-contrastive loss.
     Contrastive(Contrast<N>),
+    /// FedDC's drift penalty `alpha (w - (w_global - h_i))` beside SCAFFOLD's correction.
+    Drift {
+        /// The weight `alpha`.
+        alpha: f64,
+        /// The penalty's anchor `w_global - h_i`.
+        anchor: Reference,
+        /// The correction `c - c_i`, by parameter.
+        correction: Reference,
+    },
+    /// Per-FedAvg's first-order meta-steps (two batches per step).
+    Meta {
+        /// The inner step size.
+        alpha: f64,
+        /// The outer step size.
+        beta: f64,
+    },
 }
 
 /// What a site keeps between rounds that an objective may train against.
 #[derive(Debug, Clone)]
 pub struct SiteState<'a, N: Net> {
-    /// SCAFFOLD's correction `c - c_i` (PyTorch names and layouts).
+    /// SCAFFOLD's and FedDC's correction `c - c_i` (PyTorch names and layouts).
     pub correction: Option<&'a StateDict>,
     /// MOON's previous local model: the model the site trained in its last accepted round.
     pub previous: Option<N>,
+    /// FedDC's anchor `w_global - h_i`: the starting tensors less the site's local drift
+    /// (PyTorch names and layouts).
+    pub anchor: Option<&'a StateDict>,
 }
 
 impl<N: Net> Default for SiteState<'_, N> {
@@ -256,6 +275,7 @@ impl<N: Net> Default for SiteState<'_, N> {
         SiteState {
             correction: None,
             previous: None,
+            anchor: None,
         }
     }
 }
@@ -288,6 +308,19 @@ impl<N: Net> Term<N> {
                     correction: Reference::from_values(net, values, scope),
                 }
             }
+            Objective::Drift { alpha } => {
+                let (Some(correction), Some(anchor)) = (state.correction, state.anchor) else {
+                    return Err(
+                        "a FedDC round needs the correction c - c_i and the anchor w - h_i".into(),
+                    );
+                };
+                Term::Drift {
+                    alpha,
+                    anchor: Reference::from_values(net, anchor, scope),
+                    correction: Reference::from_values(net, correction, scope),
+                }
+            }
+            Objective::Meta { alpha, beta } => Term::Meta { alpha, beta },
             Objective::Contrastive { mu: 0.0, .. } => Term::None,
             Objective::Contrastive { mu, temperature } => match state.previous {
                 // The paper's code: with no previous model the only logit is the positive
@@ -306,9 +339,17 @@ impl<N: Net> Term<N> {
     /// Adjusts one step's gradients of `net`.
     pub fn apply(&self, net: &N, grads: &mut GradientsParams) {
         match self {
-            Term::None | Term::Contrastive(_) => {}
+            Term::None | Term::Contrastive(_) | Term::Meta { .. } => {}
             Term::Proximal { mu, reference } => add_proximal(net, grads, reference, *mu),
             Term::Control { correction } => add_correction(net, grads, correction),
+            Term::Drift {
+                alpha,
+                anchor,
+                correction,
+            } => {
+                add_proximal(net, grads, anchor, *alpha);
+                add_correction(net, grads, correction);
+            }
         }
     }
 
@@ -320,9 +361,21 @@ impl<N: Net> Term<N> {
         }
     }
 
-    /// True when the term keeps the starting weights itself (FedProx's reference, MOON's
-    /// frozen starting model), so parking them in a file would save nothing.
+    /// Per-FedAvg's inner and outer step sizes, if the term is its meta-steps.
+    pub fn meta(&self) -> Option<(f64, f64)> {
+        match self {
+            Term::Meta { alpha, beta } => Some((*alpha, *beta)),
+            _ => None,
+        }
+    }
+
+    /// True when the term keeps a model-sized copy of the starting weights itself (FedProx's
+    /// reference, MOON's frozen starting model, FedDC's anchor), so parking them in a file
+    /// would save nothing.
     pub fn holds_start(&self) -> bool {
-        matches!(self, Term::Proximal { .. } | Term::Contrastive(_))
+        matches!(
+            self,
+            Term::Proximal { .. } | Term::Contrastive(_) | Term::Drift { .. }
+        )
     }
 }

@@ -10,7 +10,9 @@ use crate::park::Parked;
 use crate::state::{
     NamedTensor, Select, StateDict, export, import, import_into, stand_in, subtract,
 };
-use crate::train::{EvalReport, TrainConfig, TrainEvent, evaluate, train_objective, train_owned};
+use crate::train::{
+    EvalReport, TrainConfig, TrainEvent, evaluate, personalise, train_objective, train_owned,
+};
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -18,7 +20,7 @@ use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    BnPolicy, Download, LocalReport, ModelDelta, Objective, RoundManifest, ServerExtras,
+    BnPolicy, Download, LocalReport, ModelDelta, Objective, RoundManifest, RoundPlan, ServerExtras,
     SiteExtras, SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, TensorKind};
@@ -97,8 +99,8 @@ fn park_error(path: &std::path::Path, source: std::io::Error) -> SiteError {
 type Versioned = (u64, BTreeMap<String, Vec<f32>>);
 
 /// What a site carries from round to round besides its model, by tensor name: error-feedback
-/// residuals, SCAFFOLD's control variates and MOON's previous local model. Persisted beside the
-/// checkpoint.
+/// residuals, SCAFFOLD's and FedDC's control variates, MOON's previous local model and FedDC's
+/// drift. Persisted beside the checkpoint.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Memory {
     /// Error-feedback residual of each tensor, as of the last accepted update.
@@ -115,6 +117,9 @@ pub struct Memory {
     /// Under MOON, every tensor of the model the site trained in its last accepted round (its
     /// previous local model, BN included); absent under other objectives and before the first.
     pub previous: Option<BTreeMap<String, Vec<f32>>>,
+    /// FedDC's local drift `h_i`: the sum of the site's accepted deltas as the server decoded
+    /// them, per trainable averaged tensor; absent tensors are zero.
+    pub drift: BTreeMap<String, Vec<f32>>,
 }
 
 /// One site: its own model (and so its own BN layers), data and error-feedback residuals.
@@ -164,7 +169,8 @@ impl<N: Net> Site<N> {
 
     /// Applies the model of the round `m` announces, whole or as a delta from the version the
     /// site applied last: the non-BN weights under `local` BN (the site keeps its BN), every
-    /// tensor under `global`, and the server's control variate when the plan is SCAFFOLD's.
+    /// tensor under `global`, and the server's control variate when the plan uses one (SCAFFOLD,
+    /// FedDC).
     /// Under a lossy encoding the applied weights are kept for the next delta. A model that does
     /// not fit the spec or the plan, or a delta from a version the site does not hold, changes
     /// nothing.
@@ -283,7 +289,7 @@ impl<N: Net> Site<N> {
         download: &Download,
     ) -> Result<Option<Versioned>, SiteError> {
         match (&m.plan.objective, download.extras()) {
-            (Objective::Scaffold, ServerExtras::Control(tensors)) => {
+            (o, ServerExtras::Control(tensors)) if o.uses_control() => {
                 let c = crate::state::from_encoded(spec, tensors)?;
                 let want: Vec<&str> = spec
                     .tensors
@@ -305,7 +311,7 @@ impl<N: Net> Site<N> {
                     c.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
                 )))
             }
-            (Objective::Scaffold, _) => Err(SiteError::Plan {
+            (o, _) if o.uses_control() => Err(SiteError::Plan {
                 round: m.round,
                 message: "no server control variate beside the model".into(),
             }),
@@ -337,12 +343,14 @@ impl<N: Net> Site<N> {
             seed: round_seed(tc.seed, m.round),
             ..tc.clone()
         };
-        let server_c = match m.plan.objective {
-            Objective::Scaffold => Some(self.server_control(m)?.clone()),
-            _ => None,
+        let server_c = match m.plan.objective.uses_control() {
+            true => Some(self.server_control(m)?.clone()),
+            false => None,
         };
         let correction = server_c.as_ref().map(|c| self.correction(spec, select, c));
         let contrastive = matches!(m.plan.objective, Objective::Contrastive { .. });
+        let drifting = matches!(m.plan.objective, Objective::Drift { .. });
+        let anchor = drifting.then(|| self.anchor(spec, select));
         let state = SiteState {
             correction: correction.as_ref(),
             previous: if contrastive {
@@ -350,6 +358,7 @@ impl<N: Net> Site<N> {
             } else {
                 None
             },
+            anchor: anchor.as_ref(),
         };
         let term = Term::new(&m.plan.objective, &self.net, select, state)
             .map_err(TrainError::BadConfig)?;
@@ -452,7 +461,7 @@ impl<N: Net> Site<N> {
             None => SiteExtras::None,
         };
         let residual = &mut next.residual;
-        let encoded = d
+        let encoded: Vec<_> = d
             .tensors
             .into_iter()
             .map(|t| {
@@ -461,6 +470,21 @@ impl<N: Net> Site<N> {
                 t.encode(encoding_for(t.kind, m.encoding), r)
             })
             .collect();
+        if drifting {
+            // FedDC's drift moves by what the server will add to its sum: the decoded delta.
+            next.drift = self.memory.drift.clone();
+            for e in &encoded {
+                if spec.tensor(&e.name).is_none_or(|t| t.kind.is_bn_stat()) {
+                    continue;
+                }
+                let back = decode(e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
+                let h = next
+                    .drift
+                    .entry(e.name.clone())
+                    .or_insert_with(|| vec![0.0; back.len()]);
+                h.iter_mut().zip(&back).for_each(|(h, d)| *h += d);
+            }
+        }
         let shared = if m.bn_policy == BnPolicy::Local {
             export(&self.net, spec, Select::Bn)
                 .tensors
@@ -533,6 +557,19 @@ impl<N: Net> Site<N> {
         }
     }
 
+    /// FedDC's anchor `w - h_i`: the site's current tensors that `select` keeps (the round's
+    /// model, before training) less its drift, for the trainable ones.
+    fn anchor(&self, spec: &ModelSpec, select: Select) -> StateDict {
+        let mut sd = export(&self.net, spec, select);
+        sd.tensors.retain(|t| !t.kind.is_bn_stat());
+        for t in &mut sd.tensors {
+            if let Some(h) = self.memory.drift.get(&t.name) {
+                t.data.iter_mut().zip(h).for_each(|(w, h)| *w -= h);
+            }
+        }
+        sd
+    }
+
     /// MOON's previous local model, built from the memory (`None` before the site's first
     /// accepted MOON round). A memory that lacks a tensor of the spec is an error naming it.
     fn previous_net(&self, spec: &ModelSpec) -> Result<Option<N>, SiteError> {
@@ -562,7 +599,7 @@ impl<N: Net> Site<N> {
         Ok(Some(import(&self.net, spec, &sd, Select::All)?))
     }
 
-    /// SCAFFOLD's correction `c - c_i` for the trainable tensors of `spec` that `select` keeps.
+    /// SCAFFOLD's (and FedDC's) correction `c - c_i` for the trainable tensors of `spec` that `select` keeps.
     fn correction(
         &self,
         spec: &ModelSpec,
@@ -605,6 +642,7 @@ impl<N: Net> Site<N> {
                 self.memory.residual = next.residual;
                 self.memory.control = next.control;
                 self.memory.previous = next.previous;
+                self.memory.drift = next.drift;
             } else if r != round {
                 self.pending = Some((r, next));
             }
@@ -647,6 +685,7 @@ impl<N: Net> Site<N> {
                     .chain(m.server_control.iter().flat_map(|(_, c)| c))
                     .chain(m.held.iter().flat_map(|(_, h)| h))
                     .chain(m.previous.iter().flatten())
+                    .chain(m.drift.iter())
                     .find(|(n, v)| !fits(n, v, false))
             });
         if let Some((name, values)) = bad {
@@ -660,15 +699,31 @@ impl<N: Net> Site<N> {
         Ok(())
     }
 
-    /// Test accuracy with the site's own model and BN statistics.
-    pub fn evaluate(&self, spec: &ModelSpec, device: &Device) -> Result<EvalReport, SiteError> {
-        Ok(evaluate(
-            &self.net,
-            &self.test,
-            spec.classes.len(),
-            256,
-            device,
-        )?)
+    /// Test accuracy with the site's own model and BN statistics, as the federation's plan
+    /// deploys it: under Per-FedAvg after one personalisation step of `alpha` on a batch of the
+    /// site's training data ([`personalise`], batch size and seed from `tc`), on a copy.
+    pub fn evaluate(
+        &self,
+        spec: &ModelSpec,
+        plan: &RoundPlan,
+        tc: &TrainConfig,
+        device: &Device,
+    ) -> Result<EvalReport, SiteError> {
+        let classes = spec.classes.len();
+        let personal = match plan.objective {
+            Objective::Meta { alpha, .. } => Some(personalise(
+                &self.net,
+                &self.train,
+                classes,
+                alpha,
+                tc.batch_size,
+                tc.seed,
+                device,
+            )?),
+            _ => None,
+        };
+        let net = personal.as_ref().unwrap_or(&self.net);
+        Ok(evaluate(net, &self.test, classes, 256, device)?)
     }
 }
 

@@ -241,18 +241,71 @@ pub fn train_owned<N: Net>(
     }
     let model = net.valid().train();
     drop(net);
-    let (model, report) = run_epochs(model, data, cfg, term, device, progress);
+    let (model, report) = run_epochs(model, data, cfg, term, device, usize::MAX, progress);
     (model.valid(), report)
 }
 
-/// The epochs of [`train_owned`] on `model` in autodiff mode; returns it as it stands at the end
-/// or when the loss diverged.
+/// Per-FedAvg's personalisation: one SGD step of size `alpha` (no momentum, no weight decay) on
+/// a copy of `net`, on the first batch of `batch_size` samples of `data` in the order a first
+/// epoch of seed `seed` takes them. Returns the personalised copy in inference mode; `net`,
+/// its BN statistics included, is untouched.
+pub fn personalise<N: Net>(
+    net: &N,
+    data: &Dataset,
+    classes: usize,
+    alpha: f64,
+    batch_size: usize,
+    seed: u64,
+    device: &Device,
+) -> Result<N, TrainError> {
+    let cfg = TrainConfig {
+        lr: alpha,
+        batch_size,
+        seed,
+        ..TrainConfig::default()
+    };
+    cfg.validate()?;
+    check_data(net, data, classes)?;
+    // `valid()` gives the copy its own BN running statistics.
+    let model = net.valid().train();
+    let (model, report) = run_epochs(model, data, &cfg, &Term::None, device, 1, |_| {});
+    report.map(|_| model.valid())
+}
+
+/// Shuffles `order` for epoch `epoch` of training with seed `seed`: each epoch shuffles the
+/// previous epoch's order with a stream derived from the seed and the epoch.
+pub fn shuffle_epoch(order: &mut [usize], seed: u64, epoch: usize) {
+    let mut rng =
+        ChaCha8Rng::seed_from_u64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    order.shuffle(&mut rng);
+}
+
+/// Per-FedAvg's pairs of batches: the order in chunks of two batches, each split in halves
+/// (the first for the inner step, the second for the outer one). A chunk too small to give
+/// both halves two samples (BatchNorm needs a batch variance) serves as both.
+pub fn meta_pairs(order: &[usize], batch_size: usize) -> Vec<(&[usize], &[usize])> {
+    batches(order, 2 * batch_size)
+        .into_iter()
+        .map(|c| {
+            let h = c.len() / 2;
+            if h >= 2 && c.len() - h >= 2 {
+                (&c[..h], &c[h..])
+            } else {
+                (c, c)
+            }
+        })
+        .collect()
+}
+
+/// The epochs of [`train_owned`] on `model` in autodiff mode, stopping after `limit` steps;
+/// returns it as it stands at the end or when the loss diverged.
 fn run_epochs<N: Net>(
     mut model: N,
     data: &Dataset,
     cfg: &TrainConfig,
     term: &Term<N>,
     device: &Device,
+    limit: usize,
     mut progress: impl FnMut(TrainEvent),
 ) -> (N, Result<TrainReport, TrainError>) {
     let ad = device.clone().autodiff();
@@ -268,6 +321,8 @@ fn run_epochs<N: Net>(
         sgd = sgd.with_weight_decay(Some(WeightDecayConfig::new(cfg.weight_decay as f32)));
     }
     let mut optim = sgd.init();
+    // Per-FedAvg's two steps are plain SGD, as in its paper.
+    let mut meta_optim = SgdConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&ad);
     let mut report = TrainReport {
         epoch_losses: Vec::new(),
@@ -276,40 +331,69 @@ fn run_epochs<N: Net>(
     };
     let mut order: Vec<usize> = (0..data.len()).collect();
     for epoch in 0..cfg.epochs {
-        let mut rng = ChaCha8Rng::seed_from_u64(
-            cfg.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        );
-        order.shuffle(&mut rng);
-        let bs = batches(&order, cfg.batch_size);
+        shuffle_epoch(&mut order, cfg.seed, epoch);
+        let steps: Vec<(&[usize], &[usize])> = match term.meta() {
+            Some(_) => meta_pairs(&order, cfg.batch_size),
+            None => batches(&order, cfg.batch_size)
+                .into_iter()
+                .map(|b| (b, &b[..0]))
+                .collect(),
+        };
         progress(TrainEvent::EpochStart {
             epoch,
-            steps: bs.len(),
+            steps: steps.len(),
         });
-        let mut loss_sum = 0.0f64;
-        for (k, idx) in bs.iter().enumerate() {
-            let (x, y) = batch_tensors(data, idx, &ad);
+        let (mut loss_sum, mut counted) = (0.0f64, 0usize);
+        for (k, (first, second)) in steps.iter().enumerate() {
+            if report.steps == limit {
+                break;
+            }
+            let (x, y) = batch_tensors(data, first, &ad);
             let mut pass = BnPass::standard();
             let z = model.features(x.clone(), &mut pass);
             let loss = loss_fn.forward(model.head(z.clone()), y);
             // The reported loss is the cross-entropy alone, comparable across objectives.
-            loss_sum += loss.clone().into_scalar::<f32>() as f64 * idx.len() as f64;
+            loss_sum += loss.clone().into_scalar::<f32>() as f64 * first.len() as f64;
+            counted += first.len();
             let loss = match term.contrast() {
                 Some(c) => loss + c.loss(z, &x),
                 None => loss,
             };
             let mut grads = GradientsParams::from_grads(loss.backward(), &model);
             term.apply(&model, &mut grads);
-            model = optim.step(cfg.lr, model, grads);
+            model = match term.meta() {
+                None => optim.step(cfg.lr, model, grads),
+                Some((alpha, beta)) => {
+                    // First order: the gradient of the second batch at the model one step of
+                    // alpha ahead, applied with step beta to the model as it was.
+                    let start = model.clone();
+                    let ahead = meta_optim.step(alpha, model, grads);
+                    let (x, y) = batch_tensors(data, second, &ad);
+                    let loss = loss_fn.forward(ahead.forward(x, &mut BnPass::standard()), y);
+                    loss_sum += loss.clone().into_scalar::<f32>() as f64 * second.len() as f64;
+                    counted += second.len();
+                    let grads = GradientsParams::from_grads(loss.backward(), &ahead);
+                    drop(ahead);
+                    meta_optim.step(beta, start, grads)
+                }
+            };
             report.steps += 1;
-            report.samples += idx.len();
+            report.samples += if std::ptr::eq(*first, *second) {
+                first.len()
+            } else {
+                first.len() + second.len()
+            };
             progress(TrainEvent::Step { epoch, done: k + 1 });
         }
-        let loss = loss_sum / data.len() as f64;
+        let loss = loss_sum / counted.max(1) as f64;
         if !loss.is_finite() {
             return (model, Err(TrainError::Diverged(loss, epoch)));
         }
         report.epoch_losses.push(loss);
         progress(TrainEvent::EpochEnd { epoch, loss });
+        if report.steps == limit {
+            break;
+        }
     }
     (model, Ok(report))
 }

@@ -83,3 +83,55 @@ pub fn noise(n: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A tiny MLP (4 inputs, hidden 3 and 3 with BN, 2 classes) seeded with `seed`, and its spec.
+pub fn tiny_mlp(seed: u64) -> (unifed_models::zoo::Mlp, ModelSpec) {
+    use unifed_models::zoo::{MlpConfig, seeded};
+    let net = seeded(&device(), seed, |d| {
+        MlpConfig {
+            inputs: 4,
+            hidden: [3, 3],
+            classes: 2,
+        }
+        .init(d)
+    });
+    let spec = spec(&net, 2, Input::Features { len: 4 });
+    (net, spec)
+}
+
+/// `n` samples of 4 noise features for [`tiny_mlp`], labels alternating 0 and 1.
+pub fn tiny_data(n: usize) -> unifed_models::data::Dataset {
+    unifed_models::data::Dataset {
+        name: "tiny".into(),
+        features: 4,
+        x: noise(4 * n, 11),
+        y: (0..n).map(|i| i % 2).collect(),
+    }
+}
+
+/// A round manifest of the tiny federation: round `round` from model `round - 1`, one chunk,
+/// BN sharing none, the given encoding, BN policy and local objective.
+pub fn tiny_manifest(
+    round: u64,
+    encoding: unifed_protocol::Encoding,
+    bn: unifed_protocol::messages::BnPolicy,
+    objective: unifed_protocol::messages::Objective,
+) -> unifed_protocol::messages::RoundManifest {
+    use unifed_protocol::messages::{BnSharing, RoundManifest, RoundPlan};
+    RoundManifest {
+        round,
+        model_version: round - 1,
+        spec_hash: unifed_protocol::SpecHash([0; 32]),
+        chunk_count: 1,
+        payload_len: 1,
+        payload_hash: [0; 32],
+        delta: None,
+        encoding,
+        bn_policy: bn,
+        bn_sharing: BnSharing::None,
+        sampled: vec![],
+        plan: RoundPlan { objective },
+        deadline_ms: 0,
+        finished: false,
+    }
+}

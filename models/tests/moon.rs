@@ -8,39 +8,15 @@ use burn::module::Module;
 use burn::tensor::{Tensor, TensorData};
 use common::*;
 use unifed_models::bn::BnPass;
-use unifed_models::data::Dataset;
 use unifed_models::objective::{SiteState, Term, contrastive_loss, cosine_rows};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, batch_tensors, train_objective};
-use unifed_models::zoo::{Mlp, MlpConfig, Net, seeded};
+use unifed_models::zoo::{Mlp, Net};
 use unifed_protocol::messages::{
-    BnPolicy, BnSharing, Download, Objective, RoundManifest, RoundPlan, ServerBroadcast,
-    ServerExtras,
+    BnPolicy, Download, Objective, RoundManifest, ServerBroadcast, ServerExtras,
 };
-use unifed_protocol::{Encoding, Id, Input, ModelSpec, SpecHash};
-
-fn tiny(seed: u64) -> (Mlp, ModelSpec) {
-    let net = seeded(&device(), seed, |d| {
-        MlpConfig {
-            inputs: 4,
-            hidden: [3, 3],
-            classes: 2,
-        }
-        .init(d)
-    });
-    let spec = spec(&net, 2, Input::Features { len: 4 });
-    (net, spec)
-}
-
-fn data(n: usize) -> Dataset {
-    Dataset {
-        name: "tiny".into(),
-        features: 4,
-        x: noise(4 * n, 11),
-        y: (0..n).map(|i| i % 2).collect(),
-    }
-}
+use unifed_protocol::{Encoding, Id, ModelSpec};
 
 fn rows(v: &[[f32; 2]], device: &burn::tensor::Device) -> Tensor<2> {
     let flat: Vec<f32> = v.iter().flatten().copied().collect();
@@ -136,17 +112,17 @@ fn tc() -> TrainConfig {
 
 #[test]
 fn a_moon_step_is_cross_entropy_until_there_is_a_previous_model_and_then_pulls_away_from_it() {
-    let (net0, spec) = tiny(3);
-    let (other, _) = tiny(9);
-    let d = data(16);
+    let (net0, spec) = tiny_mlp(3);
+    let (other, _) = tiny_mlp(9);
+    let d = tiny_data(16);
     let run = |term: &Term<Mlp>| {
         let (n, rep) = train_objective(&net0, &d, 2, &tc(), term, &device(), |_| {}).unwrap();
         (export(&n, &spec, Select::All).tensors, rep.epoch_losses)
     };
     let prepare = |objective: &Objective, previous: Option<Mlp>| {
         let state = SiteState {
-            correction: None,
             previous,
+            ..SiteState::default()
         };
         Term::new(objective, &net0, Select::NonBn, state).unwrap()
     };
@@ -195,7 +171,7 @@ fn a_moon_step_is_cross_entropy_until_there_is_a_previous_model_and_then_pulls_a
     // The frozen models are not trained: the starting model's weights are untouched.
     assert_eq!(
         export(&net0, &spec, Select::All).tensors,
-        export(&tiny(3).0, &spec, Select::All).tensors
+        export(&tiny_mlp(3).0, &spec, Select::All).tensors
     );
     // A bad temperature is refused, naming it.
     let err = Term::new(
@@ -212,22 +188,7 @@ fn a_moon_step_is_cross_entropy_until_there_is_a_previous_model_and_then_pulls_a
 }
 
 fn manifest(round: u64, objective: Objective) -> RoundManifest {
-    RoundManifest {
-        round,
-        model_version: round - 1,
-        spec_hash: SpecHash([0; 32]),
-        chunk_count: 1,
-        payload_len: 1,
-        payload_hash: [0; 32],
-        delta: None,
-        encoding: Encoding::F32,
-        bn_policy: BnPolicy::Local,
-        bn_sharing: BnSharing::None,
-        sampled: vec![],
-        plan: RoundPlan { objective },
-        deadline_ms: 0,
-        finished: false,
-    }
+    tiny_manifest(round, Encoding::F32, BnPolicy::Local, objective)
 }
 
 /// The server's model of `version`: the non-BN tensors of `net`.
@@ -246,15 +207,15 @@ fn broadcast(net: &Mlp, spec: &ModelSpec, version: u64) -> Download {
 #[test]
 fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_survives_a_restart()
 {
-    let (net, spec) = tiny(3);
-    let (next, _) = tiny(4);
+    let (net, spec) = tiny_mlp(3);
+    let (next, _) = tiny_mlp(4);
     let fed = Id::new("fed").unwrap();
     let tc = TrainConfig {
         batch_size: 8,
         ..TrainConfig::default()
     };
-    let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-    let mut plain = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+    let mut site = Site::new("a", net.clone(), tiny_data(16), tiny_data(8)).unwrap();
+    let mut plain = Site::new("a", net.clone(), tiny_data(16), tiny_data(8)).unwrap();
     // Round 1: no previous model, so MOON's update is FedAvg's, byte for byte.
     let a = site
         .train_round(&spec, &fed, &manifest(1, moon(1.0)), &tc, &device(), |_| {})
@@ -300,8 +261,8 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
     let mut again = Site::new(
         "a",
         import(&net, &spec, &state, Select::All).unwrap(),
-        data(16),
-        data(8),
+        tiny_data(16),
+        tiny_data(8),
     )
     .unwrap();
     again.restore_memory(site.memory().clone(), &spec).unwrap();
@@ -336,7 +297,7 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
         .get_mut(&name)
         .unwrap()
         .pop();
-    let err = Site::new("a", net.clone(), data(16), data(8))
+    let err = Site::new("a", net.clone(), tiny_data(16), tiny_data(8))
         .unwrap()
         .restore_memory(short, &spec)
         .unwrap_err();
@@ -344,7 +305,7 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
     // One that lacks a tensor cannot train, and says which.
     let mut partial = site.memory().clone();
     partial.previous.as_mut().unwrap().remove(&name);
-    let mut lacking = Site::new("a", net, data(16), data(8)).unwrap();
+    let mut lacking = Site::new("a", net, tiny_data(16), tiny_data(8)).unwrap();
     lacking.restore_memory(partial, &spec).unwrap();
     let err = lacking
         .train_round(&spec, &fed, &m2, &tc, &device(), |_| {})

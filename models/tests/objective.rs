@@ -14,31 +14,15 @@ use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, train_objective};
 use unifed_models::zoo::{Mlp, MlpConfig, seeded};
-use unifed_protocol::messages::{
-    BnPolicy, BnSharing, Download, Objective, RoundManifest, RoundPlan,
-};
+use unifed_protocol::messages::{BnPolicy, Download, Objective, RoundManifest, RoundPlan};
 use unifed_protocol::{Encoding, Envelope, Id, Input, ModelSpec, SiteUpdate, SpecHash, Values};
 
 fn tiny() -> (Mlp, ModelSpec) {
-    let net = seeded(&device(), 3, |d| {
-        MlpConfig {
-            inputs: 4,
-            hidden: [3, 3],
-            classes: 2,
-        }
-        .init(d)
-    });
-    let spec = spec(&net, 2, Input::Features { len: 4 });
-    (net, spec)
+    tiny_mlp(3)
 }
 
 fn data(n: usize) -> Dataset {
-    Dataset {
-        name: "tiny".into(),
-        features: 4,
-        x: noise(4 * n, 11),
-        y: (0..n).map(|i| i % 2).collect(),
-    }
+    tiny_data(n)
 }
 
 /// Every float parameter's gradient, with whether a BatchNorm layer owns it and whether it is a
@@ -181,22 +165,7 @@ fn a_fedprox_step_pulls_the_averaged_weights_toward_the_round_model_and_leaves_l
 }
 
 fn manifest(round: u64, encoding: Encoding, bn: BnPolicy) -> RoundManifest {
-    RoundManifest {
-        round,
-        model_version: round - 1,
-        spec_hash: SpecHash([0; 32]),
-        chunk_count: 1,
-        payload_len: 1,
-        payload_hash: [0; 32],
-        delta: None,
-        encoding,
-        bn_policy: bn,
-        bn_sharing: BnSharing::None,
-        sampled: vec![],
-        plan: RoundPlan::default(),
-        deadline_ms: 0,
-        finished: false,
-    }
+    tiny_manifest(round, encoding, bn, Objective::CrossEntropy)
 }
 
 fn update(bytes: &[u8]) -> SiteUpdate {
@@ -333,7 +302,7 @@ fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
         Select::NonBn,
         SiteState {
             correction: Some(&correction),
-            previous: None,
+            ..SiteState::default()
         },
     )
     .unwrap();

@@ -429,7 +429,7 @@ mod tests {
     #[test]
     fn a_message_from_another_protocol_version_is_refused_cleanly() {
         // Version 1 had no typed plans and reports, version 2 no control variates, version 3
-        // no signatures, version 4 no model deltas, version 5 no contrastive objective: all are
+        // no signatures, version 4 no model deltas, version 5 no MOON, FedDC or Per-FedAvg objectives: all are
         // refused by a version 6 peer, as is a future version 7.
         for other in [1u16, 2, 3, 4, 5, 7] {
             let mut bytes = envelope().encode();

@@ -74,8 +74,8 @@ impl core::str::FromStr for BnSharing {
 
 /// The local objective a sampled site optimises in a round, chosen by the server's strategy.
 /// One variant per family of local terms; the algorithms of UniFed's suite add theirs here
-/// (FedDC's drift, FedCD's mask-gradient matching, FedImpro's synthetic features join
-/// SCAFFOLD's correction and MOON's contrastive term).
+/// (FedCD's mask-gradient matching and FedImpro's synthetic features join SCAFFOLD's
+/// correction, MOON's contrastive term, FedDC's drift and Per-FedAvg's meta-steps).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub enum Objective {
     /// Cross-entropy alone (FedAvg, FedBN, and the FedOpt family, whose difference is on the
@@ -108,6 +108,26 @@ pub enum Objective {
         /// The temperature `t` (MOON: 0.5).
         temperature: f64,
     },
+    /// FedDC (Gao et al., CVPR 2022): SCAFFOLD's corrected gradient `g - c_i + c` plus the
+    /// drift penalty `alpha/2 ||w + h_i - w_global||^2`, where `h_i`, the site's local drift,
+    /// is the sum of its accepted (decoded) deltas. Control variates travel as under
+    /// [`Objective::Scaffold`]; the server adds the mean drift of all sites to the new model.
+    Drift {
+        /// The weight `alpha` of the drift penalty (FedDC's code: 0.01).
+        alpha: f64,
+    },
+    /// Per-FedAvg (Fallah, Mokhtari and Ozdaglar 2020), first-order: each local step takes two
+    /// batches, a step of `alpha` on the first to a temporary model, then the gradient of the
+    /// second batch at the temporary model applied with step `beta` to the model as it was.
+    /// A site evaluates the model after one personalisation step of `alpha` on a batch of its
+    /// own training data (UniFed personalises on labelled test data, which a deployed site does
+    /// not have).
+    Meta {
+        /// The inner (personalisation) step size.
+        alpha: f64,
+        /// The outer (meta) step size.
+        beta: f64,
+    },
 }
 
 impl Objective {
@@ -130,7 +150,28 @@ impl Objective {
                 ))
             }
             Objective::Contrastive { .. } => Ok(()),
+            Objective::Drift { alpha } if alpha.is_finite() && alpha >= 0.0 => Ok(()),
+            Objective::Drift { alpha } => Err(alloc::format!(
+                "FedDC alpha must be finite and non-negative, got {alpha}"
+            )),
+            Objective::Meta { alpha, beta } => {
+                for (name, v) in [("alpha", alpha), ("beta", beta)] {
+                    if !(v.is_finite() && v > 0.0) {
+                        return Err(alloc::format!(
+                            "Per-FedAvg {name} must be positive and finite, got {v}"
+                        ));
+                    }
+                }
+                Ok(())
+            }
         }
+    }
+
+    /// True when sites train against the server's control variate (SCAFFOLD, FedDC): the
+    /// model comes with it in [`ServerExtras::Control`] and each update carries the change of
+    /// the site's variate in [`SiteExtras::Control`].
+    pub fn uses_control(&self) -> bool {
+        matches!(self, Objective::Scaffold | Objective::Drift { .. })
     }
 }
 

@@ -290,7 +290,10 @@ pub fn run_federation<N: Net>(
                         recorded = v;
                         let accuracy = sites
                             .iter()
-                            .map(|s| s.evaluate(&spec, device).map(|e| e.accuracy()))
+                            .map(|s| {
+                                s.evaluate(&spec, &manifest.plan, tc, device)
+                                    .map(|e| e.accuracy())
+                            })
                             .collect::<Result<Vec<_>, _>>()?;
                         let rec = RoundRecord {
                             round: v,

@@ -1,8 +1,9 @@
 //! `unifed-sim`: in-process federations on the built-in domains.
 //!
 //! - `compare`: algorithms (FedAvg, FedProx, FedAdam, FedYogi, FedAdagrad, SCAFFOLD, FedNova,
-//!   MOON) x BN policies (`local`: client-specific BN, so FedAvg is FedBN; `global`) for R rounds and S seeds; a per-site accuracy table (mean and std
-//!   over seeds), the gain of `local` over `global` per algorithm, JSON and a convergence chart
+//!   MOON, FedDC, Per-FedAvg) x BN policies (`local`: client-specific BN, so FedAvg is FedBN;
+//!   `global`) for R rounds and S seeds; a per-site accuracy table (mean and std over seeds),
+//!   the gain of `local` over `global` per algorithm, JSON and a convergence chart
 //!   (results/algorithms.{json,svg}).
 //! - `aggregator-memory`: the aggregator's peak memory for one round of 10, 30 and 100 sites
 //!   (results/aggregator-memory.json).
@@ -67,7 +68,8 @@ enum Cmd {
         /// topkq8<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
-        /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, fednova, moon.
+        /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, fednova, moon,
+        /// feddc, perfedavg.
         #[arg(
             long,
             value_delimiter = ',',
@@ -140,9 +142,11 @@ fn parse_algorithm(s: &str, mu: f64, fedopt_lr: f64) -> Result<Algorithm> {
         "scaffold" => Algorithm::Scaffold(ScaffoldConfig::default()),
         "fednova" => Algorithm::FedNova(Default::default()),
         "moon" => Algorithm::Moon(Default::default()),
+        "feddc" => Algorithm::FedDc(Default::default()),
+        "perfedavg" => Algorithm::PerFedAvg(Default::default()),
         o => anyhow::bail!(
             "unknown algorithm `{o}`: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, \
-             fednova or moon"
+             fednova, moon, feddc or perfedavg"
         ),
     };
     a.validate().map_err(anyhow::Error::msg)?;
@@ -173,6 +177,8 @@ fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
         Algorithm::Scaffold(_) => "SCAFFOLD",
         Algorithm::FedNova(_) => "FedNova",
         Algorithm::Moon(_) => "MOON",
+        Algorithm::FedDc(_) => "FedDC",
+        Algorithm::PerFedAvg(_) => "Per-FedAvg",
     };
     match bn {
         BnPolicy::Local => format!("{name} (local BN)"),

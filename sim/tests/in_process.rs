@@ -340,3 +340,21 @@ fn moon_through_the_site_engine_is_fedavg_in_round_one_then_contrasts_with_each_
     // The server's rule is FedAvg's: every model is the weighted mean of the decoded updates.
     check_means(&moon, Select::NonBn);
 }
+
+#[test]
+fn per_fedavg_sites_take_meta_steps_and_the_server_takes_their_mean() {
+    let cap = federate_with(
+        Algorithm::PerFedAvg(Default::default()),
+        BnPolicy::Local,
+        Encoding::F32,
+        [48, 64, 40],
+    );
+    // Each meta-step takes two batches of 32: 48, 64 and 40 images are one step each.
+    for ups in cap.updates.values() {
+        let steps: Vec<u64> = ups.iter().map(|u| u.report.local_steps).collect();
+        assert_eq!(steps, vec![1, 1, 1]);
+    }
+    check_means(&cap, Select::NonBn);
+    // Every round was evaluated after personalisation, on every site.
+    assert!(cap.records.iter().all(|r| r.accuracy.len() == 3));
+}

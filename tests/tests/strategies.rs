@@ -1,9 +1,9 @@
 //! Stateful strategies over MQTT with the real binaries: a FedAdam federation (server moments),
-//! a SCAFFOLD federation (control variates both ways) and a MOON federation (each site's
-//! previous local model), each run once uninterrupted and once with an agent killed (SIGKILL)
-//! while it trains and the aggregator killed with a round half collected. Both must end
-//! bit-identical: the global model, the server's stored strategy state, and every site's model
-//! (BN included) and memory (its control variate, its previous local model). The uninterrupted run
+//! a SCAFFOLD federation (control variates both ways), a MOON federation (each site's previous
+//! local model) and a FedDC federation (variates, each site's drift, the server's drift sum),
+//! each run once uninterrupted and once with an agent killed (SIGKILL) while it trains and the
+//! aggregator killed with a round half collected. Both must end bit-identical: the global
+//! model, the server's stored strategy state, and every site's model (BN included) and memory. The uninterrupted run
 //! must also equal the in-process run of the same federation.
 
 mod common;
@@ -214,5 +214,33 @@ fn moon_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
             }
         }
         assert!(replaced > 0, "the previous model is the final global one");
+    }
+}
+
+#[test]
+fn feddc_with_global_bn_killed_agent_and_aggregator_ends_bit_identical() {
+    let alg = "{ name = \"feddc\" }";
+    let want = uninterrupted(alg, Algorithm::FedDc(Default::default()), "Global");
+    let got = disturbed(alg, "Global");
+    assert!(got.model == want.model, "the global model differs");
+    assert!(
+        got.strategy == want.strategy,
+        "the server's variate or drift sum differs"
+    );
+    assert!(
+        got.sites == want.sites,
+        "a site's model, variate or drift differs"
+    );
+    // Every site holds a drift (its accepted deltas summed) and a variate (FedDC ran): under
+    // global BN they cover the BN affine tensors, never the running statistics.
+    for (_, m) in &want.sites {
+        assert!(m.drift.values().flatten().any(|&v| v != 0.0));
+        assert!(
+            m.drift
+                .keys()
+                .any(|k| k.ends_with(".weight") && k.contains("bn"))
+        );
+        assert!(!m.drift.keys().any(|k| k.contains("running")));
+        assert!(!m.control.is_empty());
     }
 }

@@ -1,7 +1,7 @@
 //! FedAvg's server rule, which FedBN (BN policy `local`), FedProx (a proximal local objective;
-//! its server is FedAvg's, Li et al. Algorithm 2) and MOON (a contrastive local objective; its
-//! server is FedAvg's, Li, He and Song Algorithm 1) share: the weighted mean of the sites'
-//! deltas, folded in site order in f64.
+//! its server is FedAvg's, Li et al. Algorithm 2), MOON (a contrastive local objective; Li, He
+//! and Song Algorithm 1) and Per-FedAvg (first-order meta-steps on the sites; Fallah et al.
+//! Algorithm 1) share: the weighted mean of the sites' deltas, folded in site order in f64.
 
 use super::{Extras, RoundReader, Strategy, StrategyState, no_extras, step_by};
 use crate::store::StoreError;
@@ -35,6 +35,37 @@ impl MoonConfig {
         Objective::Contrastive {
             mu: self.mu,
             temperature: self.temperature,
+        }
+    }
+}
+
+/// Per-FedAvg's parameters: the inner (personalisation) and outer (meta) step sizes of the
+/// sites' first-order meta-steps. Both default to FedBN's learning rate, 0.01; each meta-step
+/// takes two batches, so an epoch has half as many steps as plain training.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PerFedAvgConfig {
+    /// The inner step size `alpha`, also the personalisation step before a site evaluates.
+    pub alpha: f64,
+    /// The outer step size `beta`.
+    pub beta: f64,
+}
+
+impl Default for PerFedAvgConfig {
+    fn default() -> Self {
+        PerFedAvgConfig {
+            alpha: 0.01,
+            beta: 0.01,
+        }
+    }
+}
+
+impl PerFedAvgConfig {
+    /// The local objective the sites train under.
+    pub fn objective(&self) -> Objective {
+        Objective::Meta {
+            alpha: self.alpha,
+            beta: self.beta,
         }
     }
 }

@@ -10,9 +10,10 @@
 //!   checks of names, shapes, encodings and finiteness; returns the extras decoded for the spool.
 //! - [`Strategy::aggregate`]: the new averaged tensors from a [`RoundReader`] over the round's
 //!   spooled contributions, which can be read as many times as a rule needs.
-//! - [`Strategy::state`]: serialisable state (FedOpt's moments, SCAFFOLD's control variate),
-//!   written beside the model version it belongs to (`models/v{N}.strategy`) before the state
-//!   that names the version is committed, so a crash never splits them.
+//! - [`Strategy::state`]: serialisable state (FedOpt's moments, SCAFFOLD's control variate,
+//!   FedDC's drift sum), written beside the model version it belongs to
+//!   (`models/v{N}.strategy`) before the state that names the version is committed, so a crash
+//!   never splits them.
 //!
 //! # Adding an algorithm
 //! Server side: a module here implementing [`Strategy`], a variant of [`Algorithm`] (its
@@ -27,11 +28,13 @@
 //! control variate: they are averaged (FedOpt's NaN in peers came from Adam on variances).
 
 mod fedavg;
+mod feddc;
 mod fednova;
 mod fedopt;
 mod scaffold;
 
-pub use fedavg::{FedAvg, MoonConfig};
+pub use fedavg::{FedAvg, MoonConfig, PerFedAvgConfig};
+pub use feddc::{FedDc, FedDcConfig};
 pub use fednova::{FedNova, FedNovaConfig};
 pub use fedopt::{FedOpt, FedOptConfig, Rule};
 pub use scaffold::{Scaffold, ScaffoldConfig};
@@ -73,6 +76,12 @@ pub enum Algorithm {
     /// MOON: FedAvg's mean, with sites adding a model-contrastive loss on their representation
     /// against the round's model and their previous local model (Li, He and Song).
     Moon(MoonConfig),
+    /// FedDC: SCAFFOLD's control variates plus each site's local drift, penalised on the site
+    /// and added back on the server (Gao et al.).
+    FedDc(FedDcConfig),
+    /// Per-FedAvg, first order: FedAvg's mean of sites trained by meta-steps, each site
+    /// personalising the model by one step before it evaluates (Fallah et al.).
+    PerFedAvg(PerFedAvgConfig),
 }
 
 impl Algorithm {
@@ -87,6 +96,8 @@ impl Algorithm {
             Algorithm::Scaffold(c) => c.validate(),
             Algorithm::FedNova(c) => c.validate(),
             Algorithm::Moon(c) => c.objective().validate(),
+            Algorithm::FedDc(c) => c.validate(),
+            Algorithm::PerFedAvg(c) => c.objective().validate(),
         }
     }
 
@@ -101,6 +112,8 @@ impl Algorithm {
             Algorithm::Scaffold(_) => "scaffold",
             Algorithm::FedNova(_) => "fednova",
             Algorithm::Moon(_) => "moon",
+            Algorithm::FedDc(_) => "feddc",
+            Algorithm::PerFedAvg(_) => "perfedavg",
         }
     }
 
@@ -112,6 +125,7 @@ impl Algorithm {
                 | Algorithm::FedProx { .. }
                 | Algorithm::FedNova(_)
                 | Algorithm::Moon(_)
+                | Algorithm::PerFedAvg(_)
         )
     }
 }
@@ -120,7 +134,7 @@ impl Algorithm {
 /// [`Setup::tensors`] that a gradient trains (BN running statistics left out), in order.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub enum StrategyState {
-    /// The strategy keeps nothing between rounds (FedAvg, FedProx, FedNova, MOON).
+    /// The strategy keeps nothing between rounds (FedAvg, FedProx, FedNova, MOON, Per-FedAvg).
     #[default]
     Stateless,
     /// FedOpt's first and second moments.
@@ -139,6 +153,17 @@ pub enum StrategyState {
         known: Vec<String>,
         /// The number of sites `c` is the mean over.
         n: u64,
+    },
+    /// FedDC's: SCAFFOLD's control variate and the sum of every site's drift.
+    FedDc {
+        /// The server control variate `c`.
+        c: Vec<Vec<f32>>,
+        /// Sites that have reported, in order (empty when the sites are registered).
+        known: Vec<String>,
+        /// The number of sites `c` is the mean over and `H` is divided by.
+        n: u64,
+        /// `H`, the sum of every site's drift `h_i`.
+        drift: Vec<Vec<f32>>,
     },
 }
 
@@ -162,6 +187,10 @@ impl StrategyState {
                 }
             }
             StrategyState::Scaffold { c, .. } => finite("server control variate", c),
+            StrategyState::FedDc { c, drift, .. } => {
+                finite("server control variate", c)?;
+                finite("drift sum", drift)
+            }
         }
     }
 
@@ -171,6 +200,7 @@ impl StrategyState {
             StrategyState::Stateless => "stateless",
             StrategyState::FedOpt { .. } => "FedOpt moments",
             StrategyState::Scaffold { .. } => "SCAFFOLD control variate",
+            StrategyState::FedDc { .. } => "FedDC control variate and drift",
         }
     }
 }
@@ -379,6 +409,12 @@ pub fn from_config(
         }
         (Algorithm::Moon(c), None | Some(StrategyState::Stateless)) => {
             Ok(Box::new(FedAvg::new(c.objective())))
+        }
+        (Algorithm::PerFedAvg(c), None | Some(StrategyState::Stateless)) => {
+            Ok(Box::new(FedAvg::new(c.objective())))
+        }
+        (Algorithm::FedDc(c), s @ (None | Some(StrategyState::FedDc { .. }))) => {
+            Ok(Box::new(FedDc::new(*c, setup, s)?))
         }
         (_, Some(s)) => mismatch(&s),
     }

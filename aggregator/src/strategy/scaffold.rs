@@ -123,7 +123,7 @@ impl Scaffold {
     }
 
     /// The `N` that `c` averages over now.
-    fn sites(&self) -> u64 {
+    pub(crate) fn sites(&self) -> u64 {
         if self.registered > 0 {
             self.registered as u64
         } else {
@@ -134,6 +134,11 @@ impl Scaffold {
     /// The server control variate, in trainable-tensor order.
     pub fn control(&self) -> &[Vec<f32>] {
         &self.c
+    }
+
+    /// What the state keeps: `c`, the sites known so far and the `N` that `c` is the mean over.
+    pub(crate) fn parts(&self) -> (Vec<Vec<f32>>, Vec<String>, u64) {
+        (self.c.clone(), self.known.clone(), self.n)
     }
 }
 
@@ -170,7 +175,7 @@ impl Strategy for Scaffold {
                 Ok(Extras::Control(dc))
             }
             SiteExtras::None => Err(RejectReason::UnexpectedExtras(
-                "no control variate, which a SCAFFOLD round needs".into(),
+                "no control variate, which this algorithm's rounds need".into(),
             )),
         }
     }
@@ -214,11 +219,8 @@ impl Strategy for Scaffold {
     }
 
     fn state(&self) -> StrategyState {
-        StrategyState::Scaffold {
-            c: self.c.clone(),
-            known: self.known.clone(),
-            n: self.n,
-        }
+        let (c, known, n) = self.parts();
+        StrategyState::Scaffold { c, known, n }
     }
 }
 
