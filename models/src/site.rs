@@ -709,6 +709,19 @@ impl<N: Net> Site<N> {
         tc: &TrainConfig,
         device: &Device,
     ) -> Result<EvalReport, SiteError> {
+        self.evaluate_on(&self.test, spec, plan, tc, device)
+    }
+
+    /// [`Site::evaluate`] on `data` instead of the site's test split (a validation split, for
+    /// selecting a round).
+    pub fn evaluate_on(
+        &self,
+        data: &Dataset,
+        spec: &ModelSpec,
+        plan: &RoundPlan,
+        tc: &TrainConfig,
+        device: &Device,
+    ) -> Result<EvalReport, SiteError> {
         let classes = spec.classes.len();
         let personal = match plan.objective {
             Objective::Meta { alpha, .. } => Some(personalise(
@@ -723,7 +736,7 @@ impl<N: Net> Site<N> {
             _ => None,
         };
         let net = personal.as_ref().unwrap_or(&self.net);
-        Ok(evaluate(net, &self.test, classes, 256, device)?)
+        Ok(evaluate(net, data, classes, 256, device)?)
     }
 }
 

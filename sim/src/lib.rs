@@ -5,6 +5,7 @@
 //! the algorithm suite grows from here.
 
 pub mod chart;
+pub mod experiment;
 pub mod heap;
 pub mod memory;
 
@@ -27,7 +28,7 @@ use unifed_protocol::topics::Topics;
 use unifed_site::{Action as SiteAction, EngineConfig, Event as SiteEvent, SiteEngine};
 
 /// What a federation run did in one round.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RoundRecord {
     /// The round.
     pub round: u64,
@@ -43,6 +44,10 @@ pub struct RoundRecord {
     pub download_bytes: Vec<usize>,
     /// Wall seconds of the round (training, aggregation, evaluation).
     pub seconds: f64,
+    /// The plan of the rounds the new model was announced for (how sites deploy it: Per-FedAvg
+    /// personalises before it evaluates).
+    #[serde(default)]
+    pub plan: unifed_protocol::messages::RoundPlan,
 }
 
 /// Messages a run passed, lent to the observer, for tests that check what crossed the transport.
@@ -302,6 +307,7 @@ pub fn run_federation<N: Net>(
                             model_bytes,
                             download_bytes: download_bytes.clone(),
                             seconds: t0.elapsed().as_secs_f64(),
+                            plan: manifest.plan,
                         };
                         on_round(&rec, sites);
                         records.push(rec);

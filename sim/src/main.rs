@@ -23,6 +23,7 @@ use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, seeded, spec_o
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::messages::BnPolicy;
 use unifed_sim::chart::{Series, line_chart};
+use unifed_sim::experiment::{mean_std, method_name};
 use unifed_sim::{RoundRecord, Site, run_federation};
 
 #[derive(Parser)]
@@ -106,6 +107,16 @@ enum Cmd {
         #[arg(long, hide = true)]
         one: Option<usize>,
     },
+    /// An experiment preset (TOML: algorithms x BN policies x seeds, rounds, split sizes,
+    /// model): every run not already in the output folder, then the internal table (best on
+    /// validation and final, local - global BN per algorithm) and a convergence chart.
+    Experiment {
+        /// The preset file (e.g. configs/experiments/unifed-digits.toml).
+        preset: PathBuf,
+        /// Output folder (default results/experiments/<name>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// FedBN with each encoding over several seeds: bytes per site per round up (updates) and
     /// down (model deltas), and final accuracy against the first encoding (f32).
     Encodings {
@@ -158,31 +169,6 @@ fn parse_policy(s: &str) -> Result<BnPolicy> {
         "local" => Ok(BnPolicy::Local),
         "global" => Ok(BnPolicy::Global),
         o => anyhow::bail!("unknown BN policy `{o}`: local or global"),
-    }
-}
-
-/// A method's name in tables: FedAvg with local BN is FedBN.
-fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
-    let name = match a {
-        Algorithm::FedAvg => {
-            return match bn {
-                BnPolicy::Local => "FedBN".into(),
-                BnPolicy::Global => "FedAvg".into(),
-            };
-        }
-        Algorithm::FedProx { .. } => "FedProx",
-        Algorithm::FedAdam(_) => "FedAdam",
-        Algorithm::FedYogi(_) => "FedYogi",
-        Algorithm::FedAdagrad(_) => "FedAdagrad",
-        Algorithm::Scaffold(_) => "SCAFFOLD",
-        Algorithm::FedNova(_) => "FedNova",
-        Algorithm::Moon(_) => "MOON",
-        Algorithm::FedDc(_) => "FedDC",
-        Algorithm::PerFedAvg(_) => "Per-FedAvg",
-    };
-    match bn {
-        BnPolicy::Local => format!("{name} (local BN)"),
-        BnPolicy::Global => format!("{name} (global BN)"),
     }
 }
 
@@ -292,12 +278,6 @@ fn run_one(
         records,
         sites: sites.iter().map(|s| s.id.to_string()).collect(),
     })
-}
-
-fn mean_std(v: &[f64]) -> (f64, f64) {
-    let m = v.iter().sum::<f64>() / v.len() as f64;
-    let s = (v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len().max(2) - 1) as f64).sqrt();
-    (m, if v.len() > 1 { s } else { 0.0 })
 }
 
 const COLOURS: [&str; 8] = [
@@ -456,6 +436,18 @@ fn main() -> Result<()> {
     }
     let data = BuiltinData::load().context("loading the built-in data")?;
     match cli.cmd {
+        Cmd::Experiment { preset, out } => {
+            let p = unifed_sim::experiment::Preset::load(&preset)?;
+            let out = out.unwrap_or_else(|| PathBuf::from("results/experiments").join(&p.name));
+            let done = unifed_sim::experiment::run(&p, &data, &out, |line| eprintln!("{line}"))?;
+            println!(
+                "{}: {} run(s) trained, {} reused; tables in {}",
+                p.name,
+                done.trained,
+                done.reused,
+                out.join("internal.md").display()
+            );
+        }
         Cmd::Compare {
             common,
             seeds,

@@ -257,8 +257,9 @@ impl Domain {
     }
 }
 
-/// Sizes of a domain's splits.
+/// Sizes of a domain's splits; a field left out of a config takes its default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SplitSizes {
     /// Training images per training domain (FedBN's 10% setting: 743).
     pub train: usize,

@@ -1,0 +1,154 @@
+//! The experiment runner on a small preset: the runs, the tables computed from them
+//! (best-on-validation selection, mean over sites, local - global BN), resuming from finished
+//! runs, and refusing runs of other settings.
+
+use std::path::Path;
+use unifed_models::data::BuiltinData;
+use unifed_sim::experiment::{Preset, RunResult, run};
+
+const PRESET: &str = r#"
+name = "tiny"
+algorithms = [{ name = "fedavg" }, { name = "fedprox", mu = 0.01 }]
+policies = ["Local", "Global"]
+seeds = 1
+rounds = 2
+sizes = { train = 32, val = 16, test = 16 }
+model = { conv = [4, 6, 8], fc = [32, 16] }
+"#;
+
+fn preset(text: &str, dir: &Path) -> Preset {
+    let p = dir.join("preset.toml");
+    std::fs::write(&p, text).unwrap();
+    Preset::load(&p).unwrap()
+}
+
+fn json(out: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(out.join("internal.json")).unwrap()).unwrap()
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+#[test]
+fn a_preset_runs_every_combination_writes_the_tables_and_resumes_from_finished_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let data = BuiltinData::load().unwrap();
+    let p = preset(PRESET, dir.path());
+    let mut lines = Vec::new();
+    let done = run(&p, &data, &out, |l| lines.push(l.to_string())).unwrap();
+    assert_eq!((done.trained, done.reused), (4, 0));
+    // One progress line per round of every run, each with an estimate of the time left.
+    assert_eq!(lines.len(), 8);
+    assert!(lines.iter().all(|l| l.contains("left")), "{lines:?}");
+
+    let j = json(&out);
+    let names: Vec<&str> = j["methods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["method"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "FedBN",
+            "FedAvg",
+            "FedProx (local BN)",
+            "FedProx (global BN)"
+        ]
+    );
+    // The tables are what the run files say: each site's test accuracy at the round of its
+    // best validation accuracy, and the final round's.
+    for (m, (alg, policy)) in j["methods"].as_array().unwrap().iter().zip([
+        ("fedavg", "local"),
+        ("fedavg", "global"),
+        ("fedprox", "local"),
+        ("fedprox", "global"),
+    ]) {
+        let file = out.join(format!("runs/{alg}-{policy}-seed0.json"));
+        let r: RunResult = serde_json::from_slice(&std::fs::read(file).unwrap()).unwrap();
+        assert_eq!(r.sites.len(), 5);
+        assert_eq!((r.rounds.len(), r.val.len()), (2, 2));
+        let best: Vec<f64> = (0..5)
+            .map(|k| {
+                let pick = if r.val[1][k] > r.val[0][k] { 1 } else { 0 };
+                r.rounds[pick].accuracy[k]
+            })
+            .collect();
+        let got: Vec<f64> =
+            serde_json::from_value(m["best_on_val"]["per_seed_per_site"][0].clone()).unwrap();
+        assert_eq!(got, best);
+        let last: Vec<f64> =
+            serde_json::from_value(m["final"]["per_seed_per_site"][0].clone()).unwrap();
+        assert_eq!(last, r.rounds[1].accuracy);
+        assert!(best.iter().chain(&last).all(|a| (0.0..=1.0).contains(a)));
+    }
+    // local - global per algorithm, from the means over sites.
+    let means = |i: usize, key: &str| -> f64 {
+        serde_json::from_value::<Vec<f64>>(j["methods"][i][key]["mean_over_sites_per_seed"].clone())
+            .unwrap()[0]
+    };
+    let gain: Vec<f64> =
+        serde_json::from_value(j["local_minus_global"][0]["final_per_seed"].clone()).unwrap();
+    assert_eq!(gain, vec![means(0, "final") - means(1, "final")]);
+    assert_eq!(
+        means(0, "final"),
+        mean(
+            &serde_json::from_value::<Vec<f64>>(
+                j["methods"][0]["final"]["per_seed_per_site"][0].clone()
+            )
+            .unwrap()
+        )
+    );
+    let md = std::fs::read_to_string(out.join("internal.md")).unwrap();
+    assert!(md.contains("| FedBN | best on val |"), "{md}");
+    assert!(out.join("internal.svg").exists());
+
+    // Started again, it trains nothing and writes the same tables.
+    let before = std::fs::read(out.join("internal.json")).unwrap();
+    let done = run(&p, &data, &out, |_| {}).unwrap();
+    assert_eq!((done.trained, done.reused), (0, 4));
+    assert_eq!(std::fs::read(out.join("internal.json")).unwrap(), before);
+    // A second seed trains only the new runs.
+    let two = preset(&PRESET.replace("seeds = 1", "seeds = 2"), dir.path());
+    let done = run(&two, &data, &out, |_| {}).unwrap();
+    assert_eq!((done.trained, done.reused), (4, 4));
+    assert_eq!(json(&out)["methods"][0]["seeds"], serde_json::json!([0, 1]));
+    // Runs of other settings are refused, naming the file, never mixed in.
+    let longer = preset(&PRESET.replace("rounds = 2", "rounds = 3"), dir.path());
+    let err = run(&longer, &data, &out, |_| {}).unwrap_err().to_string();
+    assert!(err.contains("fedavg-local-seed0.json"), "{err}");
+}
+
+#[test]
+fn a_bad_preset_is_refused_naming_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.toml");
+    for (text, needle) in [
+        (PRESET.replace("rounds = 2", "roundz = 2"), "roundz"),
+        (PRESET.replace("val = 16", "val = 0"), "sizes.val"),
+        (
+            PRESET.replace("mu = 0.01", "mu = -1.0"),
+            "FedProx mu must be finite and non-negative",
+        ),
+        (PRESET.replace("\"Global\"", "\"Shared\""), "Shared"),
+    ] {
+        std::fs::write(&p, text).unwrap();
+        let err = format!("{:#}", Preset::load(&p).unwrap_err());
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+}
+
+#[test]
+fn the_committed_presets_load() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/experiments");
+    let mut n = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = Preset::load(&e.unwrap().path()).unwrap();
+        assert!(p.seeds >= 1 && !p.algorithms.is_empty());
+        n += 1;
+    }
+    assert!(n >= 1);
+}
