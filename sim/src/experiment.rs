@@ -10,8 +10,10 @@
 //! (std) over seeds, and the gain of `local` over `global` BN per algorithm) and a convergence
 //! chart are written to `<out>/internal.{md,json,svg}`.
 //!
-//! Not yet here: the leave-one-domain-out external table, Dirichlet label skew, a user's folder
-//! of domains and per-round loss curves.
+//! The sites are the built-in training domains, or the domains of a user's folder
+//! (`<root>/<domain>/{train,val,test}/<class>/<image>`, classes the union of the class folders),
+//! loaded once per experiment. Not yet here: the leave-one-domain-out external table, Dirichlet
+//! label skew and per-round loss curves.
 
 use crate::chart::{Series, line_chart};
 use crate::{RoundRecord, Site, initial_model, run_federation};
@@ -22,10 +24,11 @@ use std::time::Instant;
 use unifed_aggregator::{Algorithm, FederationConfig};
 use unifed_models::backend::Backend;
 use unifed_models::checkpoint::write_atomic;
-use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes};
+use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelled};
 use unifed_models::train::TrainConfig;
 use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_protocol::messages::BnPolicy;
+use unifed_protocol::{Input, ModelSpec, Scaling};
 
 /// An experiment: what to run and on which data.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -47,9 +50,151 @@ pub struct Preset {
     /// Images per built-in training domain in each split.
     #[serde(default)]
     pub sizes: SplitSizes,
-    /// The digits CNN's widths (FedBN's full size by default).
+    /// The digits CNN's widths and input size (FedBN's full size by default); its class count
+    /// comes from the data.
     #[serde(default)]
     pub model: DigitsCnnConfig,
+    /// Where the sites' data comes from.
+    #[serde(default)]
+    pub data: DataSource,
+}
+
+/// The data of an experiment's sites.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum DataSource {
+    /// The built-in training domains (`data = "builtin"`), split by `sizes`.
+    #[default]
+    Builtin,
+    /// A folder of domains, one site each (`data = { folder = "..." }`):
+    /// `<root>/<domain>/{train,val,test}/<class>/<image>`, PNG or JPEG, resized to the model's
+    /// input; `sizes` does not apply.
+    Folder(PathBuf),
+}
+
+/// One site's data: its name and splits.
+#[derive(Debug, Clone)]
+pub struct SiteData {
+    /// The site (its domain's name).
+    pub name: String,
+    /// Training split.
+    pub train: Dataset,
+    /// Validation split (selects the round).
+    pub val: Dataset,
+    /// Test split.
+    pub test: Dataset,
+}
+
+/// The model spec and every site's data of `preset`, loaded once.
+pub fn load_sites(preset: &Preset, builtin: &BuiltinData) -> Result<(ModelSpec, Vec<SiteData>)> {
+    let input = Input::Image {
+        channels: preset.model.in_channels as u32,
+        height: preset.model.size[0] as u32,
+        width: preset.model.size[1] as u32,
+        scaling: Scaling::MinusOneToOne,
+    };
+    let classes = match &preset.data {
+        DataSource::Builtin => ModelConfig::fedbn_digits().classes,
+        DataSource::Folder(root) => folder_classes(root)?,
+    };
+    let model = DigitsCnnConfig {
+        classes: classes.len(),
+        ..preset.model.clone()
+    };
+    let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
+    let spec = spec_of(&model.init(&device), &classes, &input);
+    let sites = match &preset.data {
+        DataSource::Builtin => Domain::TRAINING
+            .into_iter()
+            .map(|d| {
+                let dd = builtin.domain(d, &preset.sizes, 0)?;
+                let split = |s: &unifed_models::data::DomainSplit, what: &str| {
+                    s.dataset(&format!("{}/{what}", d.name()), &spec)
+                };
+                Ok(SiteData {
+                    name: d.name().to_string(),
+                    train: split(&dd.train, "train")?,
+                    val: split(&dd.val, "val")?,
+                    test: split(&dd.test, "test")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?,
+        DataSource::Folder(root) => domains(root)?
+            .into_iter()
+            .map(|(name, dir)| {
+                let [train, val, test] = load_labelled(&dir, &spec)
+                    .with_context(|| format!("domain `{name}` ({})", dir.display()))?;
+                if val.is_empty() {
+                    bail!(
+                        "domain `{name}` has no validation images ({}): rounds are selected on \
+                         them",
+                        dir.join("val").display()
+                    );
+                }
+                Ok(SiteData {
+                    name,
+                    train,
+                    val,
+                    test,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?,
+    };
+    Ok((spec, sites))
+}
+
+/// The domains of a folder: its subfolders, sorted, as (name, path).
+fn domains(root: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(root).with_context(|| format!("reading {}", root.display()))? {
+        let p = e
+            .with_context(|| format!("reading {}", root.display()))?
+            .path();
+        if p.is_dir() {
+            let name = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .with_context(|| format!("{}: not a UTF-8 name", p.display()))?;
+            out.push((name.to_string(), p.clone()));
+        }
+    }
+    out.sort();
+    if out.len() < 2 {
+        bail!(
+            "{} holds {} domain folder(s); a federation needs at least two",
+            root.display(),
+            out.len()
+        );
+    }
+    Ok(out)
+}
+
+/// The classes of a folder of domains: the union of the class folders of every split, sorted.
+fn folder_classes(root: &Path) -> Result<Vec<String>> {
+    let mut classes = std::collections::BTreeSet::new();
+    for (_, dir) in domains(root)? {
+        for split in ["train", "val", "test"] {
+            let Ok(entries) = std::fs::read_dir(dir.join(split)) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                if e.path().is_dir()
+                    && let Some(n) = e.file_name().to_str()
+                {
+                    classes.insert(n.to_string());
+                }
+            }
+        }
+    }
+    if classes.len() < 2 {
+        bail!(
+            "{}: found {} class folder(s) under <domain>/{{train,val,test}}; a classifier needs \
+             at least two",
+            root.display(),
+            classes.len()
+        );
+    }
+    Ok(classes.into_iter().collect())
 }
 
 fn one() -> usize {
@@ -93,6 +238,7 @@ impl Preset {
             "epochs": self.epochs,
             "sizes": self.sizes,
             "model": self.model,
+            "data": self.data,
         })
     }
 }
@@ -228,16 +374,23 @@ pub fn run(
         }
     }
     let reused = results.len();
+    // The data is loaded (or rendered) once, and only when there is a run to do.
+    let loaded = match todo.is_empty() {
+        true => None,
+        false => Some(load_sites(preset, data)?),
+    };
     let total_rounds = todo.len() as u64 * preset.rounds;
     let (started, mut done) = (Instant::now(), 0u64);
-    for (k, (a, bn, seed, file)) in todo.iter().enumerate() {
+    for ((k, (a, bn, seed, file)), (spec, site_data)) in
+        todo.iter().enumerate().zip(loaded.iter().cycle())
+    {
         let label = format!(
             "[{}/{}] {} seed {seed}",
             k + 1,
             todo.len(),
             method_name(a, *bn)
         );
-        let r = run_one(preset, data, *a, *bn, *seed, |round, mean| {
+        let r = run_one(preset, spec, site_data, *a, *bn, *seed, |round, mean| {
             done += 1;
             let per = started.elapsed().as_secs_f64() / done as f64;
             let left = per * (total_rounds - done) as f64;
@@ -268,33 +421,28 @@ fn clock(seconds: f64) -> String {
     }
 }
 
-/// One run: the built-in training domains as sites, each evaluated on its validation and test
-/// splits after every round.
+/// One run over `data`'s sites, each evaluated on its validation and test splits after every
+/// round.
 fn run_one(
     preset: &Preset,
-    data: &BuiltinData,
+    spec: &ModelSpec,
+    data: &[SiteData],
     algorithm: Algorithm,
     bn: BnPolicy,
     seed: u64,
     mut on_round: impl FnMut(u64, f64),
 ) -> Result<RunResult> {
     let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
-    let mc = ModelConfig::fedbn_digits();
-    let init = || seeded(&device, seed, |d| preset.model.init(d));
+    let model = DigitsCnnConfig {
+        classes: spec.classes.len(),
+        ..preset.model.clone()
+    };
+    let init = || seeded(&device, seed, |d| model.init(d));
     let net0 = init();
-    let spec = spec_of(&net0, &mc.classes, &mc.input);
-    let mut sites = Vec::new();
-    let mut vals: Vec<Dataset> = Vec::new();
-    for d in Domain::TRAINING {
-        let dd = data.domain(d, &preset.sizes, 0)?;
-        vals.push(dd.val.dataset(&format!("{}/val", d.name()), &spec)?);
-        sites.push(Site::new(
-            d.name(),
-            init(),
-            dd.train.dataset(&format!("{}/train", d.name()), &spec)?,
-            dd.test.dataset(&format!("{}/test", d.name()), &spec)?,
-        )?);
-    }
+    let mut sites = data
+        .iter()
+        .map(|d| Site::new(&d.name, init(), d.train.clone(), d.test.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
     let cfg = FederationConfig {
         algorithm,
         bn_policy: bn,
@@ -309,7 +457,7 @@ fn run_one(
     let mut failed = None;
     let rounds = run_federation(
         cfg,
-        initial_model(&net0, &spec),
+        initial_model(&net0, spec),
         &mut sites,
         &tc,
         &device,
@@ -317,9 +465,9 @@ fn run_one(
         |rec, sites| {
             let v: Result<Vec<f64>, _> = sites
                 .iter()
-                .zip(&vals)
+                .zip(data)
                 .map(|(s, d)| {
-                    s.evaluate_on(d, &spec, &rec.plan, &tc, &device)
+                    s.evaluate_on(&d.val, spec, &rec.plan, &tc, &device)
                         .map(|e| e.accuracy())
                 })
                 .collect();

@@ -152,3 +152,55 @@ fn the_committed_presets_load() {
     }
     assert!(n >= 1);
 }
+
+#[test]
+fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes() {
+    use unifed_models::data::{Domain, SplitSizes};
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("domains");
+    let data = BuiltinData::load().unwrap();
+    let sizes = SplitSizes {
+        train: 24,
+        val: 12,
+        test: 12,
+        ..SplitSizes::default()
+    };
+    // Two sites under names the runner has never seen, as PNG files in class folders.
+    for (name, d) in [("hospital-a", Domain::Grey), ("hospital-b", Domain::Noisy)] {
+        let dd = data.domain(d, &sizes, 0).unwrap();
+        for (split, s) in [("train", &dd.train), ("val", &dd.val), ("test", &dd.test)] {
+            s.write_folder(&root.join(name).join(split)).unwrap();
+        }
+    }
+    let text = PRESET
+        .replace("name = \"tiny\"", "name = \"folder\"")
+        .replace(
+            "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
+            "algorithms = [{ name = \"fedavg\" }]",
+        )
+        + &format!("data = {{ folder = {:?} }}\n", root.display().to_string());
+    let p = preset(&text, dir.path());
+    let out = dir.path().join("out");
+    let done = run(&p, &data, &out, |_| {}).unwrap();
+    assert_eq!((done.trained, done.reused), (2, 0));
+    let j = json(&out);
+    assert_eq!(j["sites"], serde_json::json!(["hospital-a", "hospital-b"]));
+    let gain = &j["local_minus_global"][0];
+    assert_eq!(gain["algorithm"], "fedavg");
+    let r: RunResult =
+        serde_json::from_slice(&std::fs::read(out.join("runs/fedavg-local-seed0.json")).unwrap())
+            .unwrap();
+    assert_eq!((r.rounds.len(), r.rounds[0].accuracy.len()), (2, 2));
+
+    // A domain without validation images, or a single domain, is refused by name.
+    std::fs::remove_dir_all(root.join("hospital-b/val")).unwrap();
+    let again = dir.path().join("again");
+    let err = format!("{:#}", run(&p, &data, &again, |_| {}).unwrap_err());
+    assert!(
+        err.contains("hospital-b") && err.contains("validation"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(root.join("hospital-b")).unwrap();
+    let err = format!("{:#}", run(&p, &data, &again, |_| {}).unwrap_err());
+    assert!(err.contains("at least two"), "{err}");
+}
