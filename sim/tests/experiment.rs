@@ -204,3 +204,54 @@ fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes()
     let err = format!("{:#}", run(&p, &data, &again, |_| {}).unwrap_err());
     assert!(err.contains("at least two"), "{err}");
 }
+
+#[test]
+fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let data = BuiltinData::load().unwrap();
+    let text = PRESET.replace(
+        "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
+        "algorithms = [{ name = \"fedavg\" }]",
+    ) + "external = { stream = { tau = 0.5, batch_size = 8, start = \"stored\" } }\n";
+    let p = preset(&text, dir.path());
+    let done = run(&p, &data, &out, |_| {}).unwrap();
+    // Two internal runs, and five held-out domains under each of two policies.
+    assert_eq!((done.trained, done.reused), (12, 0));
+    let j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("external.json")).unwrap()).unwrap();
+    let domains: Vec<String> = serde_json::from_value(j["domains"].clone()).unwrap();
+    assert_eq!(domains, ["grey", "texture", "lowres", "fonts", "noisy"]);
+    for (m, name) in j["methods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(["FedBN", "FedAvg"])
+    {
+        assert_eq!(m["method"], name);
+        for key in ["deployed", "stream", "calibrate"] {
+            let v: Vec<Vec<f64>> =
+                serde_json::from_value(m[key]["per_domain_per_seed"].clone()).unwrap();
+            assert_eq!(v.len(), 5);
+            assert!(v.iter().flatten().all(|a| (0.0..=1.0).contains(a)));
+            let mean: Vec<f64> =
+                serde_json::from_value(m[key]["mean_over_domains_per_seed"].clone()).unwrap();
+            let want = v.iter().map(|d| d[0]).sum::<f64>() / 5.0;
+            assert!((mean[0] - want).abs() < 1e-12);
+        }
+    }
+    // Each held-out run trained on the four other domains.
+    let r: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(out.join("runs/external/fedavg-local-seed0-texture.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(r["held_out"], "texture");
+    assert!(
+        std::fs::read_to_string(out.join("external.md"))
+            .unwrap()
+            .contains("| FedBN | stream |")
+    );
+    // Started again, nothing is trained.
+    let done = run(&p, &data, &out, |_| {}).unwrap();
+    assert_eq!((done.trained, done.reused), (0, 12));
+}

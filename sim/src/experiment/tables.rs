@@ -1,0 +1,275 @@
+//! The experiment's tables and chart: UniFed Table 2's shape (internal) and Table 3's
+//! (external, leave one domain out), as markdown and JSON.
+
+use super::{ExternalResult, Preset, RunResult};
+use crate::chart::{Series, line_chart};
+use anyhow::Result;
+use std::path::Path;
+use unifed_aggregator::Algorithm;
+use unifed_models::checkpoint::write_atomic;
+use unifed_protocol::messages::BnPolicy;
+
+/// A method's name in tables: FedAvg under local BN is FedBN.
+pub fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
+    let name = match a {
+        Algorithm::FedAvg => {
+            return match bn {
+                BnPolicy::Local => "FedBN".into(),
+                BnPolicy::Global => "FedAvg".into(),
+            };
+        }
+        Algorithm::FedProx { .. } => "FedProx",
+        Algorithm::FedAdam(_) => "FedAdam",
+        Algorithm::FedYogi(_) => "FedYogi",
+        Algorithm::FedAdagrad(_) => "FedAdagrad",
+        Algorithm::Scaffold(_) => "SCAFFOLD",
+        Algorithm::FedNova(_) => "FedNova",
+        Algorithm::Moon(_) => "MOON",
+        Algorithm::FedDc(_) => "FedDC",
+        Algorithm::PerFedAvg(_) => "Per-FedAvg",
+    };
+    match bn {
+        BnPolicy::Local => format!("{name} (local BN)"),
+        BnPolicy::Global => format!("{name} (global BN)"),
+    }
+}
+
+/// Mean and sample standard deviation (0 for one value).
+pub fn mean_std(v: &[f64]) -> (f64, f64) {
+    let m = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    if v.len() < 2 {
+        return (m, 0.0);
+    }
+    let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64;
+    (m, var.sqrt())
+}
+
+const COLOURS: [&str; 10] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    "#7f7f7f", "#bcbd22",
+];
+
+/// Writes `<out>/internal.{md,json,svg}` from the runs, in the preset's order of methods.
+pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -> Result<()> {
+    let sites = results[0].sites.clone();
+    let mut methods = Vec::new();
+    for a in &preset.algorithms {
+        for &bn in &preset.policies {
+            let mut runs: Vec<&RunResult> = results
+                .iter()
+                .filter(|r| r.algorithm == *a && r.bn_policy == bn && r.seed < preset.seeds)
+                .collect();
+            runs.sort_by_key(|r| r.seed);
+            methods.push((*a, bn, runs));
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let pct = |(m, s): (f64, f64)| format!("{:.2} ({:.2})", 100.0 * m, 100.0 * s);
+    let mut md = format!(
+        "# {}: internal accuracy\n\n{} rounds x {} local epoch(s), {} seeds; {} training, {} \
+         validation and {} test images per site. Each cell: test accuracy in %, mean (std) over \
+         seeds; **best on validation** takes, for each site, the round of its highest \
+         validation accuracy (UniFed's selection), **final** the last round.\n\n",
+        preset.name,
+        preset.rounds,
+        preset.epochs,
+        preset.seeds,
+        preset.sizes.train,
+        preset.sizes.val,
+        preset.sizes.test
+    );
+    md.push_str("| method | selection | ");
+    md.push_str(&sites.join(" | "));
+    md.push_str(" | mean |\n|---|---|");
+    md.push_str(&"---:|".repeat(sites.len() + 1));
+    md.push('\n');
+    let mut json_methods = Vec::new();
+    let mut series = Vec::new();
+    for ((a, bn, runs), colour) in methods.iter().zip(COLOURS.iter().cycle()) {
+        let name = method_name(a, *bn);
+        let mut entry = serde_json::json!({
+            "method": name, "algorithm": a, "bn_policy": bn,
+            "seeds": runs.iter().map(|r| r.seed).collect::<Vec<_>>(),
+        });
+        for (key, pick) in [
+            (
+                "best_on_val",
+                RunResult::best_on_val as fn(&RunResult) -> Vec<f64>,
+            ),
+            ("final", RunResult::last),
+        ] {
+            let per_run: Vec<Vec<f64>> = runs.iter().map(|r| pick(r)).collect();
+            let mut cells = Vec::new();
+            for k in 0..sites.len() {
+                cells.push(pct(mean_std(
+                    &per_run.iter().map(|v| v[k]).collect::<Vec<_>>(),
+                )));
+            }
+            let means: Vec<f64> = per_run.iter().map(|v| mean(v)).collect();
+            cells.push(format!("**{}**", pct(mean_std(&means))));
+            md.push_str(&format!(
+                "| {name} | {} | {} |\n",
+                key.replace('_', " "),
+                cells.join(" | ")
+            ));
+            entry[key] = serde_json::json!({
+                "per_seed_per_site": per_run,
+                "mean_over_sites_per_seed": means,
+            });
+        }
+        let curves: Vec<Vec<f64>> = runs
+            .iter()
+            .map(|r| r.rounds.iter().map(|x| mean(&x.accuracy)).collect())
+            .collect();
+        let stats: Vec<(f64, f64)> = (0..preset.rounds as usize)
+            .map(|i| mean_std(&curves.iter().map(|c| c[i]).collect::<Vec<_>>()))
+            .collect();
+        entry["mean_test_accuracy_per_round"] = serde_json::json!(curves);
+        let secs: Vec<f64> = runs
+            .iter()
+            .flat_map(|r| r.rounds.iter().map(|x| x.seconds))
+            .collect();
+        entry["seconds_per_round_mean"] = serde_json::json!(mean(&secs));
+        series.push(Series {
+            name: name.clone(),
+            colour: (*colour).into(),
+            values: stats.iter().map(|x| x.0).collect(),
+            band: stats.iter().map(|x| x.1).collect(),
+        });
+        json_methods.push(entry);
+    }
+    // The gain of client-specific BN per algorithm, seed by seed (UniFed Table 2's last rows).
+    let mut gains = Vec::new();
+    md.push_str("\n| algorithm | local - global, best on validation | local - global, final |\n|---|---:|---:|\n");
+    for a in &preset.algorithms {
+        let find = |bn| methods.iter().find(|(b, p, _)| b == a && *p == bn);
+        let (Some((_, _, local)), Some((_, _, global))) =
+            (find(BnPolicy::Local), find(BnPolicy::Global))
+        else {
+            continue;
+        };
+        let diff = |pick: fn(&RunResult) -> Vec<f64>| -> Vec<f64> {
+            local
+                .iter()
+                .zip(global.iter())
+                .map(|(l, g)| mean(&pick(l)) - mean(&pick(g)))
+                .collect()
+        };
+        let (best, last) = (diff(RunResult::best_on_val), diff(RunResult::last));
+        let signed = |(m, s): (f64, f64)| format!("{:+.2} ({:.2})", 100.0 * m, 100.0 * s);
+        md.push_str(&format!(
+            "| {} | {} | {} |\n",
+            a.name(),
+            signed(mean_std(&best)),
+            signed(mean_std(&last))
+        ));
+        gains.push(serde_json::json!({
+            "algorithm": a.name(),
+            "best_on_val_per_seed": best,
+            "final_per_seed": last,
+        }));
+    }
+    let json = serde_json::json!({
+        "experiment": preset.name,
+        "preset": preset,
+        "sites": sites,
+        "methods": json_methods,
+        "local_minus_global": gains,
+    });
+    write_atomic(&out.join("internal.md"), md.as_bytes())?;
+    write_atomic(
+        &out.join("internal.json"),
+        &serde_json::to_vec_pretty(&json)?,
+    )?;
+    let svg = line_chart(
+        &format!("{}: mean test accuracy over sites", preset.name),
+        "mean test accuracy over sites",
+        &series,
+    );
+    write_atomic(&out.join("internal.svg"), svg.as_bytes())?;
+    Ok(())
+}
+
+/// Writes `<out>/external.{md,json}`: per method (algorithm x policy) and estimate (deployed,
+/// stream, calibrate), the held-out domains' test accuracy, mean (std) over seeds, and the
+/// mean over domains.
+pub(super) fn write_external(
+    preset: &Preset,
+    out: &Path,
+    results: &[ExternalResult],
+) -> Result<()> {
+    let mut domains: Vec<String> = Vec::new();
+    for r in results {
+        if !domains.contains(&r.held_out) {
+            domains.push(r.held_out.clone());
+        }
+    }
+    let algorithms = match preset.external.as_ref() {
+        Some(e) if !e.algorithms.is_empty() => &e.algorithms,
+        _ => &preset.algorithms,
+    };
+    let pct = |(m, s): (f64, f64)| format!("{:.2} ({:.2})", 100.0 * m, 100.0 * s);
+    let mut md = format!(
+        "# {}: external accuracy (leave one domain out)\n\nEach domain in turn is held out; \
+         the others federate for {} rounds; the held-out test split is scored with the global \
+         model as deployed (local BN: its own never-trained BN), with `stream` re-estimation \
+         on its test batches, and after `calibrate` on its unlabelled training images. Test \
+         accuracy in %, mean (std) over {} seeds.\n\n| method | estimate | {} | mean |\n|---|---|{}\n",
+        preset.name,
+        preset.rounds,
+        preset.seeds,
+        domains.join(" | "),
+        "---:|".repeat(domains.len() + 1)
+    );
+    let mut methods = Vec::new();
+    for a in algorithms {
+        for &bn in &preset.policies {
+            let name = method_name(a, bn);
+            let mut entry = serde_json::json!({"method": name, "algorithm": a, "bn_policy": bn});
+            for (key, pick) in [
+                (
+                    "deployed",
+                    (|r: &ExternalResult| r.deployed) as fn(&ExternalResult) -> f64,
+                ),
+                ("stream", |r| r.stream),
+                ("calibrate", |r| r.calibrate),
+            ] {
+                // Per domain, the accuracies over seeds; per seed, the mean over domains.
+                let per_domain: Vec<Vec<f64>> = domains
+                    .iter()
+                    .map(|d| {
+                        let mut v: Vec<&ExternalResult> = results
+                            .iter()
+                            .filter(|r| r.algorithm == *a && r.bn_policy == bn && &r.held_out == d)
+                            .collect();
+                        v.sort_by_key(|r| r.seed);
+                        v.into_iter().map(pick).collect()
+                    })
+                    .collect();
+                let seeds = per_domain.iter().map(Vec::len).min().unwrap_or(0);
+                let per_seed: Vec<f64> = (0..seeds)
+                    .map(|s| per_domain.iter().map(|v| v[s]).sum::<f64>() / domains.len() as f64)
+                    .collect();
+                let mut cells: Vec<String> = per_domain.iter().map(|v| pct(mean_std(v))).collect();
+                cells.push(format!("**{}**", pct(mean_std(&per_seed))));
+                md.push_str(&format!("| {name} | {key} | {} |\n", cells.join(" | ")));
+                entry[key] = serde_json::json!({
+                    "per_domain_per_seed": per_domain,
+                    "mean_over_domains_per_seed": per_seed,
+                });
+            }
+            methods.push(entry);
+        }
+    }
+    let json = serde_json::json!({
+        "experiment": preset.name,
+        "domains": domains,
+        "methods": methods,
+    });
+    write_atomic(&out.join("external.md"), md.as_bytes())?;
+    write_atomic(
+        &out.join("external.json"),
+        &serde_json::to_vec_pretty(&json)?,
+    )?;
+    Ok(())
+}
