@@ -142,6 +142,8 @@ pub struct Site<N: Net> {
     encode_seconds: f64,
     /// Where training parks the starting model ([`Site::park_base_in`]).
     park: Option<std::path::PathBuf>,
+    /// The round and report of the last update [`Site::train_round`] made.
+    report: Option<(u64, LocalReport)>,
 }
 
 impl<N: Net> Site<N> {
@@ -156,6 +158,7 @@ impl<N: Net> Site<N> {
             pending: None,
             encode_seconds: 0.0,
             park: None,
+            report: None,
         })
     }
 
@@ -496,16 +499,18 @@ impl<N: Net> Site<N> {
             Vec::new()
         };
         self.pending = Some((m.round, next));
+        let report = LocalReport {
+            local_steps: rep.steps as u64,
+            train_loss: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
+        };
+        self.report = Some((m.round, report));
         let upd = SiteUpdate {
             round: m.round,
             base_version: m.model_version,
             samples: self.train.len() as u64,
             delta: encoded,
             bn: shared,
-            report: LocalReport {
-                local_steps: rep.steps as u64,
-                train_loss: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
-            },
+            report,
             extras,
         };
         let bytes = Envelope::encode_new(
@@ -535,6 +540,12 @@ impl<N: Net> Site<N> {
                 Err(e)
             }
         }
+    }
+
+    /// The round and report (local steps, last epoch's training loss) of the last update
+    /// [`Site::train_round`] made.
+    pub fn last_report(&self) -> Option<(u64, LocalReport)> {
+        self.report
     }
 
     /// Seconds the last [`Site::train_round`] spent after training: the delta, its encoding with

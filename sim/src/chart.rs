@@ -1,4 +1,5 @@
-//! A small SVG line chart (no plotting dependency): mean accuracy per round per series.
+//! A small SVG line chart (no plotting dependency): a value per round per series (accuracy in
+//! percent, or a plain value such as a loss).
 
 use std::fmt::Write;
 
@@ -9,14 +10,28 @@ pub struct Series {
     pub name: String,
     /// CSS colour.
     pub colour: String,
-    /// Values per round (0..1).
+    /// Values per round (0..1 on a percent scale); a NaN leaves a gap in the line.
     pub values: Vec<f64>,
     /// Optional +/- band per round (std over seeds).
     pub band: Vec<f64>,
 }
 
-/// Renders the series as an SVG document with axes, grid and legend.
+/// How the y axis is labelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scale {
+    /// Values in [0, 1] shown as percent.
+    Percent,
+    /// Values as they are (a loss).
+    Plain,
+}
+
+/// Renders the series as an SVG document with axes, grid and legend, the y axis in percent.
 pub fn line_chart(title: &str, y_label: &str, series: &[Series]) -> String {
+    chart(title, y_label, series, Scale::Percent)
+}
+
+/// [`line_chart`] with the y axis on `scale`.
+pub fn chart(title: &str, y_label: &str, series: &[Series], scale: Scale) -> String {
     let (w, h, l, r, t, b) = (720.0, 420.0, 60.0, 170.0, 40.0, 50.0);
     let n = series
         .iter()
@@ -32,9 +47,15 @@ pub fn line_chart(title: &str, y_label: &str, series: &[Series]) -> String {
                 .zip(s.band.iter().chain(std::iter::repeat(&0.0)))
                 .flat_map(|(v, d)| [v - d, v + d])
         })
+        .filter(|v| v.is_finite())
         .collect();
-    let lo = (all.iter().cloned().fold(1.0, f64::min) * 10.0).floor() / 10.0;
-    let hi = ((all.iter().cloned().fold(0.0, f64::max) * 10.0).ceil() / 10.0).max(lo + 0.1);
+    let (min, max) = match scale {
+        Scale::Percent => (1.0, 0.0),
+        Scale::Plain => (f64::INFINITY, f64::NEG_INFINITY),
+    };
+    let lo = (all.iter().cloned().fold(min, f64::min) * 10.0).floor() / 10.0;
+    let lo = if lo.is_finite() { lo } else { 0.0 };
+    let hi = ((all.iter().cloned().fold(max, f64::max) * 10.0).ceil() / 10.0).max(lo + 0.1);
     let x = |i: usize| l + (w - l - r) * i as f64 / (n - 1) as f64;
     let y = |v: f64| t + (h - t - b) * (1.0 - (v - lo) / (hi - lo));
     let mut s = String::new();
@@ -51,11 +72,14 @@ pub fn line_chart(title: &str, y_label: &str, series: &[Series]) -> String {
         let v = lo + (hi - lo) * k as f64 / 5.0;
         let _ = write!(
             s,
-            r##"<line x1="{l}" x2="{}" y1="{y0}" y2="{y0}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{:.0}%</text>"##,
+            r##"<line x1="{l}" x2="{}" y1="{y0}" y2="{y0}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
             w - r,
             l - 6.0,
             y(v) + 4.0,
-            v * 100.0,
+            match scale {
+                Scale::Percent => format!("{:.0}%", v * 100.0),
+                Scale::Plain => format!("{v:.2}"),
+            },
             y0 = y(v)
         );
     }
@@ -105,18 +129,26 @@ pub fn line_chart(title: &str, y_label: &str, series: &[Series]) -> String {
                 se.colour
             );
         }
-        let pts: Vec<String> = se
+        // A NaN (no value that round) breaks the line into pieces.
+        let mut piece: Vec<String> = Vec::new();
+        for (i, v) in se
             .values
             .iter()
             .enumerate()
-            .map(|(i, v)| format!("{:.1},{:.1}", x(i), y(*v)))
-            .collect();
-        let _ = write!(
-            s,
-            r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="2"/>"#,
-            pts.join(" "),
-            se.colour
-        );
+            .chain([(usize::MAX, &f64::NAN)])
+        {
+            if v.is_finite() {
+                piece.push(format!("{:.1},{:.1}", x(i), y(*v)));
+            } else if !piece.is_empty() {
+                let _ = write!(
+                    s,
+                    r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="2"/>"#,
+                    piece.join(" "),
+                    se.colour
+                );
+                piece.clear();
+            }
+        }
         let ly = t + 20.0 * k as f64;
         let _ = write!(
             s,

@@ -34,6 +34,13 @@ pub struct RoundRecord {
     pub round: u64,
     /// Each site's test accuracy after the round (its model = new global + its BN under `local`).
     pub accuracy: Vec<f64>,
+    /// Each site's mean test cross-entropy after the round.
+    #[serde(default)]
+    pub test_loss: Vec<f64>,
+    /// Each site's training loss (its last local epoch's mean cross-entropy) in the round, for
+    /// the sites that trained in it.
+    #[serde(default)]
+    pub train_loss: Vec<Option<f64>>,
     /// Bytes of each site's update message.
     pub update_bytes: Vec<usize>,
     /// Bytes of the broadcast model payload.
@@ -293,16 +300,21 @@ pub fn run_federation<N: Net>(
                     let v = manifest.model_version;
                     if v > recorded && applied.iter().all(|a| *a == Some(v)) {
                         recorded = v;
-                        let accuracy = sites
+                        let evals = sites
                             .iter()
-                            .map(|s| {
-                                s.evaluate(&spec, &manifest.plan, tc, device)
-                                    .map(|e| e.accuracy())
-                            })
+                            .map(|s| s.evaluate(&spec, &manifest.plan, tc, device))
                             .collect::<Result<Vec<_>, _>>()?;
                         let rec = RoundRecord {
                             round: v,
-                            accuracy,
+                            accuracy: evals.iter().map(|e| e.accuracy()).collect(),
+                            test_loss: evals.iter().map(|e| e.loss).collect(),
+                            train_loss: sites
+                                .iter()
+                                .map(|s| match s.last_report() {
+                                    Some((r, rep)) if r == v => Some(rep.train_loss),
+                                    _ => None,
+                                })
+                                .collect(),
                             update_bytes: update_bytes.clone(),
                             model_bytes,
                             download_bytes: download_bytes.clone(),

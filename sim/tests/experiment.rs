@@ -104,7 +104,32 @@ fn a_preset_runs_every_combination_writes_the_tables_and_resumes_from_finished_r
     );
     let md = std::fs::read_to_string(out.join("internal.md")).unwrap();
     assert!(md.contains("| FedBN | best on val |"), "{md}");
-    assert!(out.join("internal.svg").exists());
+    // Loss curves: each site's reported training loss and test loss per round, and their mean,
+    // charted with the accuracy per site.
+    let r: RunResult =
+        serde_json::from_slice(&std::fs::read(out.join("runs/fedavg-local-seed0.json")).unwrap())
+            .unwrap();
+    let train: Vec<Vec<f64>> =
+        serde_json::from_value(j["methods"][0]["train_loss_per_round"]["per_site"].clone())
+            .unwrap();
+    for (k, site) in train.iter().enumerate() {
+        for (i, v) in site.iter().enumerate() {
+            let reported = r.rounds[i].train_loss[k].unwrap();
+            assert!(reported.is_finite() && reported > 0.0);
+            assert_eq!(*v, reported);
+        }
+    }
+    let mean_test: Vec<f64> =
+        serde_json::from_value(j["methods"][0]["test_loss_per_round"]["mean"].clone()).unwrap();
+    assert!((mean_test[1] - mean(&r.rounds[1].test_loss)).abs() < 1e-12);
+    for f in [
+        "internal.svg",
+        "internal-loss.svg",
+        "charts/fedbn.svg",
+        "charts/fedprox-local-bn-loss.svg",
+    ] {
+        assert!(out.join(f).exists(), "{f}");
+    }
 
     // Started again, it trains nothing and writes the same tables.
     let before = std::fs::read(out.join("internal.json")).unwrap();

@@ -13,8 +13,10 @@
 //! The sites are the built-in training domains, or the domains of a user's folder
 //! (`<root>/<domain>/{train,val,test}/<class>/<image>`, classes the union of the class folders),
 //! loaded once per experiment. With `[external]`, each domain is also held out in turn and scored
-//! after the others federate (UniFed Table 3's shape, `<out>/external.{md,json}`). Not yet here:
-//! Dirichlet label skew and per-round loss curves.
+//! after the others federate (UniFed Table 3's shape, `<out>/external.{md,json}`). Loss curves
+//! (each site's reported training loss and its test loss per round) go to the JSON and to
+//! `<out>/internal-loss.svg`, per-site accuracy and loss charts of each method to
+//! `<out>/charts/`. Not yet here: Dirichlet label skew.
 
 use crate::{RoundRecord, Site, initial_model, run_federation};
 use anyhow::{Context, Result, bail};
@@ -541,6 +543,8 @@ mod tests {
         RoundRecord {
             round,
             accuracy,
+            test_loss: vec![],
+            train_loss: vec![],
             update_bytes: vec![],
             model_bytes: 0,
             download_bytes: vec![],

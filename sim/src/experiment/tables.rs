@@ -2,7 +2,7 @@
 //! (external, leave one domain out), as markdown and JSON.
 
 use super::{ExternalResult, Preset, RunResult};
-use crate::chart::{Series, line_chart};
+use crate::chart::{Scale, Series, chart, line_chart};
 use anyhow::Result;
 use std::path::Path;
 use unifed_aggregator::Algorithm;
@@ -85,6 +85,8 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
     md.push('\n');
     let mut json_methods = Vec::new();
     let mut series = Vec::new();
+    let mut loss_series = Vec::new();
+    std::fs::create_dir_all(out.join("charts"))?;
     for ((a, bn, runs), colour) in methods.iter().zip(COLOURS.iter().cycle()) {
         let name = method_name(a, *bn);
         let mut entry = serde_json::json!({
@@ -136,6 +138,102 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             values: stats.iter().map(|x| x.0).collect(),
             band: stats.iter().map(|x| x.1).collect(),
         });
+        // Losses per round: the training loss the sites that trained reported, the test loss
+        // of every site; per site and as the mean over sites, each the mean over seeds.
+        let train = |r: &RunResult, k: usize| -> Vec<f64> {
+            r.rounds
+                .iter()
+                .map(|x| x.train_loss.get(k).copied().flatten().unwrap_or(f64::NAN))
+                .collect()
+        };
+        let test = |r: &RunResult, k: usize| -> Vec<f64> {
+            r.rounds
+                .iter()
+                .map(|x| x.test_loss.get(k).copied().unwrap_or(f64::NAN))
+                .collect()
+        };
+        let over_seeds = |f: &dyn Fn(&RunResult, usize) -> Vec<f64>, k: usize| -> Vec<f64> {
+            (0..preset.rounds as usize)
+                .map(|i| nan_mean(&runs.iter().map(|r| f(r, k)[i]).collect::<Vec<_>>()))
+                .collect()
+        };
+        let per_site = |f: &dyn Fn(&RunResult, usize) -> Vec<f64>| -> Vec<Vec<f64>> {
+            (0..sites.len()).map(|k| over_seeds(f, k)).collect()
+        };
+        let (train_sites, test_sites) = (per_site(&train), per_site(&test));
+        let site_mean = |v: &[Vec<f64>]| -> Vec<f64> {
+            (0..preset.rounds as usize)
+                .map(|i| nan_mean(&v.iter().map(|s| s[i]).collect::<Vec<_>>()))
+                .collect()
+        };
+        let train_mean = site_mean(&train_sites);
+        entry["train_loss_per_round"] =
+            serde_json::json!({"per_site": train_sites, "mean": train_mean});
+        entry["test_loss_per_round"] =
+            serde_json::json!({"per_site": test_sites, "mean": site_mean(&test_sites)});
+        loss_series.push(Series {
+            name: name.clone(),
+            colour: (*colour).into(),
+            values: train_mean,
+            band: Vec::new(),
+        });
+        // Per site: accuracy and training loss, each the mean over seeds.
+        let accuracy_sites: Vec<Vec<f64>> = (0..sites.len())
+            .map(|k| {
+                (0..preset.rounds as usize)
+                    .map(|i| {
+                        mean(
+                            &runs
+                                .iter()
+                                .map(|r| r.rounds[i].accuracy[k])
+                                .collect::<Vec<_>>(),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let slug: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '-'
+                }
+            })
+            .collect::<String>()
+            .split('-')
+            .filter(|p| !p.is_empty())
+            .collect::<Vec<_>>()
+            .join("-");
+        for (values, what, scale, file) in [
+            (
+                &accuracy_sites,
+                "test accuracy",
+                Scale::Percent,
+                format!("{slug}.svg"),
+            ),
+            (
+                &train_sites,
+                "training loss",
+                Scale::Plain,
+                format!("{slug}-loss.svg"),
+            ),
+        ] {
+            let lines: Vec<Series> = sites
+                .iter()
+                .zip(values)
+                .zip(COLOURS.iter().cycle())
+                .map(|((site, v), c)| Series {
+                    name: site.clone(),
+                    colour: (*c).into(),
+                    values: v.clone(),
+                    band: Vec::new(),
+                })
+                .collect();
+            let svg = chart(&format!("{name}: {what} per site"), what, &lines, scale);
+            write_atomic(&out.join("charts").join(file), svg.as_bytes())?;
+        }
         json_methods.push(entry);
     }
     // The gain of client-specific BN per algorithm, seed by seed (UniFed Table 2's last rows).
@@ -187,6 +285,13 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
         &series,
     );
     write_atomic(&out.join("internal.svg"), svg.as_bytes())?;
+    let svg = chart(
+        &format!("{}: mean training loss over sites", preset.name),
+        "training loss",
+        &loss_series,
+        Scale::Plain,
+    );
+    write_atomic(&out.join("internal-loss.svg"), svg.as_bytes())?;
     Ok(())
 }
 
@@ -272,4 +377,14 @@ pub(super) fn write_external(
         &serde_json::to_vec_pretty(&json)?,
     )?;
     Ok(())
+}
+
+/// The mean of the finite values (NaN when there is none).
+fn nan_mean(v: &[f64]) -> f64 {
+    let finite: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if finite.is_empty() {
+        f64::NAN
+    } else {
+        finite.iter().sum::<f64>() / finite.len() as f64
+    }
 }
