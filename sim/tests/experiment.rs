@@ -170,9 +170,15 @@ fn a_bad_preset_is_refused_naming_what_is_wrong() {
 fn the_committed_presets_load() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/experiments");
     let mut n = 0;
+    let data = BuiltinData::load().unwrap();
     for e in std::fs::read_dir(dir).unwrap() {
         let p = Preset::load(&e.unwrap().path()).unwrap();
         assert!(p.seeds >= 1 && !p.algorithms.is_empty());
+        // A label-skewed preset's draw must leave every site enough images.
+        if matches!(p.data, unifed_sim::experiment::DataSource::Dirichlet(_)) {
+            let (_, sites) = unifed_sim::experiment::load_sites(&p, &data).unwrap();
+            assert_eq!(sites.len(), 10);
+        }
         n += 1;
     }
     assert!(n >= 1);
@@ -279,4 +285,58 @@ fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
     // Started again, nothing is trained.
     let done = run(&p, &data, &out, |_| {}).unwrap();
     assert_eq!((done.trained, done.reused), (0, 12));
+}
+
+#[test]
+fn label_skew_spreads_the_pooled_domains_over_ten_sites_and_samples_half_of_them_each_round() {
+    use unifed_sim::experiment::load_sites;
+    let dir = tempfile::tempdir().unwrap();
+    let data = BuiltinData::load().unwrap();
+    let text = PRESET
+        .replace(
+            "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
+            "algorithms = [{ name = \"fedavg\" }]",
+        )
+        .replace(
+            "policies = [\"Local\", \"Global\"]",
+            "policies = [\"Local\"]",
+        )
+        .replace(
+            "sizes = { train = 32, val = 16, test = 16 }",
+            "sizes = { train = 100, val = 20, test = 20 }",
+        )
+        + "fraction = 0.5\ndata = { dirichlet = { alpha = 0.1, sites = 10 } }\n";
+    let p = preset(&text, dir.path());
+    // Every pooled image lands on one site, and the sites' label mixes are skewed: on average
+    // one class holds well over the 10 % it would under an even spread.
+    let (_, sites) = load_sites(&p, &data).unwrap();
+    assert_eq!(sites.len(), 10);
+    assert_eq!(sites[3].name, "site-03");
+    let total: usize = sites.iter().map(|s| s.train.len()).sum();
+    assert_eq!(total, 5 * 100);
+    assert_eq!(sites.iter().map(|s| s.test.len()).sum::<usize>(), 5 * 20);
+    let top_share: f64 = sites
+        .iter()
+        .map(|s| {
+            let counts = s.train.class_counts(10);
+            *counts.iter().max().unwrap() as f64 / s.train.len() as f64
+        })
+        .sum::<f64>()
+        / 10.0;
+    assert!(top_share > 0.4, "{top_share}");
+    assert!(
+        sites
+            .iter()
+            .all(|s| s.train.len() >= 10 && s.val.len() >= 2)
+    );
+    let out = dir.path().join("out");
+    run(&p, &data, &out, |_| {}).unwrap();
+    let r: RunResult =
+        serde_json::from_slice(&std::fs::read(out.join("runs/fedavg-local-seed0.json")).unwrap())
+            .unwrap();
+    for rec in &r.rounds {
+        // Every site evaluates every model; five of the ten trained in each round.
+        assert_eq!(rec.accuracy.len(), 10);
+        assert_eq!(rec.train_loss.iter().filter(|l| l.is_some()).count(), 5);
+    }
 }

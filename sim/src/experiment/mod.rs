@@ -16,7 +16,8 @@
 //! after the others federate (UniFed Table 3's shape, `<out>/external.{md,json}`). Loss curves
 //! (each site's reported training loss and its test loss per round) go to the JSON and to
 //! `<out>/internal-loss.svg`, per-site accuracy and loss charts of each method to
-//! `<out>/charts/`. Not yet here: Dirichlet label skew.
+//! `<out>/charts/`. Label skew (`data = { dirichlet = ... }`, with `fraction` of the sites
+//! sampled per round) runs the same way.
 
 use crate::{RoundRecord, Site, initial_model, run_federation};
 use anyhow::{Context, Result, bail};
@@ -39,7 +40,7 @@ use unifed_protocol::messages::BnPolicy;
 mod data;
 mod tables;
 
-pub use data::{DataSource, SiteData, load_sites};
+pub use data::{DataSource, LabelSkew, SiteData, load_sites};
 pub use tables::{mean_std, method_name};
 use tables::{write_external, write_tables};
 use unifed_protocol::ModelSpec;
@@ -74,6 +75,14 @@ pub struct Preset {
     /// The external table by leave-one-domain-out rotation; absent: none.
     #[serde(default)]
     pub external: Option<External>,
+    /// The fraction of the sites sampled to train each round (FedImpro's label skew: 0.5,
+    /// five of ten); every site evaluates every round's model.
+    #[serde(default = "all")]
+    pub fraction: f64,
+}
+
+fn all() -> f64 {
+    1.0
 }
 
 /// UniFed's external evaluation (Table 3's shape): each domain in turn is held out, the others
@@ -137,6 +146,9 @@ impl Preset {
         if self.seeds == 0 || self.rounds == 0 || self.epochs == 0 {
             bail!("seeds, rounds and epochs must be at least 1");
         }
+        if !(self.fraction > 0.0 && self.fraction <= 1.0) {
+            bail!("fraction must lie in (0, 1], got {}", self.fraction);
+        }
         if self.sizes.val == 0 {
             bail!("sizes.val must be at least 1: rounds are selected on validation accuracy");
         }
@@ -158,6 +170,7 @@ impl Preset {
             "model": self.model,
             "data": self.data,
             "stream": self.external.as_ref().map(|e| e.stream),
+            "fraction": self.fraction,
         })
     }
 }
@@ -484,10 +497,13 @@ fn run_one(
         .iter()
         .map(|d| Site::new(&d.name, init(), d.train.clone(), d.test.clone()))
         .collect::<Result<Vec<_>, _>>()?;
+    let sampled = ((sites.len() as f64 * preset.fraction).ceil() as usize).max(1);
     let cfg = FederationConfig {
         algorithm,
         bn_policy: bn,
-        ..FederationConfig::new("experiment", preset.rounds, sites.len(), Vec::new())
+        fraction: preset.fraction,
+        seed,
+        ..FederationConfig::new("experiment", preset.rounds, sampled, Vec::new())
     };
     let tc = TrainConfig {
         epochs: preset.epochs,
