@@ -192,6 +192,22 @@ pub struct RunResult {
     pub rounds: Vec<RoundRecord>,
     /// Each round's validation accuracies, per site.
     pub val: Vec<Vec<f64>>,
+    /// Wall seconds each round's validation took (the round's own `seconds` cover training,
+    /// aggregation and the test evaluation).
+    #[serde(default)]
+    pub val_seconds: Vec<f64>,
+}
+
+impl RunResult {
+    /// Wall seconds of each round as the runner spends it: the round's record plus its
+    /// validation.
+    pub fn round_seconds(&self) -> Vec<f64> {
+        self.rounds
+            .iter()
+            .zip(self.val_seconds.iter().chain(std::iter::repeat(&0.0)))
+            .map(|(r, v)| r.seconds + v)
+            .collect()
+    }
 }
 
 impl RunResult {
@@ -511,6 +527,7 @@ fn run_one(
         ..TrainConfig::default()
     };
     let mut val = Vec::new();
+    let mut val_seconds = Vec::new();
     let mut failed = None;
     let rounds = run_federation(
         cfg,
@@ -520,6 +537,7 @@ fn run_one(
         &device,
         |_| {},
         |rec, sites| {
+            let started = Instant::now();
             let v: Result<Vec<f64>, _> = sites
                 .iter()
                 .zip(data)
@@ -532,6 +550,7 @@ fn run_one(
                 Ok(v) => val.push(v),
                 Err(e) => failed = Some(e),
             }
+            val_seconds.push(started.elapsed().as_secs_f64());
             let mean = rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64;
             on_round(rec.round, mean);
         },
@@ -547,6 +566,7 @@ fn run_one(
         sites: sites.iter().map(|s| s.id.to_string()).collect(),
         rounds,
         val,
+        val_seconds,
     };
     Ok((r, sites))
 }
@@ -584,6 +604,7 @@ mod tests {
             ],
             // a: best on validation in round 2; b: rounds 1 and 3 tie, the earliest wins.
             val: vec![vec![0.5, 0.8], vec![0.7, 0.6], vec![0.6, 0.8]],
+            val_seconds: vec![],
         };
         assert_eq!(r.best_on_val(), vec![0.30, 0.10]);
         assert_eq!(r.last(), vec![0.90, 0.30]);

@@ -127,10 +127,7 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             .map(|i| mean_std(&curves.iter().map(|c| c[i]).collect::<Vec<_>>()))
             .collect();
         entry["mean_test_accuracy_per_round"] = serde_json::json!(curves);
-        let secs: Vec<f64> = runs
-            .iter()
-            .flat_map(|r| r.rounds.iter().map(|x| x.seconds))
-            .collect();
+        let secs: Vec<f64> = runs.iter().flat_map(|r| r.round_seconds()).collect();
         entry["seconds_per_round_mean"] = serde_json::json!(mean(&secs));
         series.push(Series {
             name: name.clone(),
