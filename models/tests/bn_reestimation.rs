@@ -11,8 +11,8 @@ use common::*;
 use unifed_models::bn::{BnPass, BnStart, CalibrateConfig, Estimator, StreamEstimator, calibrate};
 use unifed_models::error::BnError;
 use unifed_models::state::{Select, export};
-use unifed_models::zoo::{DigitsCnnConfig, Mlp, MlpConfig, Net, seeded};
-use unifed_protocol::{Input, ModelSpec};
+use unifed_models::zoo::{DigitsCnnConfig, Mlp, Net, seeded};
+use unifed_protocol::ModelSpec;
 
 fn small_cnn() -> DigitsCnnConfig {
     DigitsCnnConfig {
@@ -119,17 +119,7 @@ fn exact_calibration_gives_the_conv1_output_moments_over_the_whole_set() {
 }
 
 fn mlp() -> (Mlp, ModelSpec) {
-    let d = device();
-    let net = seeded(&d, 12, |d| {
-        MlpConfig {
-            inputs: 20,
-            hidden: [16, 16],
-            classes: 3,
-        }
-        .init(d)
-    });
-    let spec = spec(&net, 3, Input::Features { len: 20 });
-    (net, spec)
+    mlp_net(12, 20, [16, 16], 3)
 }
 
 /// fc1 outputs `x W^T + b` of `n` rows, computed on the host from the exported weights.

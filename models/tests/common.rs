@@ -84,19 +84,59 @@ pub fn noise(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// A tiny MLP (4 inputs, hidden 3 and 3 with BN, 2 classes) seeded with `seed`, and its spec.
-pub fn tiny_mlp(seed: u64) -> (unifed_models::zoo::Mlp, ModelSpec) {
+/// An MLP with BN (`inputs`, two hidden layers of `hidden`, `classes`) seeded with `seed`, and
+/// its spec.
+pub fn mlp_net(
+    seed: u64,
+    inputs: usize,
+    hidden: [usize; 2],
+    classes: usize,
+) -> (unifed_models::zoo::Mlp, ModelSpec) {
     use unifed_models::zoo::{MlpConfig, seeded};
     let net = seeded(&device(), seed, |d| {
         MlpConfig {
-            inputs: 4,
-            hidden: [3, 3],
-            classes: 2,
+            inputs,
+            hidden,
+            classes,
         }
         .init(d)
     });
-    let spec = spec(&net, 2, Input::Features { len: 4 });
+    let spec = spec(&net, classes, Input::Features { len: inputs as u32 });
     (net, spec)
+}
+
+/// A tiny MLP (4 inputs, hidden 3 and 3 with BN, 2 classes) seeded with `seed`, and its spec.
+pub fn tiny_mlp(seed: u64) -> (unifed_models::zoo::Mlp, ModelSpec) {
+    mlp_net(seed, 4, [3, 3], 2)
+}
+
+/// Asserts that every non-BN tensor of `got` differs from `plain` by `want(k)` at index `k`
+/// (within 1e-6), and that BN tensors do not differ at all (`term` names what moved them).
+pub fn assert_moved_by(
+    got: &[unifed_models::state::NamedTensor],
+    plain: &[unifed_models::state::NamedTensor],
+    want: impl Fn(usize) -> f32,
+    term: &str,
+) {
+    for (a, b) in got.iter().zip(plain) {
+        if a.kind.is_bn() {
+            assert_eq!(
+                a.data, b.data,
+                "{}: BN must not feel {term} under local",
+                a.name
+            );
+            continue;
+        }
+        for k in 0..a.data.len() {
+            let d = a.data[k] - b.data[k];
+            assert!(
+                (d - want(k)).abs() < 1e-6,
+                "{}[{k}]: {d} vs {}",
+                a.name,
+                want(k)
+            );
+        }
+    }
 }
 
 /// `n` samples of 4 noise features for [`tiny_mlp`], labels alternating 0 and 1.

@@ -56,25 +56,12 @@ fn a_feddc_step_adds_alpha_times_the_drift_and_the_correction_to_the_gradient() 
         alpha: alpha as f64,
     };
     let drifted = run(&Term::new(&objective, &net0, Select::NonBn, state).unwrap());
-    for (a, b) in drifted.iter().zip(&plain) {
-        if a.kind.is_bn() {
-            assert_eq!(
-                a.data, b.data,
-                "{}: BN is not penalised under local",
-                a.name
-            );
-            continue;
-        }
-        for k in 0..a.data.len() {
-            let want = -0.1 * (alpha * h + 0.5 - 0.01 * k as f32);
-            assert!(
-                ((a.data[k] - b.data[k]) - want).abs() < 1e-6,
-                "{}[{k}]: {} vs {want}",
-                a.name,
-                a.data[k] - b.data[k]
-            );
-        }
-    }
+    assert_moved_by(
+        &drifted,
+        &plain,
+        |k| -0.1 * (alpha * h + 0.5 - 0.01 * k as f32),
+        "FedDC's terms",
+    );
     // Without the correction or the anchor the term cannot be prepared.
     let half = SiteState {
         correction: Some(&correction),

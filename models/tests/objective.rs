@@ -307,25 +307,12 @@ fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
     )
     .unwrap();
     let corrected = run(&term);
-    for (a, b) in corrected.iter().zip(&plain) {
-        if a.kind.is_bn() {
-            assert_eq!(
-                a.data, b.data,
-                "{}: BN is not corrected under local",
-                a.name
-            );
-            continue;
-        }
-        for k in 0..a.data.len() {
-            let want = -0.1 * (0.5 - 0.01 * k as f32);
-            assert!(
-                ((a.data[k] - b.data[k]) - want).abs() < 1e-6,
-                "{}[{k}]: {} vs {want}",
-                a.name,
-                a.data[k] - b.data[k]
-            );
-        }
-    }
+    assert_moved_by(
+        &corrected,
+        &plain,
+        |k| -0.1 * (0.5 - 0.01 * k as f32),
+        "the correction",
+    );
     // A SCAFFOLD round without its correction cannot be prepared.
     assert!(
         Term::new(

@@ -271,11 +271,7 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
         "methods": json_methods,
         "local_minus_global": gains,
     });
-    write_atomic(&out.join("internal.md"), md.as_bytes())?;
-    write_atomic(
-        &out.join("internal.json"),
-        &serde_json::to_vec_pretty(&json)?,
-    )?;
+    write_table(out, "internal", &md, &json)?;
     let svg = line_chart(
         &format!("{}: mean test accuracy over sites", preset.name),
         "mean test accuracy over sites",
@@ -368,12 +364,7 @@ pub(super) fn write_external(
         "domains": domains,
         "methods": methods,
     });
-    write_atomic(&out.join("external.md"), md.as_bytes())?;
-    write_atomic(
-        &out.join("external.json"),
-        &serde_json::to_vec_pretty(&json)?,
-    )?;
-    Ok(())
+    write_table(out, "external", &md, &json)
 }
 
 /// The mean of the finite values (NaN when there is none).
@@ -384,4 +375,14 @@ fn nan_mean(v: &[f64]) -> f64 {
     } else {
         finite.iter().sum::<f64>() / finite.len() as f64
     }
+}
+
+/// Writes a table as `<out>/<stem>.md` and `<out>/<stem>.json`.
+fn write_table(out: &Path, stem: &str, md: &str, json: &serde_json::Value) -> Result<()> {
+    write_atomic(&out.join(format!("{stem}.md")), md.as_bytes())?;
+    write_atomic(
+        &out.join(format!("{stem}.json")),
+        &serde_json::to_vec_pretty(json)?,
+    )?;
+    Ok(())
 }
