@@ -2,7 +2,8 @@
 # The experiment runner's seconds per round against plain PyTorch doing the same round
 # (scripts/torch_round.py: five sites train one epoch, the server averages, every site
 # evaluates) on the same cores. Writes results/runner-speed.{json,md}.
-#   ./scripts/runner_speed.sh [threads]        (default 2; needs .venv with torch)
+#   ./scripts/runner_speed.sh [threads]        (default 2; needs .venv with torch, numpy and
+#                                               safetensors: .venv/bin/pip install torch numpy safetensors)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads="${1:-2}"
