@@ -128,16 +128,19 @@ impl Strategy for FedDc {
         round: &RoundReader<'_>,
         model: &mut [&mut Vec<f32>],
     ) -> Result<(), StoreError> {
-        self.scaffold.aggregate(round, model)?;
-        // H moves by every reporting site's decoded delta (trainable tensors, in site order).
+        if !self.scaffold.step_mean(round, model)? {
+            return Ok(());
+        }
+        // H moves by every reporting site's decoded delta (trainable tensors, in site order),
+        // summed in the same read of the spool as SCAFFOLD's variate.
         let mut sum: Vec<Vec<f64>> = self.drift.iter().map(|h| vec![0.0; h.len()]).collect();
         let mut reported = false;
-        for c in round.iter() {
-            let (site, c) = c?;
+        let trained = &self.trained;
+        self.scaffold.fold_controls(round, |site, c| {
             let deltas: Vec<&Vec<f32>> = c
                 .delta
                 .iter()
-                .zip(&self.trained)
+                .zip(trained)
                 .filter(|(_, t)| **t)
                 .map(|(d, _)| d)
                 .collect();
@@ -146,13 +149,13 @@ impl Strategy for FedDc {
                     site,
                     "a contribution whose delta does not fit the drift sum"
                 );
-                continue;
+                return;
             }
             for (acc, d) in sum.iter_mut().zip(deltas) {
                 acc.iter_mut().zip(d).for_each(|(a, d)| *a += *d as f64);
             }
             reported = true;
-        }
+        })?;
         let n = self.scaffold.sites();
         if !reported || n == 0 {
             return Ok(());

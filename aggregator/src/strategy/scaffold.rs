@@ -22,7 +22,9 @@
 //! The variates cover the trainable averaged tensors: non-BN under `local` BN, BN affine too
 //! under `global`; BN running statistics never (under `global` they take the plain mean).
 
-use super::{Extras, RoundReader, Setup, Strategy, StrategyState, dense, exact, step_by};
+use super::{
+    Contribution, Extras, RoundReader, Setup, Strategy, StrategyState, dense, exact, step_by,
+};
 use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
@@ -136,6 +138,56 @@ impl Scaffold {
         &self.c
     }
 
+    /// Steps `model` by the round's weighted mean delta (`eta_g` on trained tensors, the plain
+    /// mean on running statistics); false when nothing carried weight.
+    pub(crate) fn step_mean(
+        &self,
+        round: &RoundReader<'_>,
+        model: &mut [&mut Vec<f32>],
+    ) -> Result<bool, StoreError> {
+        let Some(mean) = round.mean_delta(model)? else {
+            return Ok(false);
+        };
+        for ((x, d), &stepped) in model.iter_mut().zip(&mean).zip(&self.stepped) {
+            step_by(x, d, if stepped { self.cfg.server_lr } else { 1.0 });
+        }
+        Ok(true)
+    }
+
+    /// Moves the control variate by every reporting site's Δc_i, in site order (one spooled
+    /// under another layout, e.g. before the BN policy was edited, is left out), in one read of
+    /// the spool that also hands each contribution to `visit` (FedDC sums the deltas there).
+    pub(crate) fn fold_controls(
+        &mut self,
+        round: &RoundReader<'_>,
+        mut visit: impl FnMut(&str, &Contribution),
+    ) -> Result<(), StoreError> {
+        let shape: Vec<usize> = self.c.iter().map(Vec::len).collect();
+        let mut deltas: Vec<Vec<Vec<f32>>> = Vec::new();
+        for c in round.iter() {
+            let (site, c) = c?;
+            visit(site, &c);
+            match c.extras {
+                Extras::Control(dc) if dc.iter().map(Vec::len).eq(shape.iter().copied()) => {
+                    deltas.push(dc);
+                    if self.registered == 0
+                        && let Err(at) = self.known.binary_search_by(|k| k.as_str().cmp(site))
+                    {
+                        self.known.insert(at, site.to_string());
+                    }
+                }
+                _ => tracing::warn!(site, "a contribution without a fitting control variate"),
+            }
+        }
+        let n_new = self.sites();
+        if n_new > 0 && (!deltas.is_empty() || n_new != self.n) {
+            let refs: Vec<&[Vec<f32>]> = deltas.iter().map(Vec::as_slice).collect();
+            update_control(&mut self.c, &refs, self.n as usize, n_new as usize);
+            self.n = n_new;
+        }
+        Ok(())
+    }
+
     /// What the state keeps: `c`, the sites known so far and the `N` that `c` is the mean over.
     pub(crate) fn parts(&self) -> (Vec<Vec<f32>>, Vec<String>, u64) {
         (self.c.clone(), self.known.clone(), self.n)
@@ -185,35 +237,8 @@ impl Strategy for Scaffold {
         round: &RoundReader<'_>,
         model: &mut [&mut Vec<f32>],
     ) -> Result<(), StoreError> {
-        let Some(mean) = round.mean_delta(model)? else {
-            return Ok(());
-        };
-        for ((x, d), &stepped) in model.iter_mut().zip(&mean).zip(&self.stepped) {
-            step_by(x, d, if stepped { self.cfg.server_lr } else { 1.0 });
-        }
-        // The control variate: every reporting site's Δc_i, in site order (one spooled under
-        // another layout, e.g. before the BN policy was edited, is left out).
-        let shape: Vec<usize> = self.c.iter().map(Vec::len).collect();
-        let mut deltas: Vec<Vec<Vec<f32>>> = Vec::new();
-        for c in round.iter() {
-            let (site, c) = c?;
-            match c.extras {
-                Extras::Control(dc) if dc.iter().map(Vec::len).eq(shape.iter().copied()) => {
-                    deltas.push(dc);
-                    if self.registered == 0
-                        && let Err(at) = self.known.binary_search_by(|k| k.as_str().cmp(site))
-                    {
-                        self.known.insert(at, site.to_string());
-                    }
-                }
-                _ => tracing::warn!(site, "a contribution without a fitting control variate"),
-            }
-        }
-        let n_new = self.sites();
-        if n_new > 0 && (!deltas.is_empty() || n_new != self.n) {
-            let refs: Vec<&[Vec<f32>]> = deltas.iter().map(Vec::as_slice).collect();
-            update_control(&mut self.c, &refs, self.n as usize, n_new as usize);
-            self.n = n_new;
+        if self.step_mean(round, model)? {
+            self.fold_controls(round, |_, _| {})?;
         }
         Ok(())
     }

@@ -377,7 +377,9 @@ pub fn run(
         );
         let training: Vec<&SiteData> = site_data
             .iter()
-            .filter(|d| held.is_none_or(|h| !std::ptr::eq(*d, h)))
+            .enumerate()
+            .filter(|(i, _)| t.held_out != Some(*i))
+            .map(|(_, d)| d)
             .collect();
         let (r, sites) = run_one(
             preset,
