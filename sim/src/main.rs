@@ -116,6 +116,13 @@ enum Cmd {
         /// Output folder (default results/experiments/<name>).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Runs trained at once, each on its share of the CPU threads (on 2 cores, two jobs of
+        /// one thread each train faster than one job of two).
+        #[arg(long, default_value_t = 1)]
+        jobs: usize,
+        /// Train nothing: write the tables of the runs finished so far.
+        #[arg(long)]
+        report: bool,
     },
     /// FedBN with each encoding over several seeds: bytes per site per round up (updates) and
     /// down (model deltas), and final accuracy against the first encoding (f32).
@@ -424,6 +431,8 @@ fn write_compare(
     Ok(())
 }
 
+mod progress;
+
 /// Counts heap bytes, so `aggregator-memory` can tell the aggregator's share of the process.
 #[global_allocator]
 static HEAP: unifed_sim::heap::Counting = unifed_sim::heap::Counting;
@@ -436,15 +445,29 @@ fn main() -> Result<()> {
     }
     let data = BuiltinData::load().context("loading the built-in data")?;
     match cli.cmd {
-        Cmd::Experiment { preset, out } => {
+        Cmd::Experiment {
+            preset,
+            out,
+            jobs,
+            report,
+        } => {
             let p = unifed_sim::experiment::Preset::load(&preset)?;
             let out = out.unwrap_or_else(|| PathBuf::from("results/experiments").join(&p.name));
-            let done = unifed_sim::experiment::run(&p, &data, &out, |line| eprintln!("{line}"))?;
+            let done = match report {
+                true => unifed_sim::experiment::report(&p, &data, &out)?,
+                false => {
+                    let mut bars = progress::Bars::for_stderr();
+                    let done = unifed_sim::experiment::run(&p, &data, &out, jobs, |e| bars.show(e));
+                    bars.finish();
+                    done?
+                }
+            };
             println!(
-                "{}: {} run(s) trained, {} reused; tables in {}",
+                "{}: {} run(s) trained, {} reused, {} still to run; tables in {}",
                 p.name,
                 done.trained,
                 done.reused,
+                done.missing,
                 out.join("internal.md").display()
             );
         }

@@ -37,7 +37,7 @@ fn a_preset_runs_every_combination_writes_the_tables_and_resumes_from_finished_r
     let data = BuiltinData::load().unwrap();
     let p = preset(PRESET, dir.path());
     let mut lines = Vec::new();
-    let done = run(&p, &data, &out, |l| lines.push(l.to_string())).unwrap();
+    let done = run(&p, &data, &out, 1, |l| lines.push(l.to_string())).unwrap();
     assert_eq!((done.trained, done.reused), (4, 0));
     // One progress line per round of every run, each with an estimate of the time left.
     assert_eq!(lines.len(), 8);
@@ -133,17 +133,19 @@ fn a_preset_runs_every_combination_writes_the_tables_and_resumes_from_finished_r
 
     // Started again, it trains nothing and writes the same tables.
     let before = std::fs::read(out.join("internal.json")).unwrap();
-    let done = run(&p, &data, &out, |_| {}).unwrap();
+    let done = run(&p, &data, &out, 1, |_| {}).unwrap();
     assert_eq!((done.trained, done.reused), (0, 4));
     assert_eq!(std::fs::read(out.join("internal.json")).unwrap(), before);
     // A second seed trains only the new runs.
     let two = preset(&PRESET.replace("seeds = 1", "seeds = 2"), dir.path());
-    let done = run(&two, &data, &out, |_| {}).unwrap();
+    let done = run(&two, &data, &out, 1, |_| {}).unwrap();
     assert_eq!((done.trained, done.reused), (4, 4));
     assert_eq!(json(&out)["methods"][0]["seeds"], serde_json::json!([0, 1]));
     // Runs of other settings are refused, naming the file, never mixed in.
     let longer = preset(&PRESET.replace("rounds = 2", "rounds = 3"), dir.path());
-    let err = run(&longer, &data, &out, |_| {}).unwrap_err().to_string();
+    let err = run(&longer, &data, &out, 1, |_| {})
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("fedavg-local-seed0.json"), "{err}");
 }
 
@@ -212,7 +214,7 @@ fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes()
         + &format!("data = {{ folder = {:?} }}\n", root.display().to_string());
     let p = preset(&text, dir.path());
     let out = dir.path().join("out");
-    let done = run(&p, &data, &out, |_| {}).unwrap();
+    let done = run(&p, &data, &out, 1, |_| {}).unwrap();
     assert_eq!((done.trained, done.reused), (2, 0));
     let j = json(&out);
     assert_eq!(j["sites"], serde_json::json!(["hospital-a", "hospital-b"]));
@@ -226,13 +228,13 @@ fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes()
     // A domain without validation images, or a single domain, is refused by name.
     std::fs::remove_dir_all(root.join("hospital-b/val")).unwrap();
     let again = dir.path().join("again");
-    let err = format!("{:#}", run(&p, &data, &again, |_| {}).unwrap_err());
+    let err = format!("{:#}", run(&p, &data, &again, 1, |_| {}).unwrap_err());
     assert!(
         err.contains("hospital-b") && err.contains("validation"),
         "{err}"
     );
     std::fs::remove_dir_all(root.join("hospital-b")).unwrap();
-    let err = format!("{:#}", run(&p, &data, &again, |_| {}).unwrap_err());
+    let err = format!("{:#}", run(&p, &data, &again, 1, |_| {}).unwrap_err());
     assert!(err.contains("at least two"), "{err}");
 }
 
@@ -246,7 +248,7 @@ fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
         "algorithms = [{ name = \"fedavg\" }]",
     ) + "external = { stream = { tau = 0.5, batch_size = 8, start = \"stored\" } }\n";
     let p = preset(&text, dir.path());
-    let done = run(&p, &data, &out, |_| {}).unwrap();
+    let done = run(&p, &data, &out, 1, |_| {}).unwrap();
     // Two internal runs, and five held-out domains under each of two policies.
     assert_eq!((done.trained, done.reused), (12, 0));
     let j: serde_json::Value =
@@ -283,8 +285,29 @@ fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
             .contains("| FedBN | stream |")
     );
     // Started again, nothing is trained.
-    let done = run(&p, &data, &out, |_| {}).unwrap();
+    let done = run(&p, &data, &out, 1, |_| {}).unwrap();
     assert_eq!((done.trained, done.reused), (0, 12));
+
+    // With one held-out run missing, a report keeps the other domains' cells and leaves the
+    // mean over domains empty for that method, naming the seeds it holds.
+    std::fs::remove_file(out.join("runs/external/fedavg-global-seed0-fonts.json")).unwrap();
+    let done = unifed_sim::experiment::report(&p, &data, &out).unwrap();
+    assert_eq!((done.trained, done.reused, done.missing), (0, 11, 1));
+    let part: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("external.json")).unwrap()).unwrap();
+    assert_eq!(part["methods"][0]["deployed"], j["methods"][0]["deployed"]);
+    let fedavg = &part["methods"][1]["deployed"];
+    assert_eq!(
+        fedavg["seeds_per_domain"],
+        serde_json::json!([[0], [0], [0], [], [0]])
+    );
+    assert_eq!(fedavg["seeds"], serde_json::json!([]));
+    let md = std::fs::read_to_string(out.join("external.md")).unwrap();
+    assert!(md.contains("9 of 10 held-out runs have finished"), "{md}");
+    assert!(
+        md.contains("| FedAvg | deployed |") && md.contains("not run yet"),
+        "{md}"
+    );
 }
 
 #[test]
@@ -330,7 +353,7 @@ fn label_skew_spreads_the_pooled_domains_over_ten_sites_and_samples_half_of_them
             .all(|s| s.train.len() >= 10 && s.val.len() >= 2)
     );
     let out = dir.path().join("out");
-    run(&p, &data, &out, |_| {}).unwrap();
+    run(&p, &data, &out, 1, |_| {}).unwrap();
     let r: RunResult =
         serde_json::from_slice(&std::fs::read(out.join("runs/fedavg-local-seed0.json")).unwrap())
             .unwrap();
@@ -338,5 +361,139 @@ fn label_skew_spreads_the_pooled_domains_over_ten_sites_and_samples_half_of_them
         // Every site evaluates every model; five of the ten trained in each round.
         assert_eq!(rec.accuracy.len(), 10);
         assert_eq!(rec.train_loss.iter().filter(|l| l.is_some()).count(), 5);
+    }
+}
+
+#[test]
+fn runs_trained_two_at_a_time_equal_runs_trained_one_at_a_time_and_a_report_shows_what_is_missing()
+{
+    use unifed_sim::experiment::report;
+    let dir = tempfile::tempdir().unwrap();
+    let data = BuiltinData::load().unwrap();
+    let p = preset(&PRESET.replace("seeds = 1", "seeds = 2"), dir.path());
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    run(&p, &data, &one, 1, |_| {}).unwrap();
+    let mut lines = Vec::new();
+    let done = run(&p, &data, &two, 2, |l| lines.push(l.to_string())).unwrap();
+    assert_eq!((done.trained, done.reused, done.missing), (8, 0, 0));
+    assert_eq!(lines.len(), 16);
+    // Seed by seed: every method's seed 0 before any seed 1.
+    let firsts: Vec<&String> = lines.iter().filter(|l| l.contains("round 1/2")).collect();
+    assert!(
+        firsts[..4].iter().all(|l| l.contains("seed 0")),
+        "{firsts:?}"
+    );
+    let read = |out: &Path, stem: &str| -> RunResult {
+        let mut r: RunResult =
+            serde_json::from_slice(&std::fs::read(out.join(format!("runs/{stem}.json"))).unwrap())
+                .unwrap();
+        // Wall-clock seconds are the only thing allowed to differ.
+        r.val_seconds.clear();
+        r.rounds.iter_mut().for_each(|x| x.seconds = 0.0);
+        r
+    };
+    for alg in ["fedavg", "fedprox"] {
+        for policy in ["local", "global"] {
+            for seed in 0..2 {
+                let stem = format!("{alg}-{policy}-seed{seed}");
+                assert_eq!(read(&one, &stem), read(&two, &stem), "{stem}");
+            }
+        }
+    }
+
+    // A report trains nothing, writes what the finished runs say, and names what is missing.
+    let part = dir.path().join("part");
+    let err = report(&p, &data, &part).unwrap_err().to_string();
+    assert!(err.contains("no run of tiny has finished"), "{err}");
+    std::fs::create_dir_all(part.join("runs")).unwrap();
+    for stem in [
+        "fedavg-local-seed0",
+        "fedavg-local-seed1",
+        "fedavg-global-seed1",
+        "fedprox-local-seed0",
+    ] {
+        let f = format!("runs/{stem}.json");
+        std::fs::copy(one.join(&f), part.join(&f)).unwrap();
+    }
+    let done = report(&p, &data, &part).unwrap();
+    assert_eq!((done.trained, done.reused, done.missing), (0, 4, 4));
+    assert!(!part.join("runs/fedprox-global-seed0.json").exists());
+    let j = json(&part);
+    let seeds: Vec<serde_json::Value> = j["methods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["seeds"].clone())
+        .collect();
+    assert_eq!(
+        seeds,
+        [
+            serde_json::json!([0, 1]),
+            serde_json::json!([1]),
+            serde_json::json!([0]),
+            serde_json::json!([])
+        ]
+    );
+    assert_eq!(
+        j["methods"][0]["final"],
+        json(&one)["methods"][0]["final"],
+        "a method with every seed has the cells of the full experiment"
+    );
+    // local - global pairs runs by seed: FedAvg's only pair is seed 1; FedProx has none.
+    let gains = j["local_minus_global"].as_array().unwrap();
+    assert_eq!(gains.len(), 1);
+    assert_eq!(gains[0]["algorithm"], "fedavg");
+    assert_eq!(gains[0]["seeds"], serde_json::json!([1]));
+    let last = |stem: &str| mean(&read(&one, stem).rounds[1].accuracy);
+    let gain: Vec<f64> = serde_json::from_value(gains[0]["final_per_seed"].clone()).unwrap();
+    assert_eq!(
+        gain,
+        vec![last("fedavg-local-seed1") - last("fedavg-global-seed1")]
+    );
+    let md = std::fs::read_to_string(part.join("internal.md")).unwrap();
+    assert!(md.contains("4 of 8 runs have finished"), "{md}");
+    assert!(
+        md.contains("| FedProx (global BN) | not run yet | 0 |"),
+        "{md}"
+    );
+    assert!(md.contains("| fedavg | 1 |"), "{md}");
+}
+
+#[test]
+fn a_failed_run_stops_the_experiment_keeps_what_finished_and_the_rest_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = BuiltinData::load().unwrap();
+    let p = preset(&PRESET.replace("seeds = 1", "seeds = 2"), dir.path());
+    let written = |out: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(out.join("runs"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".json"))
+            .collect();
+        v.sort();
+        v
+    };
+    for jobs in [1, 2] {
+        let out = dir.path().join(format!("out{jobs}"));
+        // The first run's result cannot be written: its temporary file's name is a folder.
+        let blocked = out.join("runs/fedavg-local-seed0.json.tmp");
+        std::fs::create_dir_all(&blocked).unwrap();
+        let err = format!("{:#}", run(&p, &data, &out, jobs, |_| {}).unwrap_err());
+        assert!(
+            err.contains("[1/8] FedBN seed 0 failed")
+                && err.contains("fedavg-local-seed0.json.tmp"),
+            "{err}"
+        );
+        let kept = written(&out);
+        assert!(!kept.contains(&"fedavg-local-seed0.json".to_string()));
+        if jobs == 1 {
+            // Alone, nothing runs after the failure.
+            assert!(kept.is_empty(), "{kept:?}");
+        }
+        // Once the cause is gone, the experiment resumes and trains only what is missing.
+        std::fs::remove_dir(&blocked).unwrap();
+        let done = run(&p, &data, &out, jobs, |_| {}).unwrap();
+        assert_eq!((done.trained, done.reused), (8 - kept.len(), kept.len()));
+        assert_eq!(written(&out).len(), 8);
     }
 }

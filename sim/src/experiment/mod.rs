@@ -251,13 +251,15 @@ fn run_file(out: &Path, a: &Algorithm, bn: BnPolicy, seed: u64, held: Option<&st
     }
 }
 
-/// What [`run`] did.
+/// What [`run`] did, or what [`report`] found.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     /// Runs trained now (internal and external).
     pub trained: usize,
     /// Runs found finished in `<out>/runs` and reused.
     pub reused: usize,
+    /// Runs still missing (only [`report`] leaves any).
+    pub missing: usize,
 }
 
 /// Reads a finished run's file if there is one, refusing a run of other settings.
@@ -292,18 +294,21 @@ struct Todo {
     file: PathBuf,
 }
 
-/// Runs every combination of `preset` that `out` does not already hold on the built-in `data`,
-/// then writes the tables and the chart. `progress` gets one line per round, with an estimate
-/// of the time left.
-pub fn run(
-    preset: &Preset,
-    data: &BuiltinData,
-    out: &Path,
-    mut progress: impl FnMut(&str),
-) -> Result<Outcome> {
+/// What [`plan`] found in the output folder: the finished runs and the ones still to do.
+struct Plan {
+    results: Vec<RunResult>,
+    externals: Vec<ExternalResult>,
+    todo: Vec<Todo>,
+    /// The model spec and the sites' data, loaded once when a run is to do or an external
+    /// domain to name.
+    loaded: Option<(ModelSpec, Vec<SiteData>)>,
+}
+
+/// Sorts every combination of `preset` into finished (its file in `out` holds it) and to do;
+/// loads the sites' data when an external domain is to be named or, with `train`, a run is to
+/// do.
+fn plan(preset: &Preset, data: &BuiltinData, out: &Path, train: bool) -> Result<Plan> {
     preset.validate()?;
-    std::fs::create_dir_all(out.join("runs/external"))
-        .with_context(|| format!("creating {}", out.join("runs/external").display()))?;
     let settings = preset.settings();
     let mut todo = Vec::new();
     let mut results = Vec::new();
@@ -359,72 +364,252 @@ pub fn run(
         }
         loaded = Some((spec, sites));
     }
-    let reused = results.len() + externals.len();
-    if loaded.is_none() && !todo.is_empty() {
+    if loaded.is_none() && train && !todo.is_empty() {
         loaded = Some(load_sites(preset, data)?);
     }
-    let total_rounds = todo.len() as u64 * preset.rounds;
-    let (started, mut done) = (Instant::now(), 0u64);
-    for ((k, t), (spec, site_data)) in todo.iter().enumerate().zip(loaded.iter().cycle()) {
-        let held = t.held_out.map(|h| &site_data[h]);
-        let label = format!(
-            "[{}/{}] {} seed {}{}",
-            k + 1,
-            todo.len(),
-            method_name(&t.algorithm, t.bn),
-            t.seed,
-            held.map_or(String::new(), |d| format!(", {} held out", d.name))
+    // Seed by seed, internal runs before held-out ones: an experiment stopped part-way leaves
+    // every method with as many seeds as can be, and its tables already whole for the first.
+    todo.sort_by_key(|t| (t.seed, t.held_out.is_some()));
+    Ok(Plan {
+        results,
+        externals,
+        todo,
+        loaded,
+    })
+}
+
+/// Writes the tables of whatever runs have finished in `out`, training nothing: the rows of
+/// methods with missing runs say how many seeds they hold, and a method with none is listed as
+/// not run. Returns the finished and missing counts as [`Outcome::reused`] and
+/// [`Outcome::missing`].
+pub fn report(preset: &Preset, data: &BuiltinData, out: &Path) -> Result<Outcome> {
+    let p = plan(preset, data, out, false)?;
+    if p.results.is_empty() && p.externals.is_empty() {
+        bail!(
+            "no run of {} has finished in {} yet",
+            preset.name,
+            out.display()
         );
-        let training: Vec<&SiteData> = site_data
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| t.held_out != Some(*i))
-            .map(|(_, d)| d)
-            .collect();
-        let (r, sites) = run_one(
-            preset,
-            spec,
-            &training,
-            t.algorithm,
-            t.bn,
-            t.seed,
-            |round, mean| {
-                done += 1;
-                let per = started.elapsed().as_secs_f64() / done as f64;
-                let left = per * (total_rounds - done) as f64;
-                progress(&format!(
-                    "{label} round {round}/{}: mean test accuracy {:.2}%, about {} left",
-                    preset.rounds,
-                    100.0 * mean,
-                    clock(left)
-                ));
-            },
-        )?;
-        match held {
-            None => {
-                write_atomic(&t.file, &serde_json::to_vec_pretty(&r)?)?;
-                results.push(r);
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    write_tables(preset, out, &p.results)?;
+    if let Some((_, sites)) = p.loaded.as_ref().filter(|_| preset.external.is_some()) {
+        write_external(preset, out, &names(sites), &p.externals)?;
+    }
+    Ok(Outcome {
+        trained: 0,
+        reused: p.results.len() + p.externals.len(),
+        missing: p.todo.len(),
+    })
+}
+
+/// Runs every combination of `preset` that `out` does not already hold, `jobs` at a time
+/// (each on its own share of the CPU threads), then writes the tables and the charts.
+/// `progress` hears of every finished round, with an estimate of the time left. On a failed run the
+/// others stop after their current run, every finished run is kept, and the error is returned.
+pub fn run(
+    preset: &Preset,
+    data: &BuiltinData,
+    out: &Path,
+    jobs: usize,
+    progress: impl FnMut(&Progress) + Send,
+) -> Result<Outcome> {
+    let Plan {
+        results,
+        externals,
+        todo,
+        loaded,
+    } = plan(preset, data, out, true)?;
+    std::fs::create_dir_all(out.join("runs/external"))
+        .with_context(|| format!("creating {}", out.join("runs/external").display()))?;
+    let reused = results.len() + externals.len();
+    let jobs = jobs.clamp(1, todo.len().max(1)) * usize::from(!todo.is_empty());
+    // Each job gets its own pool: burn-flex's kernels run on the pool they are called from.
+    let threads = (unifed_models::backend::cpu_threads() / jobs.max(1)).max(1);
+    let total_rounds = todo.len() as u64 * preset.rounds;
+    let started = Instant::now();
+    struct Shared<P> {
+        results: Vec<RunResult>,
+        externals: Vec<ExternalResult>,
+        rounds_done: u64,
+        progress: P,
+        failed: Option<anyhow::Error>,
+    }
+    let shared = std::sync::Mutex::new(Shared {
+        results,
+        externals,
+        rounds_done: 0,
+        progress,
+        failed: None,
+    });
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let lock = || shared.lock().unwrap_or_else(|e| e.into_inner());
+    // One job: runs from the shared list until none is left or a job has failed.
+    let job_loop = |job: usize| -> Result<()> {
+        // Training ran on the main thread's 8 MiB stack before it ran in pools.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .stack_size(8 << 20)
+            .build()
+            .context("starting a job's worker threads")?;
+        loop {
+            let k = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if k >= todo.len() || lock().failed.is_some() {
+                return Ok(());
             }
-            Some(d) => {
-                let ext = preset
-                    .external
-                    .as_ref()
-                    .map(|e| e.stream)
-                    .unwrap_or_default();
-                let e = score_held_out(preset, spec, &sites, d, &t.algorithm, t.bn, t.seed, &ext)?;
-                write_atomic(&t.file, &serde_json::to_vec_pretty(&e)?)?;
-                externals.push(e);
+            let (spec, site_data) = loaded.as_ref().context("the sites' data was not loaded")?;
+            let t = &todo[k];
+            let held = t.held_out.map(|h| &site_data[h]);
+            let label = format!(
+                "[{}/{}] {} seed {}{}",
+                k + 1,
+                todo.len(),
+                method_name(&t.algorithm, t.bn),
+                t.seed,
+                held.map_or(String::new(), |d| format!(", {} held out", d.name))
+            );
+            let on_round = |round: u64, mean: f64| {
+                let mut s = lock();
+                s.rounds_done += 1;
+                let per = started.elapsed().as_secs_f64() / s.rounds_done as f64;
+                let event = Progress {
+                    job,
+                    run: &label,
+                    round,
+                    rounds: preset.rounds,
+                    mean_test_accuracy: mean,
+                    done: s.rounds_done,
+                    total: total_rounds,
+                    seconds_left: per * total_rounds.saturating_sub(s.rounds_done) as f64,
+                };
+                (s.progress)(&event);
+            };
+            let done = pool
+                .install(|| train(preset, spec, site_data, t, on_round))
+                .with_context(|| format!("{label} failed"))?;
+            match done {
+                Finished::Internal(r) => lock().results.push(r),
+                Finished::External(e) => lock().externals.push(e),
             }
         }
+    };
+    // A job's error or panic is recorded as it happens, so the other jobs stop after their
+    // current run instead of working through the list.
+    let worker = |job: usize| {
+        let failure = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job_loop(job)))
+        {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                anyhow::anyhow!("a run panicked: {what}")
+            }
+        };
+        lock().failed.get_or_insert(failure);
+    };
+    let worker = &worker;
+    std::thread::scope(|s| {
+        for job in 0..jobs {
+            s.spawn(move || worker(job));
+        }
+    });
+    let shared = shared.into_inner().unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = shared.failed {
+        return Err(e);
     }
-    write_tables(preset, out, &results)?;
-    if preset.external.is_some() {
-        write_external(preset, out, &externals)?;
+    write_tables(preset, out, &shared.results)?;
+    if let Some((_, sites)) = loaded.as_ref().filter(|_| preset.external.is_some()) {
+        write_external(preset, out, &names(sites), &shared.externals)?;
     }
     Ok(Outcome {
         trained: todo.len(),
         reused,
+        missing: 0,
     })
+}
+
+/// The sites' names, in order.
+fn names(sites: &[SiteData]) -> Vec<String> {
+    sites.iter().map(|d| d.name.clone()).collect()
+}
+
+/// One round of one run finished, as [`run`] reports it: what a progress bar or a log line
+/// shows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress<'a> {
+    /// The job (0..jobs) that trained it.
+    pub job: usize,
+    /// The run: `[k/n] <method> seed <s>[, <domain> held out]`.
+    pub run: &'a str,
+    /// The round just finished (1-based).
+    pub round: u64,
+    /// Rounds of each run.
+    pub rounds: u64,
+    /// The round's test accuracy, mean over the sites.
+    pub mean_test_accuracy: f64,
+    /// Rounds finished so far, over all runs that were still to do when the experiment started.
+    pub done: u64,
+    /// Rounds of all runs to do.
+    pub total: u64,
+    /// Estimated seconds left, from the rate so far.
+    pub seconds_left: f64,
+}
+
+impl std::fmt::Display for Progress<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} round {}/{}: mean test accuracy {:.2}%, about {} left",
+            self.run,
+            self.round,
+            self.rounds,
+            100.0 * self.mean_test_accuracy,
+            clock(self.seconds_left)
+        )
+    }
+}
+
+/// A run trained and written to its file.
+enum Finished {
+    Internal(RunResult),
+    External(ExternalResult),
+}
+
+/// Trains run `t` on `site_data` (less its held-out domain) and writes its file.
+fn train(
+    preset: &Preset,
+    spec: &ModelSpec,
+    site_data: &[SiteData],
+    t: &Todo,
+    on_round: impl FnMut(u64, f64),
+) -> Result<Finished> {
+    let training: Vec<&SiteData> = site_data
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| t.held_out != Some(*i))
+        .map(|(_, d)| d)
+        .collect();
+    let (r, sites) = run_one(preset, spec, &training, t.algorithm, t.bn, t.seed, on_round)?;
+    match t.held_out.map(|h| &site_data[h]) {
+        None => {
+            write_atomic(&t.file, &serde_json::to_vec_pretty(&r)?)?;
+            Ok(Finished::Internal(r))
+        }
+        Some(d) => {
+            let ext = preset
+                .external
+                .as_ref()
+                .map(|e| e.stream)
+                .unwrap_or_default();
+            let e = score_held_out(preset, spec, &sites, d, &t.algorithm, t.bn, t.seed, &ext)?;
+            write_atomic(&t.file, &serde_json::to_vec_pretty(&e)?)?;
+            Ok(Finished::External(e))
+        }
+    }
 }
 
 /// Scores held-out domain `d` with the federation's final model, from the `sites` that trained
@@ -484,7 +669,7 @@ fn score_held_out(
 }
 
 /// `seconds` as `1h02m`, `3m20s` or `45s`.
-fn clock(seconds: f64) -> String {
+pub fn clock(seconds: f64) -> String {
     let s = seconds.round() as u64;
     match (s / 3600, (s % 3600) / 60, s % 60) {
         (0, 0, s) => format!("{s}s"),

@@ -50,8 +50,13 @@ const COLOURS: [&str; 10] = [
 ];
 
 /// Writes `<out>/internal.{md,json,svg}` from the runs, in the preset's order of methods.
+/// Methods with fewer runs than the preset's seeds say how many they hold; a method with none
+/// is listed as not run, and nothing is written before the first run has finished.
 pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -> Result<()> {
-    let sites = results[0].sites.clone();
+    let Some(first) = results.first() else {
+        return Ok(());
+    };
+    let sites = first.sites.clone();
     let mut methods = Vec::new();
     for a in &preset.algorithms {
         for &bn in &preset.policies {
@@ -78,9 +83,17 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
         preset.sizes.val,
         preset.sizes.test
     );
-    md.push_str("| method | selection | ");
+    let finished: usize = methods.iter().map(|m| m.2.len()).sum();
+    let expected = methods.len() * preset.seeds as usize;
+    if finished < expected {
+        md.push_str(&format!(
+            "**{finished} of {expected} runs have finished**; the seeds column says how many \
+             each row holds.\n\n"
+        ));
+    }
+    md.push_str("| method | selection | seeds | ");
     md.push_str(&sites.join(" | "));
-    md.push_str(" | mean |\n|---|---|");
+    md.push_str(" | mean |\n|---|---|---:|");
     md.push_str(&"---:|".repeat(sites.len() + 1));
     md.push('\n');
     let mut json_methods = Vec::new();
@@ -93,6 +106,14 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             "method": name, "algorithm": a, "bn_policy": bn,
             "seeds": runs.iter().map(|r| r.seed).collect::<Vec<_>>(),
         });
+        if runs.is_empty() {
+            md.push_str(&format!(
+                "| {name} | not run yet | 0 |{}\n",
+                " |".repeat(sites.len() + 1)
+            ));
+            json_methods.push(entry);
+            continue;
+        }
         for (key, pick) in [
             (
                 "best_on_val",
@@ -110,8 +131,9 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             let means: Vec<f64> = per_run.iter().map(|v| mean(v)).collect();
             cells.push(format!("**{}**", pct(mean_std(&means))));
             md.push_str(&format!(
-                "| {name} | {} | {} |\n",
+                "| {name} | {} | {} | {} |\n",
                 key.replace('_', " "),
+                runs.len(),
                 cells.join(" | ")
             ));
             entry[key] = serde_json::json!({
@@ -235,7 +257,10 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
     }
     // The gain of client-specific BN per algorithm, seed by seed (UniFed Table 2's last rows).
     let mut gains = Vec::new();
-    md.push_str("\n| algorithm | local - global, best on validation | local - global, final |\n|---|---:|---:|\n");
+    md.push_str(
+        "\n| algorithm | paired seeds | local - global, best on validation | local - global, \
+         final |\n|---|---:|---:|---:|\n",
+    );
     for a in &preset.algorithms {
         let find = |bn| methods.iter().find(|(b, p, _)| b == a && *p == bn);
         let (Some((_, _, local)), Some((_, _, global))) =
@@ -243,23 +268,32 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
         else {
             continue;
         };
+        // Seed by seed, over the seeds both policies have finished.
+        let pairs: Vec<(&RunResult, &RunResult)> = local
+            .iter()
+            .filter_map(|l| global.iter().find(|g| g.seed == l.seed).map(|g| (*l, *g)))
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
         let diff = |pick: fn(&RunResult) -> Vec<f64>| -> Vec<f64> {
-            local
+            pairs
                 .iter()
-                .zip(global.iter())
                 .map(|(l, g)| mean(&pick(l)) - mean(&pick(g)))
                 .collect()
         };
         let (best, last) = (diff(RunResult::best_on_val), diff(RunResult::last));
         let signed = |(m, s): (f64, f64)| format!("{:+.2} ({:.2})", 100.0 * m, 100.0 * s);
         md.push_str(&format!(
-            "| {} | {} | {} |\n",
+            "| {} | {} | {} | {} |\n",
             a.name(),
+            pairs.len(),
             signed(mean_std(&best)),
             signed(mean_std(&last))
         ));
         gains.push(serde_json::json!({
             "algorithm": a.name(),
+            "seeds": pairs.iter().map(|(l, _)| l.seed).collect::<Vec<_>>(),
             "best_on_val_per_seed": best,
             "final_per_seed": last,
         }));
@@ -289,19 +323,14 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
 }
 
 /// Writes `<out>/external.{md,json}`: per method (algorithm x policy) and estimate (deployed,
-/// stream, calibrate), the held-out domains' test accuracy, mean (std) over seeds, and the
-/// mean over domains.
+/// stream, calibrate), each held-out domain's test accuracy, mean (std) over the seeds
+/// finished, and the mean over domains of the seeds every domain has finished.
 pub(super) fn write_external(
     preset: &Preset,
     out: &Path,
+    domains: &[String],
     results: &[ExternalResult],
 ) -> Result<()> {
-    let mut domains: Vec<String> = Vec::new();
-    for r in results {
-        if !domains.contains(&r.held_out) {
-            domains.push(r.held_out.clone());
-        }
-    }
     let algorithms = match preset.external.as_ref() {
         Some(e) if !e.algorithms.is_empty() => &e.algorithms,
         _ => &preset.algorithms,
@@ -312,13 +341,22 @@ pub(super) fn write_external(
          the others federate for {} rounds; the held-out test split is scored with the global \
          model as deployed (local BN: its own never-trained BN), with `stream` re-estimation \
          on its test batches, and after `calibrate` on its unlabelled training images. Test \
-         accuracy in %, mean (std) over {} seeds.\n\n| method | estimate | {} | mean |\n|---|---|{}\n",
-        preset.name,
-        preset.rounds,
-        preset.seeds,
+         accuracy in %, mean (std) over {} seeds.\n\n",
+        preset.name, preset.rounds, preset.seeds,
+    );
+    let expected = algorithms.len() * preset.policies.len() * preset.seeds as usize * domains.len();
+    if results.len() < expected {
+        md.push_str(&format!(
+            "**{} of {expected} held-out runs have finished**: a cell is the mean over the \
+             seeds it holds; a mean over domains only takes the seeds every domain holds.\n\n",
+            results.len()
+        ));
+    }
+    md.push_str(&format!(
+        "| method | estimate | {} | mean |\n|---|---|{}\n",
         domains.join(" | "),
         "---:|".repeat(domains.len() + 1)
-    );
+    ));
     let mut methods = Vec::new();
     for a in algorithms {
         for &bn in &preset.policies {
@@ -333,7 +371,7 @@ pub(super) fn write_external(
                 ("calibrate", |r| r.calibrate),
             ] {
                 // Per domain, the accuracies over seeds; per seed, the mean over domains.
-                let per_domain: Vec<Vec<f64>> = domains
+                let runs: Vec<Vec<&ExternalResult>> = domains
                     .iter()
                     .map(|d| {
                         let mut v: Vec<&ExternalResult> = results
@@ -341,19 +379,37 @@ pub(super) fn write_external(
                             .filter(|r| r.algorithm == *a && r.bn_policy == bn && &r.held_out == d)
                             .collect();
                         v.sort_by_key(|r| r.seed);
-                        v.into_iter().map(pick).collect()
+                        v
                     })
                     .collect();
-                let seeds = per_domain.iter().map(Vec::len).min().unwrap_or(0);
-                let per_seed: Vec<f64> = (0..seeds)
-                    .map(|s| per_domain.iter().map(|v| v[s]).sum::<f64>() / domains.len() as f64)
+                let per_domain: Vec<Vec<f64>> = runs
+                    .iter()
+                    .map(|v| v.iter().map(|r| pick(r)).collect())
                     .collect();
-                let mut cells: Vec<String> = per_domain.iter().map(|v| pct(mean_std(v))).collect();
-                cells.push(format!("**{}**", pct(mean_std(&per_seed))));
+                // The mean over domains for each seed every domain has finished.
+                let (seeds, per_seed): (Vec<u64>, Vec<f64>) = (0..preset.seeds)
+                    .filter_map(|seed| {
+                        let at: Option<Vec<f64>> = runs
+                            .iter()
+                            .map(|v| v.iter().find(|r| r.seed == seed).map(|r| pick(r)))
+                            .collect();
+                        at.map(|at| (seed, at.iter().sum::<f64>() / domains.len() as f64))
+                    })
+                    .unzip();
+                let cell = |v: &[f64]| match v.is_empty() {
+                    true => "not run yet".to_string(),
+                    false => pct(mean_std(v)),
+                };
+                let mut cells: Vec<String> = per_domain.iter().map(|v| cell(v)).collect();
+                cells.push(format!("**{}**", cell(&per_seed)));
                 md.push_str(&format!("| {name} | {key} | {} |\n", cells.join(" | ")));
                 entry[key] = serde_json::json!({
                     "per_domain_per_seed": per_domain,
+                    "seeds_per_domain": runs.iter()
+                        .map(|v| v.iter().map(|r| r.seed).collect::<Vec<_>>())
+                        .collect::<Vec<_>>(),
                     "mean_over_domains_per_seed": per_seed,
+                    "seeds": seeds,
                 });
             }
             methods.push(entry);
