@@ -110,15 +110,17 @@ pub fn tiny_mlp(seed: u64) -> (unifed_models::zoo::Mlp, ModelSpec) {
     mlp_net(seed, 4, [3, 3], 2)
 }
 
-/// Asserts that every non-BN tensor of `got` differs from `plain` by `want(k)` at index `k`
-/// (within 1e-6), and that BN tensors do not differ at all (`term` names what moved them).
+/// Asserts that every non-BN tensor `t` of `got` differs from `plain` by `want(t, k)` at
+/// index `k` (within 1e-6), and that BN tensors do not differ at all (`term` names what moved
+/// them). Returns how many values were to move (|want| > 1e-6).
 pub fn assert_moved_by(
     got: &[unifed_models::state::NamedTensor],
     plain: &[unifed_models::state::NamedTensor],
-    want: impl Fn(usize) -> f32,
+    want: impl Fn(usize, usize) -> f32,
     term: &str,
-) {
-    for (a, b) in got.iter().zip(plain) {
+) -> usize {
+    let mut moved = 0;
+    for (t, (a, b)) in got.iter().zip(plain).enumerate() {
         if a.kind.is_bn() {
             assert_eq!(
                 a.data, b.data,
@@ -128,15 +130,12 @@ pub fn assert_moved_by(
             continue;
         }
         for k in 0..a.data.len() {
-            let d = a.data[k] - b.data[k];
-            assert!(
-                (d - want(k)).abs() < 1e-6,
-                "{}[{k}]: {d} vs {}",
-                a.name,
-                want(k)
-            );
+            let (d, w) = (a.data[k] - b.data[k], want(t, k));
+            moved += usize::from(w.abs() > 1e-6);
+            assert!((d - w).abs() < 1e-6, "{}[{k}]: {d} vs {w}", a.name);
         }
     }
+    moved
 }
 
 /// `n` samples of 4 noise features for [`tiny_mlp`], labels alternating 0 and 1.

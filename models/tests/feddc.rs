@@ -59,7 +59,7 @@ fn a_feddc_step_adds_alpha_times_the_drift_and_the_correction_to_the_gradient() 
     assert_moved_by(
         &drifted,
         &plain,
-        |k| -0.1 * (alpha * h + 0.5 - 0.01 * k as f32),
+        |_, k| -0.1 * (alpha * h + 0.5 - 0.01 * k as f32),
         "FedDC's terms",
     );
     // Without the correction or the anchor the term cannot be prepared.

@@ -129,28 +129,12 @@ fn a_fedprox_step_pulls_the_averaged_weights_toward_the_round_model_and_leaves_l
     let (mu, lr) = (0.5f32, 0.1f32);
     let prox = run(2, Objective::Proximal { mu: 0.5 }, Select::NonBn);
     // Step 1 starts at the reference, so the term is zero; step 2 adds lr * mu * (w1 - w0).
-    let mut moved = 0;
-    for k in 0..w0.len() {
-        let (a, b) = (&prox[k], &plain[k]);
-        if a.kind.is_bn() {
-            assert_eq!(
-                a.data, b.data,
-                "{}: BN must not feel the term under local",
-                a.name
-            );
-            continue;
-        }
-        for i in 0..a.data.len() {
-            let want = -lr * mu * (w1[k].data[i] - w0[k].data[i]);
-            moved += usize::from(want.abs() > 1e-6);
-            assert!(
-                ((a.data[i] - b.data[i]) - want).abs() < 1e-6,
-                "{}[{i}]: {} vs {want}",
-                a.name,
-                a.data[i] - b.data[i]
-            );
-        }
-    }
+    let moved = assert_moved_by(
+        &prox,
+        &plain,
+        |t, i| -lr * mu * (w1[t].data[i] - w0[t].data[i]),
+        "the term",
+    );
     // (A linear bias feeding a BN layer has no gradient; every other weight moves.)
     assert!(moved > 20, "only {moved} values felt the term");
     // mu = 0 is FedAvg bit for bit.
@@ -310,7 +294,7 @@ fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
     assert_moved_by(
         &corrected,
         &plain,
-        |k| -0.1 * (0.5 - 0.01 * k as f32),
+        |_, k| -0.1 * (0.5 - 0.01 * k as f32),
         "the correction",
     );
     // A SCAFFOLD round without its correction cannot be prepared.

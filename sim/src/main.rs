@@ -10,6 +10,8 @@
 //! - `encodings`: FedBN with each encoding over several seeds; bytes per site per round up and
 //!   down, and accuracy against f32 (results/encodings.{json,md}).
 
+mod progress;
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
@@ -430,8 +432,6 @@ fn write_compare(
     println!("\nwrote {} and {}", jp.display(), sp.display());
     Ok(())
 }
-
-mod progress;
 
 /// Counts heap bytes, so `aggregator-memory` can tell the aggregator's share of the process.
 #[global_allocator]

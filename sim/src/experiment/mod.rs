@@ -391,11 +391,7 @@ pub fn report(preset: &Preset, data: &BuiltinData, out: &Path) -> Result<Outcome
             out.display()
         );
     }
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    write_tables(preset, out, &p.results)?;
-    if let Some((_, sites)) = p.loaded.as_ref().filter(|_| preset.external.is_some()) {
-        write_external(preset, out, &names(sites), &p.externals)?;
-    }
+    write_all(preset, out, &p.results, &p.externals, p.loaded.as_ref())?;
     Ok(Outcome {
         trained: 0,
         reused: p.results.len() + p.externals.len(),
@@ -423,7 +419,8 @@ pub fn run(
     std::fs::create_dir_all(out.join("runs/external"))
         .with_context(|| format!("creating {}", out.join("runs/external").display()))?;
     let reused = results.len() + externals.len();
-    let jobs = jobs.clamp(1, todo.len().max(1)) * usize::from(!todo.is_empty());
+    // No more jobs than runs (none when nothing is to do).
+    let jobs = jobs.max(1).min(todo.len());
     // Each job gets its own pool: burn-flex's kernels run on the pool they are called from.
     let threads = (unifed_models::backend::cpu_threads() / jobs.max(1)).max(1);
     let total_rounds = todo.len() as u64 * preset.rounds;
@@ -521,10 +518,13 @@ pub fn run(
     if let Some(e) = shared.failed {
         return Err(e);
     }
-    write_tables(preset, out, &shared.results)?;
-    if let Some((_, sites)) = loaded.as_ref().filter(|_| preset.external.is_some()) {
-        write_external(preset, out, &names(sites), &shared.externals)?;
-    }
+    write_all(
+        preset,
+        out,
+        &shared.results,
+        &shared.externals,
+        loaded.as_ref(),
+    )?;
     Ok(Outcome {
         trained: todo.len(),
         reused,
@@ -532,9 +532,21 @@ pub fn run(
     })
 }
 
-/// The sites' names, in order.
-fn names(sites: &[SiteData]) -> Vec<String> {
-    sites.iter().map(|d| d.name.clone()).collect()
+/// Writes the internal tables and, when the preset has `[external]`, the external table over
+/// the `loaded` sites' domains.
+fn write_all(
+    preset: &Preset,
+    out: &Path,
+    results: &[RunResult],
+    externals: &[ExternalResult],
+    loaded: Option<&(ModelSpec, Vec<SiteData>)>,
+) -> Result<()> {
+    write_tables(preset, out, results)?;
+    if let (Some(_), Some((_, sites))) = (&preset.external, loaded) {
+        let names: Vec<String> = sites.iter().map(|d| d.name.clone()).collect();
+        write_external(preset, out, &names, externals)?;
+    }
+    Ok(())
 }
 
 /// One round of one run finished, as [`run`] reports it: what a progress bar or a log line
