@@ -40,5 +40,6 @@ pub fn training_bar(
         TrainEvent::EpochEnd { epoch, loss } => {
             bar.set_message(format!("epoch {} loss {loss:.4}", epoch + 1));
         }
+        TrainEvent::Trained => bar.set_message("encoding the update"),
     }
 }

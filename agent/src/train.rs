@@ -15,7 +15,7 @@ use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelle
 use unifed_models::error::TrainError;
 use unifed_models::site::{Memory, Site, SiteError};
 use unifed_models::state::{Select, export, import};
-use unifed_models::train::TrainConfig;
+use unifed_models::train::{TrainConfig, TrainEvent};
 use unifed_models::zoo::{AnyNet, Arch, DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_net::{BrokerConfig, NetEvent, Qos, Will, spawn_event_loop};
 use unifed_protocol::ModelSpec;
@@ -577,11 +577,22 @@ pub async fn run(
                         cfg.train.clone(),
                         m.clone(),
                     );
-                    let bar = training_bar(site_id.as_str(), m.round);
+                    let mut bar = training_bar(site_id.as_str(), m.round);
+                    let progress = move |ev| {
+                        if ev == TrainEvent::Trained {
+                            // Training's freed buffers go back before the update is encoded:
+                            // encoding holds the model, the delta and the update's bytes at once.
+                            unifed_net::memory::set_allocation(
+                                unifed_net::memory::Allocation::Lean,
+                            );
+                            unifed_net::release_free_memory();
+                        }
+                        bar(ev)
+                    };
                     let job = tokio::task::spawn_blocking(move || {
                         let started = Instant::now();
                         let r = unifed_net::memory::with_fast_allocation(|| {
-                            s.train_round(&spec2, &fed2, &m2, &tc, &dev2, bar)
+                            s.train_round(&spec2, &fed2, &m2, &tc, &dev2, progress)
                         });
                         if r.is_ok() {
                             let encode = s.encode_seconds();

@@ -339,7 +339,7 @@ impl<N: Net> Site<N> {
         m: &RoundManifest,
         tc: &TrainConfig,
         device: &Device,
-        progress: impl FnMut(TrainEvent),
+        mut progress: impl FnMut(TrainEvent),
     ) -> Result<Vec<u8>, SiteError> {
         let select = select_for(m.bn_policy);
         let tc = TrainConfig {
@@ -383,14 +383,21 @@ impl<N: Net> Site<N> {
                 &tc,
                 &term,
                 device,
-                progress,
+                &mut progress,
             )?,
             Some(parked) => {
                 // Until training ends the site holds a stand-in, and the file the weights.
                 let placeholder = stand_in(&self.net);
                 let base = std::mem::replace(&mut self.net, placeholder);
-                let (net, rep) =
-                    train_owned(base, &self.train, classes, &tc, &term, device, progress);
+                let (net, rep) = train_owned(
+                    base,
+                    &self.train,
+                    classes,
+                    &tc,
+                    &term,
+                    device,
+                    &mut progress,
+                );
                 match rep {
                     Ok(rep) => (net, rep),
                     Err(e) => {
@@ -400,6 +407,7 @@ impl<N: Net> Site<N> {
                 }
             }
         };
+        progress(TrainEvent::Trained);
         let encoding = std::time::Instant::now();
         // The delta is made in the trained tensors' own buffers, and the base exported (or read
         // back from its file) only now and dropped as soon as it is subtracted: training never

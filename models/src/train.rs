@@ -116,6 +116,9 @@ pub enum TrainEvent {
         /// Mean loss of the epoch.
         loss: f64,
     },
+    /// Training is over and the model holds its result; a federated round encodes its update
+    /// next (a process may hand training's buffers back to the system now).
+    Trained,
 }
 
 /// Accuracy and loss of a model on a dataset.

@@ -12,7 +12,7 @@ use unifed_models::data::Dataset;
 use unifed_models::objective::{Reference, SiteState, Term, add_proximal};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
-use unifed_models::train::{TrainConfig, train_objective};
+use unifed_models::train::{TrainConfig, TrainEvent, train_objective};
 use unifed_models::zoo::{Mlp, MlpConfig, seeded};
 use unifed_protocol::messages::{BnPolicy, Download, Objective, RoundManifest, RoundPlan};
 use unifed_protocol::{Encoding, Envelope, Id, Input, ModelSpec, SiteUpdate, SpecHash, Values};
@@ -154,6 +154,39 @@ fn manifest(round: u64, encoding: Encoding, bn: BnPolicy) -> RoundManifest {
 
 fn update(bytes: &[u8]) -> SiteUpdate {
     Envelope::decode(bytes).unwrap().payload_as().unwrap()
+}
+
+#[test]
+fn a_round_reports_trained_once_after_its_last_step_with_the_base_parked_or_held() {
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for parked in [false, true] {
+        let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+        if parked {
+            site.park_base_in(dir.path().join("base.f32"));
+        }
+        let mut events = Vec::new();
+        let m = manifest(1, Encoding::F32, BnPolicy::Local);
+        site.train_round(&spec, &fed, &m, &tc, &device(), |e| events.push(e))
+            .unwrap();
+        // 16 samples in batches of 8: two steps, the epoch's end, then training is over.
+        let steps = events
+            .iter()
+            .filter(|e| matches!(e, TrainEvent::Step { .. }))
+            .count();
+        let trained = events.iter().filter(|e| **e == TrainEvent::Trained).count();
+        assert_eq!((steps, trained), (2, 1), "parked: {parked}");
+        assert_eq!(
+            events.last(),
+            Some(&TrainEvent::Trained),
+            "parked: {parked}"
+        );
+    }
 }
 
 #[test]
