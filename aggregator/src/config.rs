@@ -32,6 +32,12 @@ pub fn default_max_samples() -> u64 {
     10_000_000
 }
 
+/// What `unifed-broker` keeps of the update filter every site publishes to (its
+/// `SHARED_LOG_BYTES`): 32 MiB.
+pub fn default_broker_update_log_bytes() -> u64 {
+    32 << 20
+}
+
 /// A site enrolled in the federation: its id, the public key it signs with (printed by
 /// `unifed-agent identity` on the site's own machine) and, optionally, the most samples its
 /// updates may claim.
@@ -116,6 +122,12 @@ pub struct FederationConfig {
     pub min_free_disk_bytes: u64,
     /// Largest update message accepted, in bytes.
     pub max_update_bytes: usize,
+    /// Bytes of update messages the broker keeps for the aggregator's subscription before it
+    /// skips the oldest (32 MiB, `unifed-broker`'s log; Mosquitto bounds by
+    /// `max_queued_messages` instead). Each round's manifest gives every sampled site an equal
+    /// share of it as its upload window.
+    #[serde(default = "default_broker_update_log_bytes")]
+    pub broker_update_log_bytes: u64,
     /// Seed of the per-round site sampling.
     pub seed: u64,
 }
@@ -143,6 +155,7 @@ impl FederationConfig {
             keep_versions: 3,
             min_free_disk_bytes: default_min_free_disk(),
             max_update_bytes: 256 << 20,
+            broker_update_log_bytes: default_broker_update_log_bytes(),
             seed: 0,
         }
     }
@@ -199,6 +212,12 @@ impl FederationConfig {
         }
         if self.deadline_secs == 0 {
             errs.push("deadline_secs must be at least 1".into());
+        }
+        if self.broker_update_log_bytes < 1 << 20 {
+            errs.push(format!(
+                "broker_update_log_bytes must be at least 1 MiB (1048576), got {}",
+                self.broker_update_log_bytes
+            ));
         }
         if !(self.fraction > 0.0 && self.fraction <= 1.0) {
             errs.push(format!(
@@ -259,6 +278,14 @@ impl FederationConfig {
             .and_then(|s| s.max_samples)
             .unwrap_or(self.max_samples)
             .min(self.max_samples)
+    }
+
+    /// The upload window of a round that samples `sampled` sites (0: not known, taken as 16):
+    /// an equal share of the broker's update log for each, with one share spare for re-sends
+    /// and late sites.
+    pub fn upload_window_bytes(&self, sampled: usize) -> u32 {
+        let sites = if sampled == 0 { 16 } else { sampled as u64 };
+        u32::try_from(self.broker_update_log_bytes / (sites + 1)).unwrap_or(u32::MAX)
     }
 
     /// Number of sites sampled per round.

@@ -583,6 +583,7 @@ impl Aggregator {
                 .iter()
                 .filter_map(|s| Id::new(s).ok())
                 .collect(),
+            upload_window_bytes: self.cfg.upload_window_bytes(self.state.sampled.len()),
             plan: self.strategy.plan(self.state.round),
             deadline_ms: self.state.deadline_ms,
             finished: self.state.finished,

@@ -551,11 +551,17 @@ fn config_validation_reports_every_problem() {
         rounds: 0,
         fraction: 1.5,
         weighting: Weighting::Uniform,
+        broker_update_log_bytes: 4096,
         ..FederationConfig::new("x", 1, 0, enrolled())
     };
     let errs = cfg.validate().unwrap_err();
-    assert_eq!(errs.len(), 4, "{errs:?}");
+    assert_eq!(errs.len(), 5, "{errs:?}");
     assert!(errs[0].contains("federation"));
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("broker_update_log_bytes must be at least 1 MiB")),
+        "{errs:?}"
+    );
 }
 
 #[test]
@@ -576,6 +582,9 @@ fn sampling_picks_a_fraction_of_the_sites_and_refuses_the_others() {
         panic!()
     };
     assert_eq!(manifest.sampled.len(), 3);
+    // Each of the 3 sampled sites gets a quarter of the broker's 32 MiB update log as its
+    // upload window (one share is kept spare).
+    assert_eq!(manifest.upload_window_bytes, 8 << 20);
     let outsider = (0..10)
         .map(|i| format!("s{i}"))
         .find(|s| !manifest.sampled.iter().any(|m| m.as_str() == s))

@@ -54,7 +54,8 @@ pub struct BrokerArgs {
 pub const LOG_FILTER: &str = "warn,rumqttd::server::broker=off";
 
 /// Bytes a filter shared by every site (the aggregator's `update/+`) keeps at least: the upload
-/// windows of 16 sites at once (2 MiB each, see `unifed_site::upload::WINDOW_BYTES`).
+/// windows of every sampled site at once (the aggregator's `broker_update_log_bytes` must not
+/// exceed it; it announces `log / (sampled sites + 1)` per site in each round manifest).
 pub const SHARED_LOG_BYTES: usize = 32 << 20;
 /// Bytes one site's bulk reply filter keeps at least: twice a site's fetch window
 /// (`unifed_protocol::chunking::FETCH_WINDOW_BYTES`).
@@ -79,8 +80,11 @@ pub fn log_limits(packet: usize) -> (rumqttd::SegmentConfig, rumqttd::SegmentCon
 }
 
 /// Runs the broker in this process until it fails (rumqttd has no shutdown: end the process).
-/// Prints `unifed-broker listening on <addr>` once the port accepts connections.
+/// Prints `unifed-broker listening on <addr>` once the port accepts connections. The process
+/// allocates lean (`unifed_net::memory::Allocation::Lean`): a dropped log segment's packets go
+/// back to the system at once.
 pub fn run(args: &BrokerArgs) -> Result<()> {
+    unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
     if args.max_packet_bytes < 1024 {
         bail!(
             "--max-packet-bytes must be at least 1024, got {}",

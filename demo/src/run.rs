@@ -534,3 +534,17 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         timeline,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use unifed_aggregator::config::default_broker_update_log_bytes;
+
+    #[test]
+    fn the_aggregator_assumes_the_update_log_the_embedded_broker_keeps() {
+        // Upload windows are shares of this log: a larger assumption would overrun the broker.
+        assert_eq!(
+            default_broker_update_log_bytes(),
+            unifed_broker::SHARED_LOG_BYTES as u64
+        );
+    }
+}

@@ -169,6 +169,7 @@ pub fn tiny_manifest(
         bn_policy: bn,
         bn_sharing: BnSharing::None,
         sampled: vec![],
+        upload_window_bytes: 2 << 20,
         plan: RoundPlan { objective },
         deadline_ms: 0,
         finished: false,

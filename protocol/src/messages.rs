@@ -246,6 +246,10 @@ pub struct RoundManifest {
     pub bn_sharing: BnSharing,
     /// Sites sampled for this round (empty: every site may report).
     pub sampled: Vec<SiteId>,
+    /// Bytes of update chunks a site may have in flight without a receipt: the aggregator's
+    /// share for each sampled site of what the broker keeps for it, so that every site's window
+    /// fits at once (a site keeps at least one chunk in flight).
+    pub upload_window_bytes: u32,
     /// What the sampled sites do this round (the strategy's typed plan).
     pub plan: RoundPlan,
     /// Round deadline, milliseconds since the Unix epoch.

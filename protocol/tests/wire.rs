@@ -80,6 +80,7 @@ fn a_round_manifest_round_trips_through_an_envelope() {
         bn_policy: BnPolicy::Local,
         bn_sharing: BnSharing::Affine,
         sampled: vec![id("a"), id("b.c")],
+        upload_window_bytes: 2 << 20,
         plan: RoundPlan {
             objective: Objective::Proximal { mu: 0.01 },
         },

@@ -287,7 +287,7 @@ impl SiteEngine {
                         return out;
                     }
                 };
-                if self.manifest.as_ref().is_some_and(|m| m.round == round) {
+                if let Some(m) = self.manifest.as_ref().filter(|m| m.round == round) {
                     let up = Upload::new(
                         (&self.cfg.federation, &self.cfg.site, self.cfg.spec_hash),
                         &self.cfg.key,
@@ -295,6 +295,7 @@ impl SiteEngine {
                         version,
                         signed,
                         self.cfg.max_packet,
+                        m.upload_window_bytes as usize,
                     );
                     out.push(Action::Uploading {
                         round,

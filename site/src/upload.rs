@@ -1,7 +1,8 @@
 //! How a site's update reaches the aggregator, without I/O. An update that fits one MQTT packet
 //! is sent whole and re-sent until answered. A larger one is cut into `UpdateChunk` messages
-//! sent through a window: at most [`WINDOW_BYTES`] of chunks without an `UpdateReceipt` are in
-//! flight, so the broker never holds more than a few MiB of a site's chunks for the aggregator.
+//! sent through a window: at most the round manifest's `upload_window_bytes` of chunks without an
+//! `UpdateReceipt` are in flight (the aggregator's share of the broker's log for each sampled
+//! site), so the broker never holds more of a site's chunks for the aggregator than it keeps.
 //! rumqttd keeps a bounded log per subscription and skips what a slow subscriber has not read, so an unpaced
 //! 57 MB upload from five sites at once loses chunks. A chunk without a receipt is sent again
 //! after [`CHUNK_TIMEOUT_MS`] (at once after a reconnect); if all chunks have receipts but no
@@ -15,9 +16,6 @@ use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::UpdateReceipt;
 
-/// Bytes of chunks of one update in flight without a receipt (at least one chunk): 7 chunks of
-/// 256 KiB, so the broker's 32 MiB log of updates holds the windows of 16 sites at once.
-pub const WINDOW_BYTES: usize = 2 << 20;
 /// Largest update chunk: small enough that a window of every site fits a broker's log.
 pub const MAX_CHUNK: usize = 256 << 10;
 /// A chunk without a receipt for this long (ms) is sent again.
@@ -34,13 +32,16 @@ pub struct Upload {
     /// Encoded chunk envelopes; empty when the update goes whole.
     chunks: Vec<Vec<u8>>,
     next: usize,
+    /// Chunks in flight without a receipt at most (at least 1).
+    window: usize,
     inflight: BTreeMap<u32, Option<u64>>,
     last_progress: Option<u64>,
 }
 
 impl Upload {
     /// Prepares the signed update envelope `bytes` of `round` (trained from `version`) for a
-    /// broker whose packet limit is `max_packet`; chunks are signed with `key` too, so the
+    /// broker whose packet limit is `max_packet`, with at most `window_bytes` of chunks
+    /// without a receipt (at least one chunk); chunks are signed with `key` too, so the
     /// aggregator checks each before it holds any.
     pub fn new(
         (federation, site, hash): (&Id, &Id, SpecHash),
@@ -49,6 +50,7 @@ impl Upload {
         version: u64,
         bytes: Vec<u8>,
         max_packet: usize,
+        window_bytes: usize,
     ) -> Upload {
         let limit = max_packet.saturating_sub(4096).max(1024);
         let chunks = if bytes.len() <= limit {
@@ -68,6 +70,9 @@ impl Upload {
                 })
                 .collect()
         };
+        let window = chunks
+            .first()
+            .map_or(1, |c| (window_bytes / c.len().max(1)).max(1));
         Upload {
             round,
             payload_hash: payload_hash(&bytes),
@@ -76,6 +81,7 @@ impl Upload {
             bytes: if chunks.is_empty() { bytes } else { Vec::new() },
             chunks,
             next: 0,
+            window,
             inflight: BTreeMap::new(),
             last_progress: None,
         }
@@ -156,11 +162,7 @@ impl Upload {
             out.push(self.chunks[i as usize].clone());
             self.inflight.insert(i, Some(now_ms));
         }
-        let window = self
-            .chunks
-            .first()
-            .map_or(1, |c| (WINDOW_BYTES / c.len().max(1)).max(1));
-        while self.inflight.len() < window && self.next < self.chunks.len() {
+        while self.inflight.len() < self.window && self.next < self.chunks.len() {
             out.push(self.chunks[self.next].clone());
             self.inflight.insert(self.next as u32, Some(now_ms));
             self.next += 1;

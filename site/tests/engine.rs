@@ -9,6 +9,7 @@ use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
     Answer, BnPolicy, BnSharing, Chunk, ChunkRequest, DeltaInfo, Download, ModelDelta, Payload,
     RejectReason, RoundManifest, RoundPlan, ServerBroadcast, ServerExtras, UpdateAnswer,
+    UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
 use unifed_site::{Action, EngineConfig, Event, Progress, SiteEngine};
@@ -94,6 +95,7 @@ fn model_cut(round: u64, v: u64, sampled: &[&str], cut: usize) -> (RoundManifest
         bn_policy: BnPolicy::Local,
         bn_sharing: BnSharing::None,
         sampled: sampled.iter().map(|s| id(s)).collect(),
+        upload_window_bytes: 2 << 20,
         plan: RoundPlan::default(),
         deadline_ms: 0,
         finished: false,
@@ -367,6 +369,75 @@ fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     assert_eq!(e.progress().answered_rounds, vec![1]);
     // Answered: nothing more to do in round 1.
     assert!(e.handle(Event::Tick, 20_000).is_empty());
+}
+
+/// The chunk indices of the update chunks among `acts`.
+fn chunk_indices(acts: &[Action]) -> Vec<u32> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::Publish { payload, .. } => {
+                let env = Envelope::decode(payload).unwrap();
+                assert_eq!(env.kind, MessageKind::UpdateChunk);
+                Some(env.payload_as::<Chunk>().unwrap().index)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_chunked_update_keeps_the_manifests_upload_window_in_flight() {
+    // 1.5 MB: 25 chunks of about 61 KB under the engine's 64 KiB packets.
+    let update = Envelope::new(
+        MessageKind::SiteUpdate,
+        id("fed"),
+        id("a"),
+        1,
+        0,
+        HASH,
+        &vec![9u8; 1_500_000],
+    )
+    .encode();
+    let signed = key("a").sign(&Envelope::decode(&update).unwrap());
+    // (announced window, chunks in flight): at least one chunk, however small the window.
+    for (window, in_flight) in [(0u32, 1usize), (200_000, 3), (130_000, 2)] {
+        let mut e = engine(None);
+        let (mut m, chunks) = model(1, 0, &[]);
+        m.upload_window_bytes = window;
+        e.handle(manifest_msg(&m), 0);
+        deliver(&mut e, &m, &chunks);
+        e.handle(Event::Applied { version: 0 }, 2);
+        let acts = e.handle(
+            Event::Trained {
+                round: 1,
+                update: update.clone(),
+            },
+            3,
+        );
+        let [Action::Uploading { messages, .. }, ..] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(*messages, 25);
+        let sent = chunk_indices(&acts[1..]);
+        assert_eq!(sent, (0..in_flight as u32).collect::<Vec<_>>(), "{window}");
+        // Nothing more until a receipt frees a place in the window.
+        assert!(e.handle(Event::Tick, 4).is_empty());
+        let receipt = UpdateReceipt {
+            round: 1,
+            payload_hash: payload_hash(&signed),
+            index: 0,
+        };
+        // The receipt of chunk 0 lets exactly the next one go.
+        let acts = e.handle(
+            msg(
+                topics().ack(&id("a")),
+                agg(MessageKind::UpdateReceipt, 1, 0, &receipt),
+            ),
+            5,
+        );
+        assert_eq!(chunk_indices(&acts), vec![in_flight as u32]);
+        assert!(e.handle(Event::Tick, 6).is_empty());
+    }
 }
 
 #[test]
