@@ -731,6 +731,49 @@ fn bn_running_statistics_must_travel_as_exact_f32_under_a_lossy_encoding() {
 }
 
 #[test]
+fn under_ternary_q8_matrices_must_be_ternary_and_other_weights_q8() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        encoding: Encoding::TernaryQ8,
+        ..config(1, 2, BnPolicy::Local)
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    // Every tensor re-encoded as `enc` says for its shape, or the matrix in q8 when `swap`.
+    let reencode = |swap: bool| {
+        move |d: &mut Vec<unifed_protocol::EncodedTensor>| {
+            for t in d.iter_mut() {
+                let v = unifed_protocol::decode(t).unwrap();
+                let enc = if swap && t.shape.len() == 2 {
+                    Encoding::Q8
+                } else {
+                    Encoding::TernaryQ8
+                };
+                *t = encode(&t.name, &t.shape, &v, enc, None);
+            }
+        }
+    };
+    let acts = send(
+        &mut agg,
+        "a",
+        with_delta("a", 1, 10, BnPolicy::Local, reencode(true)),
+    );
+    assert_eq!(
+        answers(&acts),
+        vec![(
+            "a".to_string(),
+            Answer::Rejected(RejectReason::WrongEncoding)
+        )]
+    );
+    let acts = send(
+        &mut agg,
+        "a",
+        with_delta("a", 1, 10, BnPolicy::Local, reencode(false)),
+    );
+    assert_eq!(answers(&acts), vec![("a".to_string(), Answer::Accepted)]);
+}
+
+#[test]
 fn an_update_that_would_make_a_running_variance_negative_is_rejected_alone() {
     let dir = tempfile::tempdir().unwrap();
     let mut agg = open(dir.path(), config(1, 2, BnPolicy::Global));

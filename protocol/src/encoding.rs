@@ -33,6 +33,10 @@ pub enum Encoding {
     /// f32, and every value moves every round (with error feedback, what it rounds away goes
     /// out later).
     Ternary,
+    /// [`Encoding::Ternary`] for weight matrices (rank-2 tensors: fully connected layers, most
+    /// of a CNN's bytes) and [`Encoding::Q8`] for every other tensor (convolution kernels,
+    /// biases), which are few values but carry more per value.
+    TernaryQ8,
 }
 
 /// Values per scale of [`Encoding::Ternary`].
@@ -41,7 +45,7 @@ pub const TERNARY_BLOCK: usize = 256;
 impl core::str::FromStr for Encoding {
     type Err = String;
 
-    /// Parses `f32`, `f16`, `q8`, `ternary`, `topk<per-mille>` (e.g. `topk100` keeps 10%) or
+    /// Parses `f32`, `f16`, `q8`, `ternary`, `ternaryq8`, `topk<per-mille>` (e.g. `topk100` keeps 10%) or
     /// `topkq8<per-mille>` (the same with q8 values).
     fn from_str(s: &str) -> Result<Self, String> {
         let per_mille = |t: &str, digits: &str| {
@@ -56,6 +60,7 @@ impl core::str::FromStr for Encoding {
             "f16" => Encoding::F16,
             "q8" => Encoding::Q8,
             "ternary" => Encoding::Ternary,
+            "ternaryq8" => Encoding::TernaryQ8,
             t if t.starts_with("topkq8") => Encoding::TopKQ8 {
                 per_mille: per_mille(t, &t[6..])?,
             },
@@ -64,7 +69,7 @@ impl core::str::FromStr for Encoding {
             },
             other => {
                 return Err(alloc::format!(
-                    "unknown encoding `{other}`: f32, f16, q8, ternary, topk<per-mille> or topkq8<per-mille>"
+                    "unknown encoding `{other}`: f32, f16, q8, ternary, ternaryq8, topk<per-mille> or topkq8<per-mille>"
                 ));
             }
         };
@@ -174,22 +179,28 @@ impl Encoding {
         matches!(self, Encoding::F32)
     }
 
-    /// True if `values` are in this encoding.
-    pub fn holds(&self, values: &Values) -> bool {
+    /// True if the values of `t` are what this encoding sends for a tensor of its shape.
+    pub fn holds(&self, t: &EncodedTensor) -> bool {
+        let matrix = t.shape.len() == 2;
         matches!(
-            (values, self),
+            (&t.values, self),
             (Values::F32(_), Encoding::F32)
                 | (Values::F16(_), Encoding::F16)
                 | (Values::Q8 { .. }, Encoding::Q8)
                 | (Values::Sparse { .. }, Encoding::TopK { .. })
                 | (Values::SparseQ8 { .. }, Encoding::TopKQ8 { .. })
                 | (Values::Ternary { .. }, Encoding::Ternary)
-        )
+        ) || match (&t.values, self) {
+            (Values::Ternary { .. }, Encoding::TernaryQ8) => matrix,
+            (Values::Q8 { .. }, Encoding::TernaryQ8) => !matrix,
+            _ => false,
+        }
     }
 }
 
 impl core::fmt::Display for Encoding {
-    /// The name [`core::str::FromStr`] parses: `f32`, `f16`, `q8`, `topk100`, `topkq8100`.
+    /// The name [`core::str::FromStr`] parses: `f32`, `f16`, `q8`, `ternary`, `ternaryq8`,
+    /// `topk100`, `topkq8100`.
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
             Encoding::F32 => f.write_str("f32"),
@@ -198,6 +209,7 @@ impl core::fmt::Display for Encoding {
             Encoding::TopK { per_mille } => write!(f, "topk{per_mille}"),
             Encoding::TopKQ8 { per_mille } => write!(f, "topkq8{per_mille}"),
             Encoding::Ternary => f.write_str("ternary"),
+            Encoding::TernaryQ8 => f.write_str("ternaryq8"),
         }
     }
 }
@@ -254,7 +266,8 @@ pub fn encode(
                 .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
                 .collect(),
         ),
-        Encoding::Q8 => {
+        Encoding::TernaryQ8 if shape.len() == 2 => ternary(x),
+        Encoding::Q8 | Encoding::TernaryQ8 => {
             let scale = q8_scale(x);
             let data = x.iter().map(|&v| q8_quantise(v, scale) as u8).collect();
             Values::Q8 { scale, data }
@@ -831,6 +844,44 @@ mod tests {
                 assert!((d[i] + r - x[i]).abs() <= 1e-6, "{enc:?} index {i}");
             }
         }
+    }
+
+    #[test]
+    fn ternaryq8_sends_matrices_in_ternary_and_every_other_tensor_in_q8() {
+        let x = sample(600, 4);
+        for (shape, ternary) in [
+            (vec![20u32, 30], true),
+            (vec![6, 4, 5, 5], false),
+            (vec![600], false),
+        ] {
+            let mut residual = Vec::new();
+            let t = encode("w", &shape, &x, Encoding::TernaryQ8, Some(&mut residual));
+            assert_eq!(
+                matches!(t.values, Values::Ternary { .. }),
+                ternary,
+                "{shape:?}"
+            );
+            assert_eq!(matches!(t.values, Values::Q8 { .. }), !ternary, "{shape:?}");
+            assert!(Encoding::TernaryQ8.holds(&t), "{shape:?}");
+            let plain = if ternary {
+                Encoding::Ternary
+            } else {
+                Encoding::Q8
+            };
+            assert!(plain.holds(&t));
+            // The same values as the plain encoding, and the same error fed back.
+            assert_eq!(t.values, encode("w", &shape, &x, plain, None).values);
+            let d = decode(&t).unwrap();
+            for i in 0..600 {
+                assert!((d[i] + residual[i] - x[i]).abs() <= 1e-6, "{shape:?} {i}");
+            }
+            // The wrong kind for the shape is not what the encoding sends.
+            let mut other = t.clone();
+            other.shape = if ternary { vec![600] } else { vec![20, 30] };
+            assert!(!Encoding::TernaryQ8.holds(&other), "{shape:?}");
+        }
+        assert_eq!("ternaryq8".parse(), Ok(Encoding::TernaryQ8));
+        assert_eq!(Encoding::TernaryQ8.to_string(), "ternaryq8");
     }
 
     #[test]

@@ -249,6 +249,10 @@ fn a_site_update_costs_what_its_encoding_promises() {
     // Ternary: 1.6 bits per value and an f16 scale per 256 values.
     let ternary = ratio(Encoding::Ternary);
     assert!((0.05..0.0625).contains(&ternary), "ternary {ternary}");
+    // Ternary-q8: the 128 x 64 matrix in ternary (1 703 bytes), the convolution kernel and the
+    // bias in q8 (4 936 bytes): 6 639 of 52 480.
+    let mixed = ratio(Encoding::TernaryQ8);
+    assert!((0.1265..0.135).contains(&mixed), "ternary-q8 {mixed}");
 }
 
 #[test]

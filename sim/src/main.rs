@@ -67,8 +67,8 @@ enum Cmd {
         /// Number of seeds (0..S).
         #[arg(long, default_value_t = 3)]
         seeds: u64,
-        /// Encoding of updates and model deltas: f32, f16, q8, ternary, topk<per-mille> or
-        /// topkq8<per-mille>.
+        /// Encoding of updates and model deltas: f32, f16, q8, ternary, ternaryq8,
+        /// topk<per-mille> or topkq8<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
         /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, fednova, moon,

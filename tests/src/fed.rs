@@ -412,6 +412,7 @@ fn toml_encoding(e: unifed_protocol::Encoding) -> String {
         F16 => "\"F16\"".into(),
         Q8 => "\"Q8\"".into(),
         Ternary => "\"Ternary\"".into(),
+        TernaryQ8 => "\"TernaryQ8\"".into(),
         TopK { per_mille } => format!("{{ TopK = {{ per_mille = {per_mille} }} }}"),
         TopKQ8 { per_mille } => format!("{{ TopKQ8 = {{ per_mille = {per_mille} }} }}"),
     }

@@ -460,7 +460,7 @@ pub fn dense(
         } else {
             encoding
         };
-        if !expected.holds(&t.values) {
+        if !expected.holds(t) {
             return Err(RejectReason::WrongEncoding);
         }
         let v = decode(t).map_err(|e| RejectReason::Malformed(e.to_string()))?;
