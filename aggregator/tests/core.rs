@@ -688,16 +688,36 @@ fn a_sample_count_above_the_federations_bound_is_rejected() {
     assert_eq!(answers(&acts), vec![("a".to_string(), Answer::Accepted)]);
 }
 
-#[test]
-fn bn_running_statistics_must_travel_as_exact_f32_under_a_lossy_encoding() {
+/// Under `encoding` and `bn`, site `a`'s update edited by `edit(true)` is refused as the wrong
+/// encoding and the one edited by `edit(false)` is accepted.
+fn wrong_then_right_encoding<E>(encoding: Encoding, bn: BnPolicy, edit: impl Fn(bool) -> E)
+where
+    E: FnOnce(&mut Vec<unifed_protocol::EncodedTensor>),
+{
     let dir = tempfile::tempdir().unwrap();
     let cfg = FederationConfig {
-        encoding: Encoding::Q8,
-        ..config(1, 2, BnPolicy::Global)
+        encoding,
+        ..config(1, 2, bn)
     };
     let mut agg = open(dir.path(), cfg);
     agg.handle(Event::Start, 0).unwrap();
-    let requant = |all: bool| {
+    let acts = send(&mut agg, "a", with_delta("a", 1, 10, bn, edit(true)));
+    assert_eq!(
+        answers(&acts),
+        vec![(
+            "a".to_string(),
+            Answer::Rejected(RejectReason::WrongEncoding)
+        )]
+    );
+    let acts = send(&mut agg, "a", with_delta("a", 1, 10, bn, edit(false)));
+    assert_eq!(answers(&acts), vec![("a".to_string(), Answer::Accepted)]);
+}
+
+#[test]
+fn bn_running_statistics_must_travel_as_exact_f32_under_a_lossy_encoding() {
+    // Statistics in q8 too (what an older agent sent): refused; weights in q8, statistics in
+    // exact f32: accepted.
+    wrong_then_right_encoding(Encoding::Q8, BnPolicy::Global, |all: bool| {
         move |d: &mut Vec<unifed_protocol::EncodedTensor>| {
             for t in d.iter_mut() {
                 let stat = t.name.contains("running");
@@ -707,40 +727,13 @@ fn bn_running_statistics_must_travel_as_exact_f32_under_a_lossy_encoding() {
                 }
             }
         }
-    };
-    // Statistics in q8 (what an older agent sent): refused.
-    let acts = send(
-        &mut agg,
-        "a",
-        with_delta("a", 1, 10, BnPolicy::Global, requant(true)),
-    );
-    assert_eq!(
-        answers(&acts),
-        vec![(
-            "a".to_string(),
-            Answer::Rejected(RejectReason::WrongEncoding)
-        )]
-    );
-    // Weights in q8, statistics in exact f32: accepted.
-    let acts = send(
-        &mut agg,
-        "a",
-        with_delta("a", 1, 10, BnPolicy::Global, requant(false)),
-    );
-    assert_eq!(answers(&acts), vec![("a".to_string(), Answer::Accepted)]);
+    });
 }
 
 #[test]
 fn under_ternary_q8_matrices_must_be_ternary_and_other_weights_q8() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = FederationConfig {
-        encoding: Encoding::TernaryQ8,
-        ..config(1, 2, BnPolicy::Local)
-    };
-    let mut agg = open(dir.path(), cfg);
-    agg.handle(Event::Start, 0).unwrap();
-    // Every tensor re-encoded as `enc` says for its shape, or the matrix in q8 when `swap`.
-    let reencode = |swap: bool| {
+    // The matrix in q8: refused; every tensor as ternary-q8 says for its shape: accepted.
+    wrong_then_right_encoding(Encoding::TernaryQ8, BnPolicy::Local, |swap: bool| {
         move |d: &mut Vec<unifed_protocol::EncodedTensor>| {
             for t in d.iter_mut() {
                 let v = unifed_protocol::decode(t).unwrap();
@@ -752,25 +745,7 @@ fn under_ternary_q8_matrices_must_be_ternary_and_other_weights_q8() {
                 *t = encode(&t.name, &t.shape, &v, enc, None);
             }
         }
-    };
-    let acts = send(
-        &mut agg,
-        "a",
-        with_delta("a", 1, 10, BnPolicy::Local, reencode(true)),
-    );
-    assert_eq!(
-        answers(&acts),
-        vec![(
-            "a".to_string(),
-            Answer::Rejected(RejectReason::WrongEncoding)
-        )]
-    );
-    let acts = send(
-        &mut agg,
-        "a",
-        with_delta("a", 1, 10, BnPolicy::Local, reencode(false)),
-    );
-    assert_eq!(answers(&acts), vec![("a".to_string(), Answer::Accepted)]);
+    });
 }
 
 #[test]
