@@ -1,6 +1,6 @@
 //! Tensor encodings on the wire: `f32`, `f16`, `q8` (per-tensor symmetric int8 with a scale)
-//! top-k sparse with f32 or q8 values, and dense ternary with a scale per block (the sender
-//! keeps the error-feedback residual).
+//! top-k sparse with f32 or q8 values, dense ternary with a scale per block, and ternary-q8
+//! (ternary matrices, q8 for the rest); the sender keeps the error-feedback residual.
 
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -45,8 +45,8 @@ pub const TERNARY_BLOCK: usize = 256;
 impl core::str::FromStr for Encoding {
     type Err = String;
 
-    /// Parses `f32`, `f16`, `q8`, `ternary`, `ternaryq8`, `topk<per-mille>` (e.g. `topk100` keeps 10%) or
-    /// `topkq8<per-mille>` (the same with q8 values).
+    /// Parses `f32`, `f16`, `q8`, `ternary`, `ternaryq8`, `topk<per-mille>` (e.g. `topk100`
+    /// keeps 10%) or `topkq8<per-mille>` (the same with q8 values).
     fn from_str(s: &str) -> Result<Self, String> {
         let per_mille = |t: &str, digits: &str| {
             digits.parse::<u16>().map_err(|_| {
@@ -181,19 +181,18 @@ impl Encoding {
 
     /// True if the values of `t` are what this encoding sends for a tensor of its shape.
     pub fn holds(&self, t: &EncodedTensor) -> bool {
-        let matrix = t.shape.len() == 2;
-        matches!(
-            (&t.values, self),
-            (Values::F32(_), Encoding::F32)
-                | (Values::F16(_), Encoding::F16)
-                | (Values::Q8 { .. }, Encoding::Q8)
-                | (Values::Sparse { .. }, Encoding::TopK { .. })
-                | (Values::SparseQ8 { .. }, Encoding::TopKQ8 { .. })
-                | (Values::Ternary { .. }, Encoding::Ternary)
-        ) || match (&t.values, self) {
-            (Values::Ternary { .. }, Encoding::TernaryQ8) => matrix,
-            (Values::Q8 { .. }, Encoding::TernaryQ8) => !matrix,
-            _ => false,
+        match (&t.values, self) {
+            (Values::Ternary { .. }, Encoding::TernaryQ8) => t.shape.len() == 2,
+            (Values::Q8 { .. }, Encoding::TernaryQ8) => t.shape.len() != 2,
+            (values, encoding) => matches!(
+                (values, encoding),
+                (Values::F32(_), Encoding::F32)
+                    | (Values::F16(_), Encoding::F16)
+                    | (Values::Q8 { .. }, Encoding::Q8)
+                    | (Values::Sparse { .. }, Encoding::TopK { .. })
+                    | (Values::SparseQ8 { .. }, Encoding::TopKQ8 { .. })
+                    | (Values::Ternary { .. }, Encoding::Ternary)
+            ),
         }
     }
 }
