@@ -81,10 +81,10 @@ pub fn log_limits(packet: usize) -> (rumqttd::SegmentConfig, rumqttd::SegmentCon
 
 /// Runs the broker in this process until it fails (rumqttd has no shutdown: end the process).
 /// Prints `unifed-broker listening on <addr>` once the port accepts connections. The process
-/// allocates lean (`unifed_net::memory::Allocation::Lean`): a dropped log segment's packets go
-/// back to the system at once.
+/// allocates as a relay (`unifed_net::memory::Allocation::Relay`): packets reuse malloc's heap,
+/// and what the heap keeps free is handed back every 2 s.
 pub fn run(args: &BrokerArgs) -> Result<()> {
-    unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
+    unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Relay);
     if args.max_packet_bytes < 1024 {
         bail!(
             "--max-packet-bytes must be at least 1024, got {}",
