@@ -241,8 +241,8 @@ pub fn read_config(path: &Path) -> Result<ServiceConfig> {
 /// Reads the service config at `path`, validates it, and serves on a runtime of its own until
 /// the federation has finished and lingered, or Ctrl-C; returns the final model version.
 /// While it serves, the file's `revoked` list is re-read whenever the file changes. The process
-/// allocates as a relay (`unifed_net::memory::Allocation::Relay`): models and payloads go back
-/// to the system when freed, chunks reuse malloc's heap.
+/// allocates lean (`unifed_net::memory::Allocation::Lean`): chunks and models go back to the
+/// system when freed instead of staying in malloc's heap.
 pub fn serve_from_file(path: &Path) -> Result<u64> {
     unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
     let cfg = read_config(path)?;
