@@ -401,19 +401,9 @@ fn a_chunked_update_keeps_the_manifests_upload_window_in_flight() {
     let signed = key("a").sign(&Envelope::decode(&update).unwrap());
     // (announced window, chunks in flight): at least one chunk, however small the window.
     for (window, in_flight) in [(0u32, 1usize), (200_000, 3), (130_000, 2)] {
-        let mut e = engine(None);
         let (mut m, chunks) = model(1, 0, &[]);
         m.upload_window_bytes = window;
-        e.handle(manifest_msg(&m), 0);
-        deliver(&mut e, &m, &chunks);
-        e.handle(Event::Applied { version: 0 }, 2);
-        let acts = e.handle(
-            Event::Trained {
-                round: 1,
-                update: update.clone(),
-            },
-            3,
-        );
+        let (mut e, acts) = trained_round_one(&m, &chunks, update.clone());
         let [Action::Uploading { messages, .. }, ..] = &acts[..] else {
             panic!("{acts:?}")
         };
@@ -621,21 +611,26 @@ fn a_round_whose_training_failed_is_not_trained_again_and_the_next_one_is() {
     );
 }
 
+/// An engine that has fetched model v0 by the round-1 manifest `m` and trained `update`; returns
+/// the engine and what it did on the update.
+fn trained_round_one(
+    m: &RoundManifest,
+    chunks: &[Chunk],
+    update: Vec<u8>,
+) -> (SiteEngine, Vec<Action>) {
+    let mut e = engine(None);
+    e.handle(manifest_msg(m), 0);
+    deliver(&mut e, m, chunks);
+    e.handle(Event::Applied { version: 0 }, 1);
+    let acts = e.handle(Event::Trained { round: 1, update }, 2);
+    (e, acts)
+}
+
 /// An engine that has fetched model v0, trained round 1 and sent its update; returns the
 /// engine and the update's bytes.
 fn sent_round_one() -> (SiteEngine, Vec<u8>) {
-    let mut e = engine(None);
     let (m, chunks) = model(1, 0, &[]);
-    e.handle(manifest_msg(&m), 0);
-    deliver(&mut e, &m, &chunks);
-    e.handle(Event::Applied { version: 0 }, 1);
-    let acts = e.handle(
-        Event::Trained {
-            round: 1,
-            update: update_envelope(),
-        },
-        2,
-    );
+    let (e, acts) = trained_round_one(&m, &chunks, update_envelope());
     let Some(Action::Publish { payload: sent, .. }) = acts.last() else {
         panic!("{acts:?}")
     };
