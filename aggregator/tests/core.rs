@@ -733,19 +733,23 @@ fn bn_running_statistics_must_travel_as_exact_f32_under_a_lossy_encoding() {
 #[test]
 fn under_ternary_q8_matrices_must_be_ternary_and_other_weights_q8() {
     // The matrix in q8: refused; every tensor as ternary-q8 says for its shape: accepted.
-    wrong_then_right_encoding(Encoding::TernaryQ8, BnPolicy::Local, |swap: bool| {
-        move |d: &mut Vec<unifed_protocol::EncodedTensor>| {
-            for t in d.iter_mut() {
-                let v = unifed_protocol::decode(t).unwrap();
-                let enc = if swap && t.shape.len() == 2 {
-                    Encoding::Q8
-                } else {
-                    Encoding::TernaryQ8
-                };
-                *t = encode(&t.name, &t.shape, &v, enc, None);
+    wrong_then_right_encoding(
+        Encoding::TernaryQ8 { block: 64 },
+        BnPolicy::Local,
+        |swap: bool| {
+            move |d: &mut Vec<unifed_protocol::EncodedTensor>| {
+                for t in d.iter_mut() {
+                    let v = unifed_protocol::decode(t).unwrap();
+                    let enc = if swap && t.shape.len() == 2 {
+                        Encoding::Q8
+                    } else {
+                        Encoding::TernaryQ8 { block: 64 }
+                    };
+                    *t = encode(&t.name, &t.shape, &v, enc, None);
+                }
             }
-        }
-    });
+        },
+    );
 }
 
 #[test]

@@ -42,8 +42,8 @@ pub struct Options {
     /// Local epochs per round.
     #[arg(long, default_value_t = 1)]
     pub epochs: usize,
-    /// Encoding of updates and model deltas: f32, f16, q8, ternary, ternaryq8,
-    /// topk<per-mille> or topkq8<per-mille>.
+    /// Encoding of updates and model deltas: f32, f16, q8, ternary[b<block>],
+    /// ternaryq8[b<block>] (e.g. ternaryq8b64), topk<per-mille> or topkq8<per-mille>.
     #[arg(long, default_value = "f32")]
     pub encoding: String,
     /// CPU threads per agent process (default: cores / sites, at least 1).

@@ -28,25 +28,36 @@ pub enum Encoding {
         /// Fraction kept, in thousandths (1..=1000).
         per_mille: u16,
     },
-    /// Every value as one of `{-s, 0, +s}`, with one f16 scale `s` per block of
-    /// [`TERNARY_BLOCK`] values, five values packed per byte: 1.66 bits per value, ~19x below
-    /// f32, and every value moves every round (with error feedback, what it rounds away goes
-    /// out later).
-    Ternary,
+    /// Every value as one of `{-s, 0, +s}`, with one f16 scale `s` per `block` values (the
+    /// scale that minimises the block's squared error), five values packed per byte: with
+    /// blocks of 256, 1.66 bits per value and ~19x below f32. Every value moves every round
+    /// (with error feedback, what it rounds away goes out later).
+    Ternary {
+        /// Values per scale, in [`TERNARY_BLOCKS`].
+        block: u16,
+    },
     /// [`Encoding::Ternary`] for weight matrices (rank-2 tensors: fully connected layers, most
     /// of a CNN's bytes) and [`Encoding::Q8`] for every other tensor (convolution kernels,
     /// biases), which are few values but carry more per value.
-    TernaryQ8,
+    TernaryQ8 {
+        /// Values per scale of the ternary matrices, in [`TERNARY_BLOCKS`].
+        block: u16,
+    },
 }
 
-/// Values per scale of [`Encoding::Ternary`].
-pub const TERNARY_BLOCK: usize = 256;
+/// Values per scale of `ternary` and `ternaryq8` when the name gives no `b<block>`.
+pub const TERNARY_BLOCK: u16 = 256;
+
+/// The ternary block sizes a peer accepts: from 16 values per scale (2 bits of scale per value)
+/// to 4096.
+pub const TERNARY_BLOCKS: core::ops::RangeInclusive<u16> = 16..=4096;
 
 impl core::str::FromStr for Encoding {
     type Err = String;
 
     /// Parses `f32`, `f16`, `q8`, `ternary`, `ternaryq8`, `topk<per-mille>` (e.g. `topk100`
-    /// keeps 10%) or `topkq8<per-mille>` (the same with q8 values).
+    /// keeps 10%) or `topkq8<per-mille>` (the same with q8 values); `ternary` and `ternaryq8`
+    /// take an optional `b<block>` (e.g. `ternaryq8b64`: a scale per 64 values).
     fn from_str(s: &str) -> Result<Self, String> {
         let per_mille = |t: &str, digits: &str| {
             digits.parse::<u16>().map_err(|_| {
@@ -55,12 +66,27 @@ impl core::str::FromStr for Encoding {
                 )
             })
         };
+        let block = |t: &str, rest: &str| match rest {
+            "" => Ok(TERNARY_BLOCK),
+            b => b
+                .strip_prefix('b')
+                .and_then(|d| d.parse::<u16>().ok())
+                .ok_or_else(|| {
+                    alloc::format!(
+                        "`{t}`: ternary or ternaryq8 with an optional b<block>, e.g. ternaryq8b64"
+                    )
+                }),
+        };
         let e = match s {
             "f32" => Encoding::F32,
             "f16" => Encoding::F16,
             "q8" => Encoding::Q8,
-            "ternary" => Encoding::Ternary,
-            "ternaryq8" => Encoding::TernaryQ8,
+            t if t.starts_with("ternaryq8") => Encoding::TernaryQ8 {
+                block: block(t, &t[9..])?,
+            },
+            t if t.starts_with("ternary") => Encoding::Ternary {
+                block: block(t, &t[7..])?,
+            },
             t if t.starts_with("topkq8") => Encoding::TopKQ8 {
                 per_mille: per_mille(t, &t[6..])?,
             },
@@ -69,7 +95,7 @@ impl core::str::FromStr for Encoding {
             },
             other => {
                 return Err(alloc::format!(
-                    "unknown encoding `{other}`: f32, f16, q8, ternary, ternaryq8, topk<per-mille> or topkq8<per-mille>"
+                    "unknown encoding `{other}`: f32, f16, q8, ternary[b<block>], ternaryq8[b<block>], topk<per-mille> or topkq8<per-mille>"
                 ));
             }
         };
@@ -115,12 +141,14 @@ pub enum Values {
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
-    /// Dense ternary: value `i` is `(t_i - 1) * scale_{i / 256}` with the digit `t_i` in
+    /// Dense ternary: value `i` is `(t_i - 1) * scale_{i / block}` with the digit `t_i` in
     /// `0..=2`.
     Ternary {
         /// Dense length.
         len: u32,
-        /// One little-endian f16 scale per block of [`TERNARY_BLOCK`] values.
+        /// Values per scale, in [`TERNARY_BLOCKS`].
+        block: u16,
+        /// One little-endian f16 scale per `block` values (the last block may be shorter).
         #[serde(with = "serde_bytes")]
         scales: Vec<u8>,
         /// Five base-3 digits per byte, the first in the lowest place (each byte below 243).
@@ -159,16 +187,30 @@ pub enum TensorError {
     /// The shape's product overflows.
     #[error("tensor `{0}`: shape overflows")]
     ShapeOverflow(String),
+    /// A ternary block size outside [`TERNARY_BLOCKS`].
+    #[error("tensor `{name}`: ternary block of {block} values (16 to 4096 accepted)")]
+    BadBlock {
+        /// Tensor name.
+        name: String,
+        /// The block size it gave.
+        block: u16,
+    },
 }
 
 impl Encoding {
-    /// Checks the encoding's parameters: a top-k fraction must lie in `1..=1000` per mille.
+    /// Checks the encoding's parameters: a top-k fraction must lie in `1..=1000` per mille, a
+    /// ternary block in [`TERNARY_BLOCKS`].
     pub fn validate(&self) -> Result<(), &'static str> {
         match *self {
             Encoding::TopK { per_mille } | Encoding::TopKQ8 { per_mille }
                 if !(1..=1000).contains(&per_mille) =>
             {
                 Err("top-k per_mille must be between 1 and 1000")
+            }
+            Encoding::Ternary { block } | Encoding::TernaryQ8 { block }
+                if !TERNARY_BLOCKS.contains(&block) =>
+            {
+                Err("a ternary block must hold between 16 and 4096 values")
             }
             _ => Ok(()),
         }
@@ -182,8 +224,11 @@ impl Encoding {
     /// True if the values of `t` are what this encoding sends for a tensor of its shape.
     pub fn holds(&self, t: &EncodedTensor) -> bool {
         match (&t.values, self) {
-            (Values::Ternary { .. }, Encoding::TernaryQ8) => t.shape.len() == 2,
-            (Values::Q8 { .. }, Encoding::TernaryQ8) => t.shape.len() != 2,
+            (Values::Ternary { block: b, .. }, Encoding::TernaryQ8 { block }) => {
+                t.shape.len() == 2 && b == block
+            }
+            (Values::Q8 { .. }, Encoding::TernaryQ8 { .. }) => t.shape.len() != 2,
+            (Values::Ternary { block: b, .. }, Encoding::Ternary { block }) => b == block,
             (values, encoding) => matches!(
                 (values, encoding),
                 (Values::F32(_), Encoding::F32)
@@ -191,15 +236,14 @@ impl Encoding {
                     | (Values::Q8 { .. }, Encoding::Q8)
                     | (Values::Sparse { .. }, Encoding::TopK { .. })
                     | (Values::SparseQ8 { .. }, Encoding::TopKQ8 { .. })
-                    | (Values::Ternary { .. }, Encoding::Ternary)
             ),
         }
     }
 }
 
 impl core::fmt::Display for Encoding {
-    /// The name [`core::str::FromStr`] parses: `f32`, `f16`, `q8`, `ternary`, `ternaryq8`,
-    /// `topk100`, `topkq8100`.
+    /// The name [`core::str::FromStr`] parses: `f32`, `f16`, `q8`, `ternary`, `ternaryq8b64`,
+    /// `topk100`, `topkq8100` (a ternary block is named only when it is not the default).
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
             Encoding::F32 => f.write_str("f32"),
@@ -207,8 +251,17 @@ impl core::fmt::Display for Encoding {
             Encoding::Q8 => f.write_str("q8"),
             Encoding::TopK { per_mille } => write!(f, "topk{per_mille}"),
             Encoding::TopKQ8 { per_mille } => write!(f, "topkq8{per_mille}"),
-            Encoding::Ternary => f.write_str("ternary"),
-            Encoding::TernaryQ8 => f.write_str("ternaryq8"),
+            Encoding::Ternary { block } | Encoding::TernaryQ8 { block } => {
+                let name = match self {
+                    Encoding::Ternary { .. } => "ternary",
+                    _ => "ternaryq8",
+                };
+                f.write_str(name)?;
+                if *block != TERNARY_BLOCK {
+                    write!(f, "b{block}")?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -258,6 +311,8 @@ pub fn encode(
 
     // Indices top-k sends; empty for the dense encodings.
     let mut kept: Vec<u32> = Vec::new();
+    // What the receiver decodes, where the encoder knows it already (ternary).
+    let mut rounded: Vec<f32> = Vec::new();
     let encoded = match encoding {
         Encoding::F32 => Values::F32(x.iter().flat_map(|v| v.to_le_bytes()).collect()),
         Encoding::F16 => Values::F16(
@@ -265,13 +320,13 @@ pub fn encode(
                 .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
                 .collect(),
         ),
-        Encoding::TernaryQ8 if shape.len() == 2 => ternary(x),
-        Encoding::Q8 | Encoding::TernaryQ8 => {
+        Encoding::TernaryQ8 { block } if shape.len() == 2 => ternary(x, block, &mut rounded),
+        Encoding::Q8 | Encoding::TernaryQ8 { .. } => {
             let scale = q8_scale(x);
             let data = x.iter().map(|&v| q8_quantise(v, scale) as u8).collect();
             Values::Q8 { scale, data }
         }
-        Encoding::Ternary => ternary(x),
+        Encoding::Ternary { block } => ternary(x, block, &mut rounded),
         Encoding::TopK { per_mille } | Encoding::TopKQ8 { per_mille } => {
             kept = top_k_indices(x, per_mille);
             let mut gaps = Vec::with_capacity(kept.len());
@@ -312,10 +367,7 @@ pub fn encode(
                     }
                 }
             }
-            Values::Ternary { .. } => {
-                let back = decode_ternary(x.len(), &encoded).unwrap_or_default();
-                r.extend(x.iter().zip(back).map(|(v, d)| v - d));
-            }
+            Values::Ternary { .. } => r.extend(x.iter().zip(&rounded).map(|(v, d)| v - d)),
             Values::SparseQ8 { scale, .. } => {
                 // Dropped entries stay whole; kept ones leave their rounding error.
                 r.extend_from_slice(x);
@@ -387,39 +439,47 @@ pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
         } => sparse(t, numel, *len, gaps, data.len(), |n| {
             f32::from(data[n] as i8) * scale
         }),
-        Values::Ternary { len, .. } => {
+        Values::Ternary { len, block, .. } => {
             if *len as usize != numel {
                 return Err(wrong_length(t, numel, *len as usize));
+            }
+            if !TERNARY_BLOCKS.contains(block) {
+                return Err(TensorError::BadBlock {
+                    name: t.name.clone(),
+                    block: *block,
+                });
             }
             decode_ternary(numel, &t.values).map_err(|found| wrong_length(t, numel, found))
         }
     }
 }
 
-/// Ternary encoding of `x` (see [`Encoding::Ternary`]): per block, the scale minimising the
-/// error of rounding to `{-s, 0, s}` after one step from `mean|x|` (the mean magnitude of the
-/// values at least half of it), rounded to f16; a block holding NaN or infinity gets a NaN
-/// scale so that it decodes as NaN and is rejected.
-fn ternary(x: &[f32]) -> Values {
-    let mut scales = Vec::with_capacity(2 * x.len().div_ceil(TERNARY_BLOCK));
+/// Ternary encoding of `x` (see [`Encoding::Ternary`]) with a scale per `block` values: per
+/// block the scale `s` and digits that minimise the squared error exactly (for `m` kept values
+/// the best are the `m` largest magnitudes with `s` their mean, which removes `(sum)^2 / m` of
+/// the error; `m` is the one that removes most), `s` rounded to f16 and each value rounded to
+/// the nearest of `{-s, 0, s}`. A block holding NaN or infinity gets a NaN scale so that it
+/// decodes as NaN and is rejected. `block` is clamped into [`TERNARY_BLOCKS`]. `rounded` is
+/// replaced by the values the receiver will decode.
+fn ternary(x: &[f32], block: u16, rounded: &mut Vec<f32>) -> Values {
+    rounded.clear();
+    rounded.reserve(x.len());
+    let block = block.clamp(*TERNARY_BLOCKS.start(), *TERNARY_BLOCKS.end());
+    let size = usize::from(block);
+    let mut scales = Vec::with_capacity(2 * x.len().div_ceil(size));
     let mut digits = Vec::with_capacity(x.len().div_ceil(5));
+    let mut sorted = Vec::with_capacity(size);
     let (mut byte, mut place, mut filled) = (0u8, 1u8, 0);
-    for block in x.chunks(TERNARY_BLOCK) {
-        let s = if block.iter().any(|v| !v.is_finite()) {
+    for values in x.chunks(size) {
+        let s = if values.iter().any(|v| !v.is_finite()) {
             f32::NAN
         } else {
-            let mean = block.iter().map(|v| v.abs()).sum::<f32>() / block.len() as f32;
-            let (sum, n) = block
-                .iter()
-                .map(|v| v.abs())
-                .filter(|&a| a >= mean / 2.0)
-                .fold((0.0f32, 0u32), |(s, n), a| (s + a, n + 1));
-            if n == 0 { mean } else { sum / n as f32 }
+            best_ternary_scale(values, &mut sorted)
         };
         let h = half::f16::from_f32(s);
         scales.extend_from_slice(&h.to_le_bytes());
         let s = h.to_f32();
-        for &v in block {
+        for &v in values {
             let d = if s > 0.0 && v >= s / 2.0 {
                 2
             } else if s > 0.0 && v <= -s / 2.0 {
@@ -427,6 +487,8 @@ fn ternary(x: &[f32]) -> Values {
             } else {
                 1
             };
+            // Exactly what `decode_ternary` computes for this digit.
+            rounded.push((f32::from(d) - 1.0) * s);
             byte += d * place;
             filled += 1;
             if filled == 5 {
@@ -442,19 +504,45 @@ fn ternary(x: &[f32]) -> Values {
     }
     Values::Ternary {
         len: u32::try_from(x.len()).unwrap_or(u32::MAX),
+        block,
         scales,
         digits,
     }
 }
 
-/// The `numel` values of a [`Values::Ternary`]; on a length that does not fit, the count of
-/// values the bytes hold, for the error.
+/// The scale `s` minimising `sum (v - s t)^2` over `t` in `{-1, 0, 1}` for finite `values`: the
+/// mean of the `m` largest magnitudes for the `m` that maximises `(their sum)^2 / m` (0 for an
+/// all-zero block). `sorted` is scratch space.
+fn best_ternary_scale(values: &[f32], sorted: &mut Vec<f32>) -> f32 {
+    sorted.clear();
+    sorted.extend(values.iter().map(|v| v.abs()));
+    sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+    let (mut sum, mut best, mut scale) = (0.0f64, 0.0f64, 0.0f64);
+    for (m, &a) in sorted.iter().enumerate() {
+        sum += f64::from(a);
+        let removed = sum * sum / (m + 1) as f64;
+        if removed > best {
+            (best, scale) = (removed, sum / (m + 1) as f64);
+        }
+    }
+    scale as f32
+}
+
+/// The `numel` values of a [`Values::Ternary`] whose block is in [`TERNARY_BLOCKS`]; on a
+/// length that does not fit, the count of values the bytes hold, for the error.
 fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
-    let Values::Ternary { scales, digits, .. } = v else {
+    let Values::Ternary {
+        block,
+        scales,
+        digits,
+        ..
+    } = v
+    else {
         return Err(0);
     };
-    if scales.len() != 2 * numel.div_ceil(TERNARY_BLOCK) {
-        return Err(scales.len() / 2 * TERNARY_BLOCK);
+    let size = usize::from(*block).max(1);
+    if scales.len() != 2 * numel.div_ceil(size) {
+        return Err(scales.len() / 2 * size);
     }
     if digits.len() != numel.div_ceil(5) || digits.iter().any(|&b| b > 242) {
         return Err(digits.len() * 5);
@@ -472,9 +560,9 @@ fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
             b /= 3;
         }
     }
-    for (b, block) in out.chunks_mut(TERNARY_BLOCK).enumerate() {
+    for (b, values) in out.chunks_mut(size).enumerate() {
         let s = scale(b);
-        block.iter_mut().for_each(|v| *v *= s);
+        values.iter_mut().for_each(|v| *v *= s);
     }
     Ok(out)
 }
@@ -618,6 +706,13 @@ mod tests {
     use super::*;
     use alloc::vec;
 
+    const TERNARY: Encoding = Encoding::Ternary {
+        block: TERNARY_BLOCK,
+    };
+    const TERNARY_Q8: Encoding = Encoding::TernaryQ8 {
+        block: TERNARY_BLOCK,
+    };
+
     /// A deterministic spread of values over several orders of magnitude, both signs.
     fn sample(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
@@ -643,7 +738,7 @@ mod tests {
     #[test]
     fn ternary_keeps_signs_costs_under_two_bits_and_feeds_back_its_error() {
         let x = sample(1000, 9);
-        let (t, back) = round_trip(&x, Encoding::Ternary);
+        let (t, back) = round_trip(&x, TERNARY);
         let Values::Ternary { scales, digits, .. } = &t.values else {
             panic!("{t:?}")
         };
@@ -654,7 +749,7 @@ mod tests {
         }
         // Error feedback: what is sent plus what stays behind is the input.
         let mut r = Vec::new();
-        let t = encode("w", &[1000], &x, Encoding::Ternary, Some(&mut r));
+        let t = encode("w", &[1000], &x, TERNARY, Some(&mut r));
         let sent = decode(&t).unwrap();
         for ((a, s), e) in x.iter().zip(&sent).zip(&r) {
             assert!((s + e - a).abs() <= 1e-6 * a.abs().max(1.0));
@@ -662,7 +757,7 @@ mod tests {
         // A NaN poisons its block's scale, so the receiver sees non-finite values.
         let mut bad = x.clone();
         bad[300] = f32::NAN;
-        let back = decode(&encode("w", &[1000], &bad, Encoding::Ternary, None)).unwrap();
+        let back = decode(&encode("w", &[1000], &bad, TERNARY, None)).unwrap();
         assert!(back[256..512].iter().all(|v| v.is_nan()));
         assert!(back[..256].iter().all(|v| v.is_finite()));
     }
@@ -670,7 +765,7 @@ mod tests {
     #[test]
     fn a_malformed_ternary_tensor_is_an_error() {
         let x = sample(12, 3);
-        let t = encode("w", &[12], &x, Encoding::Ternary, None);
+        let t = encode("w", &[12], &x, TERNARY, None);
         let with = |f: &dyn Fn(&mut Vec<u8>, &mut Vec<u8>)| {
             let mut t = t.clone();
             if let Values::Ternary { scales, digits, .. } = &mut t.values {
@@ -681,6 +776,20 @@ mod tests {
         assert!(with(&|_, d| d[0] = 243).is_err());
         assert!(with(&|_, d| d.push(0)).is_err());
         assert!(with(&|s, _| s.push(0)).is_err());
+        // A block size outside 16..=4096 is refused by name, before its scales are counted.
+        for bad in [0u16, 15, 4097] {
+            let mut b = t.clone();
+            if let Values::Ternary { block, .. } = &mut b.values {
+                *block = bad;
+            }
+            assert_eq!(
+                decode(&b),
+                Err(TensorError::BadBlock {
+                    name: "w".into(),
+                    block: bad
+                })
+            );
+        }
         let mut short = t.clone();
         short.shape = vec![11];
         assert!(decode(&short).is_err());
@@ -832,7 +941,12 @@ mod tests {
     #[test]
     fn every_encoding_keeps_its_rounding_error_as_the_residual() {
         let x = sample(300, 8);
-        for enc in [Encoding::F32, Encoding::F16, Encoding::Q8] {
+        for enc in [
+            Encoding::F32,
+            Encoding::F16,
+            Encoding::Q8,
+            Encoding::Ternary { block: 64 },
+        ] {
             let mut residual = vec![0.0; 10]; // wrong length: replaced
             let d = decode(&encode("w", &[300], &x, enc, Some(&mut residual))).unwrap();
             // Exact f32 leaves nothing behind: an empty residual (all zeros, no memory).
@@ -840,7 +954,8 @@ mod tests {
             assert_eq!(residual.len(), want, "{enc:?}");
             for i in 0..300 {
                 let r = residual.get(i).copied().unwrap_or(0.0);
-                assert!((d[i] + r - x[i]).abs() <= 1e-6, "{enc:?} index {i}");
+                // Bit for bit: the residual is the input less exactly what the receiver decodes.
+                assert_eq!(r, x[i] - d[i], "{enc:?} index {i}");
             }
         }
     }
@@ -854,19 +969,15 @@ mod tests {
             (vec![600], false),
         ] {
             let mut residual = Vec::new();
-            let t = encode("w", &shape, &x, Encoding::TernaryQ8, Some(&mut residual));
+            let t = encode("w", &shape, &x, TERNARY_Q8, Some(&mut residual));
             assert_eq!(
                 matches!(t.values, Values::Ternary { .. }),
                 ternary,
                 "{shape:?}"
             );
             assert_eq!(matches!(t.values, Values::Q8 { .. }), !ternary, "{shape:?}");
-            assert!(Encoding::TernaryQ8.holds(&t), "{shape:?}");
-            let plain = if ternary {
-                Encoding::Ternary
-            } else {
-                Encoding::Q8
-            };
+            assert!(TERNARY_Q8.holds(&t), "{shape:?}");
+            let plain = if ternary { TERNARY } else { Encoding::Q8 };
             assert!(plain.holds(&t));
             // The same values as the plain encoding, and the same error fed back.
             assert_eq!(t.values, encode("w", &shape, &x, plain, None).values);
@@ -877,10 +988,10 @@ mod tests {
             // The wrong kind for the shape is not what the encoding sends.
             let mut other = t.clone();
             other.shape = if ternary { vec![600] } else { vec![20, 30] };
-            assert!(!Encoding::TernaryQ8.holds(&other), "{shape:?}");
+            assert!(!TERNARY_Q8.holds(&other), "{shape:?}");
         }
-        assert_eq!("ternaryq8".parse(), Ok(Encoding::TernaryQ8));
-        assert_eq!(Encoding::TernaryQ8.to_string(), "ternaryq8");
+        assert_eq!("ternaryq8".parse(), Ok(TERNARY_Q8));
+        assert_eq!(TERNARY_Q8.to_string(), "ternaryq8");
     }
 
     #[test]
@@ -1009,5 +1120,108 @@ mod tests {
         assert!(Encoding::TopK { per_mille: 1000 }.validate().is_ok());
         assert!(Encoding::TopK { per_mille: 0 }.validate().is_err());
         assert!(Encoding::TopK { per_mille: 1001 }.validate().is_err());
+        assert!(Encoding::Ternary { block: 16 }.validate().is_ok());
+        assert!(Encoding::TernaryQ8 { block: 4096 }.validate().is_ok());
+        assert!(Encoding::Ternary { block: 15 }.validate().is_err());
+        assert!(Encoding::TernaryQ8 { block: 4097 }.validate().is_err());
+    }
+
+    /// `sum (x - decoded)^2` of `x` in ternary with one scale for the whole of `x`.
+    fn ternary_error(x: &[f32], scale: f32) -> f64 {
+        x.iter()
+            .map(|&v| {
+                let d = if v >= scale / 2.0 {
+                    scale
+                } else if v <= -scale / 2.0 {
+                    -scale
+                } else {
+                    0.0
+                };
+                f64::from(v - d).powi(2)
+            })
+            .sum()
+    }
+
+    #[test]
+    fn the_ternary_scale_minimises_the_blocks_squared_error() {
+        for seed in 0..20 {
+            // Heavy-tailed blocks (several orders of magnitude) and plain uniform ones.
+            let x: Vec<f32> = if seed % 2 == 0 {
+                sample(64, seed)
+            } else {
+                sample(64, seed)
+                    .iter()
+                    .map(|v| v.signum() * v.abs().sqrt())
+                    .collect()
+            };
+            let t = encode("w", &[64], &x, Encoding::Ternary { block: 64 }, None);
+            let Values::Ternary { scales, .. } = &t.values else {
+                panic!("{t:?}")
+            };
+            let ours = half::f16::from_le_bytes([scales[0], scales[1]]).to_f32();
+            // No other scale does better, up to the f16 rounding of ours: every candidate is
+            // the mean of some number of largest magnitudes, and a fine grid besides.
+            let mut mags: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+            mags.sort_by(|a, b| b.total_cmp(a));
+            let mut candidates: Vec<f32> = (1..=64)
+                .map(|m| mags[..m].iter().sum::<f32>() / m as f32)
+                .collect();
+            candidates.extend((1..=2000).map(|i| mags[0] * i as f32 / 1000.0));
+            let best = candidates
+                .iter()
+                .map(|&s| ternary_error(&x, s))
+                .fold(f64::INFINITY, f64::min);
+            let error = ternary_error(&x, ours);
+            assert!(
+                error <= best * (1.0 + 2e-3) + 1e-12,
+                "seed {seed}: {error} > {best}"
+            );
+            // And the decoded block is exactly that rounding.
+            let back = decode(&t).unwrap();
+            let direct: f64 = x
+                .iter()
+                .zip(&back)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
+            assert!(
+                (direct - error).abs() <= 1e-9 * error.max(1.0),
+                "seed {seed}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_ternary_block_size_sets_the_scales_and_is_part_of_the_encoding() {
+        let x = sample(1000, 5);
+        let small = Encoding::TernaryQ8 { block: 64 };
+        assert_eq!("ternaryq8b64".parse(), Ok(small));
+        assert_eq!(small.to_string(), "ternaryq8b64");
+        assert_eq!("ternaryb100".parse(), Ok(Encoding::Ternary { block: 100 }));
+        assert_eq!(
+            "ternary".parse::<Encoding>().unwrap().to_string(),
+            "ternary"
+        );
+        for bad in ["ternaryq8b", "ternaryq8x64", "ternaryb8", "ternaryq8b5000"] {
+            assert!(bad.parse::<Encoding>().is_err(), "{bad}");
+        }
+        let t = encode("w", &[10, 100], &x, small, None);
+        let Values::Ternary { block, scales, .. } = &t.values else {
+            panic!("{t:?}")
+        };
+        assert_eq!((*block, scales.len()), (64, 2 * 16));
+        assert!(small.holds(&t));
+        // Blocks of another size are not what this federation sends.
+        assert!(!TERNARY_Q8.holds(&t));
+        assert!(!Encoding::Ternary { block: 64 }.holds(&encode("w", &[1000], &x, TERNARY, None)));
+        // Smaller blocks fit the values more closely.
+        let error = |enc| {
+            let t = encode("w", &[10, 100], &x, enc, None);
+            let d = decode(&t).unwrap();
+            x.iter()
+                .zip(d)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum::<f64>()
+        };
+        assert!(error(small) < error(TERNARY_Q8));
     }
 }

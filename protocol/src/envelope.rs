@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 4] = *b"UFED";
 
 /// The protocol version this crate speaks; peers refuse envelopes of any other version.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -430,16 +430,16 @@ mod tests {
     fn a_message_from_another_protocol_version_is_refused_cleanly() {
         // Version 1 had no typed plans and reports, version 2 no control variates, version 3
         // no signatures, version 4 no model deltas, version 5 no MOON, FedDC or Per-FedAvg
-        // objectives, version 6 no announced upload window: all are refused by a version 7 peer,
-        // as is a future version 8.
-        for other in [1u16, 2, 3, 4, 5, 6, 8] {
+        // objectives, version 6 no announced upload window, version 7 no ternary block size: all
+        // are refused by a version 8 peer, as is a future version 9.
+        for other in [1u16, 2, 3, 4, 5, 6, 7, 9] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 7)")
+                format!("protocol version {other} is not supported (this peer speaks version 8)")
             );
         }
     }

@@ -247,12 +247,18 @@ fn a_site_update_costs_what_its_encoding_promises() {
     let topkq8 = ratio(Encoding::TopKQ8 { per_mille: 100 });
     assert!((0.045..0.0625).contains(&topkq8), "top-k q8 {topkq8}");
     // Ternary: 1.6 bits per value and an f16 scale per 256 values.
-    let ternary = ratio(Encoding::Ternary);
+    let ternary = ratio(Encoding::Ternary { block: 256 });
     assert!((0.05..0.0625).contains(&ternary), "ternary {ternary}");
     // Ternary-q8: the 128 x 64 matrix in ternary (1 703 bytes), the convolution kernel and the
     // bias in q8 (4 936 bytes): 6 639 of 52 480.
-    let mixed = ratio(Encoding::TernaryQ8);
+    let mixed = ratio(Encoding::TernaryQ8 { block: 256 });
     assert!((0.1265..0.135).contains(&mixed), "ternary-q8 {mixed}");
+    // A scale per 64 values instead of 256 adds 96 f16 scales to the 8 192-value matrix (the
+    // block size shrinks to a one-byte varint, the scales' length grows to a two-byte one).
+    assert_eq!(
+        size(Encoding::TernaryQ8 { block: 64 }) - size(Encoding::TernaryQ8 { block: 256 }),
+        96.0 * 2.0
+    );
 }
 
 #[test]

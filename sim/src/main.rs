@@ -15,7 +15,7 @@ mod progress;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use unifed_aggregator::strategy::{FedOptConfig, ScaffoldConfig};
 use unifed_aggregator::{Algorithm, FederationConfig};
 use unifed_models::backend::{Backend, cap_cpu_threads};
@@ -67,8 +67,8 @@ enum Cmd {
         /// Number of seeds (0..S).
         #[arg(long, default_value_t = 3)]
         seeds: u64,
-        /// Encoding of updates and model deltas: f32, f16, q8, ternary, ternaryq8,
-        /// topk<per-mille> or topkq8<per-mille>.
+        /// Encoding of updates and model deltas: f32, f16, q8, ternary[b<block>],
+        /// ternaryq8[b<block>] (e.g. ternaryq8b64), topk<per-mille> or topkq8<per-mille>.
         #[arg(long, default_value = "f32")]
         encoding: String,
         /// Algorithms: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, fednova, moon,
@@ -141,6 +141,13 @@ enum Cmd {
         /// run does not repeat (same rounds, epochs, samples and seeds required), in front.
         #[arg(long)]
         merge: bool,
+        /// With `--merge`, also keep the rows of these `encodings.json` files (a later file's
+        /// row for an encoding replaces an earlier one's): runs made side by side, joined.
+        #[arg(long, requires = "merge")]
+        merge_from: Vec<PathBuf>,
+        /// Train nothing: write the tables of the rows `--merge` keeps.
+        #[arg(long, requires = "merge")]
+        report: bool,
     },
 }
 
@@ -529,17 +536,27 @@ fn main() -> Result<()> {
             encodings,
             seeds,
             merge,
+            merge_from,
+            report,
         } => {
             std::fs::create_dir_all(&common.out)?;
             let mut rows: Vec<EncodingRow> = Vec::new();
             if merge {
-                rows = earlier_encodings(&common, seeds)?
-                    .into_iter()
-                    .filter(|r| !encodings.contains(&r.encoding))
-                    .collect();
+                let files = std::iter::once(common.out.join("encodings.json")).chain(merge_from);
+                for file in files {
+                    for row in earlier_encodings(&file, &common, seeds)? {
+                        match rows.iter_mut().find(|r| r.encoding == row.encoding) {
+                            Some(r) => *r = row,
+                            None => rows.push(row),
+                        }
+                    }
+                }
+                if !report {
+                    rows.retain(|r| !encodings.contains(&r.encoding));
+                }
                 eprintln!("kept {} encoding(s) of the earlier results", rows.len());
             }
-            for e in &encodings {
+            for e in encodings.iter().filter(|_| !report) {
                 let enc = parse_encoding(e)?;
                 let mut row = EncodingRow {
                     encoding: e.clone(),
@@ -567,11 +584,10 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// The rows of an earlier `encodings.json` in `common.out` run under the same settings.
-fn earlier_encodings(common: &Common, seeds: u64) -> Result<Vec<EncodingRow>> {
-    let p = common.out.join("encodings.json");
+/// The rows of an earlier `encodings.json`, which must have been run under the same settings.
+fn earlier_encodings(p: &Path, common: &Common, seeds: u64) -> Result<Vec<EncodingRow>> {
     let v: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(&p).with_context(|| format!("--merge: reading {}", p.display()))?,
+        &std::fs::read(p).with_context(|| format!("--merge: reading {}", p.display()))?,
     )?;
     let same = v["rounds"] == json!(common.rounds)
         && v["epochs"] == json!(common.epochs)
@@ -647,14 +663,14 @@ fn write_encodings(
     });
     let mut md = format!(
         "FedBN, {} rounds of {} epoch(s), {} training images per site, seeds {} (`{}`)\n\n\
-         | encoding | seeds | up bytes/site/round | down bytes/site/round | fewer bytes than f32 (up, down) | final mean accuracy | vs {} |\n\
-         |---|---:|---:|---:|---:|---:|---:|\n",
+         | encoding | seeds | up bytes/site/round | down bytes/site/round | fewer bytes than f32 (up, down) | final mean accuracy | vs {reference} | per seed vs {reference} |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
         common.rounds,
         common.epochs,
         common.train_samples,
         seeds,
         std::env::args().collect::<Vec<_>>().join(" "),
-        all.first().map_or("f32", |r| r.encoding.as_str()),
+        reference = all.first().map_or("f32", |r| r.encoding.as_str()),
     );
     let mut json_rows = Vec::new();
     for r in &all {
@@ -662,15 +678,24 @@ fn write_encodings(
         let (down, _) = mean_std(&r.download_bytes_per_site_per_round);
         let (acc, sd) = mean_std(&r.final_mean_accuracy);
         let (bu, bd, ba) = base.unwrap_or((up, down, acc));
+        // Seed by seed against the reference's run of the same seed.
+        let per_seed: Vec<String> = all
+            .first()
+            .map(|b| &b.final_mean_accuracy)
+            .into_iter()
+            .flat_map(|b| b.iter().zip(&r.final_mean_accuracy))
+            .map(|(b, a)| format!("{:+.2}", 100.0 * (a - b)))
+            .collect();
         md.push_str(&format!(
-            "| {} | {} | {up:.0} | {down:.0} | {:.1}x, {:.1}x | {:.2}% ± {:.2} | {:+.2} pt |\n",
+            "| {} | {} | {up:.0} | {down:.0} | {:.1}x, {:.1}x | {:.2}% ± {:.2} | {:+.2} pt | {} |\n",
             r.encoding,
             r.final_mean_accuracy.len(),
             bu / up,
             bd / down,
             100.0 * acc,
             100.0 * sd,
-            100.0 * (acc - ba)
+            100.0 * (acc - ba),
+            per_seed.join(", ")
         ));
         json_rows.push(json!({
             "encoding": r.encoding,

@@ -411,8 +411,8 @@ fn toml_encoding(e: unifed_protocol::Encoding) -> String {
         F32 => "\"F32\"".into(),
         F16 => "\"F16\"".into(),
         Q8 => "\"Q8\"".into(),
-        Ternary => "\"Ternary\"".into(),
-        TernaryQ8 => "\"TernaryQ8\"".into(),
+        Ternary { block } => format!("{{ Ternary = {{ block = {block} }} }}"),
+        TernaryQ8 { block } => format!("{{ TernaryQ8 = {{ block = {block} }} }}"),
         TopK { per_mille } => format!("{{ TopK = {{ per_mille = {per_mille} }} }}"),
         TopKQ8 { per_mille } => format!("{{ TopKQ8 = {{ per_mille = {per_mille} }} }}"),
     }
