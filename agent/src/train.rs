@@ -323,13 +323,13 @@ impl SiteFiles {
         let layout = checkpoint::Layout::new(&state, spec);
         // `SiteCheckpoint` in postcard is its fields one after the other, and a byte string is
         // its length then its bytes: so the head below, then the model file, is exactly
-        // `SiteCheckpoint { progress, memory, model }`.
-        let mut head = CHECKPOINT_MAGIC.to_vec();
-        head.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
-        let head = postcard::to_extend(&(progress, site.memory(), layout.len() as usize), head)
-            .context("encoding the checkpoint")?;
+        // `SiteCheckpoint { progress, memory, model }`. The memory (under a lossy encoding two
+        // model-sized maps) streams to the file rather than through a buffer.
         checkpoint::write_atomic_with(&self.checkpoint, |w| {
-            w.write_all(&head)?;
+            w.write_all(CHECKPOINT_MAGIC)?;
+            w.write_all(&CHECKPOINT_VERSION.to_le_bytes())?;
+            postcard::to_io(&(progress, site.memory(), layout.len() as usize), &mut *w)
+                .map_err(std::io::Error::other)?;
             layout.write(&state, w)
         })?;
         checkpoint::write_atomic_with(&self.model, |w| layout.write(&state, w))?;

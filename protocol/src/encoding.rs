@@ -298,37 +298,70 @@ pub fn encode(
     encoding: Encoding,
     residual: Option<&mut Vec<f32>>,
 ) -> EncodedTensor {
-    // With error feedback the tensor to send is `values + residual` (an empty residual is all
-    // zeros: nothing to add, and no copy).
-    let fed: Option<Vec<f32>> = residual.as_ref().filter(|r| !r.is_empty()).map(|r| {
-        values
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| v + r.get(i).copied().unwrap_or(0.0))
-            .collect()
-    });
-    let x: &[f32] = fed.as_deref().unwrap_or(values);
+    let values = match residual {
+        // Without feedback, exact f32 reads the values where they are; the others encode a
+        // copy (their rounding error is dropped).
+        None if encoding.is_exact() => f32_bytes(values),
+        None => encode_values(&mut values.to_vec(), shape, encoding),
+        // An empty residual is all zeros: exact f32 sends the values as they are and leaves
+        // nothing behind.
+        Some(r) if r.is_empty() && encoding.is_exact() => f32_bytes(values),
+        Some(r) => {
+            // The tensor to send is `values + residual`, summed in the residual's own memory,
+            // which the encoder then turns into what the receiver will not see.
+            if r.is_empty() {
+                r.extend_from_slice(values);
+            } else {
+                r.resize(values.len(), 0.0);
+                r.iter_mut().zip(values).for_each(|(e, &v)| *e += v);
+            }
+            let encoded = encode_values(r, shape, encoding);
+            if encoding.is_exact() {
+                // Exact: nothing is left behind (kept empty rather than a model's worth of zeros).
+                r.clear();
+            }
+            encoded
+        }
+    };
+    EncodedTensor {
+        name: name.into(),
+        shape: shape.to_vec(),
+        values,
+    }
+}
 
-    // Indices top-k sends; empty for the dense encodings.
-    let mut kept: Vec<u32> = Vec::new();
-    // What the receiver decodes, where the encoder knows it already (ternary).
-    let mut rounded: Vec<f32> = Vec::new();
+/// Encodes `x` as `encoding` and replaces every entry of `x` by what the receiver will not see
+/// (`x - decoded(x)`; top-k: the dropped values whole); an error that is not finite becomes 0.
+fn encode_values(x: &mut [f32], shape: &[u32], encoding: Encoding) -> Values {
     let encoded = match encoding {
-        Encoding::F32 => Values::F32(x.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        Encoding::F16 => Values::F16(
-            x.iter()
-                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-                .collect(),
-        ),
-        Encoding::TernaryQ8 { block } if shape.len() == 2 => ternary(x, block, &mut rounded),
+        Encoding::F32 => {
+            let v = f32_bytes(x);
+            x.fill(0.0);
+            v
+        }
+        Encoding::F16 => {
+            let mut bytes = Vec::with_capacity(2 * x.len());
+            for v in x.iter_mut() {
+                let h = half::f16::from_f32(*v);
+                bytes.extend_from_slice(&h.to_le_bytes());
+                *v -= h.to_f32();
+            }
+            Values::F16(bytes)
+        }
+        Encoding::TernaryQ8 { block } if shape.len() == 2 => ternary(x, block),
         Encoding::Q8 | Encoding::TernaryQ8 { .. } => {
             let scale = q8_scale(x);
-            let data = x.iter().map(|&v| q8_quantise(v, scale) as u8).collect();
+            let mut data = Vec::with_capacity(x.len());
+            for v in x.iter_mut() {
+                let q = q8_quantise(*v, scale);
+                data.push(q as u8);
+                *v -= f32::from(q) * scale;
+            }
             Values::Q8 { scale, data }
         }
-        Encoding::Ternary { block } => ternary(x, block, &mut rounded),
+        Encoding::Ternary { block } => ternary(x, block),
         Encoding::TopK { per_mille } | Encoding::TopKQ8 { per_mille } => {
-            kept = top_k_indices(x, per_mille);
+            let kept = top_k_indices(x, per_mille);
             let mut gaps = Vec::with_capacity(kept.len());
             let mut prev = 0u32;
             for (n, &i) in kept.iter().enumerate() {
@@ -339,10 +372,14 @@ pub fn encode(
             let values: Vec<f32> = kept.iter().map(|&i| x[i as usize]).collect();
             if matches!(encoding, Encoding::TopKQ8 { .. }) {
                 let scale = q8_scale(&values);
-                let data = values
-                    .iter()
-                    .map(|&v| q8_quantise(v, scale) as u8)
-                    .collect();
+                let mut data = Vec::with_capacity(values.len());
+                for &i in &kept {
+                    // Dropped entries stay whole; kept ones leave their rounding error.
+                    let e = &mut x[i as usize];
+                    let q = q8_quantise(*e, scale);
+                    data.push(q as u8);
+                    *e -= f32::from(q) * scale;
+                }
                 Values::SparseQ8 {
                     len,
                     gaps,
@@ -350,53 +387,25 @@ pub fn encode(
                     data,
                 }
             } else {
+                // What was not sent stays behind; what was sent leaves nothing.
+                for &i in &kept {
+                    x[i as usize] = 0.0;
+                }
                 Values::Sparse { len, gaps, values }
             }
         }
     };
-
-    if let Some(r) = residual {
-        r.clear();
-        match &encoded {
-            Values::Sparse { .. } => {
-                // What was not sent stays behind; what was sent leaves nothing.
-                r.extend_from_slice(x);
-                for &i in &kept {
-                    if let Some(e) = r.get_mut(i as usize) {
-                        *e = 0.0;
-                    }
-                }
-            }
-            Values::Ternary { .. } => r.extend(x.iter().zip(&rounded).map(|(v, d)| v - d)),
-            Values::SparseQ8 { scale, .. } => {
-                // Dropped entries stay whole; kept ones leave their rounding error.
-                r.extend_from_slice(x);
-                for &i in &kept {
-                    if let Some(e) = r.get_mut(i as usize) {
-                        *e -= f32::from(q8_quantise(*e, *scale)) * scale;
-                    }
-                }
-            }
-            // Exact: nothing is left behind (kept empty rather than a model's worth of zeros).
-            Values::F32(_) => {}
-            Values::F16(_) => r.extend(x.iter().map(|&v| v - half::f16::from_f32(v).to_f32())),
-            Values::Q8 { scale, .. } => r.extend(
-                x.iter()
-                    .map(|&v| v - f32::from(q8_quantise(v, *scale)) * scale),
-            ),
-        }
-        for e in r.iter_mut() {
-            if !e.is_finite() {
-                *e = 0.0;
-            }
+    for e in x.iter_mut() {
+        if !e.is_finite() {
+            *e = 0.0;
         }
     }
+    encoded
+}
 
-    EncodedTensor {
-        name: name.into(),
-        shape: shape.to_vec(),
-        values: encoded,
-    }
+/// `x` as little-endian f32 bytes.
+fn f32_bytes(x: &[f32]) -> Values {
+    Values::F32(x.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
 /// Decodes a tensor to dense `f32` values after checking it against its shape.
@@ -459,18 +468,16 @@ pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
 /// the best are the `m` largest magnitudes with `s` their mean, which removes `(sum)^2 / m` of
 /// the error; `m` is the one that removes most), `s` rounded to f16 and each value rounded to
 /// the nearest of `{-s, 0, s}`. A block holding NaN or infinity gets a NaN scale so that it
-/// decodes as NaN and is rejected. `block` is clamped into [`TERNARY_BLOCKS`]. `rounded` is
-/// replaced by the values the receiver will decode.
-fn ternary(x: &[f32], block: u16, rounded: &mut Vec<f32>) -> Values {
-    rounded.clear();
-    rounded.reserve(x.len());
+/// decodes as NaN and is rejected. `block` is clamped into [`TERNARY_BLOCKS`]. Every value of
+/// `x` is replaced by its rounding error.
+fn ternary(x: &mut [f32], block: u16) -> Values {
     let block = block.clamp(*TERNARY_BLOCKS.start(), *TERNARY_BLOCKS.end());
     let size = usize::from(block);
     let mut scales = Vec::with_capacity(2 * x.len().div_ceil(size));
     let mut digits = Vec::with_capacity(x.len().div_ceil(5));
     let mut sorted = Vec::with_capacity(size);
     let (mut byte, mut place, mut filled) = (0u8, 1u8, 0);
-    for values in x.chunks(size) {
+    for values in x.chunks_mut(size) {
         let s = if values.iter().any(|v| !v.is_finite()) {
             f32::NAN
         } else {
@@ -479,16 +486,16 @@ fn ternary(x: &[f32], block: u16, rounded: &mut Vec<f32>) -> Values {
         let h = half::f16::from_f32(s);
         scales.extend_from_slice(&h.to_le_bytes());
         let s = h.to_f32();
-        for &v in values {
-            let d = if s > 0.0 && v >= s / 2.0 {
+        for v in values.iter_mut() {
+            let d = if s > 0.0 && *v >= s / 2.0 {
                 2
-            } else if s > 0.0 && v <= -s / 2.0 {
+            } else if s > 0.0 && *v <= -s / 2.0 {
                 0
             } else {
                 1
             };
-            // Exactly what `decode_ternary` computes for this digit.
-            rounded.push((f32::from(d) - 1.0) * s);
+            // Less exactly what `decode_ternary` computes for this digit.
+            *v -= (f32::from(d) - 1.0) * s;
             byte += d * place;
             filled += 1;
             if filled == 5 {
