@@ -5,8 +5,8 @@
 
 use crate::bnshare;
 use crate::config::FederationConfig;
-use crate::store::{AuditEntry, ClosedRound, FORMAT_VERSION, State, Store, StoreError};
-use crate::strategy::{self, Contribution, RoundReader, Setup, Strategy};
+use crate::store::{AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, State, Store, StoreError};
+use crate::strategy::{self, RoundReader, Setup, Strategy};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -827,7 +827,7 @@ impl Aggregator {
                 },
             );
         }
-        let (delta, bn, ratio) = match self.validate_delta(&upd) {
+        let (bn, ratio) = match self.validate_delta(&upd) {
             Ok(d) => d,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
@@ -835,17 +835,23 @@ impl Aggregator {
             Ok(x) => x,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
-        // The encoded update goes here (the block drops what is not moved out of it).
-        let (samples, report) = {
-            let u = upd;
-            (u.samples, u.report)
-        };
-        let contribution = Contribution {
+        // The delta is spooled as it arrived, in the strategy's order (validated: each averaged
+        // tensor exactly once); the fold decodes it again.
+        let delta: Vec<&EncodedTensor> = self
+            .update_idx
+            .iter()
+            .filter_map(|&i| {
+                let name = &self.spec.tensors[i].name;
+                upd.delta.iter().find(|t| &t.name == name)
+            })
+            .collect();
+        let samples = upd.samples;
+        let entry = SpoolEntry {
             samples,
-            report,
-            extras,
-            delta,
-            bn,
+            report: &upd.report,
+            extras: &extras,
+            delta: &delta,
+            bn: &bn,
         };
         if let Err((free_bytes, floor_bytes)) = self.disk_room() {
             tracing::error!(
@@ -865,8 +871,10 @@ impl Aggregator {
             );
         }
         // Durable first, then the accept.
-        self.store.spool_put(round, site.as_str(), &contribution)?;
-        drop(contribution);
+        self.store.spool_put(round, site.as_str(), &entry)?;
+        // Only the spool holds the update from here on.
+        drop(delta);
+        drop((bn, extras, upd));
         self.audit(
             now_ms,
             round,
@@ -937,14 +945,10 @@ impl Aggregator {
         }
     }
 
-    /// Checks an update's tensors against the spec and policy; returns its dense deltas in
-    /// `update_idx` order, its shared BN tensors in `share_idx` order, and its norm relative to
-    /// the model's (what `max_relative_norm` bounds).
-    #[allow(clippy::type_complexity)]
-    fn validate_delta(
-        &self,
-        upd: &SiteUpdate,
-    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, f64), RejectReason> {
+    /// Checks an update's tensors against the spec and policy (decoding its delta to check every
+    /// value); returns its shared BN tensors in `share_idx` order and its delta's norm relative
+    /// to the model's (what `max_relative_norm` bounds).
+    fn validate_delta(&self, upd: &SiteUpdate) -> Result<(Vec<Vec<f32>>, f64), RejectReason> {
         let dense = self.dense(&upd.delta, &self.update_idx, self.cfg.encoding)?;
         // Under `global` BN a running variance must stay a variance: base + delta >= 0.
         for (&i, d) in self.update_idx.iter().zip(&dense) {
@@ -977,7 +981,7 @@ impl Aggregator {
                 )));
             }
         }
-        Ok((dense, share, ratio))
+        Ok((share, ratio))
     }
 
     /// Decodes `tensors` into dense values in the order of the spec indices `idx` (see

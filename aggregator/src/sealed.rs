@@ -8,6 +8,29 @@ use sha2::Digest;
 use std::fs::File;
 use std::io::{BufReader, Read, Write};
 use std::path::{Path, PathBuf};
+use unifed_protocol::{EncodedTensor, Values};
+
+/// A delta tensor read from the spool: values, or a lossy tensor's wire form.
+pub(crate) enum SpooledTensor {
+    /// The values.
+    Dense(Vec<f32>),
+    /// A postcard [`EncodedTensor`], not decoded yet.
+    Wire(Vec<u8>),
+}
+
+impl SpooledTensor {
+    /// The tensor's values (decoding a wire form), or what is wrong with it.
+    pub(crate) fn decode(self, path: &Path) -> Result<Vec<f32>, StoreError> {
+        match self {
+            SpooledTensor::Dense(v) => Ok(v),
+            SpooledTensor::Wire(bytes) => {
+                let t: EncodedTensor =
+                    postcard::from_bytes(&bytes).map_err(|e| corrupt(path, e.to_string()))?;
+                unifed_protocol::decode(&t).map_err(|e| corrupt(path, e.to_string()))
+            }
+        }
+    }
+}
 
 /// Length of the SHA-256 trailer of every sealed file.
 pub(crate) const CHECKSUM_LEN: usize = 32;
@@ -55,6 +78,30 @@ impl SealedFile {
                 buf.clear();
                 buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
                 self.put(&buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A delta as the spool keeps it: its count, then per tensor a tag and either its f32
+    /// values as [`SealedFile::put_tensors`] writes one (tag 0: an exact tensor, whose wire
+    /// bytes are already the values) or its length and wire form (tag 1: a lossy tensor, kept
+    /// as compact as it arrived).
+    pub(crate) fn put_delta(&mut self, tensors: &[&EncodedTensor]) -> Result<(), StoreError> {
+        self.put(&(tensors.len() as u32).to_le_bytes())?;
+        for t in tensors {
+            match &t.values {
+                Values::F32(bytes) => {
+                    self.put(&[0])?;
+                    self.put(&(bytes.len() as u64 / 4).to_le_bytes())?;
+                    self.put(bytes)?;
+                }
+                _ => {
+                    let wire = postcard::to_allocvec(t).expect("a tensor serialises");
+                    self.put(&[1])?;
+                    self.put(&(wire.len() as u64).to_le_bytes())?;
+                    self.put(&wire)?;
+                }
             }
         }
         Ok(())
@@ -228,21 +275,49 @@ impl Reader<'_> {
         let n = self.u32()? as usize;
         let mut out = Vec::with_capacity(n.min(4096));
         for _ in 0..n {
-            let len = self.u64()?;
-            if len.checked_mul(4).is_none_or(|b| b > self.left) {
-                return Err(corrupt(self.path, "truncated"));
-            }
-            let len = len as usize;
-            let mut t = Vec::with_capacity(len);
-            while t.len() < len {
-                let part = (len - t.len()).min(BLOCK_VALUES);
-                let bytes = self.take(part * 4)?;
-                t.extend(
-                    bytes
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                );
-            }
+            out.push(self.values()?);
+        }
+        Ok(out)
+    }
+
+    /// One tensor's length and values as [`SealedFile::put_tensors`] writes them.
+    fn values(&mut self) -> Result<Vec<f32>, StoreError> {
+        let len = self.u64()?;
+        if len.checked_mul(4).is_none_or(|b| b > self.left) {
+            return Err(corrupt(self.path, "truncated"));
+        }
+        let len = len as usize;
+        let mut t = Vec::with_capacity(len);
+        while t.len() < len {
+            let part = (len - t.len()).min(BLOCK_VALUES);
+            let bytes = self.take(part * 4)?;
+            t.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+        Ok(t)
+    }
+
+    /// A delta as [`SealedFile::put_delta`] writes it. Lossy tensors come back in wire form, to
+    /// be decoded with [`SpooledTensor::decode`] only once the checksum has passed (a damaged
+    /// shape must not size an allocation).
+    pub(crate) fn delta(&mut self) -> Result<Vec<SpooledTensor>, StoreError> {
+        let n = self.u32()? as usize;
+        let mut out = Vec::with_capacity(n.min(4096));
+        for _ in 0..n {
+            let t = match self.take(1)?[0] {
+                0 => SpooledTensor::Dense(self.values()?),
+                1 => {
+                    let len = self.u64()?;
+                    if len > self.left {
+                        return Err(corrupt(self.path, "truncated"));
+                    }
+                    SpooledTensor::Wire(self.take(len as usize)?.to_vec())
+                }
+                tag => return Err(corrupt(self.path, format!("unknown tensor tag {tag}"))),
+            };
             out.push(t);
         }
         Ok(out)

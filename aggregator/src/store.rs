@@ -16,8 +16,8 @@
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
 
-use crate::sealed::{SealedFile, read_sealed, read_sealed_optional, write_sealed};
-use crate::strategy::{Contribution, StrategyState};
+use crate::sealed::{SealedFile, SpooledTensor, read_sealed, read_sealed_optional, write_sealed};
+use crate::strategy::{Contribution, Extras, StrategyState};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 use std::fs::{self, File, OpenOptions};
@@ -29,12 +29,30 @@ pub const FORMAT_VERSION: u32 = 2;
 const MODEL_MAGIC: &[u8; 4] = b"UFEM";
 const SPOOL_MAGIC: &[u8; 4] = b"UFES";
 /// Format version of spool files: 2 added the typed report and algorithm extras of protocol 2;
-/// 3 keeps the extras decoded (SCAFFOLD's control-variate delta); 4 added the checksum.
-const SPOOL_VERSION: u32 = 4;
+/// 3 keeps the extras decoded (SCAFFOLD's control-variate delta); 4 added the checksum; 5 keeps
+/// a lossy delta tensor in its wire form (17x smaller under ternary-q8). Version 4 is still
+/// read.
+const SPOOL_VERSION: u32 = 5;
 const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
 const HELD_MAGIC: &[u8; 4] = b"UFEH";
+
+/// An accepted update as [`Store::spool_put`] keeps it: the delta as it arrived (in the order
+/// the core hands to the strategy), the rest as [`Contribution`] holds it.
+#[derive(Debug)]
+pub struct SpoolEntry<'a> {
+    /// Training samples behind it.
+    pub samples: u64,
+    /// The site's report of its local training.
+    pub report: &'a unifed_protocol::LocalReport,
+    /// Its algorithm tensors, decoded.
+    pub extras: &'a Extras,
+    /// The delta's tensors in wire form, one per averaged tensor in the strategy's order.
+    pub delta: &'a [&'a unifed_protocol::EncodedTensor],
+    /// The BN tensors the sharing policy lets leave the site (values).
+    pub bn: &'a [Vec<f32>],
+}
 
 /// Errors of the data directory, naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -465,9 +483,9 @@ impl Store {
         self.dir.join("spool").join(format!("r{round}"))
     }
 
-    /// Durably stores an accepted contribution (sample count, report, extras, dense delta and
+    /// Durably stores an accepted update (sample count, report, extras, delta as it arrived and
     /// shared BN tensors).
-    pub fn spool_put(&self, round: u64, site: &str, c: &Contribution) -> Result<(), StoreError> {
+    pub fn spool_put(&self, round: u64, site: &str, c: &SpoolEntry) -> Result<(), StoreError> {
         let d = self.spool_dir(round);
         fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
         let mut f = SealedFile::create(&d.join(format!("{site}.upd")))?;
@@ -475,9 +493,9 @@ impl Store {
         f.put(&SPOOL_VERSION.to_le_bytes())?;
         f.put(&round.to_le_bytes())?;
         f.put(&c.samples.to_le_bytes())?;
-        f.put_tensors(&c.delta)?;
-        f.put_tensors(&c.bn)?;
-        let typed = postcard::to_allocvec(&(&c.report, &c.extras)).expect("report serialises");
+        f.put_delta(c.delta)?;
+        f.put_tensors(c.bn)?;
+        let typed = postcard::to_allocvec(&(c.report, c.extras)).expect("report serialises");
         f.put(&(typed.len() as u32).to_le_bytes())?;
         f.put(&typed)?;
         f.finish()?;
@@ -527,25 +545,47 @@ impl Store {
     pub fn spool_get(&self, round: u64, site: &str) -> Result<Contribution, StoreError> {
         // Read a block at a time (the file is never whole in memory beside its values).
         let p = self.spool_dir(round).join(format!("{site}.upd"));
-        let c = read_sealed(&p, |r| {
-            r.magic_version(SPOOL_MAGIC, SPOOL_VERSION)?;
+        let (c, delta) = read_sealed(&p, |r| {
+            if r.take(4)? != SPOOL_MAGIC {
+                return Err(corrupt(&p, "bad magic"));
+            }
+            let version = r.u32()?;
+            if !(4..=SPOOL_VERSION).contains(&version) {
+                return Err(corrupt(
+                    &p,
+                    format!(
+                        "format version {version} is not {SPOOL_VERSION} (or 4, which it reads)"
+                    ),
+                ));
+            }
             if r.u64()? != round {
                 return Err(corrupt(&p, "round in the file differs from its folder"));
             }
             let samples = r.u64()?;
-            let delta = r.tensors()?;
+            let delta = if version == 4 {
+                r.tensors()?.into_iter().map(SpooledTensor::Dense).collect()
+            } else {
+                r.delta()?
+            };
             let bn = r.tensors()?;
             let n = r.u32()? as usize;
             let (report, extras) =
                 postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(&p, e.to_string()))?;
-            Ok(Contribution {
+            let c = Contribution {
                 samples,
                 report,
                 extras,
-                delta,
+                delta: Vec::new(),
                 bn,
-            })
+            };
+            Ok((c, delta))
         })?;
+        // Decoded only now that the checksum has passed.
+        let mut c = c;
+        c.delta = delta
+            .into_iter()
+            .map(|t| t.decode(&p))
+            .collect::<Result<_, _>>()?;
         // Only finite values were ever accepted: anything else was written by someone else.
         if c.delta
             .iter()

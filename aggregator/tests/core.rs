@@ -1,8 +1,7 @@
 //! The federation core driven by scripted updates: no burn, no network.
 
 use std::path::Path;
-use unifed_aggregator::store::Store;
-use unifed_aggregator::strategy::Contribution;
+use unifed_aggregator::store::{SpoolEntry, Store};
 use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel, Weighting};
 use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
@@ -498,16 +497,32 @@ fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
     }
     // Simulate the crash window: b's update is spooled but the round was never committed.
     let store = Store::open(dir.path()).unwrap();
+    let delta = [
+        encode(
+            "fc.weight",
+            &[2, 3],
+            &delta_values("b", 1, 0, 6),
+            Encoding::F32,
+            None,
+        ),
+        encode(
+            "fc.bias",
+            &[2],
+            &delta_values("b", 1, 1, 2),
+            Encoding::F32,
+            None,
+        ),
+    ];
     store
         .spool_put(
             1,
             "b",
-            &Contribution {
+            &SpoolEntry {
                 samples: 5,
-                report: LocalReport::default(),
-                extras: unifed_aggregator::strategy::Extras::None,
-                delta: vec![delta_values("b", 1, 0, 6), delta_values("b", 1, 1, 2)],
-                bn: vec![],
+                report: &LocalReport::default(),
+                extras: &unifed_aggregator::strategy::Extras::None,
+                delta: &[&delta[0], &delta[1]],
+                bn: &[],
             },
         )
         .unwrap();

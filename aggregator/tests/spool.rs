@@ -1,0 +1,118 @@
+//! The spool keeps a lossy delta in its wire form and gives back exactly its decoded values;
+//! an exact one as values; a spool file of the previous format (version 4) is still read.
+
+use sha2::Digest;
+use unifed_aggregator::store::{SpoolEntry, Store};
+use unifed_aggregator::strategy::Extras;
+use unifed_protocol::encoding::{Encoding, decode, encode};
+use unifed_protocol::messages::LocalReport;
+
+fn values(n: usize, seed: f32) -> Vec<f32> {
+    (0..n)
+        .map(|k| (k as f32 * 0.37 + seed).sin() * 0.01)
+        .collect()
+}
+
+#[test]
+fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let matrix = encode(
+        "fc.weight",
+        &[64, 500],
+        &values(32_000, 1.0),
+        Encoding::TernaryQ8 { block: 256 },
+        Some(&mut Vec::new()),
+    );
+    let bias = encode(
+        "fc.bias",
+        &[64],
+        &values(64, 2.0),
+        Encoding::TernaryQ8 { block: 256 },
+        None,
+    );
+    let stats = encode(
+        "bn.running_mean",
+        &[4],
+        &values(4, 3.0),
+        Encoding::F32,
+        None,
+    );
+    let report = LocalReport {
+        local_steps: 7,
+        train_loss: 0.25,
+    };
+    let bn = vec![vec![0.5f32, 1.5]];
+    store
+        .spool_put(
+            3,
+            "a",
+            &SpoolEntry {
+                samples: 11,
+                report: &report,
+                extras: &Extras::None,
+                delta: &[&matrix, &bias, &stats],
+                bn: &bn,
+            },
+        )
+        .unwrap();
+    // About 1.6 bits per matrix value, not 32.
+    let bytes = std::fs::metadata(dir.path().join("spool/r3/a.upd"))
+        .unwrap()
+        .len();
+    assert!(bytes < 32_000 * 4 / 15, "{bytes} bytes");
+    let c = store.spool_get(3, "a").unwrap();
+    assert_eq!(c.samples, 11);
+    assert_eq!(c.report, report);
+    assert_eq!(c.bn, bn);
+    let want: Vec<Vec<f32>> = [&matrix, &bias, &stats]
+        .iter()
+        .map(|t| decode(t).unwrap())
+        .collect();
+    assert_eq!(c.delta, want);
+
+    // A flipped bit in the wire form is a checksum failure, not a decoding accident.
+    let p = dir.path().join("spool/r3/a.upd");
+    let mut b = std::fs::read(&p).unwrap();
+    b[200] ^= 0x04;
+    std::fs::write(&p, b).unwrap();
+    let err = store.spool_get(3, "a").unwrap_err().to_string();
+    assert!(err.contains("checksum"), "{err}");
+}
+
+#[test]
+fn a_version_4_spool_file_is_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let delta = [values(6, 1.0), values(2, 2.0)];
+    let report = LocalReport::default();
+    // Version 4: every tensor as its length and little-endian values.
+    let mut body = b"UFES".to_vec();
+    body.extend_from_slice(&4u32.to_le_bytes());
+    body.extend_from_slice(&1u64.to_le_bytes());
+    body.extend_from_slice(&5u64.to_le_bytes());
+    body.extend_from_slice(&2u32.to_le_bytes());
+    for t in &delta {
+        body.extend_from_slice(&(t.len() as u64).to_le_bytes());
+        body.extend(t.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    body.extend_from_slice(&0u32.to_le_bytes());
+    let typed = postcard::to_allocvec(&(&report, &Extras::None)).unwrap();
+    body.extend_from_slice(&(typed.len() as u32).to_le_bytes());
+    body.extend_from_slice(&typed);
+    let sum = sha2::Sha256::digest(&body);
+    body.extend_from_slice(&sum);
+    std::fs::create_dir_all(dir.path().join("spool/r1")).unwrap();
+    std::fs::write(dir.path().join("spool/r1/b.upd"), &body).unwrap();
+    let c = store.spool_get(1, "b").unwrap();
+    assert_eq!((c.samples, c.delta.as_slice()), (5, delta.as_slice()));
+
+    // A version from the future is refused by name.
+    body[4..8].copy_from_slice(&6u32.to_le_bytes());
+    let n = body.len() - 32;
+    let sum = sha2::Sha256::digest(&body[..n]);
+    body[n..].copy_from_slice(&sum);
+    std::fs::write(dir.path().join("spool/r1/b.upd"), &body).unwrap();
+    let err = store.spool_get(1, "b").unwrap_err().to_string();
+    assert!(err.contains("format version 6 is not 5"), "{err}");
+}
