@@ -5,7 +5,9 @@
 
 use crate::bnshare;
 use crate::config::FederationConfig;
-use crate::store::{AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, State, Store, StoreError};
+use crate::store::{
+    AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, SpoolTensor, State, Store, StoreError,
+};
 use crate::strategy::{self, RoundReader, Setup, Strategy};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -14,7 +16,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{payload_hash, split};
-use unifed_protocol::encoding::{EncodedTensor, Encoding, decode};
+use unifed_protocol::encoding::{EncodedTensor, Encoding, Values, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -827,7 +829,7 @@ impl Aggregator {
                 },
             );
         }
-        let (bn, ratio) = match self.validate_delta(&upd) {
+        let (dense, bn, ratio) = match self.validate_delta(&upd) {
             Ok(d) => d,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
@@ -835,20 +837,33 @@ impl Aggregator {
             Ok(x) => x,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
-        // The delta is spooled as it arrived, in the strategy's order (validated: each averaged
-        // tensor exactly once); the fold decodes it again.
-        let delta: Vec<&EncodedTensor> = self
+        // The encoded update goes here, all but its lossy tensors, which are spooled as they
+        // arrived (compact; the fold decodes them again); exact ones go as their values.
+        let SiteUpdate {
+            samples,
+            report,
+            delta: wire,
+            ..
+        } = upd;
+        let lossy: Vec<EncodedTensor> = wire
+            .into_iter()
+            .filter(|t| !matches!(t.values, Values::F32(_)))
+            .collect();
+        let delta: Vec<SpoolTensor> = self
             .update_idx
             .iter()
-            .filter_map(|&i| {
+            .zip(&dense)
+            .map(|(&i, values)| {
                 let name = &self.spec.tensors[i].name;
-                upd.delta.iter().find(|t| &t.name == name)
+                lossy
+                    .iter()
+                    .find(|t| &t.name == name)
+                    .map_or(SpoolTensor::Values(values), SpoolTensor::Wire)
             })
             .collect();
-        let samples = upd.samples;
         let entry = SpoolEntry {
             samples,
-            report: &upd.report,
+            report: &report,
             extras: &extras,
             delta: &delta,
             bn: &bn,
@@ -874,7 +889,7 @@ impl Aggregator {
         self.store.spool_put(round, site.as_str(), &entry)?;
         // Only the spool holds the update from here on.
         drop(delta);
-        drop((bn, extras, upd));
+        drop((dense, lossy, bn, extras));
         self.audit(
             now_ms,
             round,
@@ -945,10 +960,14 @@ impl Aggregator {
         }
     }
 
-    /// Checks an update's tensors against the spec and policy (decoding its delta to check every
-    /// value); returns its shared BN tensors in `share_idx` order and its delta's norm relative
-    /// to the model's (what `max_relative_norm` bounds).
-    fn validate_delta(&self, upd: &SiteUpdate) -> Result<(Vec<Vec<f32>>, f64), RejectReason> {
+    /// Checks an update's tensors against the spec and policy; returns its dense deltas in
+    /// `update_idx` order, its shared BN tensors in `share_idx` order, and its norm relative to
+    /// the model's (what `max_relative_norm` bounds).
+    #[allow(clippy::type_complexity)]
+    fn validate_delta(
+        &self,
+        upd: &SiteUpdate,
+    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, f64), RejectReason> {
         let dense = self.dense(&upd.delta, &self.update_idx, self.cfg.encoding)?;
         // Under `global` BN a running variance must stay a variance: base + delta >= 0.
         for (&i, d) in self.update_idx.iter().zip(&dense) {
@@ -981,7 +1000,7 @@ impl Aggregator {
                 )));
             }
         }
-        Ok((share, ratio))
+        Ok((dense, share, ratio))
     }
 
     /// Decodes `tensors` into dense values in the order of the spec indices `idx` (see

@@ -3,12 +3,13 @@
 //! what it writes, and [`read_sealed`] hashes what it reads and checks the sum at the end before
 //! the caller gets anything.
 
+use crate::store::SpoolTensor;
 use crate::store::{FORMAT_VERSION, StoreError, commit, corrupt, io};
 use sha2::Digest;
 use std::fs::File;
 use std::io::{BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use unifed_protocol::{EncodedTensor, Values};
+use unifed_protocol::EncodedTensor;
 
 /// A delta tensor read from the spool: values, or a lossy tensor's wire form.
 pub(crate) enum SpooledTensor {
@@ -71,32 +72,36 @@ impl SealedFile {
     /// little-endian values, a block of values at a time.
     pub(crate) fn put_tensors(&mut self, tensors: &[Vec<f32>]) -> Result<(), StoreError> {
         self.put(&(tensors.len() as u32).to_le_bytes())?;
-        let mut buf = Vec::with_capacity(BLOCK_VALUES * 4);
         for t in tensors {
-            self.put(&(t.len() as u64).to_le_bytes())?;
-            for part in t.chunks(BLOCK_VALUES) {
-                buf.clear();
-                buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
-                self.put(&buf)?;
-            }
+            self.put_values(t)?;
         }
         Ok(())
     }
 
-    /// A delta as the spool keeps it: its count, then per tensor a tag and either its f32
-    /// values as [`SealedFile::put_tensors`] writes one (tag 0: an exact tensor, whose wire
-    /// bytes are already the values) or its length and wire form (tag 1: a lossy tensor, kept
-    /// as compact as it arrived).
-    pub(crate) fn put_delta(&mut self, tensors: &[&EncodedTensor]) -> Result<(), StoreError> {
+    /// One tensor's length and little-endian values, a block of values at a time.
+    fn put_values(&mut self, t: &[f32]) -> Result<(), StoreError> {
+        self.put(&(t.len() as u64).to_le_bytes())?;
+        let mut buf = Vec::with_capacity(BLOCK_VALUES.min(t.len()) * 4);
+        for part in t.chunks(BLOCK_VALUES) {
+            buf.clear();
+            buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+            self.put(&buf)?;
+        }
+        Ok(())
+    }
+
+    /// A delta as the spool keeps it: its count, then per tensor a tag and either its values
+    /// as [`SealedFile::put_tensors`] writes one (tag 0: an exact tensor) or its length and
+    /// wire form (tag 1: a lossy tensor, kept as compact as it arrived).
+    pub(crate) fn put_delta(&mut self, tensors: &[SpoolTensor]) -> Result<(), StoreError> {
         self.put(&(tensors.len() as u32).to_le_bytes())?;
         for t in tensors {
-            match &t.values {
-                Values::F32(bytes) => {
+            match t {
+                SpoolTensor::Values(v) => {
                     self.put(&[0])?;
-                    self.put(&(bytes.len() as u64 / 4).to_le_bytes())?;
-                    self.put(bytes)?;
+                    self.put_values(v)?;
                 }
-                _ => {
+                SpoolTensor::Wire(t) => {
                     let wire = postcard::to_allocvec(t).expect("a tensor serialises");
                     self.put(&[1])?;
                     self.put(&(wire.len() as u64).to_le_bytes())?;

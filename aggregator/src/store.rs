@@ -48,10 +48,20 @@ pub struct SpoolEntry<'a> {
     pub report: &'a unifed_protocol::LocalReport,
     /// Its algorithm tensors, decoded.
     pub extras: &'a Extras,
-    /// The delta's tensors in wire form, one per averaged tensor in the strategy's order.
-    pub delta: &'a [&'a unifed_protocol::EncodedTensor],
+    /// The delta, one tensor per averaged tensor in the strategy's order.
+    pub delta: &'a [SpoolTensor<'a>],
     /// The BN tensors the sharing policy lets leave the site (values).
     pub bn: &'a [Vec<f32>],
+}
+
+/// One tensor of a spooled delta: exact values, or a lossy tensor in its wire form (what the
+/// spool keeps of it: under ternary-q8 a seventeenth of its values' bytes).
+#[derive(Debug, Clone, Copy)]
+pub enum SpoolTensor<'a> {
+    /// The values of an exact tensor.
+    Values(&'a [f32]),
+    /// A lossy tensor as it arrived.
+    Wire(&'a unifed_protocol::EncodedTensor),
 }
 
 /// Errors of the data directory, naming the file.

@@ -1,7 +1,7 @@
 //! The federation core driven by scripted updates: no burn, no network.
 
 use std::path::Path;
-use unifed_aggregator::store::{SpoolEntry, Store};
+use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel, Weighting};
 use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
@@ -497,22 +497,7 @@ fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
     }
     // Simulate the crash window: b's update is spooled but the round was never committed.
     let store = Store::open(dir.path()).unwrap();
-    let delta = [
-        encode(
-            "fc.weight",
-            &[2, 3],
-            &delta_values("b", 1, 0, 6),
-            Encoding::F32,
-            None,
-        ),
-        encode(
-            "fc.bias",
-            &[2],
-            &delta_values("b", 1, 1, 2),
-            Encoding::F32,
-            None,
-        ),
-    ];
+    let delta = [delta_values("b", 1, 0, 6), delta_values("b", 1, 1, 2)];
     store
         .spool_put(
             1,
@@ -521,7 +506,10 @@ fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
                 samples: 5,
                 report: &LocalReport::default(),
                 extras: &unifed_aggregator::strategy::Extras::None,
-                delta: &[&delta[0], &delta[1]],
+                delta: &[
+                    SpoolTensor::Values(&delta[0]),
+                    SpoolTensor::Values(&delta[1]),
+                ],
                 bn: &[],
             },
         )

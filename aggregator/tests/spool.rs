@@ -1,8 +1,8 @@
-//! The spool keeps a lossy delta in its wire form and gives back exactly its decoded values;
-//! an exact one as values; a spool file of the previous format (version 4) is still read.
+//! The spool keeps a lossy delta tensor in its wire form and gives back exactly its decoded
+//! values, an exact one as its values; a spool file of the previous format (version 4) is still read.
 
 use sha2::Digest;
-use unifed_aggregator::store::{SpoolEntry, Store};
+use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::strategy::Extras;
 use unifed_protocol::encoding::{Encoding, decode, encode};
 use unifed_protocol::messages::LocalReport;
@@ -31,13 +31,7 @@ fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() 
         Encoding::TernaryQ8 { block: 256 },
         None,
     );
-    let stats = encode(
-        "bn.running_mean",
-        &[4],
-        &values(4, 3.0),
-        Encoding::F32,
-        None,
-    );
+    let stats = values(4, 3.0);
     let report = LocalReport {
         local_steps: 7,
         train_loss: 0.25,
@@ -51,7 +45,11 @@ fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() 
                 samples: 11,
                 report: &report,
                 extras: &Extras::None,
-                delta: &[&matrix, &bias, &stats],
+                delta: &[
+                    SpoolTensor::Wire(&matrix),
+                    SpoolTensor::Wire(&bias),
+                    SpoolTensor::Values(&stats),
+                ],
                 bn: &bn,
             },
         )
@@ -65,11 +63,10 @@ fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() 
     assert_eq!(c.samples, 11);
     assert_eq!(c.report, report);
     assert_eq!(c.bn, bn);
-    let want: Vec<Vec<f32>> = [&matrix, &bias, &stats]
-        .iter()
-        .map(|t| decode(t).unwrap())
-        .collect();
-    assert_eq!(c.delta, want);
+    assert_eq!(
+        c.delta,
+        [decode(&matrix).unwrap(), decode(&bias).unwrap(), stats]
+    );
 
     // A flipped bit in the wire form is a checksum failure, not a decoding accident.
     let p = dir.path().join("spool/r3/a.upd");
