@@ -239,6 +239,43 @@ fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes()
 }
 
 #[test]
+fn every_internal_run_trains_before_any_held_out_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = BuiltinData::load().unwrap();
+    let text = PRESET
+        .replace(
+            "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
+            "algorithms = [{ name = \"fedavg\" }]",
+        )
+        .replace("policies = [\"Local\", \"Global\"]", "policies = [\"Local\"]")
+        .replace("seeds = 1", "seeds = 2")
+        + "[external]\n";
+    let p = preset(&text, dir.path());
+    let mut lines = Vec::new();
+    let done = run(&p, &data, &dir.path().join("out"), 1, |l| {
+        lines.push(l.to_string())
+    })
+    .unwrap();
+    // Two internal runs (seeds 0 and 1), then five held-out domains for each seed.
+    assert_eq!(done.trained, 12);
+    let firsts: Vec<&String> = lines.iter().filter(|l| l.contains("round 1/2")).collect();
+    assert_eq!(firsts.len(), 12);
+    assert!(
+        firsts[..2].iter().all(|l| !l.contains("held out")),
+        "{firsts:?}"
+    );
+    assert!(firsts[1].contains("seed 1"), "{firsts:?}");
+    assert!(
+        firsts[2..].iter().all(|l| l.contains("held out")),
+        "{firsts:?}"
+    );
+    assert!(
+        firsts[2..7].iter().all(|l| l.contains("seed 0")),
+        "{firsts:?}"
+    );
+}
+
+#[test]
 fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");

@@ -367,9 +367,10 @@ fn plan(preset: &Preset, data: &BuiltinData, out: &Path, train: bool) -> Result<
     if loaded.is_none() && train && !todo.is_empty() {
         loaded = Some(load_sites(preset, data)?);
     }
-    // Seed by seed, internal runs before held-out ones: an experiment stopped part-way leaves
-    // every method with as many seeds as can be, and its tables already whole for the first.
-    todo.sort_by_key(|t| (t.seed, t.held_out.is_some()));
+    // Every internal run before any held-out one, each seed by seed: an experiment stopped
+    // part-way has its internal table (the one every method is compared in) whole first, and
+    // every method with as many seeds as can be in each table.
+    todo.sort_by_key(|t| (t.held_out.is_some(), t.seed));
     Ok(Plan {
         results,
         externals,
