@@ -16,7 +16,7 @@ use crate::train::{
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use unifed_protocol::encoding::{Encoding, decode};
+use unifed_protocol::encoding::{Encoding, decode, encode_leaving_error};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -441,7 +441,6 @@ impl<N: Net> Site<N> {
         // What an accepted update advances: the residuals, the site's control variate and,
         // under MOON, the previous local model (the one just trained).
         let mut next = Memory {
-            residual: self.memory.residual.clone(),
             control: self.memory.control.clone(),
             previous: contrastive.then(|| {
                 export(&self.net, spec, Select::All)
@@ -471,16 +470,41 @@ impl<N: Net> Site<N> {
             }
             None => SiteExtras::None,
         };
+        let old = &self.memory.residual;
         let residual = &mut next.residual;
         let encoded: Vec<_> = d
             .tensors
             .into_iter()
             .map(|t| {
+                let encoding = encoding_for(t.kind, m.encoding);
                 // Statistics carry no error feedback; everything else keeps its residual.
-                let r = (!t.kind.is_bn_stat()).then(|| residual.entry(t.name.clone()).or_default());
-                t.encode(encoding_for(t.kind, m.encoding), r)
+                if t.kind.is_bn_stat() {
+                    return t.encode(encoding, None);
+                }
+                // The delta plus the residual of the last accepted update, and then the next
+                // residual, in the delta's own buffer: the last one stays as it is until this
+                // update is answered, without a copy of it.
+                let NamedTensor {
+                    name,
+                    shape,
+                    data: mut x,
+                    ..
+                } = t;
+                if let Some(r) = old.get(&name).filter(|r| !r.is_empty()) {
+                    x.iter_mut().zip(r).for_each(|(v, r)| *v += r);
+                }
+                let shape: Vec<u32> = shape.iter().map(|&d| d as u32).collect();
+                let e = encode_leaving_error(&name, &shape, &mut x, encoding);
+                residual.insert(name, x);
+                e
             })
             .collect();
+        // A residual of a tensor this update does not carry is kept as it was.
+        for (name, r) in old {
+            if !residual.contains_key(name) {
+                residual.insert(name.clone(), r.clone());
+            }
+        }
         if drifting {
             // FedDC's drift moves by what the server will add to its sum: the decoded delta.
             next.drift = self.memory.drift.clone();

@@ -230,6 +230,19 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
     let kept = site.residual(&w).to_vec();
     assert_eq!(kept.len(), spec.tensors[0].numel());
     assert!(kept.iter().any(|&v| v != 0.0));
+    // The next update starts from that residual and makes its own, which a rejection drops:
+    // the residual of the last accepted update is then exactly as it was.
+    site.train_round(
+        &spec,
+        &fed,
+        &manifest(3, topk, BnPolicy::Local),
+        &tc,
+        &device(),
+        |_| {},
+    )
+    .unwrap();
+    site.answered(3, false);
+    assert_eq!(site.residual(&w), &kept[..], "a rejected update moved it");
 
     // What the checkpoint keeps, restored into a new process's site.
     let mut again = Site::new("a", net.clone(), data(16), data(8)).unwrap();

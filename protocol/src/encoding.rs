@@ -315,14 +315,32 @@ pub fn encode(
                 r.resize(values.len(), 0.0);
                 r.iter_mut().zip(values).for_each(|(e, &v)| *e += v);
             }
-            let encoded = encode_values(r, shape, encoding);
-            if encoding.is_exact() {
-                // Exact: nothing is left behind (kept empty rather than a model's worth of zeros).
-                r.clear();
-            }
-            encoded
+            return encode_leaving_error(name, shape, r, encoding);
         }
     };
+    EncodedTensor {
+        name: name.into(),
+        shape: shape.to_vec(),
+        values,
+    }
+}
+
+/// Encodes `x` (values already summed with any error-feedback residual) as `encoding` and
+/// leaves in `x` what the receiver will not see: the next residual, computed in `x`'s own
+/// memory, as [`encode`] leaves it (empty under exact f32). For a caller that owns the values
+/// and must keep the previous residual until the update is answered, this saves a copy of
+/// the residual.
+pub fn encode_leaving_error(
+    name: &str,
+    shape: &[u32],
+    x: &mut Vec<f32>,
+    encoding: Encoding,
+) -> EncodedTensor {
+    let values = encode_values(x, shape, encoding);
+    if encoding.is_exact() {
+        // Exact: nothing is left behind (kept empty rather than a model's worth of zeros).
+        x.clear();
+    }
     EncodedTensor {
         name: name.into(),
         shape: shape.to_vec(),
@@ -965,6 +983,27 @@ mod tests {
                 // Bit for bit: the residual is the input less exactly what the receiver decodes.
                 assert_eq!(r, x[i] - d[i], "{enc:?} index {i}");
             }
+        }
+    }
+
+    #[test]
+    fn encoding_in_the_values_own_buffer_equals_encoding_with_a_residual() {
+        let (x, old) = (sample(600, 2), sample(600, 5));
+        for (enc, shape) in [
+            (Encoding::F32, [600, 1]),
+            (Encoding::Q8, [600, 1]),
+            (Encoding::TopKQ8 { per_mille: 100 }, [20, 30]),
+            (TERNARY_Q8, [20, 30]),
+            (TERNARY_Q8, [600, 1]),
+        ] {
+            let shape = &shape[..1 + usize::from(shape[1] != 1)];
+            let mut r = old.clone();
+            let want = encode("w", shape, &x, enc, Some(&mut r));
+            // The caller sums the values and the residual itself, in the values' buffer.
+            let mut own: Vec<f32> = x.iter().zip(&old).map(|(v, r)| v + r).collect();
+            let got = encode_leaving_error("w", shape, &mut own, enc);
+            assert_eq!(got, want, "{enc:?} {shape:?}");
+            assert_eq!(own, r, "{enc:?} {shape:?}");
         }
     }
 

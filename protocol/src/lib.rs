@@ -62,7 +62,9 @@ pub mod topics;
 #[cfg(feature = "std")]
 pub use auth::{AuthError, KeyFileError, Keyring, PublicKey, SigningKey};
 pub use chunking::{ChunkError, Reassembler, payload_hash, split};
-pub use encoding::{EncodedTensor, Encoding, TensorError, Values, decode, encode};
+pub use encoding::{
+    EncodedTensor, Encoding, TensorError, Values, decode, encode, encode_leaving_error,
+};
 pub use envelope::{DecodeError, Envelope, MAGIC, MessageKind, PROTOCOL_VERSION};
 pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, SiteId};
 pub use messages::{

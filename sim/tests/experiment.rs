@@ -247,7 +247,10 @@ fn every_internal_run_trains_before_any_held_out_one() {
             "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
             "algorithms = [{ name = \"fedavg\" }]",
         )
-        .replace("policies = [\"Local\", \"Global\"]", "policies = [\"Local\"]")
+        .replace(
+            "policies = [\"Local\", \"Global\"]",
+            "policies = [\"Local\"]",
+        )
         .replace("seeds = 1", "seeds = 2")
         + "[external]\n";
     let p = preset(&text, dir.path());
