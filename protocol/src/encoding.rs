@@ -554,6 +554,23 @@ fn best_ternary_scale(values: &[f32], sorted: &mut Vec<u32>) -> f32 {
     scale as f32
 }
 
+/// `TRITS[b]`: the five base-3 digits of a byte `b` below 243, the first in the lowest place,
+/// each less one (the unscaled ternary values the byte packs).
+const TRITS: [[f32; 5]; 243] = {
+    let mut t = [[0.0f32; 5]; 243];
+    let mut b = 0;
+    while b < 243 {
+        let (mut v, mut k) = (b, 0);
+        while k < 5 {
+            t[b][k] = (v % 3) as f32 - 1.0;
+            v /= 3;
+            k += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
 /// The `numel` values of a [`Values::Ternary`] whose block is in [`TERNARY_BLOCKS`]; on a
 /// length that does not fit, the count of values the bytes hold, for the error.
 fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
@@ -574,17 +591,16 @@ fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
         return Err(digits.len() * 5);
     }
     let scale = |b: usize| half::f16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]).to_f32();
-    let mut out = Vec::with_capacity(numel);
-    for (i, &b) in digits.iter().enumerate() {
-        let mut b = b;
-        for k in 0..5 {
-            let at = 5 * i + k;
-            if at == numel {
-                break;
-            }
-            out.push(f32::from(b % 3) - 1.0);
-            b /= 3;
-        }
+    // Five values per byte from the table, then each block times its scale.
+    let mut out = vec![0.0f32; numel];
+    let mut whole = out.chunks_exact_mut(5);
+    for (values, &b) in (&mut whole).zip(digits) {
+        values.copy_from_slice(&TRITS[usize::from(b)]);
+    }
+    let tail = whole.into_remainder();
+    if let Some(&b) = digits.get(numel / 5) {
+        let n = tail.len();
+        tail.copy_from_slice(&TRITS[usize::from(b)][..n]);
     }
     for (b, values) in out.chunks_mut(size).enumerate() {
         let s = scale(b);
@@ -786,6 +802,22 @@ mod tests {
         let back = decode(&encode("w", &[1000], &bad, TERNARY, None)).unwrap();
         assert!(back[256..512].iter().all(|v| v.is_nan()));
         assert!(back[..256].iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn ternary_decodes_five_digits_per_byte_lowest_place_first_with_a_short_last_byte() {
+        // Digits 0,1,2,2,1 in the first byte, 2,0 in the second; one scale of 2.
+        let t = EncodedTensor {
+            name: "w".into(),
+            shape: vec![7],
+            values: Values::Ternary {
+                len: 7,
+                block: 16,
+                scales: half::f16::from_f32(2.0).to_le_bytes().to_vec(),
+                digits: vec![3 + 2 * 9 + 2 * 27 + 81, 2],
+            },
+        };
+        assert_eq!(decode(&t).unwrap(), [-2.0, 0.0, 2.0, 2.0, 0.0, 2.0, -2.0]);
     }
 
     #[test]
