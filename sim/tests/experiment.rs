@@ -16,6 +16,19 @@ sizes = { train = 32, val = 16, test = 16 }
 model = { conv = [4, 6, 8], fc = [32, 16] }
 "#;
 
+/// [`PRESET`] with FedAvg under `local` BN only.
+fn fedavg_local() -> String {
+    PRESET
+        .replace(
+            "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
+            "algorithms = [{ name = \"fedavg\" }]",
+        )
+        .replace(
+            "policies = [\"Local\", \"Global\"]",
+            "policies = [\"Local\"]",
+        )
+}
+
 fn preset(text: &str, dir: &Path) -> Preset {
     let p = dir.join("preset.toml");
     std::fs::write(&p, text).unwrap();
@@ -242,17 +255,7 @@ fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes()
 fn every_internal_run_trains_before_any_held_out_one() {
     let dir = tempfile::tempdir().unwrap();
     let data = BuiltinData::load().unwrap();
-    let text = PRESET
-        .replace(
-            "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
-            "algorithms = [{ name = \"fedavg\" }]",
-        )
-        .replace(
-            "policies = [\"Local\", \"Global\"]",
-            "policies = [\"Local\"]",
-        )
-        .replace("seeds = 1", "seeds = 2")
-        + "[external]\n";
+    let text = fedavg_local().replace("seeds = 1", "seeds = 2") + "[external]\n";
     let p = preset(&text, dir.path());
     let mut lines = Vec::new();
     let done = run(&p, &data, &dir.path().join("out"), 1, |l| {
@@ -355,20 +358,10 @@ fn label_skew_spreads_the_pooled_domains_over_ten_sites_and_samples_half_of_them
     use unifed_sim::experiment::load_sites;
     let dir = tempfile::tempdir().unwrap();
     let data = BuiltinData::load().unwrap();
-    let text = PRESET
-        .replace(
-            "algorithms = [{ name = \"fedavg\" }, { name = \"fedprox\", mu = 0.01 }]",
-            "algorithms = [{ name = \"fedavg\" }]",
-        )
-        .replace(
-            "policies = [\"Local\", \"Global\"]",
-            "policies = [\"Local\"]",
-        )
-        .replace(
-            "sizes = { train = 32, val = 16, test = 16 }",
-            "sizes = { train = 100, val = 20, test = 20 }",
-        )
-        + "fraction = 0.5\ndata = { dirichlet = { alpha = 0.1, sites = 10 } }\n";
+    let text = fedavg_local().replace(
+        "sizes = { train = 32, val = 16, test = 16 }",
+        "sizes = { train = 100, val = 20, test = 20 }",
+    ) + "fraction = 0.5\ndata = { dirichlet = { alpha = 0.1, sites = 10 } }\n";
     let p = preset(&text, dir.path());
     // Every pooled image lands on one site, and the sites' label mixes are skewed: on average
     // one class holds well over the 10 % it would under an even spread.
