@@ -16,7 +16,7 @@ use crate::train::{
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use unifed_protocol::encoding::{Encoding, decode, encode_leaving_error};
+use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -481,21 +481,11 @@ impl<N: Net> Site<N> {
                 if t.kind.is_bn_stat() {
                     return t.encode(encoding, None);
                 }
-                // The delta plus the residual of the last accepted update, and then the next
-                // residual, in the delta's own buffer: the last one stays as it is until this
-                // update is answered, without a copy of it.
-                let NamedTensor {
-                    name,
-                    shape,
-                    data: mut x,
-                    ..
-                } = t;
-                if let Some(r) = old.get(&name).filter(|r| !r.is_empty()) {
-                    x.iter_mut().zip(r).for_each(|(v, r)| *v += r);
-                }
-                let shape: Vec<u32> = shape.iter().map(|&d| d as u32).collect();
-                let e = encode_leaving_error(&name, &shape, &mut x, encoding);
-                residual.insert(name, x);
+                // The last accepted update's residual stays as it is until this update is
+                // answered; the next one is made in the delta's own buffer.
+                let name = t.name.clone();
+                let (e, next) = t.encode_fed(encoding, old.get(&name).map_or(&[], Vec::as_slice));
+                residual.insert(name, next);
                 e
             })
             .collect();

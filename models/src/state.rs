@@ -42,8 +42,36 @@ impl NamedTensor {
         encoding: unifed_protocol::Encoding,
         residual: Option<&mut Vec<f32>>,
     ) -> unifed_protocol::EncodedTensor {
-        let shape: Vec<u32> = self.shape.iter().map(|&d| d as u32).collect();
-        unifed_protocol::encode(&self.name, &shape, &self.data, encoding, residual)
+        unifed_protocol::encode(
+            &self.name,
+            &self.wire_shape(),
+            &self.data,
+            encoding,
+            residual,
+        )
+    }
+
+    /// The tensor plus `residual` (the last error-feedback residual; empty: none) in a wire
+    /// encoding, summed in the tensor's own buffer, which then holds the next residual (see
+    /// [`unifed_protocol::encode_leaving_error`]): `residual` itself is left as it was, without
+    /// a copy of it. Returns the encoded tensor and the next residual.
+    pub fn encode_fed(
+        self,
+        encoding: unifed_protocol::Encoding,
+        residual: &[f32],
+    ) -> (unifed_protocol::EncodedTensor, Vec<f32>) {
+        let shape = self.wire_shape();
+        let mut x = self.data;
+        if !residual.is_empty() {
+            x.iter_mut().zip(residual).for_each(|(v, r)| *v += r);
+        }
+        let e = unifed_protocol::encode_leaving_error(&self.name, &shape, &mut x, encoding);
+        (e, x)
+    }
+
+    /// The shape as the wire writes it.
+    fn wire_shape(&self) -> Vec<u32> {
+        self.shape.iter().map(|&d| d as u32).collect()
     }
 }
 
