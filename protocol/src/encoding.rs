@@ -338,8 +338,9 @@ pub fn encode_leaving_error(
 ) -> EncodedTensor {
     let values = encode_values(x, shape, encoding);
     if encoding.is_exact() {
-        // Exact: nothing is left behind (kept empty rather than a model's worth of zeros).
-        x.clear();
+        // Exact: nothing is left behind, and the buffer is freed rather than kept empty with
+        // a tensor's worth of capacity (a site keeps the residual from round to round).
+        *x = Vec::new();
     }
     EncodedTensor {
         name: name.into(),
@@ -1036,6 +1037,9 @@ mod tests {
             let got = encode_leaving_error("w", shape, &mut own, enc);
             assert_eq!(got, want, "{enc:?} {shape:?}");
             assert_eq!(own, r, "{enc:?} {shape:?}");
+            // A site keeps this buffer as its residual until the next round: an exact encoding
+            // leaves nothing behind, not even the buffer's memory.
+            assert_eq!(own.capacity() == 0, enc.is_exact(), "{enc:?} {shape:?}");
         }
     }
 
