@@ -140,6 +140,30 @@ pub fn finish(opts: &Options, runs: &[RunResult]) -> Result<()> {
             100.0 * steady(r, |t| t.overhead_share_without_evaluation)
         )
     });
+    // CPU seconds per round of each kind of process: with more processes than cores, the round
+    // is as long as all of it over the cores.
+    table += &format!("\n{:<26}\n", "CPU seconds per round");
+    let cpu = |r: &RunResult, agent: bool, name: &str| {
+        steady(r, |t| {
+            t.cpu_seconds
+                .iter()
+                .filter(|(k, _)| {
+                    let is_agent = r.sites.iter().any(|s| &s.site == *k);
+                    if agent { is_agent } else { k.as_str() == name }
+                })
+                .map(|(_, v)| v)
+                .sum()
+        })
+    };
+    table += &row("  agents (all)", &|r| format!("{:.2}", cpu(r, true, "")));
+    for who in ["broker", "aggregator", "demo"] {
+        table += &row(&format!("  {who}"), &|r| {
+            format!("{:.2}", cpu(r, false, who))
+        });
+    }
+    table += &row("  all processes", &|r| {
+        format!("{:.2}", steady(r, |t| t.cpu_total))
+    });
     println!("{table}");
 
     std::fs::create_dir_all(&opts.out)

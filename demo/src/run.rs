@@ -143,6 +143,11 @@ pub struct RoundTimeline {
     pub overhead_seconds: f64,
     /// `overhead / wall`.
     pub overhead_share: f64,
+    /// CPU seconds each process used in the round (user and system, every thread), by name.
+    pub cpu_seconds: BTreeMap<String, f64>,
+    /// CPU seconds all processes used in the round: on a machine with fewer cores than
+    /// processes, what the round's length follows.
+    pub cpu_total: f64,
     /// The overhead without the slowest site's evaluation (the demo's own measurement, which a
     /// deployed agent can turn off), as a share of the wall time.
     pub overhead_share_without_evaluation: f64,
@@ -150,13 +155,24 @@ pub struct RoundTimeline {
 
 /// Builds the timelines of rounds `1..=rounds` from the reported phases and the times rounds
 /// closed.
-fn timelines(rounds: u64, closed: &[f64], phases: &[(u64, Phase, f64)]) -> Vec<RoundTimeline> {
+/// `cpu` holds each process's CPU seconds at the start and at each close.
+fn timelines(
+    rounds: u64,
+    closed: &[f64],
+    cpu: &[BTreeMap<String, f64>],
+    phases: &[(u64, Phase, f64)],
+) -> Vec<RoundTimeline> {
     let mut prev = 0.0;
     (1..=rounds)
         .zip(closed)
-        .map(|(round, &t)| {
+        .zip(cpu.windows(2))
+        .map(|((round, &t), cpu)| {
             let wall = t - prev;
             prev = t;
+            let cpu_seconds: BTreeMap<String, f64> = cpu[1]
+                .iter()
+                .map(|(who, &s)| (who.clone(), s - cpu[0].get(who).copied().unwrap_or(0.0)))
+                .collect();
             let mut by: BTreeMap<Phase, PhaseStat> = BTreeMap::new();
             for &(_, p, secs) in phases.iter().filter(|(r, _, _)| *r == round) {
                 let e = by.entry(p).or_default();
@@ -174,6 +190,8 @@ fn timelines(rounds: u64, closed: &[f64], phases: &[(u64, Phase, f64)]) -> Vec<R
                 overhead_seconds: overhead,
                 overhead_share: overhead / wall,
                 overhead_share_without_evaluation: (overhead - max(Phase::Evaluate)) / wall,
+                cpu_total: cpu_seconds.values().sum(),
+                cpu_seconds,
                 phases: by,
             }
         })
@@ -382,6 +400,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         })
         .collect();
     let mut round_closed: Vec<f64> = Vec::new();
+    // Every process's CPU seconds when the first round starts, then at each close.
+    let mut cpu_closed = vec![kids.cpu_seconds()];
     let mut phases: Vec<(u64, Phase, f64)> = Vec::new();
     let mut done: BTreeMap<String, bool> = BTreeMap::new();
     while done.len() < sites.len() {
@@ -434,6 +454,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     sites,
                 }) => {
                     round_closed.push(t0.elapsed().as_secs_f64());
+                    cpu_closed.push(kids.cpu_seconds());
                     rounds_bar.inc(1);
                     say(format!(
                         "{name}: round {round} closed with {} update(s) -> model v{model_version}",
@@ -516,7 +537,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     rounds_bar.finish();
     let memory = kids.memory();
     drop(kids);
-    let timeline = timelines(opts.rounds, &round_closed, &phases);
+    let timeline = timelines(opts.rounds, &round_closed, &cpu_closed, &phases);
     let round_seconds = timeline.iter().map(|t| t.wall_seconds).collect();
     Ok(RunResult {
         name: name.into(),

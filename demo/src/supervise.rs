@@ -62,6 +62,18 @@ fn rss_and_peak_kib(pid: u32) -> Option<(Option<u64>, Option<u64>)> {
     Some((field("VmRSS:"), field("VmHWM:")))
 }
 
+/// User plus system CPU seconds of every thread of `pid`, from `/proc/<pid>/stat` (fields 14
+/// and 15, in the kernel's user-visible clock ticks, 100 per second on Linux).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces; the fields after it follow its `)`.
+    let rest = &s[s.rfind(')')? + 1..];
+    let mut f = rest.split_whitespace().skip(11);
+    let user: u64 = f.next()?.parse().ok()?;
+    let system: u64 = f.next()?.parse().ok()?;
+    Some((user + system) as f64 / 100.0)
+}
+
 impl Children {
     /// No children yet; starts the memory sampler (which includes this process).
     pub fn new() -> Children {
@@ -149,6 +161,15 @@ impl Children {
             .iter_mut()
             .find(|(n, _)| n == who)
             .and_then(|(_, c)| c.try_wait().ok().flatten())
+    }
+
+    /// CPU seconds (user and system, every thread) each live process has used so far, by name:
+    /// the demo itself, the broker, the aggregator and each agent.
+    pub fn cpu_seconds(&self) -> BTreeMap<String, f64> {
+        let list = self.pids.lock().map(|l| l.clone()).unwrap_or_default();
+        list.iter()
+            .filter_map(|(name, pid)| Some((name.clone(), cpu_seconds(*pid)?)))
+            .collect()
     }
 
     /// The memory figures so far.
