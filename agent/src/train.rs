@@ -2,8 +2,9 @@
 //! ([`unifed_site::SiteEngine`], which owns the round: manifest, windowed fetch, upload window,
 //! answers, and drops bad network input). This module does the I/O and the work the engine asks
 //! for: MQTT, applying models (the non-BN weights under `local` BN, so the site's BN layers and
-//! statistics stay on the device), training under the round's plan, checkpoints after every
-//! model and answer (so a restarted agent resumes), and a clean stop on SIGINT/SIGTERM.
+//! statistics stay on the device), training under the round's plan, checkpoints when the engine
+//! asks (after every answer, and after every model the site does not train from at once), so a
+//! restarted agent resumes, and a clean stop on SIGINT/SIGTERM.
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -447,13 +448,16 @@ pub async fn run(
     let save = |site: &Site<AnyNet>, progress: &Progress| -> Result<()> {
         files.write(&spec, site, progress)
     };
+    // The model version the checkpoint on disk holds.
+    let mut saved = engine.progress().applied_version;
     let t0 = Instant::now();
     let now = || t0.elapsed().as_millis() as u64;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tokio::pin!(shutdown);
     // Events the driver itself produced (applied, trained), handled before new input.
     let mut queue: std::collections::VecDeque<Event> = std::collections::VecDeque::new();
-    // What to announce once the checkpoint that follows an applied model is written.
+    // What to announce of an applied model once it is checkpointed or, when the site trains
+    // from it at once, before training.
     let mut announce: Option<(RoundManifest, u64, u64)> = None;
     // The round the next checkpoint belongs to in the timeline, and when each upload started.
     let mut checkpoint_round = 0u64;
@@ -463,7 +467,7 @@ pub async fn run(
             Some(e) => e,
             None => tokio::select! {
                 _ = &mut shutdown => {
-                    println!("{site_id}: stopping on request; the checkpoint holds model v{}", engine.progress().applied_version.map_or("-".to_string(), |v| v.to_string()));
+                    println!("{site_id}: stopping on request; the checkpoint holds model v{}", saved.map_or("-".to_string(), |v| v.to_string()));
                     goodbye("stopped").await;
                     return Ok(None);
                 }
@@ -557,6 +561,17 @@ pub async fn run(
                     announce = Some((m, fetch_ms, bytes));
                 }
                 SiteAction::Train { manifest: m } => {
+                    // A model trained from at once is checkpointed with its training's outcome
+                    // (see `SiteAction::Checkpoint`): it is announced and evaluated here.
+                    if let Some(a) = announce.take() {
+                        announced(
+                            &cfg,
+                            &spec,
+                            &device,
+                            site.as_ref().expect("site present"),
+                            a,
+                        )?;
+                    }
                     println!(
                         "{site_id}: training round {} from model v{}",
                         m.round, m.model_version
@@ -605,8 +620,8 @@ pub async fn run(
                         (s, r)
                     });
                     let (s, update) = tokio::select! {
-                        // Stop now: the checkpoint still holds the applied model, and the round
-                        // is trained again after a restart.
+                        // Stop now: the checkpoint holds the last round's outcome, and the
+                        // model is fetched and the round trained again after a restart.
                         _ = &mut shutdown => {
                             println!("{site_id}: stopping on request during round {}; it is trained again after a restart", m.round);
                             goodbye("stopped").await;
@@ -677,34 +692,13 @@ pub async fn run(
                     let s = site.as_ref().expect("site present");
                     let saving = Instant::now();
                     save(s, engine.progress())?;
+                    saved = engine.progress().applied_version;
                     // The download's or the upload's buffers and the checkpoint's are freed
                     // now (every apply and every answer is followed by a checkpoint).
                     unifed_net::release_free_memory();
                     report::phase(checkpoint_round, Phase::Checkpoint, saving);
-                    if let Some((m, fetch_ms, bytes)) = announce.take() {
-                        println!("{site_id}: applied model v{}", m.model_version);
-                        Report::Applied {
-                            version: m.model_version,
-                            bytes,
-                            seconds: fetch_ms as f64 / 1000.0,
-                        }
-                        .emit();
-                        if cfg.evaluate_each_model && !m.finished {
-                            let evaluating = Instant::now();
-                            let acc = tokio::task::block_in_place(|| {
-                                unifed_net::memory::with_fast_allocation(|| {
-                                    s.evaluate(&spec, &m.plan, &cfg.train, &device)
-                                })
-                            })?
-                            .accuracy();
-                            unifed_net::release_free_memory();
-                            report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
-                            Report::Evaluated {
-                                version: m.model_version,
-                                accuracy: acc,
-                            }
-                            .emit();
-                        }
+                    if let Some(a) = announce.take() {
+                        announced(&cfg, &spec, &device, s, a)?;
                     }
                 }
                 SiteAction::Finished { manifest: m } => {
@@ -731,6 +725,41 @@ pub async fn run(
             }
         }
     }
+}
+
+/// Reports a model applied (`a`: its manifest, fetch milliseconds and bytes) and, when the
+/// config asks for it, the site's test accuracy with it, before the site trains from it.
+fn announced(
+    cfg: &AgentConfig,
+    spec: &ModelSpec,
+    device: &Device,
+    s: &Site<AnyNet>,
+    (m, fetch_ms, bytes): (RoundManifest, u64, u64),
+) -> Result<()> {
+    println!("{}: applied model v{}", cfg.site, m.model_version);
+    Report::Applied {
+        version: m.model_version,
+        bytes,
+        seconds: fetch_ms as f64 / 1000.0,
+    }
+    .emit();
+    if cfg.evaluate_each_model && !m.finished {
+        let evaluating = Instant::now();
+        let acc = tokio::task::block_in_place(|| {
+            unifed_net::memory::with_fast_allocation(|| {
+                s.evaluate(spec, &m.plan, &cfg.train, device)
+            })
+        })?
+        .accuracy();
+        unifed_net::release_free_memory();
+        report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
+        Report::Evaluated {
+            version: m.model_version,
+            accuracy: acc,
+        }
+        .emit();
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -154,7 +154,11 @@ pub enum Action {
         /// Accepted, or rejected with the reason.
         answer: Answer,
     },
-    /// Persist the model and [`SiteEngine::progress`] (they changed).
+    /// Persist the model and [`SiteEngine::progress`] (they changed). Asked for after every
+    /// answer, and after a model is applied unless the site trains from it at once: that
+    /// model is then persisted with its training's outcome, on the answer, and a site stopped
+    /// while it trains fetches it again (a write of the whole model per round saved, on the
+    /// round's critical path).
     Checkpoint,
     /// The federation has finished and the site holds the final model.
     Finished {
@@ -190,6 +194,8 @@ pub struct SiteEngine {
     delivered: Option<Upload>,
     /// A round whose training failed: not trained again.
     skipped: Option<u64>,
+    /// A model was applied and neither checkpointed nor trained from yet.
+    unsaved: bool,
     finished: bool,
 }
 
@@ -214,6 +220,7 @@ impl SiteEngine {
             pending: None,
             delivered: None,
             skipped: None,
+            unsaved: false,
             finished: false,
             cfg,
         }
@@ -257,7 +264,7 @@ impl SiteEngine {
                 self.progress.applied_version = Some(version);
                 self.fetch_started_ms = None;
                 self.last_request_ms = None;
-                out.push(Action::Checkpoint);
+                self.unsaved = true;
             }
             Event::ApplyFailed { version, error } => {
                 if let Some(h) = self.applying.take() {
@@ -315,6 +322,11 @@ impl SiteEngine {
             Event::Tick => {}
         }
         self.advance(now_ms, &mut out);
+        if std::mem::take(&mut self.unsaved) {
+            // Not trained from at once (not sampled, finished, its round answered or skipped,
+            // or a newer model announced): persisted now, before anything else is done.
+            out.insert(0, Action::Checkpoint);
+        }
         out
     }
 
@@ -633,6 +645,8 @@ impl SiteEngine {
             && self.skipped != Some(m.round)
         {
             self.training = Some(m.round);
+            // The applied model is persisted with the training's outcome, on the answer.
+            self.unsaved = false;
             out.push(Action::Train { manifest: m });
         }
     }

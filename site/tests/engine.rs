@@ -304,10 +304,9 @@ fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
         panic!("{acts:?}")
     };
     assert_eq!(broadcast.model_version, 0);
+    // Trained from at once: checkpointed with the round's outcome, on the answer.
     let acts = e.handle(Event::Applied { version: 0 }, 2);
-    assert!(
-        matches!(&acts[..], [Action::Checkpoint, Action::Train { manifest }] if manifest.round == 1)
-    );
+    assert!(matches!(&acts[..], [Action::Train { manifest }] if manifest.round == 1));
     assert_eq!(e.progress().applied_version, Some(0));
     let acts = e.handle(
         Event::Trained {
@@ -585,10 +584,7 @@ fn a_round_whose_training_failed_is_not_trained_again_and_the_next_one_is() {
     e.handle(manifest_msg(&m), 0);
     deliver(&mut e, &m, &chunks);
     let acts = e.handle(Event::Applied { version: 0 }, 1);
-    assert!(matches!(
-        &acts[..],
-        [Action::Checkpoint, Action::Train { .. }]
-    ));
+    assert!(matches!(&acts[..], [Action::Train { .. }]));
     let acts = e.handle(
         Event::TrainFailed {
             round: 1,
@@ -606,7 +602,7 @@ fn a_round_whose_training_failed_is_not_trained_again_and_the_next_one_is() {
     deliver(&mut e, &m2, &chunks2);
     let acts = e.handle(Event::Applied { version: 1 }, 60_002);
     assert!(
-        matches!(&acts[..], [Action::Checkpoint, Action::Train { manifest }] if manifest.round == 2),
+        matches!(&acts[..], [Action::Train { manifest }] if manifest.round == 2),
         "{acts:?}"
     );
 }
@@ -702,4 +698,44 @@ fn the_final_manifest_lets_the_delivered_update_go() {
     let acts = e.handle(answer(1, [0; 32], Answer::Resend), 5);
     assert!(sends_no_update(&acts), "{acts:?}");
     assert_eq!(e.progress().answered_rounds, vec![1]);
+}
+
+#[test]
+fn the_final_model_is_checkpointed_before_the_site_finishes() {
+    let mut e = engine(None);
+    // The federation's last model: nothing trains from it, so it is persisted when applied.
+    let (mut m, chunks) = model(3, 3, &[]);
+    m.finished = true;
+    e.handle(manifest_msg(&m), 0);
+    deliver(&mut e, &m, &chunks);
+    let acts = e.handle(Event::Applied { version: 3 }, 1);
+    assert!(
+        matches!(&acts[..], [Action::Checkpoint, Action::Finished { manifest }] if manifest.model_version == 3),
+        "{acts:?}"
+    );
+    assert_eq!(e.progress().applied_version, Some(3));
+}
+
+#[test]
+fn a_model_overtaken_while_applied_is_checkpointed_and_the_newer_one_fetched() {
+    let mut e = engine(None);
+    let (m1, chunks1) = model(1, 0, &[]);
+    e.handle(manifest_msg(&m1), 0);
+    deliver(&mut e, &m1, &chunks1);
+    // Model v1 is announced while v0 is being applied: v0 is not trained from.
+    let (m2, _) = model(2, 1, &[]);
+    e.handle(manifest_msg(&m2), 1);
+    let acts = e.handle(Event::Applied { version: 0 }, 2);
+    let [Action::Checkpoint, Action::Publish { topic, payload }] = &acts[..] else {
+        panic!("{acts:?}")
+    };
+    assert_eq!(topic, &topics().chunk_request(&id("a")));
+    let req: ChunkRequest = Envelope::decode(payload).unwrap().payload_as().unwrap();
+    assert_eq!(req.model_version, 1);
+    // Nothing more to persist until something changes.
+    assert!(
+        e.handle(Event::Tick, 3)
+            .iter()
+            .all(|a| !matches!(a, Action::Checkpoint))
+    );
 }

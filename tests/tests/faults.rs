@@ -144,20 +144,23 @@ fn sigterm_mid_round_stops_an_agent_with_its_checkpoint_and_the_restart_ends_as_
     );
     let log = std::fs::read_to_string(fed.dir.join("lowres.log")).unwrap();
     assert!(log.contains("stopping on request"), "{log}");
-    // What it left is a whole checkpoint: the model of round 2 and its progress, no temp files.
+    // What it left is a whole checkpoint, no temp files: round 1's outcome (its model trained
+    // from v0, and the answer). Model v1, which round 2 trains from, is persisted only with
+    // round 2's outcome, so the restart fetches it again.
     let site = fed.site_dir("lowres");
     checkpoint::load(&site.join("model.safetensors"), &fed.spec()).unwrap();
     let progress: serde_json::Value =
         serde_json::from_slice(&std::fs::read(site.join("progress.json")).unwrap()).unwrap();
-    assert_eq!(progress["applied_version"], 1);
+    assert_eq!(progress["applied_version"], 0);
+    assert_eq!(progress["answered_rounds"], serde_json::json!([1]));
     let leftovers: Vec<_> = std::fs::read_dir(&site)
         .unwrap()
         .flatten()
         .filter(|e| e.path().extension().is_some_and(|x| x == "tmp"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
-    // Restarted, it trains round 2 again from its checkpoint and the federation ends with the
-    // model of an uninterrupted run.
+    // Restarted, it fetches v1, trains round 2 again and the federation ends with the model of
+    // an uninterrupted run.
     let mut lowres = fed.agent("lowres");
     for (g, s) in [
         (&mut grey, "grey"),
