@@ -694,7 +694,8 @@ pub async fn run(
                     save(s, engine.progress())?;
                     saved = engine.progress().applied_version;
                     // The download's or the upload's buffers and the checkpoint's are freed
-                    // now (every apply and every answer is followed by a checkpoint).
+                    // now (every answer, and every apply not followed by training, is followed
+                    // by a checkpoint; `announced` frees them before training otherwise).
                     unifed_net::release_free_memory();
                     report::phase(checkpoint_round, Phase::Checkpoint, saving);
                     if let Some(a) = announce.take() {
@@ -743,6 +744,8 @@ fn announced(
         seconds: fetch_ms as f64 / 1000.0,
     }
     .emit();
+    // The download's buffers go back before evaluation and training take their memory.
+    unifed_net::release_free_memory();
     if cfg.evaluate_each_model && !m.finished {
         let evaluating = Instant::now();
         let acc = tokio::task::block_in_place(|| {
