@@ -562,7 +562,8 @@ impl Aggregator {
                     from_version: self.state.model_version - 1,
                     chunk_count: c.len() as u32,
                     payload_len: d.len() as u64,
-                    payload_hash: payload_hash(d),
+                    // `split` hashed the payload for its chunks (never none): not again.
+                    payload_hash: c[0].payload_hash,
                 };
                 (Some(info), c)
             }
@@ -574,7 +575,7 @@ impl Aggregator {
             spec_hash: self.hash,
             chunk_count: chunks.len() as u32,
             payload_len: payload.len() as u64,
-            payload_hash: payload_hash(&payload),
+            payload_hash: chunks[0].payload_hash,
             delta,
             encoding: self.cfg.encoding,
             bn_policy: self.cfg.bn_policy,

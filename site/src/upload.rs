@@ -53,11 +53,14 @@ impl Upload {
         window_bytes: usize,
     ) -> Upload {
         let limit = max_packet.saturating_sub(4096).max(1024);
-        let chunks = if bytes.len() <= limit {
-            Vec::new()
+        // The update's hash: `chunks` computes it for its chunks, so it is not computed again.
+        let (update_hash, chunks) = if bytes.len() <= limit {
+            (payload_hash(&bytes), Vec::new())
         } else {
-            chunks(&bytes, (limit - 512).min(MAX_CHUNK))
+            let mut update_hash = [0u8; 32];
+            let signed = chunks(&bytes, (limit - 512).min(MAX_CHUNK))
                 .map(|c| {
+                    update_hash = c.payload_hash;
                     key.sign(&Envelope::new(
                         MessageKind::UpdateChunk,
                         federation.clone(),
@@ -68,14 +71,15 @@ impl Upload {
                         &c,
                     ))
                 })
-                .collect()
+                .collect();
+            (update_hash, signed)
         };
         let window = chunks
             .first()
             .map_or(1, |c| (window_bytes / c.len().max(1)).max(1));
         Upload {
             round,
-            payload_hash: payload_hash(&bytes),
+            payload_hash: update_hash,
             len: bytes.len(),
             // A chunked update lives in its chunks only (no second copy of the whole).
             bytes: if chunks.is_empty() { bytes } else { Vec::new() },
