@@ -49,6 +49,9 @@ pub enum Event {
         site: String,
         /// The raw message.
         bytes: Vec<u8>,
+        /// Its SHA-256 when the transport has it already (a chunked update's set hash, checked
+        /// against the reassembled bytes); computed here when `None`.
+        hash: Option<[u8; 32]>,
     },
     /// Time passed: closes a round whose deadline has expired.
     Tick,
@@ -451,7 +454,7 @@ impl Aggregator {
                 }
                 self.close_round(now_ms)
             }
-            Event::Update { site, bytes } => self.on_update(&site, bytes, now_ms),
+            Event::Update { site, bytes, hash } => self.on_update(&site, bytes, hash, now_ms),
         }
     }
 
@@ -681,6 +684,7 @@ impl Aggregator {
         &mut self,
         topic_site: &str,
         bytes: Vec<u8>,
+        hash: Option<[u8; 32]>,
         now_ms: u64,
     ) -> Result<Vec<Action>, CoreError> {
         let Ok(site) = Id::new(topic_site) else {
@@ -693,7 +697,7 @@ impl Aggregator {
         let open = self.state.round;
         // Every answer names the bytes it answers, so a site never takes another message's
         // answer (a reject of someone's garbage on its topic) for its own update's.
-        let hash = payload_hash(&bytes);
+        let hash = hash.unwrap_or_else(|| payload_hash(&bytes));
         let env = match self.admit(&site, &bytes, self.cfg.max_update_bytes) {
             Ok(e) => e,
             Err(why) => {

@@ -501,7 +501,8 @@ pub async fn serve(
                                 Ok((id, r, done)) => {
                                     // Receipt first: the site's upload window moves on.
                                     wire.send(topics.ack(&id), MessageKind::UpdateReceipt, (r.round, core.model_version()), &r, false).await?;
-                                    done
+                                    // A complete set's bytes were checked against its hash.
+                                    done.map(|bytes| (bytes, Some(r.payload_hash)))
                                 }
                                 Err(e) => {
                                     tracing::warn!(site, error = %e, "update chunk dropped");
@@ -509,12 +510,12 @@ pub async fn serve(
                                 }
                             }
                         } else {
-                            Some(payload)
+                            Some((payload, None))
                         };
                         uploads.expire(now_ms());
-                        if let Some(bytes) = whole {
+                        if let Some((bytes, hash)) = whole {
                             let (round, t) = (core.round(), Instant::now());
-                            pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes }, now_ms()))?;
+                            pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes, hash }, now_ms()))?;
                             unifed_net::release_free_memory();
                             // The update that closes the round: its spool is counted in the fold.
                             let closed = pending.iter().any(|a| matches!(a, Action::RoundClosed { .. }));

@@ -140,6 +140,7 @@ fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
             Event::Update {
                 site: s.into(),
                 bytes,
+                hash: None,
             },
             1_000,
         )

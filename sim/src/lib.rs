@@ -274,6 +274,7 @@ pub fn run_federation<N: Net>(
                             Event::Update {
                                 site: site.to_string(),
                                 bytes: payload,
+                                hash: None,
                             },
                             now,
                         )?);

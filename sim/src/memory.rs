@@ -131,6 +131,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
             Event::Update {
                 site: id.clone(),
                 bytes,
+                hash: None,
             },
             1,
         )?;
