@@ -14,7 +14,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use unifed_net::{BrokerConfig, Client, NetEvent, Qos, spawn_event_loop};
 use unifed_protocol::SpecHash;
 use unifed_protocol::auth::{Keyring, PublicKey, SigningKey};
-use unifed_protocol::chunking::{Reassembler, payload_hash, split};
+use unifed_protocol::chunking::{Reassembler, split};
 use unifed_protocol::encoding::EncodedTensor;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
@@ -522,13 +522,14 @@ impl OnboardClient {
         chunk_bytes: usize,
     ) -> Result<[u8; 32]> {
         let bytes = postcard::to_allocvec(entry).expect("entry serialises");
-        let want = payload_hash(&bytes);
         let chunks = split(
             &bytes,
             chunk_bytes
                 .min(self.max_packet.saturating_sub(1024))
                 .max(1024),
         );
+        // Every chunk carries the entry's hash (`split` gives at least one).
+        let want = chunks[0].payload_hash;
         let start = Instant::now();
         let mut sent: Option<Instant> = None;
         loop {

@@ -565,7 +565,7 @@ impl Aggregator {
                     from_version: self.state.model_version - 1,
                     chunk_count: c.len() as u32,
                     payload_len: d.len() as u64,
-                    // `split` hashed the payload for its chunks (never none): not again.
+                    // Every chunk carries the payload's hash (`split` gives at least one).
                     payload_hash: c[0].payload_hash,
                 };
                 (Some(info), c)

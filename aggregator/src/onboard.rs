@@ -80,7 +80,8 @@ impl Aggregator {
             bn_sites,
             chunk_count: chunks.len() as u32,
             payload_len: payload.len() as u64,
-            payload_hash: payload_hash(&payload),
+            // Every chunk carries the payload's hash (`split` gives at least one).
+            payload_hash: chunks[0].payload_hash,
         };
         Ok(Ok((info, chunks)))
     }

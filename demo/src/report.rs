@@ -143,23 +143,22 @@ pub fn finish(opts: &Options, runs: &[RunResult]) -> Result<()> {
     // CPU seconds per round of each kind of process: with more processes than cores, the round
     // is as long as all of it over the cores.
     table += &format!("\n{:<26}\n", "CPU seconds per round");
-    let cpu = |r: &RunResult, agent: bool, name: &str| {
-        steady(r, |t| {
+    // The mean over steady rounds of the CPU of the processes `pick` names.
+    let cpu = |r: &RunResult, pick: &dyn Fn(&str) -> bool| {
+        let s = steady(r, |t| {
             t.cpu_seconds
                 .iter()
-                .filter(|(k, _)| {
-                    let is_agent = r.sites.iter().any(|s| &s.site == *k);
-                    if agent { is_agent } else { k.as_str() == name }
-                })
+                .filter(|(k, _)| pick(k))
                 .map(|(_, v)| v)
                 .sum()
-        })
-    };
-    table += &row("  agents (all)", &|r| format!("{:.2}", cpu(r, true, "")));
-    for who in ["broker", "aggregator", "demo"] {
-        table += &row(&format!("  {who}"), &|r| {
-            format!("{:.2}", cpu(r, false, who))
         });
+        format!("{s:.2}")
+    };
+    table += &row("  agents (all)", &|r| {
+        cpu(r, &|k| r.sites.iter().any(|s| s.site == k))
+    });
+    for who in ["broker", "aggregator", "demo"] {
+        table += &row(&format!("  {who}"), &|r| cpu(r, &|k| k == who));
     }
     table += &row("  all processes", &|r| {
         format!("{:.2}", steady(r, |t| t.cpu_total))

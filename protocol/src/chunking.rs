@@ -20,25 +20,61 @@ pub fn split(payload: &[u8], max_chunk_bytes: usize) -> Vec<Chunk> {
 
 /// The chunks of [`split`] one at a time, each copied out of `payload` only when it is taken
 /// (a sender that signs and keeps them never holds the whole payload twice in chunks).
-pub fn chunks(payload: &[u8], max_chunk_bytes: usize) -> impl Iterator<Item = Chunk> + '_ {
-    let hash = payload_hash(payload);
-    let total_len = payload.len() as u64;
+pub fn chunks(payload: &[u8], max_chunk_bytes: usize) -> Chunks<'_> {
     let size = max_chunk_bytes
         .max(1)
         .max(payload.len().div_ceil(u32::MAX as usize));
-    // An empty payload is one empty chunk.
-    let count = payload.len().div_ceil(size).max(1) as u32;
-    (0..count).map(move |i| {
-        let at = (i as usize).saturating_mul(size);
-        Chunk {
-            payload_hash: hash,
-            index: i,
-            count,
-            total_len,
-            data: payload[at.min(payload.len())..at.saturating_add(size).min(payload.len())]
-                .to_vec(),
+    Chunks {
+        payload,
+        hash: payload_hash(payload),
+        size,
+        // An empty payload is one empty chunk.
+        count: payload.len().div_ceil(size).max(1) as u32,
+        next: 0,
+    }
+}
+
+/// The chunks of a payload one at a time ([`chunks`]); it hashes the payload once, and says
+/// that hash ([`Chunks::payload_hash`]) so a sender need not hash the payload again.
+#[derive(Debug, Clone)]
+pub struct Chunks<'a> {
+    payload: &'a [u8],
+    hash: [u8; 32],
+    size: usize,
+    count: u32,
+    next: u32,
+}
+
+impl Chunks<'_> {
+    /// The payload's SHA-256 ([`payload_hash`]), which every chunk carries.
+    pub fn payload_hash(&self) -> [u8; 32] {
+        self.hash
+    }
+}
+
+impl Iterator for Chunks<'_> {
+    type Item = Chunk;
+
+    fn next(&mut self) -> Option<Chunk> {
+        if self.next >= self.count {
+            return None;
         }
-    })
+        let (i, len) = (self.next, self.payload.len());
+        self.next += 1;
+        let at = (i as usize).saturating_mul(self.size);
+        Some(Chunk {
+            payload_hash: self.hash,
+            index: i,
+            count: self.count,
+            total_len: len as u64,
+            data: self.payload[at.min(len)..at.saturating_add(self.size).min(len)].to_vec(),
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = (self.count - self.next) as usize;
+        (left, Some(left))
+    }
 }
 
 /// Why a chunk was refused.
@@ -405,6 +441,17 @@ mod tests {
         }
         assert_eq!(split(&p, 0).len(), 10);
         assert_eq!(split(&p, 100).len(), 1);
+    }
+
+    #[test]
+    fn chunks_say_the_payloads_hash_and_how_many_are_left() {
+        let p = payload(10);
+        let mut it = chunks(&p, 4);
+        assert_eq!(it.payload_hash(), payload_hash(&p));
+        assert_eq!(it.size_hint(), (3, Some(3)));
+        it.next();
+        assert_eq!(it.size_hint(), (2, Some(2)));
+        assert_eq!(it.collect::<Vec<_>>(), split(&p, 4)[1..]);
     }
 
     #[test]

@@ -194,8 +194,6 @@ pub struct SiteEngine {
     delivered: Option<Upload>,
     /// A round whose training failed: not trained again.
     skipped: Option<u64>,
-    /// A model was applied and neither checkpointed nor trained from yet.
-    unsaved: bool,
     finished: bool,
 }
 
@@ -220,7 +218,6 @@ impl SiteEngine {
             pending: None,
             delivered: None,
             skipped: None,
-            unsaved: false,
             finished: false,
             cfg,
         }
@@ -248,6 +245,7 @@ impl SiteEngine {
     /// Handles one event at `now_ms` (a monotonic clock in milliseconds) and returns what to do.
     pub fn handle(&mut self, event: Event, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();
+        let applied = matches!(event, Event::Applied { .. });
         match event {
             Event::Connected => {
                 // Chunks in flight when the connection dropped are lost: send them again now.
@@ -264,7 +262,6 @@ impl SiteEngine {
                 self.progress.applied_version = Some(version);
                 self.fetch_started_ms = None;
                 self.last_request_ms = None;
-                self.unsaved = true;
             }
             Event::ApplyFailed { version, error } => {
                 if let Some(h) = self.applying.take() {
@@ -322,9 +319,10 @@ impl SiteEngine {
             Event::Tick => {}
         }
         self.advance(now_ms, &mut out);
-        if std::mem::take(&mut self.unsaved) {
-            // Not trained from at once (not sampled, finished, its round answered or skipped,
-            // or a newer model announced): persisted now, before anything else is done.
+        if applied && !out.iter().any(|a| matches!(a, Action::Train { .. })) {
+            // An applied model not trained from at once (not sampled, finished, its round
+            // answered or skipped, or a newer model announced) is persisted now, before
+            // anything else is done; one trained from is persisted with the round's outcome.
             out.insert(0, Action::Checkpoint);
         }
         out
@@ -645,8 +643,6 @@ impl SiteEngine {
             && self.skipped != Some(m.round)
         {
             self.training = Some(m.round);
-            // The applied model is persisted with the training's outcome, on the answer.
-            self.unsaved = false;
             out.push(Action::Train { manifest: m });
         }
     }

@@ -57,10 +57,10 @@ impl Upload {
         let (update_hash, chunks) = if bytes.len() <= limit {
             (payload_hash(&bytes), Vec::new())
         } else {
-            let mut update_hash = [0u8; 32];
-            let signed = chunks(&bytes, (limit - 512).min(MAX_CHUNK))
+            let cut = chunks(&bytes, (limit - 512).min(MAX_CHUNK));
+            let update_hash = cut.payload_hash();
+            let signed = cut
                 .map(|c| {
-                    update_hash = c.payload_hash;
                     key.sign(&Envelope::new(
                         MessageKind::UpdateChunk,
                         federation.clone(),

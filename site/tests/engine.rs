@@ -145,6 +145,15 @@ fn deliver(e: &mut SiteEngine, m: &RoundManifest, chunks: &[Chunk]) -> Vec<Actio
     last
 }
 
+/// A new site that follows manifest `m` and receives every chunk of its model: the engine and
+/// the actions of the last chunk.
+fn fetched(m: &RoundManifest, chunks: &[Chunk]) -> (SiteEngine, Vec<Action>) {
+    let mut e = engine(None);
+    e.handle(manifest_msg(m), 0);
+    let acts = deliver(&mut e, m, chunks);
+    (e, acts)
+}
+
 /// Model version `v` of [`model`] also offered as a q8 delta from `v - 1`: the manifest and
 /// the delta's chunks.
 fn with_delta(round: u64, v: u64) -> (RoundManifest, Vec<Chunk>, Vec<Chunk>) {
@@ -534,10 +543,8 @@ fn bad_input_on_every_topic_is_dropped_and_changes_nothing() {
 
 #[test]
 fn a_site_not_sampled_applies_the_model_but_does_not_train() {
-    let mut e = engine(None);
     let (m, chunks) = model(1, 0, &["b", "c"]);
-    e.handle(manifest_msg(&m), 0);
-    deliver(&mut e, &m, &chunks);
+    let (mut e, _) = fetched(&m, &chunks);
     let acts = e.handle(Event::Applied { version: 0 }, 1);
     assert_eq!(acts, vec![Action::Checkpoint]);
 }
@@ -560,10 +567,8 @@ fn a_resumed_site_neither_refetches_its_model_nor_retrains_an_answered_round() {
 
 #[test]
 fn a_new_site_whose_first_model_is_past_version_zero_is_a_joiner() {
-    let mut e = engine(None);
     let (m, chunks) = model(3, 2, &[]);
-    e.handle(manifest_msg(&m), 0);
-    let acts = deliver(&mut e, &m, &chunks);
+    let (_, acts) = fetched(&m, &chunks);
     assert!(matches!(&acts[..], [Action::Apply { joining: true, .. }]));
 }
 
@@ -579,10 +584,8 @@ fn an_older_manifest_is_not_followed() {
 
 #[test]
 fn a_round_whose_training_failed_is_not_trained_again_and_the_next_one_is() {
-    let mut e = engine(None);
     let (m, chunks) = model(1, 0, &[]);
-    e.handle(manifest_msg(&m), 0);
-    deliver(&mut e, &m, &chunks);
+    let (mut e, _) = fetched(&m, &chunks);
     let acts = e.handle(Event::Applied { version: 0 }, 1);
     assert!(matches!(&acts[..], [Action::Train { .. }]));
     let acts = e.handle(
@@ -702,12 +705,10 @@ fn the_final_manifest_lets_the_delivered_update_go() {
 
 #[test]
 fn the_final_model_is_checkpointed_before_the_site_finishes() {
-    let mut e = engine(None);
     // The federation's last model: nothing trains from it, so it is persisted when applied.
     let (mut m, chunks) = model(3, 3, &[]);
     m.finished = true;
-    e.handle(manifest_msg(&m), 0);
-    deliver(&mut e, &m, &chunks);
+    let (mut e, _) = fetched(&m, &chunks);
     let acts = e.handle(Event::Applied { version: 3 }, 1);
     assert!(
         matches!(&acts[..], [Action::Checkpoint, Action::Finished { manifest }] if manifest.model_version == 3),
@@ -718,10 +719,8 @@ fn the_final_model_is_checkpointed_before_the_site_finishes() {
 
 #[test]
 fn a_model_overtaken_while_applied_is_checkpointed_and_the_newer_one_fetched() {
-    let mut e = engine(None);
     let (m1, chunks1) = model(1, 0, &[]);
-    e.handle(manifest_msg(&m1), 0);
-    deliver(&mut e, &m1, &chunks1);
+    let (mut e, _) = fetched(&m1, &chunks1);
     // Model v1 is announced while v0 is being applied: v0 is not trained from.
     let (m2, _) = model(2, 1, &[]);
     e.handle(manifest_msg(&m2), 1);
