@@ -593,26 +593,30 @@ pub async fn run(
                         m.clone(),
                     );
                     let mut bar = training_bar(site_id.as_str(), m.round);
-                    let progress = move |ev| {
-                        if ev == TrainEvent::Trained {
-                            // Training's freed buffers go back before the update is encoded:
-                            // encoding holds the model, the delta and the update's bytes at once.
-                            unifed_net::memory::set_allocation(
-                                unifed_net::memory::Allocation::Lean,
-                            );
-                            unifed_net::release_free_memory();
-                        }
-                        bar(ev)
-                    };
                     let job = tokio::task::spawn_blocking(move || {
                         let started = Instant::now();
+                        // Training's peak memory, apart from encoding's.
+                        let mut train_peak = None;
+                        let progress = |ev| {
+                            if ev == TrainEvent::Trained {
+                                train_peak = report::take_peak();
+                                // Training's freed buffers go back before the update is
+                                // encoded: encoding holds the model, the delta and the
+                                // update's bytes at once.
+                                unifed_net::memory::set_allocation(
+                                    unifed_net::memory::Allocation::Lean,
+                                );
+                                unifed_net::release_free_memory();
+                            }
+                            bar(ev)
+                        };
                         let r = unifed_net::memory::with_fast_allocation(|| {
                             s.train_round(&spec2, &fed2, &m2, &tc, &dev2, progress)
                         });
                         if r.is_ok() {
                             let encode = s.encode_seconds();
                             let train = started.elapsed().as_secs_f64() - encode;
-                            report::phase_seconds(m2.round, Phase::Train, train);
+                            report::phase_seconds_peak(m2.round, Phase::Train, train, train_peak);
                             report::phase_seconds(m2.round, Phase::Encode, encode);
                         }
                         // Training's buffers and the update's pieces are freed now.

@@ -115,6 +115,9 @@ pub struct PhaseStat {
     pub max: f64,
     /// How many were reported.
     pub count: usize,
+    /// The highest peak resident memory a process reported for the phase, bytes (0 when
+    /// none was reported): which phase sets a process's peak.
+    pub peak_bytes: u64,
 }
 
 impl PhaseStat {
@@ -160,7 +163,7 @@ fn timelines(
     rounds: u64,
     closed: &[f64],
     cpu: &[BTreeMap<String, f64>],
-    phases: &[(u64, Phase, f64)],
+    phases: &[(u64, Phase, f64, Option<u64>)],
 ) -> Vec<RoundTimeline> {
     let mut prev = 0.0;
     (1..=rounds)
@@ -174,11 +177,12 @@ fn timelines(
                 .map(|(who, &s)| (who.clone(), s - cpu[0].get(who).copied().unwrap_or(0.0)))
                 .collect();
             let mut by: BTreeMap<Phase, PhaseStat> = BTreeMap::new();
-            for &(_, p, secs) in phases.iter().filter(|(r, _, _)| *r == round) {
+            for &(_, p, secs, peak) in phases.iter().filter(|(r, ..)| *r == round) {
                 let e = by.entry(p).or_default();
                 e.total += secs;
                 e.max = e.max.max(secs);
                 e.count += 1;
+                e.peak_bytes = e.peak_bytes.max(peak.unwrap_or(0));
             }
             let max = |p: Phase| by.get(&p).map_or(0.0, |s| s.max);
             let training = max(Phase::Train);
@@ -402,7 +406,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let mut round_closed: Vec<f64> = Vec::new();
     // Every process's CPU seconds when the first round starts, then at each close.
     let mut cpu_closed = vec![kids.cpu_seconds()];
-    let mut phases: Vec<(u64, Phase, f64)> = Vec::new();
+    let mut phases: Vec<(u64, Phase, f64, Option<u64>)> = Vec::new();
     let mut done: BTreeMap<String, bool> = BTreeMap::new();
     while done.len() < sites.len() {
         let line = match kids.rx.recv_timeout(Duration::from_millis(500)) {
@@ -465,7 +469,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     round,
                     phase,
                     seconds,
-                }) => phases.push((round, phase, seconds)),
+                    peak_bytes,
+                }) => phases.push((round, phase, seconds, peak_bytes)),
                 _ => {}
             },
             Line::Out { who, text } => {
@@ -527,7 +532,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                         round,
                         phase,
                         seconds,
-                    } => phases.push((round, phase, seconds)),
+                        peak_bytes,
+                    } => phases.push((round, phase, seconds, peak_bytes)),
                     // The aggregator's.
                     Report::RoundClosed { .. } => {}
                 }

@@ -122,6 +122,10 @@ pub enum Report {
         phase: Phase,
         /// Its duration.
         seconds: f64,
+        /// The process's peak resident memory since its previous phase report, bytes (Linux;
+        /// absent where the kernel does not tell).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        peak_bytes: Option<u64>,
     },
     /// The aggregator closed `round` with the updates of `sites`, giving `model_version`.
     RoundClosed {
@@ -155,14 +159,43 @@ pub fn phase(round: u64, phase: Phase, since: std::time::Instant) {
     phase_seconds(round, phase, since.elapsed().as_secs_f64());
 }
 
-/// Reports that `phase` of `round` took `seconds`.
+/// Reports that `phase` of `round` took `seconds`, with the process's peak memory since the
+/// previous phase report.
 pub fn phase_seconds(round: u64, phase: Phase, seconds: f64) {
+    phase_seconds_peak(round, phase, seconds, take_peak());
+}
+
+/// Reports that `phase` of `round` took `seconds` and peaked at `peak_bytes` (from
+/// [`take_peak`] at the phase's end, for a phase reported later than it ended).
+pub fn phase_seconds_peak(round: u64, phase: Phase, seconds: f64, peak_bytes: Option<u64>) {
     Report::Phase {
         round,
         phase,
         seconds,
+        peak_bytes,
     }
     .emit();
+}
+
+/// The process's peak resident memory (`VmHWM`) since the previous call, bytes, and starts the
+/// next period (Linux: `/proc/self/clear_refs`). Only while a supervisor asks for reports: a
+/// process nobody watches leaves its peak alone. `None` where the kernel does not tell.
+pub fn take_peak() -> Option<u64> {
+    if !enabled() {
+        return None;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    // `5` resets the peak to the current resident set; the next period starts from there.
+    std::fs::write("/proc/self/clear_refs", "5").ok()?;
+    Some(kib * 1024)
 }
 
 fn enabled() -> bool {
@@ -186,6 +219,13 @@ mod tests {
                 round: 4,
                 phase: Phase::Fold,
                 seconds: 0.25,
+                peak_bytes: Some(300 << 20),
+            },
+            Report::Phase {
+                round: 4,
+                phase: Phase::Spool,
+                seconds: 0.5,
+                peak_bytes: None,
             },
             Report::RoundClosed {
                 round: 4,
@@ -201,7 +241,8 @@ mod tests {
             serde_json::to_string(&Report::Phase {
                 round: 1,
                 phase: Phase::Train,
-                seconds: 2.0
+                seconds: 2.0,
+                peak_bytes: None,
             })
             .unwrap()
         );
