@@ -6,7 +6,7 @@ use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
 use crate::objective::{SiteState, Term};
-use crate::park::Parked;
+use crate::park::{Parked, Spilled};
 use crate::state::{
     NamedTensor, Select, StateDict, export, import, import_into, stand_in, subtract,
 };
@@ -52,8 +52,9 @@ pub enum SiteError {
     /// The memory kept in the site's checkpoint does not fit its model.
     #[error("the site's memory: {0}")]
     Memory(String),
-    /// The starting model could not be parked in, or read back from, its file.
-    #[error("the starting model parked in {path}: {source}")]
+    /// The starting model or the site's memory could not be parked in, or read back from, its
+    /// file while training.
+    #[error("the state parked in {path} while training: {source}")]
     Park {
         /// The file.
         path: std::path::PathBuf,
@@ -122,6 +123,23 @@ pub struct Memory {
     pub drift: BTreeMap<String, Vec<f32>>,
 }
 
+impl Memory {
+    /// Every tensor's values, in one fixed order (field by field, names in order).
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
+        self.residual
+            .values_mut()
+            .chain(self.control.values_mut())
+            .chain(
+                self.server_control
+                    .iter_mut()
+                    .flat_map(|(_, c)| c.values_mut()),
+            )
+            .chain(self.held.iter_mut().flat_map(|(_, h)| h.values_mut()))
+            .chain(self.previous.iter_mut().flat_map(|p| p.values_mut()))
+            .chain(self.drift.values_mut())
+    }
+}
+
 /// One site: its own model (and so its own BN layers), data and error-feedback residuals.
 #[derive(Debug)]
 pub struct Site<N: Net> {
@@ -165,9 +183,36 @@ impl<N: Net> Site<N> {
     /// Makes [`Site::train_round`] park the starting model in the file at `path` while it
     /// trains, so that training holds one copy of the model instead of two (the delta reads it
     /// back a block at a time). Objectives that train against the starting weights (FedProx)
-    /// keep them in memory regardless.
+    /// keep them in memory regardless. The site's memory (error-feedback residuals, the held
+    /// broadcast, control variates: under a lossy encoding or a stateful objective up to
+    /// several model-sized maps) waits beside it, in `path` with the extension `memory`.
     pub fn park_base_in(&mut self, path: std::path::PathBuf) {
         self.park = Some(path);
+    }
+
+    /// Writes the site's memory to its parking file and frees it, when the site parks and has
+    /// a memory.
+    fn spill_memory(&mut self) -> Result<Option<Spilled>, SiteError> {
+        let Some(p) = &self.park else {
+            return Ok(None);
+        };
+        if self.memory.values_mut().all(|v| v.is_empty()) {
+            return Ok(None);
+        }
+        let path = p.with_extension("memory");
+        Spilled::write(&path, self.memory.values_mut())
+            .map(Some)
+            .map_err(|e| park_error(&path, e))
+    }
+
+    /// Reads back the memory [`Site::spill_memory`] wrote.
+    fn unspill_memory(&mut self, spilled: Option<Spilled>) -> Result<(), SiteError> {
+        let Some(s) = spilled else {
+            return Ok(());
+        };
+        let path = s.path().to_path_buf();
+        s.read(self.memory.values_mut())
+            .map_err(|e| park_error(&path, e))
     }
 
     /// Applies the model of the round `m` announces, whole or as a delta from the version the
@@ -189,6 +234,10 @@ impl<N: Net> Site<N> {
             Download::Delta(d) => self.add_to_held(spec, select, m, d)?,
         };
         let control = self.control_of(spec, select, m, download)?;
+        // Nothing can fail after this check (the import's own). The old held model goes
+        // before the new one is copied: a site holds one beside its model.
+        crate::state::validate(&sd, spec, select)?;
+        self.memory.held = None;
         // Under a lossy encoding the site keeps what it applied; otherwise the tensors move
         // into the model and the old ones are freed as they go.
         let held = (!m.encoding.is_exact()).then(|| {
@@ -249,14 +298,18 @@ impl<N: Net> Site<N> {
                 })
                 .collect::<Result<_, _>>()?,
         };
-        let adds = crate::state::from_encoded(spec, &d.delta)?;
-        let values = crate::state::from_encoded(spec, &d.values)?;
-        for (t, is_value) in adds
-            .tensors
-            .into_iter()
-            .map(|t| (t, false))
-            .chain(values.tensors.into_iter().map(|t| (t, true)))
-        {
+        // One decoded tensor at a time: the whole decoded delta is never held beside the held
+        // model and the new one.
+        let pieces = d
+            .delta
+            .iter()
+            .map(|e| (e, false))
+            .chain(d.values.iter().map(|e| (e, true)));
+        for (e, is_value) in pieces {
+            let t = crate::state::from_encoded(spec, std::slice::from_ref(e))?
+                .tensors
+                .pop()
+                .expect("one tensor in, one out");
             if t.kind.is_bn_stat() != is_value {
                 return Err(plan(format!(
                     "`{}` comes as a {} (statistics come as values, the rest as deltas)",
@@ -365,17 +418,25 @@ impl<N: Net> Site<N> {
         };
         let term = Term::new(&m.plan.objective, &self.net, select, state)
             .map_err(TrainError::BadConfig)?;
+        // Everything training does not read waits in a file until it ends (written first, so
+        // that the model's export below is not made beside it).
+        let spilled = self.spill_memory()?;
         // A term that holds the starting weights itself (FedProx, MOON) gains nothing from
         // parking them.
-        let parked = match &self.park {
-            Some(p) if !term.holds_start() => Some(
-                Parked::write(p, &export(&self.net, spec, Select::All))
-                    .map_err(|e| park_error(p, e))?,
-            ),
+        let parked = match self.park.clone() {
+            Some(p) if !term.holds_start() => {
+                match Parked::write(&p, &export(&self.net, spec, Select::All)) {
+                    Ok(parked) => Some(parked),
+                    Err(e) => {
+                        self.unspill_memory(spilled)?;
+                        return Err(park_error(&p, e));
+                    }
+                }
+            }
             _ => None,
         };
         let classes = spec.classes.len();
-        let (net, rep) = match &parked {
+        let trained = match &parked {
             None => train_objective(
                 &self.net,
                 &self.train,
@@ -384,7 +445,8 @@ impl<N: Net> Site<N> {
                 &term,
                 device,
                 &mut progress,
-            )?,
+            )
+            .map_err(SiteError::from),
             Some(parked) => {
                 // Until training ends the site holds a stand-in, and the file the weights.
                 let placeholder = stand_in(&self.net);
@@ -399,15 +461,17 @@ impl<N: Net> Site<N> {
                     &mut progress,
                 );
                 match rep {
-                    Ok(rep) => (net, rep),
-                    Err(e) => {
-                        self.unpark(parked, net, spec)?;
-                        return Err(e.into());
-                    }
+                    Ok(rep) => Ok((net, rep)),
+                    Err(e) => self.unpark(parked, net, spec).and(Err(e.into())),
                 }
             }
         };
-        progress(TrainEvent::Trained);
+        // Training's freed buffers may go back to the system first (see `TrainEvent::Trained`).
+        if trained.is_ok() {
+            progress(TrainEvent::Trained);
+        }
+        self.unspill_memory(spilled)?;
+        let (net, rep) = trained?;
         let encoding = std::time::Instant::now();
         // The delta is made in the trained tensors' own buffers, and the base exported (or read
         // back from its file) only now and dropped as soon as it is subtracted: training never

@@ -541,40 +541,73 @@ fn under_a_lossy_encoding_the_site_variate_moves_by_exactly_what_the_server_deco
 }
 
 #[test]
-fn a_site_that_parks_its_starting_model_on_disk_sends_the_same_bytes_and_restores_it_on_failure() {
+fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_and_restores_them_on_failure()
+ {
     let (net, spec) = tiny();
     let fed = Id::new("fed").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("base.f32");
+    let memory_file = dir.path().join("base.memory");
     let tc = TrainConfig {
         batch_size: 8,
         ..TrainConfig::default()
     };
-    for bn in [BnPolicy::Local, BnPolicy::Global] {
-        let mut plain = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-        let mut parking = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-        parking.park_base_in(file.clone());
-        for round in 1..=2 {
-            let m = manifest(round, Encoding::F32, bn);
-            let a = plain
-                .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
-                .unwrap();
-            let b = parking
-                .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
-                .unwrap();
-            assert_eq!(a, b, "{bn:?} round {round}: the update's bytes differ");
-            assert_eq!(
-                export(&plain.net, &spec, Select::All),
-                export(&parking.net, &spec, Select::All)
-            );
-            assert!(!file.exists(), "the parked model outlived its round");
+    // Under top-k the site carries an error-feedback residual from round to round: from round
+    // 2 on it waits in a file while the site trains.
+    for encoding in [Encoding::F32, Encoding::TopK { per_mille: 100 }] {
+        for bn in [BnPolicy::Local, BnPolicy::Global] {
+            let mut plain = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+            let mut parking = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+            parking.park_base_in(file.clone());
+            for round in 1..=3 {
+                let m = manifest(round, encoding, bn);
+                let a = plain
+                    .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                    .unwrap();
+                let b = parking
+                    .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                    .unwrap();
+                let case = format!("{encoding:?} {bn:?} round {round}");
+                assert_eq!(a, b, "{case}: the update's bytes differ");
+                assert_eq!(
+                    export(&plain.net, &spec, Select::All),
+                    export(&parking.net, &spec, Select::All)
+                );
+                plain.answered(round, true);
+                parking.answered(round, true);
+                assert_eq!(plain.memory(), parking.memory(), "{case}");
+                assert_eq!(
+                    parking.memory().residual.is_empty(),
+                    encoding == Encoding::F32,
+                    "{case}"
+                );
+                assert!(!file.exists(), "the parked model outlived its round");
+                assert!(
+                    !memory_file.exists(),
+                    "the parked memory outlived its round"
+                );
+            }
         }
     }
 
-    // A round that blows up sends nothing and leaves the starting model in place, bit for bit.
+    // A round that blows up sends nothing and leaves the starting model and the memory in
+    // place, bit for bit.
+    let topk = Encoding::TopK { per_mille: 100 };
     let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
     site.park_base_in(file.clone());
+    site.train_round(
+        &spec,
+        &fed,
+        &manifest(1, topk, BnPolicy::Local),
+        &tc,
+        &device(),
+        |_| {},
+    )
+    .unwrap();
+    site.answered(1, true);
     let before = export(&site.net, &spec, Select::All);
+    let memory = site.memory().clone();
+    assert!(!memory.residual.is_empty());
     let wild = TrainConfig {
         lr: 1e30,
         ..tc.clone()
@@ -583,7 +616,7 @@ fn a_site_that_parks_its_starting_model_on_disk_sends_the_same_bytes_and_restore
         .train_round(
             &spec,
             &fed,
-            &manifest(1, Encoding::F32, BnPolicy::Local),
+            &manifest(2, topk, BnPolicy::Local),
             &wild,
             &device(),
             |_| {},
@@ -597,16 +630,17 @@ fn a_site_that_parks_its_starting_model_on_disk_sends_the_same_bytes_and_restore
         "{err}"
     );
     assert_eq!(export(&site.net, &spec, Select::All), before);
+    assert_eq!(site.memory(), &memory);
 
-    // A parking file that cannot be written is an error naming it, and nothing trains.
-    let mut site = Site::new("a", net, data(16), data(8)).unwrap();
+    // A parking file that cannot be written is an error naming it, nothing trains, and the
+    // memory stays.
     let bad = dir.path().join("no-such-folder").join("base.f32");
     site.park_base_in(bad.clone());
     let err = site
         .train_round(
             &spec,
             &fed,
-            &manifest(1, Encoding::F32, BnPolicy::Local),
+            &manifest(2, topk, BnPolicy::Local),
             &tc,
             &device(),
             |_| {},
@@ -614,4 +648,5 @@ fn a_site_that_parks_its_starting_model_on_disk_sends_the_same_bytes_and_restore
         .unwrap_err();
     assert!(err.to_string().contains("no-such-folder"), "{err}");
     assert_eq!(export(&site.net, &spec, Select::All), before);
+    assert_eq!(site.memory(), &memory);
 }
