@@ -576,8 +576,9 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
                 plain.answered(round, true);
                 parking.answered(round, true);
                 assert_eq!(plain.memory(), parking.memory(), "{case}");
+                // An exact encoding leaves no error behind.
                 assert_eq!(
-                    parking.memory().residual.is_empty(),
+                    parking.memory().residual.values().all(Vec::is_empty),
                     encoding == Encoding::F32,
                     "{case}"
                 );
@@ -607,7 +608,7 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
     site.answered(1, true);
     let before = export(&site.net, &spec, Select::All);
     let memory = site.memory().clone();
-    assert!(!memory.residual.is_empty());
+    assert!(memory.residual.values().any(|v| !v.is_empty()));
     let wild = TrainConfig {
         lr: 1e30,
         ..tc.clone()
