@@ -298,19 +298,16 @@ impl<N: Net> Site<N> {
                 })
                 .collect::<Result<_, _>>()?,
         };
-        // One decoded tensor at a time: the whole decoded delta is never held beside the held
-        // model and the new one.
+        // Deltas are decoded into the new model's own buffers: no decoded tensor is ever held
+        // beside the held model and the new one.
         let pieces = d
             .delta
             .iter()
             .map(|e| (e, false))
             .chain(d.values.iter().map(|e| (e, true)));
-        for (e, is_value) in pieces {
-            let t = crate::state::from_encoded(spec, std::slice::from_ref(e))?
-                .tensors
-                .pop()
-                .expect("one tensor in, one out");
-            if t.kind.is_bn_stat() != is_value {
+        for (t, is_value) in pieces {
+            let kind = crate::state::spec_of_encoded(spec, t)?.kind;
+            if kind.is_bn_stat() != is_value {
                 return Err(plan(format!(
                     "`{}` comes as a {} (statistics come as values, the rest as deltas)",
                     t.name,
@@ -327,10 +324,11 @@ impl<N: Net> Site<N> {
                         t.name
                     ))
                 })?;
+            let undecodable = |e| StateError::Mismatch(format!("tensor `{}`: {e}", t.name));
             if is_value {
-                h.data = t.data;
+                h.data = decode(t).map_err(undecodable)?;
             } else {
-                h.data.iter_mut().zip(&t.data).for_each(|(h, d)| *h += d);
+                unifed_protocol::decode_add(t, &mut h.data).map_err(undecodable)?;
             }
         }
         Ok(sd)

@@ -434,6 +434,26 @@ pub(crate) fn stand_in<N: Net>(net: &N) -> N {
     net.valid().map(&mut Hollow)
 }
 
+/// The spec of encoded tensor `t`: an error when the spec lacks it or gives it another shape.
+pub fn spec_of_encoded<'s>(
+    spec: &'s ModelSpec,
+    t: &unifed_protocol::EncodedTensor,
+) -> Result<&'s unifed_protocol::TensorSpec, StateError> {
+    let s = spec
+        .tensor(&t.name)
+        .ok_or_else(|| StateError::Unexpected(t.name.clone()))?;
+    if t.shape.len() != s.shape.len()
+        || t.shape.iter().zip(&s.shape).any(|(&a, &b)| a as usize != b)
+    {
+        return Err(StateError::WrongShape {
+            name: t.name.clone(),
+            expected: s.shape.clone(),
+            found: t.shape.iter().map(|&d| d as usize).collect(),
+        });
+    }
+    Ok(s)
+}
+
 /// The tensors of a message (a broadcast, an onboarding package, a registry entry) decoded into
 /// a state dict of `spec`, in the message's order. A name outside the spec, a shape other than
 /// the spec's (checked before anything is allocated) or undecodable values are errors naming
@@ -445,18 +465,7 @@ pub fn from_encoded(
     let tensors = tensors
         .iter()
         .map(|t| {
-            let s = spec
-                .tensor(&t.name)
-                .ok_or_else(|| StateError::Unexpected(t.name.clone()))?;
-            if t.shape.len() != s.shape.len()
-                || t.shape.iter().zip(&s.shape).any(|(&a, &b)| a as usize != b)
-            {
-                return Err(StateError::WrongShape {
-                    name: t.name.clone(),
-                    expected: s.shape.clone(),
-                    found: t.shape.iter().map(|&d| d as usize).collect(),
-                });
-            }
+            let s = spec_of_encoded(spec, t)?;
             Ok(NamedTensor {
                 name: t.name.clone(),
                 shape: s.shape.clone(),

@@ -482,6 +482,68 @@ pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
     }
 }
 
+/// Adds the values [`decode`] gives for `t` to `out`, in place and bit for bit as
+/// `out[i] + decode(t)[i]`, without allocating the decoded tensor. `out` must hold exactly the
+/// tensor's values. Everything is checked before anything is written: on an error `out` is
+/// unchanged.
+pub fn decode_add(t: &EncodedTensor, out: &mut [f32]) -> Result<(), TensorError> {
+    let numel = t
+        .numel()
+        .ok_or_else(|| TensorError::ShapeOverflow(t.name.clone()))?;
+    if out.len() != numel {
+        return Err(wrong_length(t, out.len(), numel));
+    }
+    match &t.values {
+        Values::F32(bytes) => {
+            check_bytes(t, numel, bytes.len(), 4)?;
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Values::F16(bytes) => {
+            check_bytes(t, numel, bytes.len(), 2)?;
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o += half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        Values::Q8 { scale, data } => {
+            check_bytes(t, numel, data.len(), 1)?;
+            for (o, &q) in out.iter_mut().zip(data) {
+                *o += f32::from(q as i8) * scale;
+            }
+        }
+        Values::Sparse { len, gaps, values } => {
+            sparse_add(t, *len, gaps, values.len(), |n| values[n], out)?;
+        }
+        Values::SparseQ8 {
+            len,
+            gaps,
+            scale,
+            data,
+        } => sparse_add(
+            t,
+            *len,
+            gaps,
+            data.len(),
+            |n| f32::from(data[n] as i8) * scale,
+            out,
+        )?,
+        Values::Ternary { len, block, .. } => {
+            if *len as usize != numel {
+                return Err(wrong_length(t, numel, *len as usize));
+            }
+            if !TERNARY_BLOCKS.contains(block) {
+                return Err(TensorError::BadBlock {
+                    name: t.name.clone(),
+                    block: *block,
+                });
+            }
+            ternary_add(&t.values, out).map_err(|found| wrong_length(t, numel, found))?;
+        }
+    }
+    Ok(())
+}
+
 /// Ternary encoding of `x` (see [`Encoding::Ternary`]) with a scale per `block` values: per
 /// block the scale `s` and digits that minimise the squared error exactly (for `m` kept values
 /// the best are the `m` largest magnitudes with `s` their mean, which removes `(sum)^2 / m` of
@@ -575,22 +637,7 @@ const TRITS: [[f32; 5]; 243] = {
 /// The `numel` values of a [`Values::Ternary`] whose block is in [`TERNARY_BLOCKS`]; on a
 /// length that does not fit, the count of values the bytes hold, for the error.
 fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
-    let Values::Ternary {
-        block,
-        scales,
-        digits,
-        ..
-    } = v
-    else {
-        return Err(0);
-    };
-    let size = usize::from(*block).max(1);
-    if scales.len() != 2 * numel.div_ceil(size) {
-        return Err(scales.len() / 2 * size);
-    }
-    if digits.len() != numel.div_ceil(5) || digits.iter().any(|&b| b > 242) {
-        return Err(digits.len() * 5);
-    }
+    let (size, scales, digits) = ternary_parts(numel, v)?;
     let scale = |b: usize| half::f16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]).to_f32();
     // Five values per byte from the table, then each block times its scale.
     let mut out = vec![0.0f32; numel];
@@ -610,6 +657,43 @@ fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
     Ok(out)
 }
 
+/// The block size, scales and digits of a [`Values::Ternary`] of `numel` values, checked: on a
+/// length that does not fit, the count of values the bytes hold, for the error.
+fn ternary_parts(numel: usize, v: &Values) -> Result<(usize, &[u8], &[u8]), usize> {
+    let Values::Ternary {
+        block,
+        scales,
+        digits,
+        ..
+    } = v
+    else {
+        return Err(0);
+    };
+    let size = usize::from(*block).max(1);
+    if scales.len() != 2 * numel.div_ceil(size) {
+        return Err(scales.len() / 2 * size);
+    }
+    if digits.len() != numel.div_ceil(5) || digits.iter().any(|&b| b > 242) {
+        return Err(digits.len() * 5);
+    }
+    Ok((size, scales, digits))
+}
+
+/// [`decode_ternary`] added to `out` in place, bit for bit: each value is its digit times its
+/// block's scale, then added.
+fn ternary_add(v: &Values, out: &mut [f32]) -> Result<(), usize> {
+    let (size, scales, digits) = ternary_parts(out.len(), v)?;
+    for (b, values) in out.chunks_mut(size).enumerate() {
+        let s = half::f16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]).to_f32();
+        let first = b * size;
+        for (k, o) in values.iter_mut().enumerate() {
+            let i = first + k;
+            *o += TRITS[usize::from(digits[i / 5])][i % 5] * s;
+        }
+    }
+    Ok(())
+}
+
 /// A sparse tensor of dense length `len` (which must equal the shape's `numel`) with one value
 /// per gap (`count` of them, the `n`th given by `value(n)`), its indices checked before the
 /// dense tensor is allocated.
@@ -621,6 +705,48 @@ fn sparse(
     count: usize,
     value: impl Fn(usize) -> f32,
 ) -> Result<Vec<f32>, TensorError> {
+    check_sparse(t, numel, len, gaps, count)?;
+    let mut dense = alloc::vec![0.0f32; numel];
+    let mut i = 0usize;
+    for (n, &g) in gaps.iter().enumerate() {
+        i = if n == 0 { g as usize } else { i + g as usize };
+        dense[i] = value(n);
+    }
+    Ok(dense)
+}
+
+/// [`sparse`] added to `out` (of the tensor's length) in place: every value of `out` gets the
+/// dense tensor's value, zero included, so the result is bit for bit `out + sparse(..)`.
+fn sparse_add(
+    t: &EncodedTensor,
+    len: u32,
+    gaps: &[u32],
+    count: usize,
+    value: impl Fn(usize) -> f32,
+    out: &mut [f32],
+) -> Result<(), TensorError> {
+    check_sparse(t, out.len(), len, gaps, count)?;
+    // Adding zero is not a no-op on -0.0: the dense sum turns it into +0.0.
+    let (mut next, mut i) = (0usize, 0usize);
+    for (n, &g) in gaps.iter().enumerate() {
+        i = if n == 0 { g as usize } else { i + g as usize };
+        out[next..i].iter_mut().for_each(|o| *o += 0.0);
+        out[i] += value(n);
+        next = i + 1;
+    }
+    out[next..].iter_mut().for_each(|o| *o += 0.0);
+    Ok(())
+}
+
+/// Checks a sparse tensor's dense length against `numel`, its value count against its gaps,
+/// and every index it names (in range, strictly increasing) before anything is written.
+fn check_sparse(
+    t: &EncodedTensor,
+    numel: usize,
+    len: u32,
+    gaps: &[u32],
+    count: usize,
+) -> Result<(), TensorError> {
     let len = len as usize;
     if len != numel {
         return Err(wrong_length(t, numel, len));
@@ -646,13 +772,7 @@ fn sparse(
         }
         prev = i;
     }
-    let mut dense = alloc::vec![0.0f32; len];
-    let mut i = 0usize;
-    for (n, &g) in gaps.iter().enumerate() {
-        i = if n == 0 { g as usize } else { i + g as usize };
-        dense[i] = value(n);
-    }
-    Ok(dense)
+    Ok(())
 }
 
 /// Checks that `bytes` bytes hold exactly `numel` values of `width` bytes each.
@@ -769,6 +889,63 @@ mod tests {
                 (unit * 2.0 - 1.0) * mag
             })
             .collect()
+    }
+
+    #[test]
+    fn decode_add_is_bit_for_bit_the_decoded_tensor_added_and_checks_before_writing() {
+        let encodings = [
+            Encoding::F32,
+            Encoding::F16,
+            Encoding::Q8,
+            Encoding::TopK { per_mille: 100 },
+            Encoding::TopKQ8 { per_mille: 100 },
+            TERNARY,
+            TERNARY_Q8,
+        ];
+        // 2-D (ternary-q8 is ternary there), long enough for several ternary blocks and an odd
+        // tail; the base holds -0.0, which adding a dense zero turns into +0.0.
+        let (rows, cols) = (7usize, 131usize);
+        let x = sample(rows * cols, 3);
+        let mut base = sample(rows * cols, 4);
+        base.iter_mut().step_by(3).for_each(|v| *v = -0.0);
+        for enc in encodings {
+            let t = encode("w", &[rows as u32, cols as u32], &x, enc, None);
+            let want: Vec<u32> = base
+                .iter()
+                .zip(decode(&t).unwrap())
+                .map(|(b, d)| (b + d).to_bits())
+                .collect();
+            let mut got = base.clone();
+            decode_add(&t, &mut got).unwrap();
+            let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{enc:?}");
+
+            // A tensor cut short, or a buffer of another length: an error, nothing written.
+            let mut short = t.clone();
+            match &mut short.values {
+                Values::F32(b) | Values::F16(b) => {
+                    b.pop();
+                }
+                Values::Q8 { data, .. } => {
+                    data.pop();
+                }
+                Values::Sparse { gaps, .. } | Values::SparseQ8 { gaps, .. } => {
+                    gaps.push(u32::MAX);
+                }
+                Values::Ternary { digits, .. } => {
+                    digits.pop();
+                }
+            }
+            let mut untouched = base.clone();
+            assert!(decode_add(&short, &mut untouched).is_err(), "{enc:?}");
+            assert_eq!(
+                untouched.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                base.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{enc:?}"
+            );
+            let mut other = vec![0.0; rows * cols - 1];
+            assert!(decode_add(&t, &mut other).is_err(), "{enc:?}");
+        }
     }
 
     fn round_trip(x: &[f32], enc: Encoding) -> (EncodedTensor, Vec<f32>) {

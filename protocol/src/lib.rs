@@ -63,7 +63,7 @@ pub mod topics;
 pub use auth::{AuthError, KeyFileError, Keyring, PublicKey, SigningKey};
 pub use chunking::{ChunkError, Reassembler, payload_hash, split};
 pub use encoding::{
-    EncodedTensor, Encoding, TensorError, Values, decode, encode, encode_leaving_error,
+    EncodedTensor, Encoding, TensorError, Values, decode, decode_add, encode, encode_leaving_error,
 };
 pub use envelope::{DecodeError, Envelope, MAGIC, MessageKind, PROTOCOL_VERSION};
 pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, SiteId};
