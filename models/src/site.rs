@@ -124,7 +124,8 @@ pub struct Memory {
 }
 
 impl Memory {
-    /// Every tensor's values, in one fixed order (field by field, names in order).
+    /// Every tensor's values but the held broadcast's, in one fixed order (field by field,
+    /// names in order).
     fn values_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
         self.residual
             .values_mut()
@@ -134,9 +135,13 @@ impl Memory {
                     .iter_mut()
                     .flat_map(|(_, c)| c.values_mut()),
             )
-            .chain(self.held.iter_mut().flat_map(|(_, h)| h.values_mut()))
             .chain(self.previous.iter_mut().flat_map(|p| p.values_mut()))
             .chain(self.drift.values_mut())
+    }
+
+    /// The held broadcast's values, names in order.
+    fn held_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
+        self.held.iter_mut().flat_map(|(_, h)| h.values_mut())
     }
 }
 
@@ -190,29 +195,42 @@ impl<N: Net> Site<N> {
         self.park = Some(path);
     }
 
-    /// Writes the site's memory to its parking file and frees it, when the site parks and has
-    /// a memory.
-    fn spill_memory(&mut self) -> Result<Option<Spilled>, SiteError> {
+    /// Writes the site's memory (all of it but the held broadcast with `held` false, only the
+    /// held broadcast with `held` true) to a file beside the parked model and frees it, when the
+    /// site parks and has such a memory.
+    fn spill(&mut self, held: bool) -> Result<Option<Spilled>, SiteError> {
         let Some(p) = &self.park else {
             return Ok(None);
         };
-        if self.memory.values_mut().all(|v| v.is_empty()) {
+        let path = p.with_extension(if held { "held" } else { "memory" });
+        let m = &mut self.memory;
+        let empty = match held {
+            true => m.held_mut().all(|v| v.is_empty()),
+            false => m.values_mut().all(|v| v.is_empty()),
+        };
+        if empty {
             return Ok(None);
         }
-        let path = p.with_extension("memory");
-        Spilled::write(&path, self.memory.values_mut())
-            .map(Some)
-            .map_err(|e| park_error(&path, e))
+        match held {
+            true => Spilled::write(&path, m.held_mut()),
+            false => Spilled::write(&path, m.values_mut()),
+        }
+        .map(Some)
+        .map_err(|e| park_error(&path, e))
     }
 
-    /// Reads back the memory [`Site::spill_memory`] wrote.
-    fn unspill_memory(&mut self, spilled: Option<Spilled>) -> Result<(), SiteError> {
+    /// Reads back what [`Site::spill`] wrote.
+    fn unspill(&mut self, spilled: Option<Spilled>, held: bool) -> Result<(), SiteError> {
         let Some(s) = spilled else {
             return Ok(());
         };
         let path = s.path().to_path_buf();
-        s.read(self.memory.values_mut())
-            .map_err(|e| park_error(&path, e))
+        let m = &mut self.memory;
+        match held {
+            true => s.read(m.held_mut()),
+            false => s.read(m.values_mut()),
+        }
+        .map_err(|e| park_error(&path, e))
     }
 
     /// Applies the model of the round `m` announces, whole or as a delta from the version the
@@ -390,6 +408,24 @@ impl<N: Net> Site<N> {
         m: &RoundManifest,
         tc: &TrainConfig,
         device: &Device,
+        progress: impl FnMut(TrainEvent),
+    ) -> Result<Vec<u8>, SiteError> {
+        // Neither training nor encoding reads the held broadcast (under a lossy encoding, a copy
+        // of the model): it waits in a file until the update is made, whatever the outcome.
+        let held = self.spill(true)?;
+        let update = self.train_and_encode(spec, federation, m, tc, device, progress);
+        self.unspill(held, true)?;
+        update
+    }
+
+    /// [`Site::train_round`] with the held broadcast put aside.
+    fn train_and_encode(
+        &mut self,
+        spec: &ModelSpec,
+        federation: &Id,
+        m: &RoundManifest,
+        tc: &TrainConfig,
+        device: &Device,
         mut progress: impl FnMut(TrainEvent),
     ) -> Result<Vec<u8>, SiteError> {
         let select = select_for(m.bn_policy);
@@ -418,7 +454,7 @@ impl<N: Net> Site<N> {
             .map_err(TrainError::BadConfig)?;
         // Everything training does not read waits in a file until it ends (written first, so
         // that the model's export below is not made beside it).
-        let spilled = self.spill_memory()?;
+        let spilled = self.spill(false)?;
         // A term that holds the starting weights itself (FedProx, MOON) gains nothing from
         // parking them.
         let parked = match self.park.clone() {
@@ -426,7 +462,7 @@ impl<N: Net> Site<N> {
                 match Parked::write(&p, &export(&self.net, spec, Select::All)) {
                     Ok(parked) => Some(parked),
                     Err(e) => {
-                        self.unspill_memory(spilled)?;
+                        self.unspill(spilled, false)?;
                         return Err(park_error(&p, e));
                     }
                 }
@@ -468,7 +504,7 @@ impl<N: Net> Site<N> {
         if trained.is_ok() {
             progress(TrainEvent::Trained);
         }
-        self.unspill_memory(spilled)?;
+        self.unspill(spilled, false)?;
         let (net, rep) = trained?;
         let encoding = std::time::Instant::now();
         // The delta is made in the trained tensors' own buffers, and the base exported (or read

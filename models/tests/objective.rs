@@ -548,12 +548,14 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("base.f32");
     let memory_file = dir.path().join("base.memory");
+    let held_file = dir.path().join("base.held");
     let tc = TrainConfig {
         batch_size: 8,
         ..TrainConfig::default()
     };
-    // Under top-k the site carries an error-feedback residual from round to round: from round
-    // 2 on it waits in a file while the site trains.
+    // Under top-k the site carries an error-feedback residual from round to round (from round
+    // 2 on it waits in a file while the site trains) and holds the broadcast it applied (which
+    // waits in a file while it trains and encodes).
     for encoding in [Encoding::F32, Encoding::TopK { per_mille: 100 }] {
         for bn in [BnPolicy::Local, BnPolicy::Global] {
             let mut plain = Site::new("a", net.clone(), data(16), data(8)).unwrap();
@@ -561,6 +563,19 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
             parking.park_base_in(file.clone());
             for round in 1..=3 {
                 let m = manifest(round, encoding, bn);
+                let b = unifed_protocol::messages::ServerBroadcast {
+                    model_version: round - 1,
+                    weights: export(&plain.net, &spec, unifed_models::site::select_for(bn))
+                        .tensors
+                        .iter()
+                        .map(|t| t.encode(Encoding::F32, None))
+                        .collect(),
+                    extras: unifed_protocol::messages::ServerExtras::None,
+                };
+                plain
+                    .receive(&spec, &m, &Download::Model(b.clone()))
+                    .unwrap();
+                parking.receive(&spec, &m, &Download::Model(b)).unwrap();
                 let a = plain
                     .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
                     .unwrap();
@@ -582,9 +597,14 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
                     encoding == Encoding::F32,
                     "{case}"
                 );
+                assert_eq!(
+                    parking.memory().held.is_some(),
+                    encoding != Encoding::F32,
+                    "{case}"
+                );
                 assert!(!file.exists(), "the parked model outlived its round");
                 assert!(
-                    !memory_file.exists(),
+                    !memory_file.exists() && !held_file.exists(),
                     "the parked memory outlived its round"
                 );
             }
