@@ -708,12 +708,17 @@ pub async fn run(
                 }
                 SiteAction::Finished { manifest: m } => {
                     let s = site.as_ref().expect("site present");
+                    // The download's and the apply's buffers go back before evaluation grows
+                    // the heap, as before every evaluation in a round (`announced`).
+                    unifed_net::release_free_memory();
+                    let evaluating = Instant::now();
                     let acc = tokio::task::block_in_place(|| {
                         unifed_net::memory::with_fast_allocation(|| {
                             s.evaluate(&spec, &m.plan, &cfg.train, &device)
                         })
                     })?
                     .accuracy();
+                    report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
                     Report::Evaluated {
                         version: m.model_version,
                         accuracy: acc,

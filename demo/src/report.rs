@@ -141,18 +141,18 @@ pub fn finish(opts: &Options, runs: &[RunResult]) -> Result<()> {
         )
     });
     // Which phase sets each process's peak: the highest peak a process reported for the phase,
-    // over every round (the largest agent for the sites' phases, the aggregator for its own).
+    // over the whole run, the final model's phases included (the largest agent for the sites'
+    // phases, the aggregator for its own).
     table += &format!("\n{:<26}\n", "peak RSS by phase");
     for p in Phase::ALL {
-        table += &row(&format!("  {}", p.name()), &|r| {
-            let peak = r
-                .timeline
-                .iter()
-                .filter_map(|t| t.phases.get(&p))
-                .map(|s| s.peak_bytes)
-                .max()
-                .unwrap_or(0);
-            if peak == 0 { "-".into() } else { mib(peak) }
+        table += &row(&format!("  {}", p.name()), &|r| match r
+            .phase_peak_bytes
+            .get(&p)
+            .copied()
+            .unwrap_or(0)
+        {
+            0 => "-".into(),
+            peak => mib(peak),
         });
     }
     // CPU seconds per round of each kind of process: with more processes than cores, the round

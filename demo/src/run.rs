@@ -103,6 +103,10 @@ pub struct RunResult {
     pub threads_per_agent: usize,
     /// Where each round's time went.
     pub timeline: Vec<RoundTimeline>,
+    /// The highest peak resident memory any process reported for each phase over the whole
+    /// run, bytes: the rounds' and the final model's (its apply, checkpoint and evaluation,
+    /// reported for round `rounds + 1`).
+    pub phase_peak_bytes: BTreeMap<Phase, u64>,
 }
 
 /// One phase of one round: over the sites for site phases, over the round's updates or calls
@@ -544,6 +548,11 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let memory = kids.memory();
     drop(kids);
     let timeline = timelines(opts.rounds, &round_closed, &cpu_closed, &phases);
+    let mut phase_peak_bytes: BTreeMap<Phase, u64> = BTreeMap::new();
+    for &(_, p, _, peak) in &phases {
+        let e = phase_peak_bytes.entry(p).or_default();
+        *e = (*e).max(peak.unwrap_or(0));
+    }
     let round_seconds = timeline.iter().map(|t| t.wall_seconds).collect();
     Ok(RunResult {
         name: name.into(),
@@ -559,6 +568,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         peak_rss_bytes: memory.peak_each,
         threads_per_agent: threads,
         timeline,
+        phase_peak_bytes,
     })
 }
 
