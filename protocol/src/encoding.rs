@@ -468,15 +468,7 @@ pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
             f32::from(data[n] as i8) * scale
         }),
         Values::Ternary { len, block, .. } => {
-            if *len as usize != numel {
-                return Err(wrong_length(t, numel, *len as usize));
-            }
-            if !TERNARY_BLOCKS.contains(block) {
-                return Err(TensorError::BadBlock {
-                    name: t.name.clone(),
-                    block: *block,
-                });
-            }
+            check_ternary(t, numel, *len, *block)?;
             decode_ternary(numel, &t.values).map_err(|found| wrong_length(t, numel, found))
         }
     }
@@ -529,15 +521,7 @@ pub fn decode_add(t: &EncodedTensor, out: &mut [f32]) -> Result<(), TensorError>
             out,
         )?,
         Values::Ternary { len, block, .. } => {
-            if *len as usize != numel {
-                return Err(wrong_length(t, numel, *len as usize));
-            }
-            if !TERNARY_BLOCKS.contains(block) {
-                return Err(TensorError::BadBlock {
-                    name: t.name.clone(),
-                    block: *block,
-                });
-            }
+            check_ternary(t, numel, *len, *block)?;
             ternary_add(&t.values, out).map_err(|found| wrong_length(t, numel, found))?;
         }
     }
@@ -655,6 +639,21 @@ fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
         values.iter_mut().for_each(|v| *v *= s);
     }
     Ok(out)
+}
+
+/// Checks a ternary tensor's stated length against `numel` and its block size against
+/// [`TERNARY_BLOCKS`].
+fn check_ternary(t: &EncodedTensor, numel: usize, len: u32, block: u16) -> Result<(), TensorError> {
+    if len as usize != numel {
+        return Err(wrong_length(t, numel, len as usize));
+    }
+    if !TERNARY_BLOCKS.contains(&block) {
+        return Err(TensorError::BadBlock {
+            name: t.name.clone(),
+            block,
+        });
+    }
+    Ok(())
 }
 
 /// The block size, scales and digits of a [`Values::Ternary`] of `numel` values, checked: on a
