@@ -190,7 +190,8 @@ impl<N: Net> Site<N> {
     /// back a block at a time). Objectives that train against the starting weights (FedProx)
     /// keep them in memory regardless. The site's memory (error-feedback residuals, the held
     /// broadcast, control variates: under a lossy encoding or a stateful objective up to
-    /// several model-sized maps) waits beside it, in `path` with the extension `memory`.
+    /// several model-sized maps) waits beside it while it trains, in `path` with the extension
+    /// `memory`, and the held broadcast while it trains and encodes, with the extension `held`.
     pub fn park_base_in(&mut self, path: std::path::PathBuf) {
         self.park = Some(path);
     }
