@@ -32,6 +32,11 @@ pub struct Args {
     /// first of $UNIFED_TORCH_PYTHON, .venv/bin/python and python3 that imports torch).
     #[arg(long)]
     python: Option<PathBuf>,
+    /// The reference script (default: `scripts/torch_bench.py` of the source tree this binary
+    /// was built from; give it on a machine that runs a copied binary). It imports
+    /// `make_torch_fixtures.py` from its own folder.
+    #[arg(long)]
+    torch_script: Option<PathBuf>,
     /// Skip the PyTorch reference.
     #[arg(long)]
     no_torch: bool,
@@ -238,7 +243,9 @@ fn torch_reference(py: &Path, args: &Args, threads: usize) -> Result<Value, Stri
         "benchmarking PyTorch with {} on {threads} thread(s) ...",
         py.display()
     );
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_bench.py");
+    let script = args.torch_script.clone().unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_bench.py")
+    });
     let out = Command::new(py)
         .arg(&script)
         .args([

@@ -5,3 +5,4 @@ pub mod model;
 pub mod progress;
 pub mod registry;
 pub mod train;
+pub mod warmup;

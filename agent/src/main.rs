@@ -3,6 +3,7 @@
 //! `train` runs a site of a federation over MQTT; `init` writes a federation's initial model;
 //! `singleset` trains the built-in domains alone (the no-federation baseline); `data` previews
 //! and exports the built-in data; `spec` prints a model spec; `bench` measures speed.
+//! `warmup` tunes a GPU's kernels for a site at install time.
 //! `calibrate` onboards a site (from a model file, or from the federation's onboarding
 //! package with `--config`), `fetch-calibrated` brings its registered model to another device,
 //! `keygen` makes the site's registry sealing key, `identity` its signing key, and `evaluate` and `predict` use a model.
@@ -35,6 +36,10 @@ struct Cli {
     /// Cap on CPU worker threads (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Folder where a GPU backend keeps its autotune results and compiled kernels (default:
+    /// `train` and `warmup` use `<state_dir>/kernels`, other commands the user cache folder).
+    #[arg(long, global = true)]
+    kernel_cache: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -58,6 +63,17 @@ enum Cmd {
         /// Agent config (TOML).
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Runs the site's local training and evaluation on a throwaway copy of its model, so a
+    /// GPU backend tunes its kernels into `<state_dir>/kernels` (run it once at install time);
+    /// prints the seconds of each pass as JSON. The site's checkpoint is not touched.
+    Warmup {
+        /// Agent config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+        /// Passes (the first tunes, the next show the tuned speed).
+        #[arg(long, default_value_t = 2)]
+        passes: usize,
     },
     /// Writes a freshly initialised model (seeded) as a PyTorch-compatible safetensors file,
     /// and its spec beside it (`<out>.spec.json`): the initial global model of a federation.
@@ -149,6 +165,9 @@ fn main() -> Result<()> {
         cap_cpu_threads(t).map_err(anyhow::Error::msg)?;
     }
     let backend: Backend = cli.backend.parse().map_err(anyhow::Error::msg)?;
+    if let Some(dir) = &cli.kernel_cache {
+        unifed_models::backend::use_kernel_cache(dir).map_err(anyhow::Error::msg)?;
+    }
     match cli.cmd {
         Cmd::Singleset(args) => singleset::run(backend, &args),
         Cmd::Calibrate(args) => {
@@ -197,6 +216,11 @@ fn main() -> Result<()> {
         Cmd::Train { config } => {
             // `--threads`, applied above, overrides the config's cap.
             train::run_from_file(&config, cli.threads.is_some())?;
+            Ok(())
+        }
+        Cmd::Warmup { config, passes } => {
+            let w = unifed_agent::warmup::run(&config, passes)?;
+            println!("{}", serde_json::to_string(&w)?);
             Ok(())
         }
         Cmd::Init {

@@ -18,7 +18,7 @@ use unifed_models::data::{
     BuiltinData, Dataset, Domain, DomainData, SplitSizes, load_split, load_unlabelled,
 };
 use unifed_models::state::{Select, StateDict, export, import};
-use unifed_models::train::{evaluate, evaluate_stream};
+use unifed_models::train::{EVAL_BATCH, evaluate, evaluate_stream};
 use unifed_models::zoo::AnyNet;
 use unifed_protocol::ModelSpec;
 
@@ -288,7 +288,7 @@ pub fn evaluate_cmd(a: &EvaluateArgs, device: &Device) -> Result<f64> {
     };
     let classes = spec.classes.len();
     let rep = match a.bn.as_str() {
-        "stored" => evaluate(&net, &test, classes, 256, device)?,
+        "stored" => evaluate(&net, &test, classes, EVAL_BATCH, device)?,
         "stream" => {
             let mut order: Vec<usize> = (0..test.len()).collect();
             order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(
@@ -304,7 +304,7 @@ pub fn evaluate_cmd(a: &EvaluateArgs, device: &Device) -> Result<f64> {
         "calibrate" => {
             let images = calibration(&a.source, dd.as_ref(), &a.calib_images, &spec)?;
             let cal = reestimate(&net, &images, "calibrate", "exact", &a.bn_args, device)?;
-            evaluate(&cal, &test, classes, 256, device)?
+            evaluate(&cal, &test, classes, EVAL_BATCH, device)?
         }
         o => bail!("--bn `{o}`: expected stored, stream or calibrate"),
     };
@@ -405,7 +405,7 @@ pub(crate) fn calibrate_to(
     let n = images.len() / spec.input.numel();
     let test = labelled(source, dd.as_ref(), spec)?;
     let before = match &test {
-        Some(t) => Some(evaluate(net, t, spec.classes.len(), 256, device)?.accuracy()),
+        Some(t) => Some(evaluate(net, t, spec.classes.len(), EVAL_BATCH, device)?.accuracy()),
         None => None,
     };
     let cal = reestimate(net, &images, &a.mode, &a.estimator, &a.bn_args, device)?;
@@ -416,7 +416,7 @@ pub(crate) fn calibrate_to(
         out.display()
     );
     if let (Some(t), Some(b)) = (&test, before) {
-        let after = evaluate(&cal, t, spec.classes.len(), 256, device)?.accuracy();
+        let after = evaluate(&cal, t, spec.classes.len(), EVAL_BATCH, device)?.accuracy();
         println!(
             "{}: test accuracy {:.2}% before, {:.2}% after",
             t.name,

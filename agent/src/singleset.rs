@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 use unifed_models::backend::{Backend, cpu_threads};
 use unifed_models::data::{BuiltinData, Dataset, Domain, DomainSplit, SplitSizes, preview_grid};
-use unifed_models::train::{TrainConfig, TrainEvent, evaluate, train_local};
+use unifed_models::train::{EVAL_BATCH, TrainConfig, TrainEvent, evaluate, train_local};
 use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 
 /// Options of the SingleSet demo.
@@ -162,7 +162,7 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
             })?;
             net = trained;
             for (acc, t) in accs.iter_mut().zip(tests) {
-                let ev = evaluate(&net, &t.test, spec.classes.len(), 256, &device)?;
+                let ev = evaluate(&net, &t.test, spec.classes.len(), EVAL_BATCH, &device)?;
                 acc.push(ev.accuracy());
             }
             losses.push(rep.epoch_losses[0]);

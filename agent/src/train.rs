@@ -142,6 +142,25 @@ impl AgentConfig {
     }
 }
 
+impl AgentConfig {
+    /// Where a GPU backend keeps this site's autotune results and compiled kernels.
+    pub fn kernel_cache(&self) -> PathBuf {
+        self.state_dir.join("kernels")
+    }
+
+    /// The device of `backend`; a GPU backend first gets the site's kernel cache
+    /// ([`kernel_cache`](Self::kernel_cache)). A cache that cannot be set (an unwritable folder,
+    /// settings already read in this process) costs tuning time, not the site: it is logged.
+    pub fn device(&self, backend: Backend) -> Result<Device, String> {
+        if backend.is_gpu()
+            && let Err(e) = unifed_models::backend::use_kernel_cache(&self.kernel_cache())
+        {
+            tracing::warn!("{e}; kernels are tuned without the site's cache");
+        }
+        backend.device()
+    }
+}
+
 /// Reads and parses an agent config file, naming the file in errors.
 pub fn load_config(path: &std::path::Path) -> Result<AgentConfig> {
     let text =
@@ -169,7 +188,8 @@ fn default_resend() -> u64 {
     10
 }
 
-fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> {
+/// The site's training and test splits, as `[data]` names them, in `spec`'s input shape.
+pub fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Dataset)> {
     match (&cfg.data.builtin, &cfg.data.folder) {
         (Some(d), None) => {
             let domain = Domain::parse(d).map_err(anyhow::Error::msg)?;
@@ -364,7 +384,7 @@ pub async fn run(
     let (site_id, fed) = cfg.ids()?;
     let identity = cfg.identity()?;
     let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
-    let device: Device = backend.device().map_err(anyhow::Error::msg)?;
+    let device: Device = cfg.device(backend).map_err(anyhow::Error::msg)?;
     let (net, spec) = cfg.model_and_spec(&device)?;
     let (train, test) = load_data(&cfg, &spec)?;
     std::fs::create_dir_all(&cfg.state_dir)

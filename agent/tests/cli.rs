@@ -388,3 +388,70 @@ fn bench_measures_each_thread_count_in_one_run_and_names_a_bad_count() {
         "{err}"
     );
 }
+
+#[test]
+fn warmup_runs_the_sites_training_and_evaluation_and_leaves_its_state_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let key = dir.path().join("site.key");
+    let id = agent()
+        .arg("identity")
+        .arg("--key")
+        .arg(&key)
+        .output()
+        .unwrap();
+    succeeded(&id);
+    let public = String::from_utf8_lossy(&id.stdout)
+        .lines()
+        .next()
+        .unwrap()
+        .to_string();
+    let config = dir.path().join("site.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "site = \"grey\"\nfederation = \"f\"\nstate_dir = {state:?}\nidentity = {key:?}\n\
+             aggregator_key = \"{public}\"\n\
+             [model]\nconv = [4, 6, 8]\nfc = [32, 16]\n\
+             [train]\nbatch_size = 8\n\
+             [broker]\nhost = \"127.0.0.1\"\nport = 1\n\
+             [data]\nbuiltin = \"grey\"\ntrain_samples = 20\n"
+        ),
+    )
+    .unwrap();
+    let out = agent()
+        .args(["warmup", "--passes", "3", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    succeeded(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["backend"], "flex");
+    // The CPU backend has no kernels to cache.
+    assert!(v["kernel_cache"].is_null());
+    let passes = v["passes"].as_array().unwrap();
+    assert_eq!(passes.len(), 3);
+    for p in passes {
+        assert!(p["train_s"].as_f64().unwrap() > 0.0);
+        assert!(p["evaluate_s"].as_f64().unwrap() > 0.0);
+    }
+    // Nothing of the site's state was written: a later `train` starts from scratch.
+    assert_eq!(std::fs::read_dir(&state).unwrap().count(), 0);
+
+    // A config that names a backend this build lacks fails, naming the feature.
+    let bad = dir.path().join("bad.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&bad, format!("backend = \"cuda\"\n{text}")).unwrap();
+    let out = agent()
+        .args(["warmup", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--features cuda"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

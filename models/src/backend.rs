@@ -106,3 +106,49 @@ pub fn cap_cpu_threads(threads: usize) -> Result<(), String> {
 pub fn cpu_threads() -> usize {
     rayon::current_num_threads()
 }
+
+impl Backend {
+    /// Whether this backend runs on a GPU through cubecl (wgpu, Vulkan, CUDA).
+    pub fn is_gpu(self) -> bool {
+        !matches!(self, Backend::Flex)
+    }
+}
+
+/// Keeps the GPU backends' autotune results and compiled kernels in `dir` (created if missing),
+/// so that only the first start of a device pays for tuning; a site passes a folder of its
+/// state directory. Call it before the first GPU tensor operation. Returns `Ok(false)` in a
+/// build without a GPU backend, where there is nothing to cache.
+///
+/// Settings a `cubecl.toml` or `CUBECL_*` variables give are kept; only the cache's place is
+/// set here (cubecl's default is the user cache directory, or a temporary folder for a service
+/// without a home).
+pub fn use_kernel_cache(dir: &std::path::Path) -> Result<bool, String> {
+    #[cfg(feature = "gpu")]
+    {
+        use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
+        std::fs::create_dir_all(dir).map_err(|e| format!("kernel cache {}: {e}", dir.display()))?;
+        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        config.environment.path = CacheConfig::Directory(dir.to_path_buf());
+        if CubeClRuntimeConfig::try_set(config) {
+            return Ok(true);
+        }
+        match &CubeClRuntimeConfig::get().environment.path {
+            CacheConfig::Directory(set) if set == dir => Ok(true),
+            CacheConfig::Directory(set) => Err(format!(
+                "kernel cache {}: this process already keeps its kernels in {}",
+                dir.display(),
+                set.display()
+            )),
+            _ => Err(format!(
+                "kernel cache {}: the GPU runtime's settings were already read; set the cache \
+                 before the first GPU operation",
+                dir.display()
+            )),
+        }
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        let _ = dir;
+        Ok(false)
+    }
+}

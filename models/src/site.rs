@@ -11,7 +11,8 @@ use crate::state::{
     NamedTensor, Select, StateDict, export, import, import_into, stand_in, subtract,
 };
 use crate::train::{
-    EvalReport, TrainConfig, TrainEvent, evaluate, personalise, train_objective, train_owned,
+    EVAL_BATCH, EvalReport, TrainConfig, TrainEvent, evaluate, personalise, train_objective,
+    train_owned,
 };
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
@@ -868,7 +869,7 @@ impl<N: Net> Site<N> {
             _ => None,
         };
         let net = personal.as_ref().unwrap_or(&self.net);
-        Ok(evaluate(net, data, classes, 256, device)?)
+        Ok(evaluate(net, data, classes, EVAL_BATCH, device)?)
     }
 }
 

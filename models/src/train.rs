@@ -401,6 +401,9 @@ fn run_epochs<N: Net>(
     (model, Ok(report))
 }
 
+/// The batch size a site evaluates in: its test split, validation, and onboarding checks.
+pub const EVAL_BATCH: usize = 256;
+
 /// Evaluates `net` with its stored BN statistics (inference mode) in batches of `batch_size`.
 pub fn evaluate<N: Net>(
     net: &N,
