@@ -351,6 +351,8 @@ fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
         md.contains("| FedAvg | deployed |") && md.contains("not run yet"),
         "{md}"
     );
+    // A cell of one seed says so instead of showing a spread of zero.
+    assert!(md.contains(" (1 seed) |") && !md.contains("(0.00)"), "{md}");
 }
 
 #[test]

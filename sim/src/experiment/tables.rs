@@ -396,9 +396,11 @@ pub(super) fn write_external(
                         at.map(|at| (seed, at.iter().sum::<f64>() / domains.len() as f64))
                     })
                     .unzip();
-                let cell = |v: &[f64]| match v.is_empty() {
-                    true => "not run yet".to_string(),
-                    false => pct(mean_std(v)),
+                // One seed has no spread to show: "(0.00)" would claim one.
+                let cell = |v: &[f64]| match v {
+                    [] => "not run yet".to_string(),
+                    [one] => format!("{:.2} (1 seed)", 100.0 * one),
+                    _ => pct(mean_std(v)),
                 };
                 let mut cells: Vec<String> = per_domain.iter().map(|v| cell(v)).collect();
                 cells.push(format!("**{}**", cell(&per_seed)));
