@@ -43,9 +43,9 @@ impl Backend {
             #[cfg(feature = "flex")]
             Backend::Flex => Ok(Device::flex()),
             #[cfg(feature = "wgpu")]
-            Backend::Wgpu => Ok(Device::wgpu(Default::default())),
+            Backend::Wgpu => wgpu_device(self, burn::tensor::wgpu::WgpuBackend::Auto),
             #[cfg(feature = "vulkan")]
-            Backend::Vulkan => Ok(Device::vulkan(Default::default())),
+            Backend::Vulkan => wgpu_device(self, burn::tensor::wgpu::WgpuBackend::Vulkan),
             #[cfg(feature = "cuda")]
             Backend::Cuda => Ok(Device::cuda(0usize)),
             #[allow(unreachable_patterns)]
@@ -60,6 +60,32 @@ impl Backend {
             )),
         }
     }
+}
+
+/// The wgpu device of `backend` on graphics API `api`, acquired now rather than at the first
+/// tensor operation (where burn panics on a machine without a usable GPU): a missing adapter or
+/// driver is an error naming the backend. The outcome is kept, so the runtime is set up once.
+#[cfg(any(feature = "wgpu", feature = "vulkan"))]
+fn wgpu_device(backend: Backend, api: burn::tensor::wgpu::WgpuBackend) -> Result<Device, String> {
+    use std::sync::OnceLock;
+    static AUTO: OnceLock<Result<Device, String>> = OnceLock::new();
+    static PINNED: OnceLock<Result<Device, String>> = OnceLock::new();
+    let once = match api {
+        burn::tensor::wgpu::WgpuBackend::Auto => &AUTO,
+        _ => &PINNED,
+    };
+    once.get_or_init(|| {
+        Device::wgpu_options()
+            .graphics_api(api)
+            .init()
+            .map_err(|e| {
+                format!(
+                    "backend `{backend}`: no usable GPU ({e}); is a GPU driver and its Vulkan \
+                 loader (libvulkan1) installed?"
+                )
+            })
+    })
+    .clone()
 }
 
 impl fmt::Display for Backend {
