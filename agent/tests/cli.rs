@@ -16,6 +16,13 @@ fn succeeded(out: &std::process::Output) {
     );
 }
 
+/// Asserts that the command failed and that its stderr says `what`.
+fn failed_saying(out: &std::process::Output, what: &str) {
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(what), "{err}");
+}
+
 #[test]
 fn spec_command_prints_the_digits_cnn_spec_with_its_hash() {
     let out = agent().args(["spec", "--arch", "digits"]).output().unwrap();
@@ -107,12 +114,7 @@ fn bad_input_gives_a_clear_error_and_a_failing_exit_code() {
         .args(["--out", "y"])
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("truncated header"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    failed_saying(&out, "truncated header");
 }
 
 #[test]
@@ -448,10 +450,5 @@ fn warmup_runs_the_sites_training_and_evaluation_and_leaves_its_state_alone() {
         .arg(&bad)
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--features cuda"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    failed_saying(&out, "--features cuda");
 }
