@@ -61,6 +61,9 @@ pub struct AgentConfig {
     pub federation: String,
     /// Folder for the local checkpoint (the site's full model, BN included).
     pub state_dir: PathBuf,
+    /// Where a GPU backend keeps its tuned kernels (default: `<state_dir>/kernels`).
+    #[serde(default)]
+    pub kernel_cache: Option<PathBuf>,
     /// Compute backend.
     #[serde(default = "default_backend")]
     pub backend: String,
@@ -143,9 +146,12 @@ impl AgentConfig {
 }
 
 impl AgentConfig {
-    /// Where a GPU backend keeps this site's autotune results and compiled kernels.
+    /// Where a GPU backend keeps this site's autotune results and compiled kernels:
+    /// `kernel_cache`, or `<state_dir>/kernels`.
     pub fn kernel_cache(&self) -> PathBuf {
-        self.state_dir.join("kernels")
+        self.kernel_cache
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("kernels"))
     }
 
     /// The device of `backend`; a GPU backend first gets the site's kernel cache

@@ -13,6 +13,7 @@ use unifed_agent::progress::{Phase, Report};
 use unifed_agent::train::{AgentConfig, DataConfig};
 use unifed_aggregator::config::{EnrolledSite, FederationConfig};
 use unifed_aggregator::service::ServiceConfig;
+use unifed_models::backend::Backend;
 use unifed_models::data::Domain;
 use unifed_net::BrokerConfig;
 use unifed_protocol::SigningKey;
@@ -46,6 +47,10 @@ pub struct Options {
     /// ternaryq8[b<block>] (e.g. ternaryq8b64), topk<per-mille> or topkq8<per-mille>.
     #[arg(long, default_value = "f32")]
     pub encoding: String,
+    /// Compute backend of the agents: flex (CPU), or wgpu, vulkan or cuda where the demo was
+    /// built with that feature (`cargo build --release -p unifed-demo --features vulkan`).
+    #[arg(long, default_value = "flex")]
+    pub backend: String,
     /// CPU threads per agent process (default: cores / sites, at least 1).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -227,6 +232,14 @@ pub fn sites(opts: &Options) -> Result<Vec<(String, Domain)>> {
     Ok(out)
 }
 
+/// The agents' backend of the options, checked to be compiled into this binary (the agents
+/// are this binary in another role) before anything starts.
+pub fn agent_backend(opts: &Options) -> Result<Backend> {
+    let backend: Backend = opts.backend.parse().map_err(anyhow::Error::msg)?;
+    backend.ensure_compiled().map_err(anyhow::Error::msg)?;
+    Ok(backend)
+}
+
 fn style(t: &str) -> ProgressStyle {
     ProgressStyle::with_template(t)
         .expect("static template")
@@ -241,6 +254,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     };
     let sites = sites(opts)?;
     let encoding: Encoding = opts.encoding.parse().map_err(anyhow::Error::msg)?;
+    let backend = agent_backend(opts)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = opts.threads.unwrap_or((cores / sites.len()).max(1));
     let work = opts.work.join(policy);
@@ -327,7 +341,9 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
             site: id.clone(),
             federation: fc.federation.clone(),
             state_dir: work.join(id),
-            backend: "flex".into(),
+            // Outside the run's folder, which each run wipes: a GPU tunes once per site.
+            kernel_cache: Some(opts.work.join("kernels").join(id)),
+            backend: backend.to_string(),
             // The spec written beside the initial model decides every site's model.
             spec: Some(unifed_protocol::spec_path(&model)),
             model: Default::default(),
@@ -371,7 +387,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         }
     };
     say(format!(
-        "{name} ({policy} BN): broker on 127.0.0.1:{port}, aggregator, {} agents x {threads} thread(s), {} rounds; logs in {}",
+        "{name} ({policy} BN): broker on 127.0.0.1:{port}, aggregator, {} agents x {threads} thread(s) on {backend}, {} rounds; logs in {}",
         sites.len(),
         opts.rounds,
         work.display()
@@ -575,6 +591,40 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
 #[cfg(test)]
 mod tests {
     use unifed_aggregator::config::default_broker_update_log_bytes;
+
+    #[test]
+    fn a_backend_this_binary_lacks_stops_the_demo_before_anything_starts() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            opts: super::Options,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        let opts = |backend: &str| {
+            Cli::parse_from([
+                "demo",
+                "--backend",
+                backend,
+                "--work",
+                work.to_str().unwrap(),
+            ])
+            .opts
+        };
+        assert_eq!(
+            super::agent_backend(&opts("flex")).unwrap(),
+            unifed_models::backend::Backend::Flex
+        );
+        let err = super::federation(&opts("cuda"), unifed_protocol::messages::BnPolicy::Local)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--features cuda"), "{err}");
+        let err = super::agent_backend(&opts("tpu")).unwrap_err().to_string();
+        assert!(err.contains("unknown backend `tpu`"), "{err}");
+        // Nothing was set up: no work folder, no broker, no processes.
+        assert!(!work.exists());
+    }
 
     #[test]
     fn the_aggregator_assumes_the_update_log_the_embedded_broker_keeps() {

@@ -49,16 +49,26 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda => Ok(Device::cuda(0usize)),
             #[allow(unreachable_patterns)]
-            other => Err(format!(
-                "backend `{other}` is not compiled in; rebuild with `--features {other}` \
-                 (compiled: {})",
-                Backend::compiled()
-                    .iter()
-                    .map(|b| b.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
+            other => other
+                .ensure_compiled()
+                .and_then(|()| Err(format!("backend `{other}` has no device in this build"))),
         }
+    }
+
+    /// `Ok` if this backend is compiled into this build, else an error naming the cargo
+    /// feature that would compile it in.
+    pub fn ensure_compiled(self) -> Result<(), String> {
+        if Backend::compiled().contains(&self) {
+            return Ok(());
+        }
+        Err(format!(
+            "backend `{self}` is not compiled in; rebuild with `--features {self}` (compiled: {})",
+            Backend::compiled()
+                .iter()
+                .map(|b| b.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
     }
 }
 
