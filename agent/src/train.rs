@@ -143,9 +143,7 @@ impl AgentConfig {
         let spec = spec_of(&net, &mc.classes, &mc.input);
         Ok((net, spec))
     }
-}
 
-impl AgentConfig {
     /// Where a GPU backend keeps this site's autotune results and compiled kernels:
     /// `kernel_cache`, or `<state_dir>/kernels`.
     pub fn kernel_cache(&self) -> PathBuf {

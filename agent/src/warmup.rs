@@ -2,7 +2,7 @@
 //! model so that a GPU backend tunes and compiles every kernel a round uses into the site's
 //! kernel cache. A service runs it at install time; its first round then starts tuned.
 
-use crate::train::{AgentConfig, load_config, load_data};
+use crate::train::{load_config, load_data};
 use anyhow::Result;
 use serde::Serialize;
 use std::path::Path;
@@ -36,15 +36,10 @@ pub struct Warmup {
 /// model and data without touching the site's checkpoint: only the kernel cache is written.
 pub fn run(path: &Path, passes: usize) -> Result<Warmup> {
     let cfg = load_config(path)?;
-    warm(&cfg, passes)
-}
-
-/// [`run`] on a parsed config.
-pub fn warm(cfg: &AgentConfig, passes: usize) -> Result<Warmup> {
     let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
     let device = cfg.device(backend).map_err(anyhow::Error::msg)?;
     let (net, spec) = cfg.model_and_spec(&device)?;
-    let (train, test) = load_data(cfg, &spec)?;
+    let (train, test) = load_data(&cfg, &spec)?;
     let classes = spec.classes.len();
     let mut out = Vec::with_capacity(passes);
     for _ in 0..passes {

@@ -55,6 +55,11 @@ impl Backend {
         }
     }
 
+    /// Whether this backend runs on a GPU through cubecl (wgpu, Vulkan, CUDA).
+    pub fn is_gpu(self) -> bool {
+        !matches!(self, Backend::Flex)
+    }
+
     /// `Ok` if this backend is compiled into this build, else an error naming the cargo
     /// feature that would compile it in.
     pub fn ensure_compiled(self) -> Result<(), String> {
@@ -141,13 +146,6 @@ pub fn cap_cpu_threads(threads: usize) -> Result<(), String> {
 /// Number of worker threads the CPU backend uses now.
 pub fn cpu_threads() -> usize {
     rayon::current_num_threads()
-}
-
-impl Backend {
-    /// Whether this backend runs on a GPU through cubecl (wgpu, Vulkan, CUDA).
-    pub fn is_gpu(self) -> bool {
-        !matches!(self, Backend::Flex)
-    }
 }
 
 /// Keeps the GPU backends' autotune results and compiled kernels in `dir` (created if missing),

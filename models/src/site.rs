@@ -140,9 +140,31 @@ impl Memory {
             .chain(self.drift.values_mut())
     }
 
-    /// The held broadcast's values, names in order.
-    fn held_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
-        self.held.iter_mut().flat_map(|(_, h)| h.values_mut())
+    /// The values of one part of the memory, in a fixed order.
+    fn part_mut(&mut self, part: Part) -> Box<dyn Iterator<Item = &mut Vec<f32>> + '_> {
+        match part {
+            Part::Held => Box::new(self.held.iter_mut().flat_map(|(_, h)| h.values_mut())),
+            Part::Rest => Box::new(self.values_mut()),
+        }
+    }
+}
+
+/// A part of a site's memory that waits in a file beside the parked model.
+#[derive(Debug, Clone, Copy)]
+enum Part {
+    /// The held broadcast: put aside while the site trains and encodes.
+    Held,
+    /// Everything else: put aside while the site trains.
+    Rest,
+}
+
+impl Part {
+    /// The extension of its file beside the parked model.
+    fn extension(self) -> &'static str {
+        match self {
+            Part::Held => "held",
+            Part::Rest => "memory",
+        }
     }
 }
 
@@ -197,42 +219,29 @@ impl<N: Net> Site<N> {
         self.park = Some(path);
     }
 
-    /// Writes the site's memory (all of it but the held broadcast with `held` false, only the
-    /// held broadcast with `held` true) to a file beside the parked model and frees it, when the
-    /// site parks and has such a memory.
-    fn spill(&mut self, held: bool) -> Result<Option<Spilled>, SiteError> {
+    /// Writes `part` of the site's memory to a file beside the parked model and frees it, when
+    /// the site parks and that part holds anything.
+    fn spill(&mut self, part: Part) -> Result<Option<Spilled>, SiteError> {
         let Some(p) = &self.park else {
             return Ok(None);
         };
-        let path = p.with_extension(if held { "held" } else { "memory" });
-        let m = &mut self.memory;
-        let empty = match held {
-            true => m.held_mut().all(|v| v.is_empty()),
-            false => m.values_mut().all(|v| v.is_empty()),
-        };
-        if empty {
+        let path = p.with_extension(part.extension());
+        if self.memory.part_mut(part).all(|v| v.is_empty()) {
             return Ok(None);
         }
-        match held {
-            true => Spilled::write(&path, m.held_mut()),
-            false => Spilled::write(&path, m.values_mut()),
-        }
-        .map(Some)
-        .map_err(|e| park_error(&path, e))
+        Spilled::write(&path, self.memory.part_mut(part))
+            .map(Some)
+            .map_err(|e| park_error(&path, e))
     }
 
-    /// Reads back what [`Site::spill`] wrote.
-    fn unspill(&mut self, spilled: Option<Spilled>, held: bool) -> Result<(), SiteError> {
+    /// Reads back what [`Site::spill`] wrote of `part`.
+    fn unspill(&mut self, spilled: Option<Spilled>, part: Part) -> Result<(), SiteError> {
         let Some(s) = spilled else {
             return Ok(());
         };
         let path = s.path().to_path_buf();
-        let m = &mut self.memory;
-        match held {
-            true => s.read(m.held_mut()),
-            false => s.read(m.values_mut()),
-        }
-        .map_err(|e| park_error(&path, e))
+        s.read(self.memory.part_mut(part))
+            .map_err(|e| park_error(&path, e))
     }
 
     /// Applies the model of the round `m` announces, whole or as a delta from the version the
@@ -414,9 +423,9 @@ impl<N: Net> Site<N> {
     ) -> Result<Vec<u8>, SiteError> {
         // Neither training nor encoding reads the held broadcast (under a lossy encoding, a copy
         // of the model): it waits in a file until the update is made, whatever the outcome.
-        let held = self.spill(true)?;
+        let held = self.spill(Part::Held)?;
         let update = self.train_and_encode(spec, federation, m, tc, device, progress);
-        self.unspill(held, true)?;
+        self.unspill(held, Part::Held)?;
         update
     }
 
@@ -456,7 +465,7 @@ impl<N: Net> Site<N> {
             .map_err(TrainError::BadConfig)?;
         // Everything training does not read waits in a file until it ends (written first, so
         // that the model's export below is not made beside it).
-        let spilled = self.spill(false)?;
+        let spilled = self.spill(Part::Rest)?;
         // A term that holds the starting weights itself (FedProx, MOON) gains nothing from
         // parking them.
         let parked = match self.park.clone() {
@@ -464,7 +473,7 @@ impl<N: Net> Site<N> {
                 match Parked::write(&p, &export(&self.net, spec, Select::All)) {
                     Ok(parked) => Some(parked),
                     Err(e) => {
-                        self.unspill(spilled, false)?;
+                        self.unspill(spilled, Part::Rest)?;
                         return Err(park_error(&p, e));
                     }
                 }
@@ -506,7 +515,7 @@ impl<N: Net> Site<N> {
         if trained.is_ok() {
             progress(TrainEvent::Trained);
         }
-        self.unspill(spilled, false)?;
+        self.unspill(spilled, Part::Rest)?;
         let (net, rep) = trained?;
         let encoding = std::time::Instant::now();
         // The delta is made in the trained tensors' own buffers, and the base exported (or read
