@@ -123,7 +123,7 @@ impl Children {
         let exe = std::env::current_exe().context("finding this executable")?;
         let err =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-        let mut child = Command::new(exe)
+        let mut child = unifed_net::end_with_parent(&mut Command::new(exe))
             .arg("role")
             .args(args)
             .envs(env.iter().copied())
