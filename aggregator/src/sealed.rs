@@ -1,13 +1,20 @@
-//! Sealed binary files of the data directory: the body, then the SHA-256 of the body. Both ways
-//! go a block at a time, so a model-sized file is never whole in memory: [`SealedFile`] hashes
-//! what it writes, and [`read_sealed`] hashes what it reads and checks the sum at the end before
-//! the caller gets anything.
+//! Sealed binary files of the data directory: the body, then a 32-byte trailer that sums it.
+//! Both ways go a block at a time, so a model-sized file is never whole in memory:
+//! [`SealedFile`] sums what it writes, and [`read_sealed`] sums what it reads and checks the
+//! trailer at the end before the caller gets anything.
+//!
+//! The sum guards the aggregator's own files against torn writes and damaged disks; nothing an
+//! attacker sends reaches them unchecked (signatures do that). Files are written with XXH3-128
+//! (the trailer is the sum, then [`XXH3_TAG`]), about 10x faster than SHA-256 on a CPU with
+//! SHA instructions: a model-sized file was hashed five times a round. Files written before
+//! that end with a SHA-256 and are still read.
 
 use crate::store::SpoolTensor;
 use crate::store::{FORMAT_VERSION, StoreError, commit, corrupt, io};
 use sha2::Digest;
 use std::fs::File;
 use std::io::{BufReader, Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use unifed_protocol::EncodedTensor;
 
@@ -33,18 +40,65 @@ impl SpooledTensor {
     }
 }
 
-/// Length of the SHA-256 trailer of every sealed file.
+/// Length of the trailer of every sealed file.
 pub(crate) const CHECKSUM_LEN: usize = 32;
+
+/// The second half of an XXH3-128 trailer (the first is the sum, little-endian). A SHA-256
+/// trailer ends this way with probability 2^-128.
+pub(crate) const XXH3_TAG: &[u8; 16] = b"UniFed.xxh3-128\0";
+
+/// The running sum of a sealed file's body.
+enum Sum {
+    /// What every file is written with.
+    Xxh3(Box<xxhash_rust::xxh3::Xxh3Default>),
+    /// Files written before XXH3 (read only).
+    Sha256(sha2::Sha256),
+}
+
+impl Sum {
+    fn xxh3() -> Sum {
+        Sum::Xxh3(Box::new(xxhash_rust::xxh3::Xxh3Default::new()))
+    }
+
+    /// The sum a trailer names: XXH3 when it ends with [`XXH3_TAG`], SHA-256 otherwise.
+    fn for_trailer(trailer: &[u8; CHECKSUM_LEN]) -> Sum {
+        if &trailer[16..] == XXH3_TAG {
+            Sum::xxh3()
+        } else {
+            Sum::Sha256(sha2::Sha256::new())
+        }
+    }
+
+    fn update(&mut self, bytes: &[u8]) {
+        match self {
+            Sum::Xxh3(h) => h.update(bytes),
+            Sum::Sha256(h) => h.update(bytes),
+        }
+    }
+
+    /// The trailer of what was summed.
+    fn trailer(&self) -> [u8; CHECKSUM_LEN] {
+        match self {
+            Sum::Xxh3(h) => {
+                let mut t = [0u8; CHECKSUM_LEN];
+                t[..16].copy_from_slice(&h.digest128().to_le_bytes());
+                t[16..].copy_from_slice(XXH3_TAG);
+                t
+            }
+            Sum::Sha256(h) => h.clone().finalize().into(),
+        }
+    }
+}
 
 /// Values read or written per block.
 const BLOCK_VALUES: usize = 16 << 10;
 
 /// A sealed binary file written as it goes: atomically and durably (temporary file, fsync,
-/// rename, fsync of the folder), its SHA-256 computed on the way and appended by
+/// rename, fsync of the folder), its sum computed on the way and appended by
 /// [`SealedFile::finish`].
 pub(crate) struct SealedFile {
     w: std::io::BufWriter<File>,
-    h: sha2::Sha256,
+    h: Sum,
     tmp: PathBuf,
     path: PathBuf,
 }
@@ -56,7 +110,7 @@ impl SealedFile {
         let f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
         Ok(SealedFile {
             w: std::io::BufWriter::with_capacity(1 << 20, f),
-            h: sha2::Sha256::new(),
+            h: Sum::xxh3(),
             tmp,
             path: path.to_path_buf(),
         })
@@ -114,7 +168,7 @@ impl SealedFile {
 
     /// Appends the checksum, syncs, and puts the file in place.
     pub(crate) fn finish(mut self) -> Result<(), StoreError> {
-        let sum: [u8; 32] = self.h.finalize_reset().into();
+        let sum = self.h.trailer();
         self.w.write_all(&sum).map_err(|e| io(&self.tmp, e))?;
         self.w.flush().map_err(|e| io(&self.tmp, e))?;
         self.w.get_ref().sync_all().map_err(|e| io(&self.tmp, e))?;
@@ -161,9 +215,13 @@ fn read_open<T>(
     let Some(body) = len.checked_sub(CHECKSUM_LEN as u64) else {
         return Err(corrupt(path, "truncated: shorter than its checksum"));
     };
+    // The trailer names the sum; `Reader::finish` reads it again in order and compares.
+    let mut trailer = [0u8; CHECKSUM_LEN];
+    f.read_exact_at(&mut trailer, body)
+        .map_err(|e| io(path, e))?;
     let mut r = Reader {
         f: BufReader::with_capacity(1 << 20, f),
-        h: sha2::Sha256::new(),
+        h: Sum::for_trailer(&trailer),
         left: body,
         buf: Vec::new(),
         path,
@@ -179,10 +237,10 @@ fn read_open<T>(
     }
 }
 
-/// The body of a sealed file, read in order and hashed on the way.
+/// The body of a sealed file, read in order and summed on the way.
 pub(crate) struct Reader<'a> {
     f: BufReader<File>,
-    h: sha2::Sha256,
+    h: Sum,
     /// Body bytes not read yet.
     left: u64,
     buf: Vec<u8>,
@@ -345,7 +403,7 @@ impl Reader<'_> {
         self.f.read_exact(&mut sum).map_err(|e| io(self.path, e))?;
         // A file that grew since it was measured is not the file that was sealed.
         let grew = self.f.read(&mut [0u8; 1]).map_err(|e| io(self.path, e))? > 0;
-        if grew || self.h.finalize().as_slice() != sum {
+        if grew || self.h.trailer() != sum {
             return Err(corrupt(
                 self.path,
                 "checksum mismatch: the file was damaged or changed outside the aggregator",
@@ -398,6 +456,37 @@ mod tests {
             std::fs::metadata(&p).unwrap().len(),
             (body + CHECKSUM_LEN) as u64
         );
+    }
+
+    #[test]
+    fn files_are_sealed_with_xxh3_and_files_sealed_with_sha256_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, tensors) = sample(dir.path());
+        let new = std::fs::read(&p).unwrap();
+        let (body, trailer) = new.split_at(new.len() - CHECKSUM_LEN);
+        assert_eq!(&trailer[16..], XXH3_TAG);
+        assert_eq!(
+            trailer[..16],
+            xxhash_rust::xxh3::xxh3_128(body).to_le_bytes()
+        );
+
+        // The same body as the store wrote it before XXH3: then its SHA-256.
+        let mut old = body.to_vec();
+        old.extend_from_slice(&sha2::Sha256::digest(body));
+        std::fs::write(&p, &old).unwrap();
+        assert_eq!(read_sealed(&p, parse).unwrap(), tensors);
+
+        old[100] ^= 1;
+        std::fs::write(&p, &old).unwrap();
+        assert!(message(read_sealed(&p, parse).unwrap_err()).starts_with("checksum mismatch"));
+
+        // A SHA-256 trailer passed off as XXH3's (the tag written over its second half) is
+        // checked as XXH3, and fails.
+        old[100] ^= 1;
+        let n = old.len();
+        old[n - 16..].copy_from_slice(XXH3_TAG);
+        std::fs::write(&p, &old).unwrap();
+        assert!(message(read_sealed(&p, parse).unwrap_err()).starts_with("checksum mismatch"));
     }
 
     #[test]
