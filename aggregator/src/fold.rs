@@ -36,6 +36,44 @@ impl Fold {
         self.count += 1;
     }
 
+    /// Adds `coef` times `values` into tensor `k` from value `at` on: a block of a delta
+    /// streamed from its file (the arithmetic of [`Fold::add_scaled`]). Returns false if a
+    /// value is not finite (the fold is then of no use). Tensor `k` must hold the block.
+    pub(crate) fn add_block(
+        &mut self,
+        k: usize,
+        at: usize,
+        coef: f64,
+        values: impl ExactSizeIterator<Item = f32>,
+    ) -> bool {
+        let mut finite = true;
+        let acc = &mut self.acc[k][at..at + values.len()];
+        for (x, y) in acc.iter_mut().zip(values) {
+            finite &= y.is_finite();
+            *x += coef * y as f64;
+        }
+        finite
+    }
+
+    /// [`Fold::add_block`] of little-endian f32 `bytes`.
+    pub(crate) fn add_le_block(&mut self, k: usize, at: usize, coef: f64, bytes: &[u8]) -> bool {
+        let values = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        self.add_block(k, at, coef, values)
+    }
+
+    /// Counts one update of weight `w` whose values [`Fold::add_le_block`] added.
+    pub(crate) fn count_added(&mut self, w: f64) {
+        self.weight += w;
+        self.count += 1;
+    }
+
+    /// The length of each tensor.
+    pub(crate) fn lens(&self) -> impl Iterator<Item = usize> + '_ {
+        self.acc.iter().map(Vec::len)
+    }
+
     /// The total weight folded so far.
     pub fn weight(&self) -> f64 {
         self.weight

@@ -343,13 +343,37 @@ impl Reader<'_> {
         Ok(out)
     }
 
-    /// One tensor's length and values as [`SealedFile::put_tensors`] writes them.
-    fn values(&mut self) -> Result<Vec<f32>, StoreError> {
+    /// The length of the tensor that comes next, as [`SealedFile::put_values`] writes it,
+    /// checked against what is left of the file; its values follow ([`Reader::value_blocks`]).
+    pub(crate) fn value_count(&mut self) -> Result<usize, StoreError> {
         let len = self.u64()?;
         if len.checked_mul(4).is_none_or(|b| b > self.left) {
             return Err(corrupt(self.path, "truncated"));
         }
-        let len = len as usize;
+        Ok(len as usize)
+    }
+
+    /// The `len` values after [`Reader::value_count`], handed to `f` a block of little-endian
+    /// bytes at a time with the index of the block's first value. `f` sees values that the
+    /// checksum has not vouched for yet: what it makes of them must be dropped if the read
+    /// fails.
+    pub(crate) fn value_blocks(
+        &mut self,
+        len: usize,
+        mut f: impl FnMut(usize, &[u8]) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        let mut at = 0;
+        while at < len {
+            let part = (len - at).min(BLOCK_VALUES);
+            f(at, self.take(part * 4)?)?;
+            at += part;
+        }
+        Ok(())
+    }
+
+    /// One tensor's length and values as [`SealedFile::put_tensors`] writes them.
+    fn values(&mut self) -> Result<Vec<f32>, StoreError> {
+        let len = self.value_count()?;
         let mut t = Vec::with_capacity(len);
         while t.len() < len {
             let part = (len - t.len()).min(BLOCK_VALUES);

@@ -16,7 +16,10 @@
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
 
-use crate::sealed::{SealedFile, SpooledTensor, read_sealed, read_sealed_optional, write_sealed};
+use crate::fold::Fold;
+use crate::sealed::{
+    Reader, SealedFile, SpooledTensor, read_sealed, read_sealed_optional, write_sealed,
+};
 use crate::strategy::{Contribution, Extras, StrategyState};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
@@ -493,6 +496,10 @@ impl Store {
         self.dir.join("spool").join(format!("r{round}"))
     }
 
+    fn spool_path(&self, round: u64, site: &str) -> PathBuf {
+        self.spool_dir(round).join(format!("{site}.upd"))
+    }
+
     /// Durably stores an accepted update (sample count, report, extras, delta as it arrived and
     /// shared BN tensors).
     pub fn spool_put(&self, round: u64, site: &str, c: &SpoolEntry) -> Result<(), StoreError> {
@@ -554,24 +561,9 @@ impl Store {
     /// Reads a spooled contribution.
     pub fn spool_get(&self, round: u64, site: &str) -> Result<Contribution, StoreError> {
         // Read a block at a time (the file is never whole in memory beside its values).
-        let p = self.spool_dir(round).join(format!("{site}.upd"));
+        let p = self.spool_path(round, site);
         let (c, delta) = read_sealed(&p, |r| {
-            if r.take(4)? != SPOOL_MAGIC {
-                return Err(corrupt(&p, "bad magic"));
-            }
-            let version = r.u32()?;
-            if !(4..=SPOOL_VERSION).contains(&version) {
-                return Err(corrupt(
-                    &p,
-                    format!(
-                        "format version {version} is not {SPOOL_VERSION} (or 4, which it reads)"
-                    ),
-                ));
-            }
-            if r.u64()? != round {
-                return Err(corrupt(&p, "round in the file differs from its folder"));
-            }
-            let samples = r.u64()?;
+            let (version, samples) = spool_head(r, round)?;
             let delta = if version == 4 {
                 r.tensors()?.into_iter().map(SpooledTensor::Dense).collect()
             } else {
@@ -608,6 +600,90 @@ impl Store {
         Ok(c)
     }
 
+    /// Adds `site`'s spooled delta of `round` to `fold`, each tensor scaled by
+    /// `weight(samples)`, a block at a time: the update is never whole in memory, and the sums
+    /// are those of [`Fold::add`] on [`Store::spool_get`]'s delta. Its values reach `fold`
+    /// before the file's checksum has passed, so on any error `fold` holds part of an update
+    /// and must be dropped (the core then sets the damaged file aside and folds again).
+    pub fn spool_fold(
+        &self,
+        round: u64,
+        site: &str,
+        weight: impl FnOnce(u64) -> f64,
+        fold: &mut Fold,
+    ) -> Result<(), StoreError> {
+        let p = self.spool_path(round, site);
+        let lens: Vec<usize> = fold.lens().collect();
+        let not_finite = || corrupt(&p, "holds a value that is not finite");
+        let (w, lossy) = read_sealed(&p, |r| {
+            let (version, samples) = spool_head(r, round)?;
+            let w = weight(samples);
+            let n = r.u32()? as usize;
+            if n != lens.len() {
+                return Err(corrupt(
+                    &p,
+                    format!("holds {n} delta tensors where the model has {}", lens.len()),
+                ));
+            }
+            // Lossy tensors are decoded once the checksum has passed.
+            let mut lossy = Vec::new();
+            for (k, &want) in lens.iter().enumerate() {
+                let tag = if version == 4 { 0 } else { r.take(1)?[0] };
+                match tag {
+                    0 => {
+                        let len = r.value_count()?;
+                        if len != want {
+                            return Err(corrupt(
+                                &p,
+                                format!("delta tensor {k} holds {len} values, not {want}"),
+                            ));
+                        }
+                        r.value_blocks(len, |at, bytes| {
+                            if fold.add_le_block(k, at, w, bytes) {
+                                Ok(())
+                            } else {
+                                Err(not_finite())
+                            }
+                        })?;
+                    }
+                    1 => {
+                        let len = r.u64()?;
+                        if len > r.left() {
+                            return Err(corrupt(&p, "truncated"));
+                        }
+                        lossy.push((k, SpooledTensor::Wire(r.take(len as usize)?.to_vec())));
+                    }
+                    tag => return Err(corrupt(&p, format!("unknown tensor tag {tag}"))),
+                }
+            }
+            if r.tensors()?.iter().flatten().any(|v| !v.is_finite()) {
+                return Err(not_finite());
+            }
+            let n = r.u32()? as usize;
+            postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(r.take(n)?)
+                .map_err(|e| corrupt(&p, e.to_string()))?;
+            Ok((w, lossy))
+        })?;
+        for (k, t) in lossy {
+            let values = t.decode(&p)?;
+            if values.len() != lens[k] {
+                return Err(corrupt(
+                    &p,
+                    format!(
+                        "delta tensor {k} holds {} values, not {}",
+                        values.len(),
+                        lens[k]
+                    ),
+                ));
+            }
+            if !fold.add_block(k, 0, w, values.into_iter()) {
+                return Err(not_finite());
+            }
+        }
+        fold.count_added(w);
+        Ok(())
+    }
+
     /// Checks `site`'s spooled update of `round` in full (checksum, format, finite values)
     /// without keeping it.
     pub fn spool_check(&self, round: u64, site: &str) -> Result<(), StoreError> {
@@ -624,7 +700,7 @@ impl Store {
     ) -> Result<PathBuf, StoreError> {
         let d = self.dir.join("spool-corrupt");
         fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
-        let from = self.spool_dir(round).join(format!("{site}.upd"));
+        let from = self.spool_path(round, site);
         let to = d.join(format!("r{round}-{site}-{now_ms}.upd"));
         fs::rename(&from, &to).map_err(|e| io(&from, e))?;
         File::open(self.spool_dir(round))
@@ -696,6 +772,28 @@ fn versions_in(dir: &Path, suffix: &str) -> Result<Vec<u64>, StoreError> {
 }
 
 /// Writes the header [`Reader::header`] checks.
+/// A spool file's head: magic, a format version it reads (returned), the round it must be of,
+/// and the sample count (returned).
+fn spool_head(r: &mut Reader, round: u64) -> Result<(u32, u64), StoreError> {
+    if r.take(4)? != SPOOL_MAGIC {
+        return Err(corrupt(r.path(), "bad magic"));
+    }
+    let version = r.u32()?;
+    if !(4..=SPOOL_VERSION).contains(&version) {
+        return Err(corrupt(
+            r.path(),
+            format!("format version {version} is not {SPOOL_VERSION} (or 4, which it reads)"),
+        ));
+    }
+    if r.u64()? != round {
+        return Err(corrupt(
+            r.path(),
+            "round in the file differs from its folder",
+        ));
+    }
+    Ok((version, r.u64()?))
+}
+
 fn put_header(b: &mut Vec<u8>, magic: &[u8; 4], spec_hash: Option<&[u8; 32]>, version: u64) {
     b.extend_from_slice(magic);
     b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());

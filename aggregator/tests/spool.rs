@@ -1,11 +1,49 @@
 //! The spool keeps a lossy delta tensor in its wire form and gives back exactly its decoded
 //! values, an exact one as its values; a spool file of the previous format (version 4) is still read.
+//! Either way the fold streamed from the file is bit for bit the fold of the delta read whole.
 
 use sha2::Digest;
+use unifed_aggregator::fold::Fold;
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::strategy::Extras;
 use unifed_protocol::encoding::{Encoding, decode, encode};
 use unifed_protocol::messages::LocalReport;
+
+/// Folds `site`'s spooled update of `round` twice: streamed by `spool_fold`, and from
+/// `spool_get`'s delta with `Fold::add`; the two must agree bit for bit. A fold shaped
+/// otherwise than the delta is refused by name.
+fn streamed_fold_is_the_fold_of_the_read_delta(store: &Store, round: u64, site: &str) {
+    let c = store.spool_get(round, site).unwrap();
+    let lens: Vec<usize> = c.delta.iter().map(Vec::len).collect();
+    let mut whole = Fold::new(&lens);
+    whole.add(c.samples as f64 * 0.5, &c.delta);
+    let mut streamed = Fold::new(&lens);
+    store
+        .spool_fold(round, site, |n| n as f64 * 0.5, &mut streamed)
+        .unwrap();
+    assert_eq!((streamed.count(), streamed.weight()), (1, whole.weight()));
+    let bits = |f: Fold| -> Vec<Vec<u64>> {
+        f.mean()
+            .unwrap()
+            .into_iter()
+            .map(|t| t.into_iter().map(f64::to_bits).collect())
+            .collect()
+    };
+    assert_eq!(bits(streamed), bits(whole));
+
+    let mut longer = lens.clone();
+    longer[0] += 1;
+    let err = store
+        .spool_fold(round, site, |n| n as f64, &mut Fold::new(&longer))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("not {}", longer[0])), "{err}");
+    let err = store
+        .spool_fold(round, site, |n| n as f64, &mut Fold::new(&lens[1..]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("delta tensors where the model has"), "{err}");
+}
 
 fn values(n: usize, seed: f32) -> Vec<f32> {
     (0..n)
@@ -68,6 +106,8 @@ fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() 
         [decode(&matrix).unwrap(), decode(&bias).unwrap(), stats]
     );
 
+    streamed_fold_is_the_fold_of_the_read_delta(&store, 3, "a");
+
     // A flipped bit in the wire form is a checksum failure, not a decoding accident.
     let p = dir.path().join("spool/r3/a.upd");
     let mut b = std::fs::read(&p).unwrap();
@@ -103,6 +143,7 @@ fn a_version_4_spool_file_is_still_read() {
     std::fs::write(dir.path().join("spool/r1/b.upd"), &body).unwrap();
     let c = store.spool_get(1, "b").unwrap();
     assert_eq!((c.samples, c.delta.as_slice()), (5, delta.as_slice()));
+    streamed_fold_is_the_fold_of_the_read_delta(&store, 1, "b");
 
     // A version from the future is refused by name.
     body[4..8].copy_from_slice(&6u32.to_le_bytes());

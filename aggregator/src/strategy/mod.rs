@@ -313,8 +313,13 @@ impl<'a> RoundReader<'a> {
 
     /// The weight of a contribution in a mean: its sample count, or 1 under uniform weighting.
     pub fn weight(&self, c: &Contribution) -> f64 {
+        self.weight_of(c.samples)
+    }
+
+    /// The weight in a mean of a contribution of `samples` training samples.
+    fn weight_of(&self, samples: u64) -> f64 {
         match self.weighting {
-            Weighting::Samples => c.samples as f64,
+            Weighting::Samples => samples as f64,
             Weighting::Uniform => 1.0,
         }
     }
@@ -331,9 +336,10 @@ impl<'a> RoundReader<'a> {
     pub fn mean_delta(&self, model: &[&mut Vec<f32>]) -> Result<Option<Vec<Vec<f64>>>, StoreError> {
         let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
         let mut fold = crate::fold::Fold::new(&lens);
-        for c in self.iter() {
-            let (_, c) = c?;
-            fold.add(self.weight(&c), &c.delta);
+        // Streamed from each file into the sums: no update is ever whole in memory.
+        for s in &self.sites {
+            self.store
+                .spool_fold(self.round, s, |n| self.weight_of(n), &mut fold)?;
         }
         Ok(fold.mean())
     }
