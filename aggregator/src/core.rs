@@ -1027,9 +1027,10 @@ impl Aggregator {
     /// current model and strategy state are committed again as the next version (so every site
     /// applies the global model again instead of training on from its own weights).
     fn close_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
-        // Each update is read once, by the fold, which checks it in full before using any of its
-        // values: a damaged one stops the fold, the model and strategy go back to the committed
-        // ones, and the damaged updates are set aside below before the fold runs again.
+        // Each update is read once, by the fold, whose result counts only if every file checked
+        // out in full: a damaged one stops the fold, whatever it had summed is dropped, the
+        // model and strategy go back to the committed ones, and the damaged updates are set
+        // aside below before the fold runs again.
         match self.fold_round(now_ms) {
             Err(CoreError::Store(StoreError::Corrupt { path, message })) => {
                 tracing::warn!(path = %path.display(), message, "a spooled update is damaged; checking every one before folding again");
