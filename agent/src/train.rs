@@ -640,7 +640,14 @@ pub async fn run(
                         if r.is_ok() {
                             let encode = s.encode_seconds();
                             let train = started.elapsed().as_secs_f64() - encode;
-                            report::phase_seconds_peak(m2.round, Phase::Train, train, train_peak);
+                            // Training ended before the update was encoded.
+                            report::phase_ended(
+                                m2.round,
+                                Phase::Train,
+                                train,
+                                train_peak,
+                                std::time::Duration::from_secs_f64(encode),
+                            );
                             report::phase_seconds(m2.round, Phase::Encode, encode);
                         }
                         // Training's buffers and the update's pieces are freed now.

@@ -131,6 +131,9 @@ pub fn finish(opts: &Options, runs: &[RunResult]) -> Result<()> {
     table += &row("  slowest site's training", &|r| {
         format!("{:.3}", steady(r, |t| t.training_seconds))
     });
+    table += &row("  no phase running", &|r| {
+        format!("{:.3}", steady(r, |t| t.idle_seconds))
+    });
     table += &row("  overhead share", &|r| {
         format!("{:.1}%", 100.0 * steady(r, |t| t.overhead_share))
     });

@@ -155,6 +155,9 @@ pub struct RoundTimeline {
     pub overhead_seconds: f64,
     /// `overhead / wall`.
     pub overhead_share: f64,
+    /// Seconds of the round in which neither a site nor the aggregator was in any phase: the
+    /// time messages spend between processes, and whatever work no phase names.
+    pub idle_seconds: f64,
     /// CPU seconds each process used in the round (user and system, every thread), by name.
     pub cpu_seconds: BTreeMap<String, f64>,
     /// CPU seconds all processes used in the round: on a machine with fewer cores than
@@ -165,28 +168,61 @@ pub struct RoundTimeline {
     pub overhead_share_without_evaluation: f64,
 }
 
+/// A reported phase: its round, phase, seconds, peak resident memory, and when it ended (ms
+/// since the Unix epoch).
+type PhaseReport = (u64, Phase, f64, Option<u64>, Option<u64>);
+
+/// Seconds of the window `[from, to]` (seconds) that none of `busy` (start and end, seconds)
+/// covers.
+fn uncovered(from: f64, to: f64, busy: &[(f64, f64)]) -> f64 {
+    let mut spans: Vec<(f64, f64)> = busy
+        .iter()
+        .map(|&(a, b)| (a.max(from), b.min(to)))
+        .filter(|(a, b)| a < b)
+        .collect();
+    spans.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let (mut covered, mut reach) = (0.0, from);
+    for (a, b) in spans {
+        if b > reach {
+            covered += b - a.max(reach);
+            reach = b;
+        }
+    }
+    (to - from) - covered
+}
+
 /// Builds the timelines of rounds `1..=rounds` from the reported phases and the times rounds
-/// closed.
+/// closed (seconds since `start_ms`, ms since the Unix epoch).
 /// `cpu` holds each process's CPU seconds at the start and at each close.
 fn timelines(
     rounds: u64,
+    start_ms: u64,
     closed: &[f64],
     cpu: &[BTreeMap<String, f64>],
-    phases: &[(u64, Phase, f64, Option<u64>)],
+    phases: &[PhaseReport],
 ) -> Vec<RoundTimeline> {
+    // Every phase as seconds since the start, whatever round it is of.
+    let busy: Vec<(f64, f64)> = phases
+        .iter()
+        .filter_map(|&(_, _, secs, _, ended)| {
+            let end = (ended? as f64 - start_ms as f64) / 1000.0;
+            Some((end - secs, end))
+        })
+        .collect();
     let mut prev = 0.0;
     (1..=rounds)
         .zip(closed)
         .zip(cpu.windows(2))
         .map(|((round, &t), cpu)| {
             let wall = t - prev;
+            let idle = uncovered(prev, t, &busy);
             prev = t;
             let cpu_seconds: BTreeMap<String, f64> = cpu[1]
                 .iter()
                 .map(|(who, &s)| (who.clone(), s - cpu[0].get(who).copied().unwrap_or(0.0)))
                 .collect();
             let mut by: BTreeMap<Phase, PhaseStat> = BTreeMap::new();
-            for &(_, p, secs, peak) in phases.iter().filter(|(r, ..)| *r == round) {
+            for &(_, p, secs, peak, _) in phases.iter().filter(|(r, ..)| *r == round) {
                 let e = by.entry(p).or_default();
                 e.total += secs;
                 e.max = e.max.max(secs);
@@ -202,6 +238,7 @@ fn timelines(
                 training_seconds: training,
                 overhead_seconds: overhead,
                 overhead_share: overhead / wall,
+                idle_seconds: idle,
                 overhead_share_without_evaluation: (overhead - max(Phase::Evaluate)) / wall,
                 cpu_total: cpu_seconds.values().sum(),
                 cpu_seconds,
@@ -263,6 +300,9 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     }
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     let t0 = Instant::now();
+    let start_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
     let mut kids = Children::new();
 
     // The broker on a free loopback port; its first line names the port.
@@ -426,7 +466,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let mut round_closed: Vec<f64> = Vec::new();
     // Every process's CPU seconds when the first round starts, then at each close.
     let mut cpu_closed = vec![kids.cpu_seconds()];
-    let mut phases: Vec<(u64, Phase, f64, Option<u64>)> = Vec::new();
+    let mut phases: Vec<PhaseReport> = Vec::new();
     let mut done: BTreeMap<String, bool> = BTreeMap::new();
     while done.len() < sites.len() {
         let line = match kids.rx.recv_timeout(Duration::from_millis(500)) {
@@ -490,7 +530,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     phase,
                     seconds,
                     peak_bytes,
-                }) => phases.push((round, phase, seconds, peak_bytes)),
+                    ended_ms,
+                }) => phases.push((round, phase, seconds, peak_bytes, ended_ms)),
                 _ => {}
             },
             Line::Out { who, text } => {
@@ -553,7 +594,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                         phase,
                         seconds,
                         peak_bytes,
-                    } => phases.push((round, phase, seconds, peak_bytes)),
+                        ended_ms,
+                    } => phases.push((round, phase, seconds, peak_bytes, ended_ms)),
                     // The aggregator's.
                     Report::RoundClosed { .. } => {}
                 }
@@ -563,9 +605,9 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     rounds_bar.finish();
     let memory = kids.memory();
     drop(kids);
-    let timeline = timelines(opts.rounds, &round_closed, &cpu_closed, &phases);
+    let timeline = timelines(opts.rounds, start_ms, &round_closed, &cpu_closed, &phases);
     let mut phase_peak_bytes: BTreeMap<Phase, u64> = BTreeMap::new();
-    for &(_, p, _, peak) in &phases {
+    for &(_, p, _, peak, _) in &phases {
         let e = phase_peak_bytes.entry(p).or_default();
         *e = (*e).max(peak.unwrap_or(0));
     }
@@ -591,6 +633,26 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
 #[cfg(test)]
 mod tests {
     use unifed_aggregator::config::default_broker_update_log_bytes;
+
+    #[test]
+    fn idle_time_is_what_no_phase_covers_within_the_round() {
+        // Overlapping, nested, touching and outside spans; one straddles each edge.
+        let busy = [
+            (-1.0, 0.5),
+            (1.0, 2.0),
+            (1.5, 1.8),
+            (2.0, 3.0),
+            (2.5, 3.5),
+            (6.0, 7.0),
+            (9.5, 12.0),
+            (20.0, 21.0),
+        ];
+        let idle = super::uncovered(0.0, 10.0, &busy);
+        // Covered: [0, 0.5], [1, 3.5], [6, 7], [9.5, 10] = 0.5 + 2.5 + 1 + 0.5.
+        assert!((idle - 5.5).abs() < 1e-12, "{idle}");
+        assert_eq!(super::uncovered(0.0, 4.0, &[]), 4.0);
+        assert_eq!(super::uncovered(0.0, 4.0, &[(-1.0, 5.0)]), 0.0);
+    }
 
     #[test]
     fn a_backend_this_binary_lacks_stops_the_demo_before_anything_starts() {

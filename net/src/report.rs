@@ -126,6 +126,10 @@ pub enum Report {
         /// absent where the kernel does not tell).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         peak_bytes: Option<u64>,
+        /// When it ended, ms since the Unix epoch: with `seconds`, where it lies on the clock
+        /// that the processes of one machine share (absent from older reports).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ended_ms: Option<u64>,
     },
     /// The aggregator closed `round` with the updates of `sites`, giving `model_version`.
     RoundClosed {
@@ -166,15 +170,32 @@ pub fn phase_seconds(round: u64, phase: Phase, seconds: f64) {
 }
 
 /// Reports that `phase` of `round` took `seconds` and peaked at `peak_bytes` (from
-/// [`take_peak`] at the phase's end, for a phase reported later than it ended).
-pub fn phase_seconds_peak(round: u64, phase: Phase, seconds: f64, peak_bytes: Option<u64>) {
+/// [`take_peak`] at the phase's end), and that it ended `since_end` ago: for a phase reported
+/// later than it ended.
+pub fn phase_ended(
+    round: u64,
+    phase: Phase,
+    seconds: f64,
+    peak_bytes: Option<u64>,
+    since_end: std::time::Duration,
+) {
+    let ended = std::time::SystemTime::now()
+        .checked_sub(since_end)
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
     Report::Phase {
         round,
         phase,
         seconds,
         peak_bytes,
+        ended_ms: ended.map(|d| d.as_millis() as u64),
     }
     .emit();
+}
+
+/// Reports that `phase` of `round`, which just ended, took `seconds` and peaked at
+/// `peak_bytes`.
+pub fn phase_seconds_peak(round: u64, phase: Phase, seconds: f64, peak_bytes: Option<u64>) {
+    phase_ended(round, phase, seconds, peak_bytes, std::time::Duration::ZERO);
 }
 
 /// The process's peak resident memory (`VmHWM`) since the previous call, bytes, and starts the
@@ -220,12 +241,14 @@ mod tests {
                 phase: Phase::Fold,
                 seconds: 0.25,
                 peak_bytes: Some(300 << 20),
+                ended_ms: Some(1_795_000_000_123),
             },
             Report::Phase {
                 round: 4,
                 phase: Phase::Spool,
                 seconds: 0.5,
                 peak_bytes: None,
+                ended_ms: None,
             },
             Report::RoundClosed {
                 round: 4,
@@ -243,6 +266,7 @@ mod tests {
                 phase: Phase::Train,
                 seconds: 2.0,
                 peak_bytes: None,
+                ended_ms: None,
             })
             .unwrap()
         );
