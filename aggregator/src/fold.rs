@@ -27,13 +27,11 @@ impl Fold {
     /// Adds one delta with weight `w` in the total, its tensor `k` scaled by `coefs[k]` in the
     /// sum (`coefs` all `w`: [`Fold::add`]). The caller adds updates in site order.
     pub fn add_scaled(&mut self, w: f64, coefs: &[f64], delta: &[Vec<f32>]) {
-        for ((a, d), &c) in self.acc.iter_mut().zip(delta).zip(coefs) {
-            for (x, y) in a.iter_mut().zip(d) {
-                *x += c * *y as f64;
-            }
+        for (k, (d, &c)) in delta.iter().zip(coefs).take(self.acc.len()).enumerate() {
+            let n = d.len().min(self.acc[k].len());
+            self.add_block(k, 0, c, d[..n].iter().copied());
         }
-        self.weight += w;
-        self.count += 1;
+        self.count_added(w);
     }
 
     /// Adds `coef` times `values` into tensor `k` from value `at` on: a block of a delta
@@ -63,7 +61,7 @@ impl Fold {
         self.add_block(k, at, coef, values)
     }
 
-    /// Counts one update of weight `w` whose values [`Fold::add_le_block`] added.
+    /// Counts one update of weight `w` whose values [`Fold::add_block`] added.
     pub(crate) fn count_added(&mut self, w: f64) {
         self.weight += w;
         self.count += 1;

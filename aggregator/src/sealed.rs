@@ -394,20 +394,29 @@ impl Reader<'_> {
         let n = self.u32()? as usize;
         let mut out = Vec::with_capacity(n.min(4096));
         for _ in 0..n {
-            let t = match self.take(1)?[0] {
-                0 => SpooledTensor::Dense(self.values()?),
-                1 => {
-                    let len = self.u64()?;
-                    if len > self.left {
-                        return Err(corrupt(self.path, "truncated"));
-                    }
-                    SpooledTensor::Wire(self.take(len as usize)?.to_vec())
-                }
-                tag => return Err(corrupt(self.path, format!("unknown tensor tag {tag}"))),
-            };
-            out.push(t);
+            out.push(match self.delta_tensor()? {
+                Some(wire) => SpooledTensor::Wire(wire),
+                None => SpooledTensor::Dense(self.values()?),
+            });
         }
         Ok(out)
+    }
+
+    /// The next tensor of a delta as [`SealedFile::put_delta`] writes it: a lossy tensor's wire
+    /// form, or `None` for an exact tensor, whose length and values come next
+    /// ([`Reader::value_count`]).
+    pub(crate) fn delta_tensor(&mut self) -> Result<Option<Vec<u8>>, StoreError> {
+        match self.take(1)?[0] {
+            0 => Ok(None),
+            1 => {
+                let len = self.u64()?;
+                if len > self.left {
+                    return Err(corrupt(self.path, "truncated"));
+                }
+                Ok(Some(self.take(len as usize)?.to_vec()))
+            }
+            tag => Err(corrupt(self.path, format!("unknown tensor tag {tag}"))),
+        }
     }
 
     /// Hashes the rest of the body, checks the checksum, and returns how many body bytes the

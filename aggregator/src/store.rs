@@ -615,6 +615,12 @@ impl Store {
         let p = self.spool_path(round, site);
         let lens: Vec<usize> = fold.lens().collect();
         let not_finite = || corrupt(&p, "holds a value that is not finite");
+        let misfit = |k: usize, len: usize| {
+            corrupt(
+                &p,
+                format!("delta tensor {k} holds {len} values, not {}", lens[k]),
+            )
+        };
         let (w, lossy) = read_sealed(&p, |r| {
             let (version, samples) = spool_head(r, round)?;
             let w = weight(samples);
@@ -628,33 +634,27 @@ impl Store {
             // Lossy tensors are decoded once the checksum has passed.
             let mut lossy = Vec::new();
             for (k, &want) in lens.iter().enumerate() {
-                let tag = if version == 4 { 0 } else { r.take(1)?[0] };
-                match tag {
-                    0 => {
-                        let len = r.value_count()?;
-                        if len != want {
-                            return Err(corrupt(
-                                &p,
-                                format!("delta tensor {k} holds {len} values, not {want}"),
-                            ));
-                        }
-                        r.value_blocks(len, |at, bytes| {
-                            if fold.add_le_block(k, at, w, bytes) {
-                                Ok(())
-                            } else {
-                                Err(not_finite())
-                            }
-                        })?;
-                    }
-                    1 => {
-                        let len = r.u64()?;
-                        if len > r.left() {
-                            return Err(corrupt(&p, "truncated"));
-                        }
-                        lossy.push((k, SpooledTensor::Wire(r.take(len as usize)?.to_vec())));
-                    }
-                    tag => return Err(corrupt(&p, format!("unknown tensor tag {tag}"))),
+                // Version 4 holds exact tensors only, untagged.
+                let wire = if version == 4 {
+                    None
+                } else {
+                    r.delta_tensor()?
+                };
+                if let Some(wire) = wire {
+                    lossy.push((k, SpooledTensor::Wire(wire)));
+                    continue;
                 }
+                let len = r.value_count()?;
+                if len != want {
+                    return Err(misfit(k, len));
+                }
+                r.value_blocks(len, |at, bytes| {
+                    if fold.add_le_block(k, at, w, bytes) {
+                        Ok(())
+                    } else {
+                        Err(not_finite())
+                    }
+                })?;
             }
             if r.tensors()?.iter().flatten().any(|v| !v.is_finite()) {
                 return Err(not_finite());
@@ -667,14 +667,7 @@ impl Store {
         for (k, t) in lossy {
             let values = t.decode(&p)?;
             if values.len() != lens[k] {
-                return Err(corrupt(
-                    &p,
-                    format!(
-                        "delta tensor {k} holds {} values, not {}",
-                        values.len(),
-                        lens[k]
-                    ),
-                ));
+                return Err(misfit(k, values.len()));
             }
             if !fold.add_block(k, 0, w, values.into_iter()) {
                 return Err(not_finite());
