@@ -155,6 +155,10 @@ enum DataCmd {
     },
 }
 
+/// Large blocks in transparent huge pages (see `unifed_net::memory::HugeBlocks`).
+#[global_allocator]
+static ALLOCATOR: unifed_net::memory::HugeBlocks = unifed_net::memory::HugeBlocks;
+
 fn main() -> Result<()> {
     unifed_net::init_logging("warn");
     // Training's allocation pattern from the first step (a federation run goes lean between

@@ -52,6 +52,10 @@ enum Cmd {
     },
 }
 
+/// Large blocks in transparent huge pages (see `unifed_net::memory::HugeBlocks`).
+#[global_allocator]
+static ALLOCATOR: unifed_net::memory::HugeBlocks = unifed_net::memory::HugeBlocks;
+
 fn main() -> Result<()> {
     unifed_net::init_logging("warn");
     match Cli::parse().cmd {

@@ -12,6 +12,10 @@ struct Cli {
     broker: unifed_broker::BrokerArgs,
 }
 
+/// Large blocks in transparent huge pages (see `unifed_net::memory::HugeBlocks`).
+#[global_allocator]
+static ALLOCATOR: unifed_net::memory::HugeBlocks = unifed_net::memory::HugeBlocks;
+
 fn main() -> anyhow::Result<()> {
     unifed_net::init_logging(unifed_broker::LOG_FILTER);
     unifed_broker::run(&Cli::parse().broker)

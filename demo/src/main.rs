@@ -64,6 +64,10 @@ enum Process {
     },
 }
 
+/// Large blocks in transparent huge pages (see `unifed_net::memory::HugeBlocks`).
+#[global_allocator]
+static ALLOCATOR: unifed_net::memory::HugeBlocks = unifed_net::memory::HugeBlocks;
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.role {

@@ -1,17 +1,18 @@
 //! A counting allocator: the bytes the process has allocated and not freed, and their peak
-//! since the last [`reset_peak`]. It wraps the system allocator (what `unifed-sim` installs as
-//! its global allocator), so heap use can be measured exactly where resident memory cannot
+//! since the last [`reset_peak`]. It wraps the project's allocator
+//! ([`unifed_net::memory::HugeBlocks`], what `unifed-sim` installs as its global allocator), so heap use can be measured exactly where resident memory cannot
 //! tell one part of a process from another. (A global allocator is unsafe code by nature; this
 //! module allows it for measurement, as `unifed_net::memory` does for `mallopt`.)
 #![allow(unsafe_code)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use unifed_net::memory::HugeBlocks;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 
-/// The system allocator, counting.
+/// The project's allocator, counting.
 pub struct Counting;
 
 fn grew(n: usize) {
@@ -19,11 +20,11 @@ fn grew(n: usize) {
     PEAK.fetch_max(live, Relaxed);
 }
 
-// SAFETY: every call is forwarded to `System` unchanged; only counters are added.
+// SAFETY: every call is forwarded to `HugeBlocks` unchanged; only counters are added.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract is `System::alloc`'s.
-        let p = unsafe { System.alloc(layout) };
+        // SAFETY: the caller's contract is `HugeBlocks::alloc`'s.
+        let p = unsafe { HugeBlocks.alloc(layout) };
         if !p.is_null() {
             grew(layout.size());
         }
@@ -31,8 +32,8 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract is `System::alloc_zeroed`'s.
-        let p = unsafe { System.alloc_zeroed(layout) };
+        // SAFETY: the caller's contract is `HugeBlocks::alloc_zeroed`'s.
+        let p = unsafe { HugeBlocks.alloc_zeroed(layout) };
         if !p.is_null() {
             grew(layout.size());
         }
@@ -40,14 +41,14 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract is `System::dealloc`'s.
-        unsafe { System.dealloc(ptr, layout) };
+        // SAFETY: the caller's contract is `HugeBlocks::dealloc`'s.
+        unsafe { HugeBlocks.dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size(), Relaxed);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: the caller's contract is `System::realloc`'s.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        // SAFETY: the caller's contract is `HugeBlocks::realloc`'s.
+        let p = unsafe { HugeBlocks.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             if new_size >= layout.size() {
                 grew(new_size - layout.size());
