@@ -181,6 +181,8 @@ struct Reader<'a, N: Net> {
     net: &'a N,
     walk: Walker,
     with_data: bool,
+    /// The tensors read; the others are skipped without reading their values.
+    select: Select,
     out: Vec<NamedTensor>,
 }
 
@@ -195,6 +197,9 @@ impl<N: Net> ModuleVisitor for Reader<'_, N> {
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let (path, kind, linear_w) = self.walk.current();
+        if !self.select.keeps(kind) {
+            return;
+        }
         let name = torch_name(self.net, &path, kind);
         let (shape, data) = if self.with_data {
             let mut t = param.val();
@@ -229,6 +234,7 @@ pub fn tensor_specs<N: Net>(net: &N) -> Vec<TensorSpec> {
         net,
         walk: Walker::default(),
         with_data: false,
+        select: Select::All,
         out: Vec::new(),
     };
     net.visit(&mut r);
@@ -249,12 +255,13 @@ pub fn export<N: Net>(net: &N, spec: &ModelSpec, select: Select) -> StateDict {
         net: &synced,
         walk: Walker::default(),
         with_data: true,
+        select,
         out: Vec::new(),
     };
     synced.visit(&mut r);
     StateDict {
         spec_hash: spec.hash(),
-        tensors: r.out.into_iter().filter(|t| select.keeps(t.kind)).collect(),
+        tensors: r.out,
     }
 }
 
