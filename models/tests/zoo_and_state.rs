@@ -125,6 +125,13 @@ fn export_then_import_round_trips_bit_exactly() {
         }
     }
     let a = import(&a, &spec, &state, Select::All).unwrap();
+    // A selection exports the same tensors, in the same order, as the whole export filtered.
+    for select in [Select::NonBn, Select::Bn, Select::BnAffine, Select::BnStats] {
+        let mut want = state.clone();
+        want.tensors.retain(|t| select.keeps(t.kind));
+        assert!(!want.tensors.is_empty());
+        assert_eq!(export(&a, &spec, select), want, "{select:?}");
+    }
     let b2 = import(&b, &spec, &export(&a, &spec, Select::All), Select::All).unwrap();
     assert_eq!(bits(&a, &spec, Select::All), bits(&b2, &spec, Select::All));
     assert_eq!(export(&b2, &spec, Select::All), state);
