@@ -154,7 +154,7 @@ pub fn calibrate_from_federation(a: &CalibrateArgs, config: &Path, device: &Devi
         r
     })?;
     println!(
-        "registered the calibrated BN of model v{} with the aggregator ({}, entry sha256 {})",
+        "registered the calibrated BN of model v{} with the aggregator ({}, entry hash {})",
         info.model_version,
         if key.is_some() {
             "sealed with the site key"

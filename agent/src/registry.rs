@@ -515,7 +515,7 @@ impl OnboardClient {
     }
 
     /// Stores `entry` in the aggregator's registry (in chunks, re-sent until answered) and
-    /// returns the SHA-256 of the stored entry.
+    /// returns the hash of the stored entry.
     pub async fn register(
         &mut self,
         entry: &RegistryEntry,

@@ -49,7 +49,7 @@ pub enum Event {
         site: String,
         /// The raw message.
         bytes: Vec<u8>,
-        /// Its SHA-256 when the transport has it already (a chunked update's set hash, checked
+        /// Its hash ([`unifed_protocol::payload_hash`]) when the transport has it already (a chunked update's set hash, checked
         /// against the reassembled bytes); computed here when `None`.
         hash: Option<[u8; 32]>,
     },
@@ -66,7 +66,7 @@ pub enum Action {
         site: Id,
         /// The round of the answered update.
         round: u64,
-        /// SHA-256 of the answered message.
+        /// Hash of the answered message.
         update_hash: [u8; 32],
         /// Accepted or rejected with a reason.
         answer: Answer,

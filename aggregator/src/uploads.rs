@@ -1,6 +1,6 @@
 //! Sites' chunked uploads, spooled to disk as their chunks arrive: an incomplete update costs
 //! the aggregator a file and a set of received indices, not its bytes in memory, however many
-//! sites upload at once. A complete update is read back once, checked against its SHA-256 and
+//! sites upload at once. A complete update is read back once, checked against its hash and
 //! handed to the core (which decodes and spools it durably); its file is then removed.
 //!
 //! Chunks are written where they belong in the payload: every chunk but the last has the same

@@ -4,11 +4,9 @@
 use crate::messages::Chunk;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
-use sha2::{Digest, Sha256};
-
-/// SHA-256 of `payload`: the id of its chunk set and the check on reassembly.
+/// BLAKE3 of `payload`: the id of its chunk set and the check on reassembly.
 pub fn payload_hash(payload: &[u8]) -> [u8; 32] {
-    Sha256::digest(payload).into()
+    blake3::hash(payload).into()
 }
 
 /// Splits `payload` into chunks of at most `max_chunk_bytes` bytes (every chunk full but the
@@ -46,7 +44,7 @@ pub struct Chunks<'a> {
 }
 
 impl Chunks<'_> {
-    /// The payload's SHA-256 ([`payload_hash`]), which every chunk carries.
+    /// The payload's hash ([`payload_hash`]), which every chunk carries.
     pub fn payload_hash(&self) -> [u8; 32] {
         self.hash
     }
@@ -133,9 +131,9 @@ pub enum ChunkError {
         /// Bytes received.
         got: u64,
     },
-    /// All chunks arrived but the payload's SHA-256 differs from the set's hash; the set is
+    /// All chunks arrived but the payload's hash differs from the set's hash; the set is
     /// dropped and should be requested again.
-    #[error("reassembled payload does not match its SHA-256 hash")]
+    #[error("reassembled payload does not match its hash")]
     HashMismatch,
     /// The payload alone is larger than the reassembler may hold.
     #[error("payload of {total_len} bytes exceeds the reassembly limit of {limit} bytes")]

@@ -3,6 +3,7 @@
 //! (ternary matrices, q8 for the rest); the sender keeps the error-feedback residual.
 
 use alloc::string::String;
+use alloc::vec;
 use alloc::vec::Vec;
 use serde::{Deserialize, Serialize};
 

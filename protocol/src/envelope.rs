@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 4] = *b"UFED";
 
 /// The protocol version this crate speaks; peers refuse envelopes of any other version.
-pub const PROTOCOL_VERSION: u16 = 8;
+/// Version 9 signs and identifies payloads with BLAKE3 where 8 used SHA-256.
+pub const PROTOCOL_VERSION: u16 = 9;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -174,6 +175,39 @@ struct Body {
     #[serde(with = "serde_bytes")]
     payload: Vec<u8>,
     signature: Option<Vec<u8>>,
+}
+
+/// [`Body`] borrowing its payload and signature from the bytes it is read from: what tells
+/// whether wire bytes are an envelope, and whether signed, without copying a large payload.
+#[derive(Deserialize)]
+#[cfg(feature = "std")]
+struct BodyView<'a> {
+    #[allow(dead_code)]
+    federation: FederationId,
+    #[allow(dead_code)]
+    sender: SiteId,
+    #[allow(dead_code)]
+    round: u64,
+    #[allow(dead_code)]
+    model_version: u64,
+    #[allow(dead_code)]
+    spec_hash: SpecHash,
+    #[serde(with = "serde_bytes")]
+    #[allow(dead_code)]
+    payload: &'a [u8],
+    #[serde(borrow)]
+    signature: Option<&'a [u8]>,
+}
+
+/// Whether `bytes` are a whole envelope of this version with an empty signature slot (as
+/// [`Envelope::encode`] writes an unsigned one), read without copying the payload.
+#[cfg(feature = "std")]
+pub(crate) fn is_unsigned_encoding(bytes: &[u8]) -> bool {
+    Envelope::peek_kind(bytes).is_some()
+        && matches!(
+            postcard::take_from_bytes::<BodyView>(&bytes[HEADER_LEN..]),
+            Ok((BodyView { signature: None, .. }, rest)) if rest.is_empty()
+        )
 }
 
 impl Envelope {
@@ -430,16 +464,17 @@ mod tests {
     fn a_message_from_another_protocol_version_is_refused_cleanly() {
         // Version 1 had no typed plans and reports, version 2 no control variates, version 3
         // no signatures, version 4 no model deltas, version 5 no MOON, FedDC or Per-FedAvg
-        // objectives, version 6 no announced upload window, version 7 no ternary block size: all
-        // are refused by a version 8 peer, as is a future version 9.
-        for other in [1u16, 2, 3, 4, 5, 6, 7, 9] {
+        // objectives, version 6 no announced upload window, version 7 no ternary block size,
+        // version 8 signed and hashed with SHA-256: all are refused by a version 9 peer, as is
+        // a future version 10.
+        for other in [1u16, 2, 3, 4, 5, 6, 7, 8, 10] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 8)")
+                format!("protocol version {other} is not supported (this peer speaks version 9)")
             );
         }
     }

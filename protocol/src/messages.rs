@@ -232,7 +232,7 @@ pub struct RoundManifest {
     pub chunk_count: u32,
     /// Length of the whole model payload in bytes.
     pub payload_len: u64,
-    /// SHA-256 of the whole model payload.
+    /// Hash ([`crate::payload_hash`]) of the whole model payload.
     pub payload_hash: [u8; 32],
     /// The same model as a [`ModelDelta`] from the previous version in the federation's
     /// encoding, for a site that holds that version (absent under `f32`, where the whole model
@@ -267,14 +267,14 @@ pub struct DeltaInfo {
     pub chunk_count: u32,
     /// Length of the whole delta payload in bytes.
     pub payload_len: u64,
-    /// SHA-256 of the whole delta payload.
+    /// Hash ([`crate::payload_hash`]) of the whole delta payload.
     pub payload_hash: [u8; 32],
 }
 
 /// One piece of a payload larger than the packet limit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Chunk {
-    /// SHA-256 of the whole payload; identifies the set.
+    /// Hash ([`crate::payload_hash`]) of the whole payload; identifies the set.
     pub payload_hash: [u8; 32],
     /// Index of this chunk, `0..count`.
     pub index: u32,
@@ -473,8 +473,9 @@ pub enum Answer {
 pub struct UpdateAnswer {
     /// Round of the answered update.
     pub round: u64,
-    /// SHA-256 of the answered message (the whole update envelope, reassembled if it came in
-    /// chunks): a site takes only the answer to its own bytes as its update's.
+    /// Hash ([`crate::payload_hash`]) of the answered message (the whole update envelope,
+    /// reassembled if it came in chunks): a site takes only the answer to its own bytes as its
+    /// update's.
     pub update_hash: [u8; 32],
     /// Outcome.
     pub answer: Answer,
@@ -487,7 +488,7 @@ pub struct UpdateAnswer {
 pub struct UpdateReceipt {
     /// Round of the update.
     pub round: u64,
-    /// SHA-256 of the whole update envelope (the chunk set's id).
+    /// Hash ([`crate::payload_hash`]) of the whole update envelope (the chunk set's id).
     pub payload_hash: [u8; 32],
     /// The chunk received.
     pub index: u32,
@@ -545,7 +546,7 @@ pub struct PackageInfo {
     pub chunk_count: u32,
     /// Length of the payload in bytes.
     pub payload_len: u64,
-    /// SHA-256 of the payload.
+    /// Hash ([`crate::payload_hash`]) of the payload.
     pub payload_hash: [u8; 32],
 }
 
@@ -631,7 +632,7 @@ pub enum OnboardReply {
     Registered {
         /// Its model version.
         model_version: u64,
-        /// SHA-256 of the stored entry.
+        /// Hash ([`crate::payload_hash`]) of the stored entry.
         entry_hash: [u8; 32],
     },
     /// The request was refused.

@@ -101,7 +101,7 @@ impl Upload {
         self.len == 0
     }
 
-    /// SHA-256 of the update envelope (what the aggregator's answer names).
+    /// Hash of the update envelope (what the aggregator's answer names).
     pub fn hash(&self) -> [u8; 32] {
         self.payload_hash
     }
