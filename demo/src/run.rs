@@ -112,6 +112,24 @@ pub struct RunResult {
     /// run, bytes: the rounds' and the final model's (its apply, checkpoint and evaluation,
     /// reported for round `rounds + 1`).
     pub phase_peak_bytes: BTreeMap<Phase, u64>,
+    /// Every phase every process reported, in the order the demo read them: the run as a
+    /// Gantt chart, from which the critical path of a round can be read.
+    pub spans: Vec<Span>,
+}
+
+/// One phase of one process, when it ran.
+#[derive(Debug, Clone, Serialize)]
+pub struct Span {
+    /// The process: a site's id, or `aggregator`.
+    pub who: String,
+    /// The round the phase is of (`rounds + 1` for the final model's).
+    pub round: u64,
+    /// The phase.
+    pub phase: Phase,
+    /// When it started and ended, seconds since the run started.
+    pub start: f64,
+    /// See `start`.
+    pub end: f64,
 }
 
 /// One phase of one round: over the sites for site phases, over the round's updates or calls
@@ -467,6 +485,19 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     // Every process's CPU seconds when the first round starts, then at each close.
     let mut cpu_closed = vec![kids.cpu_seconds()];
     let mut phases: Vec<PhaseReport> = Vec::new();
+    let mut spans: Vec<Span> = Vec::new();
+    let mut span = |who: &str, (round, phase, seconds, _, ended): PhaseReport| {
+        if let Some(ended) = ended {
+            let end = (ended as f64 - start_ms as f64) / 1000.0;
+            spans.push(Span {
+                who: who.to_string(),
+                round,
+                phase,
+                start: end - seconds,
+                end,
+            });
+        }
+    };
     let mut done: BTreeMap<String, bool> = BTreeMap::new();
     while done.len() < sites.len() {
         let line = match kids.rx.recv_timeout(Duration::from_millis(500)) {
@@ -531,7 +562,11 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     seconds,
                     peak_bytes,
                     ended_ms,
-                }) => phases.push((round, phase, seconds, peak_bytes, ended_ms)),
+                }) => {
+                    let p = (round, phase, seconds, peak_bytes, ended_ms);
+                    span("aggregator", p);
+                    phases.push(p);
+                }
                 _ => {}
             },
             Line::Out { who, text } => {
@@ -595,7 +630,11 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                         seconds,
                         peak_bytes,
                         ended_ms,
-                    } => phases.push((round, phase, seconds, peak_bytes, ended_ms)),
+                    } => {
+                        let p = (round, phase, seconds, peak_bytes, ended_ms);
+                        span(&who, p);
+                        phases.push(p);
+                    }
                     // The aggregator's.
                     Report::RoundClosed { .. } => {}
                 }
@@ -627,6 +666,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         threads_per_agent: threads,
         timeline,
         phase_peak_bytes,
+        spans,
     })
 }
 
