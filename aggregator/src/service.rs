@@ -243,7 +243,7 @@ pub fn read_config(path: &Path) -> Result<ServiceConfig> {
 /// While it serves, the file's `revoked` list is re-read whenever the file changes. The process
 /// allocates lean (`unifed_net::memory::Allocation::Lean`): chunks and models go back to the
 /// system when freed instead of staying in malloc's heap. (As a relay, reusing chunk buffers
-/// from the heap, it spends about 28 % less CPU but peaks 35-45 MiB higher: see ARCHITECTURE.md.)
+/// from the heap, it spends about 28 % less CPU but peaks 30-40 MiB higher: see ARCHITECTURE.md.)
 pub fn serve_from_file(path: &Path) -> Result<u64> {
     unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
     let cfg = read_config(path)?;
