@@ -486,7 +486,10 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let mut cpu_closed = vec![kids.cpu_seconds()];
     let mut phases: Vec<PhaseReport> = Vec::new();
     let mut spans: Vec<Span> = Vec::new();
-    let mut span = |who: &str, (round, phase, seconds, _, ended): PhaseReport| {
+    // A phase report counts in its round's timeline and, when it says when it ended, as a span.
+    let mut record = |who: &str, p: PhaseReport| {
+        phases.push(p);
+        let (round, phase, seconds, _, ended) = p;
         if let Some(ended) = ended {
             let end = (ended as f64 - start_ms as f64) / 1000.0;
             spans.push(Span {
@@ -562,11 +565,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     seconds,
                     peak_bytes,
                     ended_ms,
-                }) => {
-                    let p = (round, phase, seconds, peak_bytes, ended_ms);
-                    span("aggregator", p);
-                    phases.push(p);
-                }
+                }) => record("aggregator", (round, phase, seconds, peak_bytes, ended_ms)),
                 _ => {}
             },
             Line::Out { who, text } => {
@@ -630,11 +629,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                         seconds,
                         peak_bytes,
                         ended_ms,
-                    } => {
-                        let p = (round, phase, seconds, peak_bytes, ended_ms);
-                        span(&who, p);
-                        phases.push(p);
-                    }
+                    } => record(&who, (round, phase, seconds, peak_bytes, ended_ms)),
                     // The aggregator's.
                     Report::RoundClosed { .. } => {}
                 }

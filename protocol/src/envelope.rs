@@ -164,36 +164,17 @@ fn header(kind: MessageKind, payload_len: usize) -> Vec<u8> {
     out
 }
 
-/// The owned twin of [`BodyRef`]; both must list the same fields in the same order.
+/// The envelope after its fixed header as it is read: payload and signature borrowed from the
+/// bytes, so whether bytes are an envelope, and whether signed, is told without copying a large
+/// payload. Its fields must be [`BodyRef`]'s, in the same order.
 #[derive(Deserialize)]
-struct Body {
+struct Body<'a> {
     federation: FederationId,
     sender: SiteId,
     round: u64,
     model_version: u64,
     spec_hash: SpecHash,
     #[serde(with = "serde_bytes")]
-    payload: Vec<u8>,
-    signature: Option<Vec<u8>>,
-}
-
-/// [`Body`] borrowing its payload and signature from the bytes it is read from: what tells
-/// whether wire bytes are an envelope, and whether signed, without copying a large payload.
-#[derive(Deserialize)]
-#[cfg(feature = "std")]
-struct BodyView<'a> {
-    #[allow(dead_code)]
-    federation: FederationId,
-    #[allow(dead_code)]
-    sender: SiteId,
-    #[allow(dead_code)]
-    round: u64,
-    #[allow(dead_code)]
-    model_version: u64,
-    #[allow(dead_code)]
-    spec_hash: SpecHash,
-    #[serde(with = "serde_bytes")]
-    #[allow(dead_code)]
     payload: &'a [u8],
     #[serde(borrow)]
     signature: Option<&'a [u8]>,
@@ -205,8 +186,8 @@ struct BodyView<'a> {
 pub(crate) fn is_unsigned_encoding(bytes: &[u8]) -> bool {
     Envelope::peek_kind(bytes).is_some()
         && matches!(
-            postcard::take_from_bytes::<BodyView>(&bytes[HEADER_LEN..]),
-            Ok((BodyView { signature: None, .. }, rest)) if rest.is_empty()
+            postcard::take_from_bytes::<Body>(&bytes[HEADER_LEN..]),
+            Ok((Body { signature: None, .. }, rest)) if rest.is_empty()
         )
 }
 
@@ -308,8 +289,8 @@ impl Envelope {
             round: body.round,
             model_version: body.model_version,
             spec_hash: body.spec_hash,
-            payload: body.payload,
-            signature: body.signature,
+            payload: body.payload.to_vec(),
+            signature: body.signature.map(<[u8]>::to_vec),
         })
     }
 
@@ -343,7 +324,7 @@ impl Envelope {
 }
 
 /// postcard-decodes a `T` that must use every byte of `bytes`.
-fn take_exact<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
+fn take_exact<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, DecodeError> {
     let (value, rest) =
         postcard::take_from_bytes(bytes).map_err(|e| DecodeError::Malformed(e.to_string()))?;
     if !rest.is_empty() {
