@@ -355,7 +355,7 @@ impl OnboardClient {
             Ok(None) => bail!("the MQTT event loop stopped"),
             Ok(Some(NetEvent::Message { payload, .. })) => {
                 match self.keyring.open(&payload, self.max_packet + 4096) {
-                    Ok(e) if e.federation == self.owner.federation => Ok(Some(e)),
+                    Ok(e) if e.federation == self.owner.federation => Ok(Some(e.into_owned())),
                     Ok(e) => {
                         tracing::warn!(federation = %e.federation, "message of another federation ignored");
                         Ok(None)
@@ -489,7 +489,7 @@ impl OnboardClient {
                     continue;
                 }
                 outstanding.remove(&c.index);
-                match reasm.insert(c, t0.elapsed().as_millis() as u64) {
+                match reasm.insert(c.as_ref(), t0.elapsed().as_millis() as u64) {
                     Ok(Some(bytes)) => {
                         progress(info.chunk_count, info.chunk_count);
                         let b: ServerBroadcast = postcard::from_bytes(&bytes)
@@ -588,7 +588,7 @@ impl OnboardClient {
                 },
                 MessageKind::RegistryEntry => {
                     let c: Chunk = env.payload_as()?;
-                    match reasm.insert(c, t0.elapsed().as_millis() as u64) {
+                    match reasm.insert(c.as_ref(), t0.elapsed().as_millis() as u64) {
                         Ok(Some(bytes)) => {
                             let e: RegistryEntry = postcard::from_bytes(&bytes)
                                 .context("decoding the registry entry")?;

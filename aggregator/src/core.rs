@@ -17,7 +17,7 @@ use std::path::Path;
 use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::encoding::{EncodedTensor, Encoding, Values, decode};
-use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::envelope::{EnvelopeRef, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
     Answer, BnPolicy, Chunk, DeltaInfo, ModelDelta, RejectReason, RoundManifest, ServerBroadcast,
@@ -707,7 +707,6 @@ impl Aggregator {
                 return Ok(Vec::new());
             }
         };
-        drop(bytes);
         if env.kind != MessageKind::SiteUpdate {
             return self.reject(
                 now_ms,
@@ -739,7 +738,8 @@ impl Aggregator {
             }
         };
         let (env_round, env_version) = (env.round, env.model_version);
-        drop(env);
+        // The received bytes go as soon as the update is decoded out of them.
+        drop(bytes);
         let round = upd.round;
         if round != env_round {
             return self.reject(
@@ -939,7 +939,12 @@ impl Aggregator {
     /// Opens a message that arrived on the topic of `topic_site`: it must decode within
     /// `limit` bytes, be signed by that site's enrolled and unrevoked key, and belong to this
     /// federation. The error says why not, for the log.
-    pub fn admit(&self, topic_site: &Id, bytes: &[u8], limit: usize) -> Result<Envelope, String> {
+    pub fn admit<'a>(
+        &self,
+        topic_site: &Id,
+        bytes: &'a [u8],
+        limit: usize,
+    ) -> Result<EnvelopeRef<'a>, String> {
         let env = self.keyring.open(bytes, limit).map_err(|e| e.to_string())?;
         if &env.sender != topic_site {
             return Err(format!(

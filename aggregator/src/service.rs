@@ -15,8 +15,8 @@ use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Chunk, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, Payload, RoundManifest,
-    UpdateAnswer, UpdateReceipt,
+    Chunk, ChunkRef, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, Payload,
+    RoundManifest, UpdateAnswer, UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
 use unifed_protocol::{ModelSpec, SpecHash};
@@ -492,7 +492,7 @@ pub async fn serve(
                         let whole = if Envelope::peek_kind(&payload) == Some(MessageKind::UpdateChunk) {
                             let opened = Id::new(&site).map_err(|e| e.to_string()).and_then(|id| core.admit(&id, &payload, cfg.broker.max_packet_bytes + 4096).map(|env| (id, env)));
                             let inserted = opened.and_then(|(id, env)| {
-                                let c = env.payload_as::<Chunk>().map_err(|e| e.to_string())?;
+                                let c = env.payload_as::<ChunkRef>().map_err(|e| e.to_string())?;
                                 let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
                                 tokio::task::block_in_place(|| uploads.insert(&id, c, now_ms()))
                                     .map(|done| (id, r, done))
@@ -511,7 +511,7 @@ pub async fn serve(
                                 }
                             }
                         } else {
-                            Some((payload, None))
+                            Some((payload.to_vec(), None))
                         };
                         uploads.expire(now_ms());
                         if let Some((bytes, hash)) = whole {
@@ -673,7 +673,7 @@ async fn onboard(
         },
         MessageKind::RegistryPut => {
             let done = env
-                .payload_as::<Chunk>()
+                .payload_as::<ChunkRef>()
                 .map_err(|e| e.to_string())
                 .and_then(|c| entries.insert(c, now_ms()).map_err(|e| e.to_string()));
             entries.expire(now_ms());

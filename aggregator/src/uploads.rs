@@ -16,7 +16,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use unifed_protocol::chunking::{ChunkError, check_set, payload_hash};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::Chunk;
+use unifed_protocol::messages::{Chunk, ChunkRef};
 
 /// Milliseconds between sweeps of expired sets (amortised: not on every message).
 pub const SWEEP_EVERY_MS: u64 = 1_000;
@@ -112,7 +112,7 @@ impl SpooledUploads {
     pub fn insert(
         &mut self,
         site: &Id,
-        chunk: Chunk,
+        chunk: ChunkRef<'_>,
         now_ms: u64,
     ) -> Result<Option<Vec<u8>>, UploadError> {
         let Chunk {
@@ -184,7 +184,7 @@ impl SpooledUploads {
         };
         let s = &mut sets[k];
         s.file
-            .write_all_at(&data, s.size * u64::from(index))
+            .write_all_at(data, s.size * u64::from(index))
             .map_err(|source| UploadError::Io {
                 path: s.path.clone(),
                 source,
@@ -285,7 +285,7 @@ mod tests {
         cs.reverse(); // the last chunk (1,000 bytes) first
         let n = cs.len();
         for (k, c) in cs.into_iter().enumerate() {
-            let done = u.insert(&site("a"), c, 0).unwrap();
+            let done = u.insert(&site("a"), c.as_ref(), 0).unwrap();
             assert_eq!(done.is_some(), k + 1 == n);
             if let Some(got) = done {
                 assert_eq!(got, p);
@@ -301,11 +301,11 @@ mod tests {
         let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
         let p = payload(10_000);
         let cs: Vec<Chunk> = chunks(&p, 3_000).collect();
-        u.insert(&site("a"), cs[0].clone(), 0).unwrap();
+        u.insert(&site("a"), cs[0].as_ref(), 0).unwrap();
         let mut short = cs[1].clone();
         short.data.truncate(2_000);
         assert!(matches!(
-            u.insert(&site("a"), short, 0),
+            u.insert(&site("a"), short.as_ref(), 0),
             Err(UploadError::Chunk(ChunkError::BadChunkLength {
                 index: 1,
                 ..
@@ -315,13 +315,13 @@ mod tests {
         let mut odd = chunks(&payload(9_001), 3_000).last().unwrap();
         odd.data.push(0);
         assert!(matches!(
-            u.insert(&site("b"), odd, 0),
+            u.insert(&site("b"), odd.as_ref(), 0),
             Err(UploadError::Chunk(ChunkError::BadChunkLength { .. }))
         ));
         // The set of `a` is intact and completes.
         let mut done = None;
         for c in cs.into_iter().skip(1) {
-            done = u.insert(&site("a"), c, 0).unwrap();
+            done = u.insert(&site("a"), c.as_ref(), 0).unwrap();
         }
         assert_eq!(done, Some(p));
     }
@@ -334,7 +334,7 @@ mod tests {
         cs[2].data[7] ^= 1;
         let mut last = Ok(None);
         for c in cs {
-            last = u.insert(&site("a"), c, 0);
+            last = u.insert(&site("a"), c.as_ref(), 0);
         }
         assert!(matches!(
             last,
@@ -350,7 +350,7 @@ mod tests {
         assert!(matches!(
             u.insert(
                 &site("a"),
-                chunks(&payload(5_000), 1_000).next().unwrap(),
+                chunks(&payload(5_000), 1_000).next().unwrap().as_ref(),
                 0
             ),
             Err(UploadError::Chunk(ChunkError::PayloadTooLarge { .. }))
@@ -358,11 +358,11 @@ mod tests {
         // Three sets of one site: the oldest is dropped, the others stay.
         for (k, n) in [3_000, 3_001, 3_002].into_iter().enumerate() {
             let c = chunks(&payload(n), 1_000).next().unwrap();
-            u.insert(&site("a"), c, k as u64).unwrap();
+            u.insert(&site("a"), c.as_ref(), k as u64).unwrap();
         }
         u.insert(
             &site("b"),
-            chunks(&payload(2_000), 1_000).next().unwrap(),
+            chunks(&payload(2_000), 1_000).next().unwrap().as_ref(),
             500,
         )
         .unwrap();

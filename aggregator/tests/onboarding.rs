@@ -161,7 +161,7 @@ fn package(agg: &Aggregator, version: Option<u64>) -> (Vec<String>, Vec<(String,
     let mut r = Reassembler::new(1_000, 1 << 20);
     let mut bytes = None;
     for c in chunks {
-        bytes = r.insert(c, 0).unwrap();
+        bytes = r.insert(c.as_ref(), 0).unwrap();
     }
     let bytes = bytes.unwrap();
     assert_eq!(unifed_protocol::payload_hash(&bytes), info.payload_hash);

@@ -166,8 +166,8 @@ pub enum NetEvent {
     Message {
         /// Its topic.
         topic: String,
-        /// Its payload.
-        payload: Vec<u8>,
+        /// Its payload: a slice of the client's read buffer, not a copy of it.
+        payload: bytes::Bytes,
     },
 }
 
@@ -203,8 +203,8 @@ pub fn spawn_event_loop(
                 Ok(Event::Incoming(Packet::Publish(p))) => {
                     if tx
                         .send(NetEvent::Message {
-                            topic: p.topic.clone(),
-                            payload: p.payload.to_vec(),
+                            topic: p.topic,
+                            payload: p.payload,
                         })
                         .is_err()
                     {

@@ -9,7 +9,7 @@
 //! federation, round or kind, or claimed by another sender. A receiver opens bytes with its
 //! keyring: the sender must be enrolled, its key not revoked and the signature valid.
 
-use crate::envelope::{DecodeError, Envelope};
+use crate::envelope::{DecodeError, Envelope, EnvelopeRef};
 use crate::ids::Id;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
@@ -249,10 +249,18 @@ impl Keyring {
 
     /// Decodes `bytes` (refused above `limit` before parsing) and checks its signature: the
     /// sender must be enrolled, its key not revoked, and the signature its key's over the
-    /// whole envelope.
-    pub fn open(&self, bytes: &[u8], limit: usize) -> Result<Envelope, AuthError> {
-        let env = Envelope::decode_limited(bytes, limit)?;
-        let Some(signature) = env.signature.as_deref() else {
+    /// whole envelope. The envelope is read in place: its payload is a slice of `bytes`
+    /// ([`EnvelopeRef::into_owned`] copies it out).
+    pub fn open<'a>(&self, bytes: &'a [u8], limit: usize) -> Result<EnvelopeRef<'a>, AuthError> {
+        if bytes.len() > limit {
+            return Err(DecodeError::TooLarge {
+                len: bytes.len(),
+                limit,
+            }
+            .into());
+        }
+        let env = EnvelopeRef::decode(bytes)?;
+        let Some(signature) = env.signature else {
             return Err(AuthError::Unsigned(env.sender));
         };
         let Some(key) = self.keys.get(&env.sender) else {
@@ -470,9 +478,9 @@ mod tests {
         assert_eq!(bytes.len(), e.encode().len() + SIGNATURE_LEN + 1);
         let opened = ring_of("site-a", &k).open(&bytes, 1 << 20).unwrap();
         assert_eq!(opened.payload, e.payload);
-        assert_eq!(opened.signature.as_ref().map(Vec::len), Some(SIGNATURE_LEN));
+        assert_eq!(opened.signature.map(<[u8]>::len), Some(SIGNATURE_LEN));
         // Signing twice gives the same bytes (ed25519 is deterministic).
-        assert_eq!(k.sign(&opened), bytes);
+        assert_eq!(k.sign(&opened.into_owned()), bytes);
     }
 
     #[test]
@@ -518,7 +526,11 @@ mod tests {
         let k = key(1);
         let ring = ring_of("site-a", &k);
         let good = k.sign(&envelope("fed", "site-a", 3));
-        let sig = ring.open(&good, 1 << 20).unwrap().signature;
+        let sig = ring
+            .open(&good, 1 << 20)
+            .unwrap()
+            .signature
+            .map(<[u8]>::to_vec);
         for mut moved in [envelope("fed", "site-a", 4), envelope("other", "site-a", 3)] {
             moved.signature = sig.clone();
             assert_eq!(

@@ -1,7 +1,7 @@
 //! Splitting payloads larger than the MQTT packet limit into [`Chunk`]s, and putting them back
 //! together on the other side with bounded memory and a timeout for sets that never complete.
 
-use crate::messages::Chunk;
+use crate::messages::{Chunk, ChunkRef};
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
 /// BLAKE3 of `payload`: the id of its chunk set and the check on reassembly.
@@ -48,7 +48,14 @@ impl Chunks<'_> {
     pub fn payload_hash(&self) -> [u8; 32] {
         self.hash
     }
+
+    /// Length of every chunk but the last (which may be shorter).
+    pub fn chunk_len(&self) -> usize {
+        self.size
+    }
 }
+
+impl ExactSizeIterator for Chunks<'_> {}
 
 impl Iterator for Chunks<'_> {
     type Item = Chunk;
@@ -277,7 +284,11 @@ impl Reassembler {
     /// Chunks may come in any order; a repeated index is ignored. A refused chunk leaves its set
     /// as it was, except on [`ChunkError::HashMismatch`] and [`ChunkError::LengthMismatch`],
     /// which drop the whole set.
-    pub fn insert(&mut self, chunk: Chunk, now_ms: u64) -> Result<Option<Vec<u8>>, ChunkError> {
+    pub fn insert(
+        &mut self,
+        chunk: ChunkRef<'_>,
+        now_ms: u64,
+    ) -> Result<Option<Vec<u8>>, ChunkError> {
         let Chunk {
             payload_hash: hash,
             index,
@@ -322,7 +333,7 @@ impl Reassembler {
             for i in 0..count {
                 match parts.remove(&i) {
                     Some(part) => payload.extend_from_slice(&part),
-                    None => payload.extend_from_slice(&data.take().unwrap_or_default()),
+                    None => payload.extend_from_slice(data.take().unwrap_or_default()),
                 }
             }
             if payload.len() as u64 != total_len {
@@ -364,7 +375,7 @@ impl Reassembler {
             bytes: 0,
         });
         set.bytes += data.len();
-        set.chunks.insert(index, data);
+        set.chunks.insert(index, data.to_vec());
         Ok(None)
     }
 
@@ -458,7 +469,7 @@ mod tests {
         assert_eq!(chunks.len(), 1);
         assert_eq!((chunks[0].count, chunks[0].total_len), (1, 0));
         let mut r = Reassembler::new(1000, 100);
-        assert_eq!(r.insert(chunks[0].clone(), 0), Ok(Some(vec![])));
+        assert_eq!(r.insert(chunks[0].as_ref(), 0), Ok(Some(vec![])));
     }
 
     #[test]
@@ -473,7 +484,7 @@ mod tests {
         let mut done = None;
         for (n, &i) in order.iter().enumerate() {
             assert!(done.is_none(), "completed early");
-            done = r.insert(chunks[i].clone(), n as u64).unwrap();
+            done = r.insert(chunks[i].as_ref(), n as u64).unwrap();
         }
         assert_eq!(done, Some(p));
         assert_eq!(r.pending_bytes(), 0);
@@ -487,9 +498,9 @@ mod tests {
         let mut r = Reassembler::new(1000, 4000);
         let mut out = vec![];
         for i in 0..10 {
-            out.extend(r.insert(a[i].clone(), 0).unwrap());
+            out.extend(r.insert(a[i].as_ref(), 0).unwrap());
             if i < b.len() {
-                out.extend(r.insert(b[i].clone(), 0).unwrap());
+                out.extend(r.insert(b[i].as_ref(), 0).unwrap());
             }
         }
         assert_eq!(out, vec![q, p]);
@@ -500,8 +511,8 @@ mod tests {
         let p = payload(100);
         let chunks = split(&p, 30);
         let mut r = Reassembler::new(500, 1000);
-        r.insert(chunks[0].clone(), 1000).unwrap();
-        r.insert(chunks[2].clone(), 1400).unwrap();
+        r.insert(chunks[0].as_ref(), 1000).unwrap();
+        r.insert(chunks[2].as_ref(), 1400).unwrap();
         assert_eq!(r.pending_bytes(), 60 + 2 * CHUNK_OVERHEAD + SET_OVERHEAD);
         assert_eq!(r.missing(&payload_hash(&p)), Some(vec![1, 3]));
         // The timeout counts from the first chunk, not the latest.
@@ -516,11 +527,11 @@ mod tests {
     fn a_chunk_with_a_mismatched_count_is_rejected() {
         let chunks = split(&payload(100), 30);
         let mut r = Reassembler::new(500, 1000);
-        r.insert(chunks[0].clone(), 0).unwrap();
+        r.insert(chunks[0].as_ref(), 0).unwrap();
         let mut odd = chunks[1].clone();
         odd.count = 5;
         assert_eq!(
-            r.insert(odd, 0),
+            r.insert(odd.as_ref(), 0),
             Err(ChunkError::SetMismatch {
                 count: 5,
                 total_len: 100,
@@ -531,14 +542,14 @@ mod tests {
         let mut odd = chunks[1].clone();
         odd.total_len = 99;
         assert!(matches!(
-            r.insert(odd, 0),
+            r.insert(odd.as_ref(), 0),
             Err(ChunkError::SetMismatch { .. })
         ));
         // The set is unharmed.
         for c in &chunks[1..3] {
-            assert_eq!(r.insert(c.clone(), 0), Ok(None));
+            assert_eq!(r.insert(c.as_ref(), 0), Ok(None));
         }
-        assert!(r.insert(chunks[3].clone(), 0).unwrap().is_some());
+        assert!(r.insert(chunks[3].as_ref(), 0).unwrap().is_some());
     }
 
     #[test]
@@ -551,19 +562,19 @@ mod tests {
             c
         };
         assert_eq!(
-            r.insert(with(|c| c.index = 3), 0),
+            r.insert(with(|c| c.index = 3).as_ref(), 0),
             Err(ChunkError::IndexOutOfRange { index: 3, count: 3 })
         );
         assert!(matches!(
-            r.insert(with(|c| c.count = 0), 0),
+            r.insert(with(|c| c.count = 0).as_ref(), 0),
             Err(ChunkError::ImpossibleSet { .. })
         ));
         assert!(matches!(
-            r.insert(with(|c| c.count = 11), 0),
+            r.insert(with(|c| c.count = 11).as_ref(), 0),
             Err(ChunkError::ImpossibleSet { .. })
         ));
         assert!(matches!(
-            r.insert(with(|c| c.data = vec![0; 11]), 0),
+            r.insert(with(|c| c.data = vec![0; 11]).as_ref(), 0),
             Err(ChunkError::BadChunkLength {
                 len: 11,
                 room: 10,
@@ -571,11 +582,11 @@ mod tests {
             })
         ));
         assert!(matches!(
-            r.insert(with(|c| c.data.clear()), 0),
+            r.insert(with(|c| c.data.clear()).as_ref(), 0),
             Err(ChunkError::BadChunkLength { .. })
         ));
         assert!(matches!(
-            r.insert(with(|c| c.total_len = 5000), 0),
+            r.insert(with(|c| c.total_len = 5000).as_ref(), 0),
             Err(ChunkError::PayloadTooLarge {
                 total_len: 5000,
                 limit: 1000
@@ -592,10 +603,10 @@ mod tests {
         chunks[1].data[5] ^= 1;
         let mut r = Reassembler::new(500, 1000);
         for c in &chunks[..3] {
-            assert_eq!(r.insert(c.clone(), 0), Ok(None));
+            assert_eq!(r.insert(c.as_ref(), 0), Ok(None));
         }
         assert_eq!(
-            r.insert(chunks[3].clone(), 0),
+            r.insert(chunks[3].as_ref(), 0),
             Err(ChunkError::HashMismatch)
         );
         assert_eq!(r.pending_bytes(), 0);
@@ -609,10 +620,10 @@ mod tests {
         chunks[3].data.pop();
         let mut r = Reassembler::new(500, 1000);
         for c in &chunks[..3] {
-            r.insert(c.clone(), 0).unwrap();
+            r.insert(c.as_ref(), 0).unwrap();
         }
         assert_eq!(
-            r.insert(chunks[3].clone(), 0),
+            r.insert(chunks[3].as_ref(), 0),
             Err(ChunkError::LengthMismatch {
                 expected: 100,
                 got: 99
@@ -629,12 +640,12 @@ mod tests {
         };
         let limit = held(95, 2, 2) + 39;
         let mut r = Reassembler::new(500, limit);
-        r.insert(split(&p, 50)[0].clone(), 0).unwrap();
+        r.insert(split(&p, 50)[0].as_ref(), 0).unwrap();
         let qs = split(&q, 45);
-        r.insert(qs[0].clone(), 0).unwrap();
+        r.insert(qs[0].as_ref(), 0).unwrap();
         assert_eq!(r.pending_bytes(), held(95, 2, 2));
         assert_eq!(
-            r.insert(split(&payload(80), 40)[0].clone(), 0),
+            r.insert(split(&payload(80), 40)[0].as_ref(), 0),
             Err(ChunkError::TooMuchPending {
                 pending: held(95, 2, 2),
                 incoming: held(40, 1, 1),
@@ -642,7 +653,7 @@ mod tests {
             })
         );
         // Completing a set needs no extra room and frees what it held.
-        assert_eq!(r.insert(qs[1].clone(), 0), Ok(Some(q)));
+        assert_eq!(r.insert(qs[1].as_ref(), 0), Ok(Some(q)));
         assert_eq!(r.pending_bytes(), held(50, 1, 1));
     }
 
@@ -658,7 +669,7 @@ mod tests {
                 total_len: 2,
                 data: vec![1],
             };
-            if r.insert(c, 0).is_ok() {
+            if r.insert(c.as_ref(), 0).is_ok() {
                 taken += 1;
             }
         }
@@ -671,7 +682,7 @@ mod tests {
         let mut r = Reassembler::new(100, 1 << 20).with_max_sets(2);
         let sets: Vec<Vec<Chunk>> = (0..3).map(|k| split(&payload(20 + k), 10)).collect();
         for (t, s) in sets.iter().enumerate() {
-            r.insert(s[0].clone(), t as u64 * 10).unwrap();
+            r.insert(s[0].as_ref(), t as u64 * 10).unwrap();
         }
         assert_eq!(r.pending_sets(), 2);
         assert!(r.missing(&sets[0][0].payload_hash).is_none());

@@ -269,29 +269,7 @@ impl Envelope {
 
     /// Parses wire bytes, checking in order: length, magic, version, kind, body, trailing bytes.
     pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
-        if bytes.len() < HEADER_LEN {
-            return Err(DecodeError::Truncated);
-        }
-        if bytes[..4] != MAGIC {
-            return Err(DecodeError::BadMagic);
-        }
-        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
-        if version != PROTOCOL_VERSION {
-            return Err(DecodeError::UnsupportedVersion(version));
-        }
-        let raw_kind = u16::from_le_bytes([bytes[6], bytes[7]]);
-        let kind = MessageKind::from_u16(raw_kind).ok_or(DecodeError::UnknownKind(raw_kind))?;
-        let body: Body = take_exact(&bytes[HEADER_LEN..])?;
-        Ok(Envelope {
-            kind,
-            federation: body.federation,
-            sender: body.sender,
-            round: body.round,
-            model_version: body.model_version,
-            spec_hash: body.spec_hash,
-            payload: body.payload.to_vec(),
-            signature: body.signature.map(<[u8]>::to_vec),
-        })
+        EnvelopeRef::decode(bytes).map(EnvelopeRef::into_owned)
     }
 
     /// The kind named in the fixed header of `bytes`, if they start with this version's
@@ -320,6 +298,77 @@ impl Envelope {
     /// Decodes the payload as a `T`; the whole payload must be consumed.
     pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, DecodeError> {
         take_exact(&self.payload)
+    }
+}
+
+/// An [`Envelope`] read in place: its payload and signature are slices of the received bytes.
+/// What a receiver checks and routes, without copying a chunk-sized payload first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvelopeRef<'a> {
+    /// What the payload is.
+    pub kind: MessageKind,
+    /// Federation the message belongs to.
+    pub federation: FederationId,
+    /// Site (or aggregator) that sent it.
+    pub sender: SiteId,
+    /// Round the message is about.
+    pub round: u64,
+    /// Model version the message is about.
+    pub model_version: u64,
+    /// Spec hash of the federation's model.
+    pub spec_hash: SpecHash,
+    /// The postcard-encoded payload, of the type `kind` names.
+    pub payload: &'a [u8],
+    /// The sender's signature, if the envelope has one.
+    pub signature: Option<&'a [u8]>,
+}
+
+impl<'a> EnvelopeRef<'a> {
+    /// Parses wire bytes like [`Envelope::decode`], borrowing the payload and signature.
+    pub fn decode(bytes: &'a [u8]) -> Result<EnvelopeRef<'a>, DecodeError> {
+        if bytes.len() < HEADER_LEN {
+            return Err(DecodeError::Truncated);
+        }
+        if bytes[..4] != MAGIC {
+            return Err(DecodeError::BadMagic);
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::UnsupportedVersion(version));
+        }
+        let raw_kind = u16::from_le_bytes([bytes[6], bytes[7]]);
+        let kind = MessageKind::from_u16(raw_kind).ok_or(DecodeError::UnknownKind(raw_kind))?;
+        let body: Body = take_exact(&bytes[HEADER_LEN..])?;
+        Ok(EnvelopeRef {
+            kind,
+            federation: body.federation,
+            sender: body.sender,
+            round: body.round,
+            model_version: body.model_version,
+            spec_hash: body.spec_hash,
+            payload: body.payload,
+            signature: body.signature,
+        })
+    }
+
+    /// Decodes the payload as a `T`, which may borrow from it (a [`crate::ChunkRef`]); the
+    /// whole payload must be consumed.
+    pub fn payload_as<T: Deserialize<'a>>(&self) -> Result<T, DecodeError> {
+        take_exact(self.payload)
+    }
+
+    /// The envelope with its payload and signature copied out of the received bytes.
+    pub fn into_owned(self) -> Envelope {
+        Envelope {
+            kind: self.kind,
+            federation: self.federation,
+            sender: self.sender,
+            round: self.round,
+            model_version: self.model_version,
+            spec_hash: self.spec_hash,
+            payload: self.payload.to_vec(),
+            signature: self.signature.map(<[u8]>::to_vec),
+        }
     }
 }
 

@@ -271,9 +271,14 @@ pub struct DeltaInfo {
     pub payload_hash: [u8; 32],
 }
 
-/// One piece of a payload larger than the packet limit.
+/// One piece of a payload larger than the packet limit. Its bytes are owned (`Vec<u8>`, the
+/// default) or borrowed from the received message ([`ChunkRef`]): both encode alike.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Chunk {
+#[serde(bound(
+    serialize = "B: serde_bytes::Serialize",
+    deserialize = "B: serde_bytes::Deserialize<'de>"
+))]
+pub struct Chunk<B = Vec<u8>> {
     /// Hash ([`crate::payload_hash`]) of the whole payload; identifies the set.
     pub payload_hash: [u8; 32],
     /// Index of this chunk, `0..count`.
@@ -284,7 +289,24 @@ pub struct Chunk {
     pub total_len: u64,
     /// This chunk's bytes.
     #[serde(with = "serde_bytes")]
-    pub data: Vec<u8>,
+    pub data: B,
+}
+
+/// A [`Chunk`] read in place: its bytes are a slice of the message it came in, so a receiver
+/// writes them where they belong without copying them first.
+pub type ChunkRef<'a> = Chunk<&'a [u8]>;
+
+impl Chunk {
+    /// This chunk with its bytes borrowed.
+    pub fn as_ref(&self) -> ChunkRef<'_> {
+        Chunk {
+            payload_hash: self.payload_hash,
+            index: self.index,
+            count: self.count,
+            total_len: self.total_len,
+            data: &self.data,
+        }
+    }
 }
 
 /// Which payload of a model version a [`ChunkRequest`] asks for.

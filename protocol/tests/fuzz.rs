@@ -337,7 +337,7 @@ proptest! {
                     let mut c = set[chunk % set.len()].clone();
                     edit_chunk(&mut c, edit, noise);
                     let hash = c.payload_hash;
-                    if let Ok(Some(p)) = r.insert(c, now) {
+                    if let Ok(Some(p)) = r.insert(c.as_ref(), now) {
                         prop_assert!(payloads.contains(&p));
                         prop_assert_eq!(payload_hash(&p), hash);
                     }

@@ -370,3 +370,57 @@ fn byte_strings_make_the_same_postcard_bytes_as_sequences_of_bytes() {
     assert_eq!(&wire[8..], &postcard::to_allocvec(&body).unwrap()[..]);
     assert_eq!(Envelope::decode(&wire).unwrap(), e);
 }
+
+/// Whether `part` lies inside `whole`'s memory: read in place, not copied.
+fn lies_in(part: &[u8], whole: &[u8]) -> bool {
+    let (p, w) = (part.as_ptr() as usize, whole.as_ptr() as usize);
+    p >= w && p + part.len() <= w + whole.len()
+}
+
+/// A receiver reads a chunk in place: the envelope's payload and the chunk's bytes are slices
+/// of the received message, with the same fields as the owned decode, and a borrowed chunk
+/// encodes to the very bytes of the owned one.
+#[test]
+fn a_chunk_is_read_in_place_with_the_fields_and_bytes_of_an_owned_one() {
+    let data: Vec<u8> = (0..=255u8).cycle().take(3000).collect();
+    let c = Chunk {
+        payload_hash: [7; 32],
+        index: 5,
+        count: 11,
+        total_len: 32_000,
+        data,
+    };
+    assert_eq!(
+        postcard::to_allocvec(&c.as_ref()).unwrap(),
+        postcard::to_allocvec(&c).unwrap()
+    );
+    let key = SigningKey::from_seed([9; 32]);
+    let e = Envelope::new(
+        MessageKind::UpdateChunk,
+        id("fed"),
+        id("site-1"),
+        4,
+        9,
+        spec_hash(),
+        &c,
+    );
+    let wire = key.sign(&e);
+    let opened = Keyring::single(id("site-1"), key.public())
+        .open(&wire, 1 << 20)
+        .unwrap();
+    assert!(lies_in(opened.payload, &wire));
+    assert!(lies_in(opened.signature.unwrap(), &wire));
+    let chunk: ChunkRef = opened.payload_as().unwrap();
+    assert!(lies_in(chunk.data, &wire));
+    assert_eq!(chunk, c.as_ref());
+    // The owned reads agree field for field.
+    let owned = Envelope::decode(&wire).unwrap();
+    assert_eq!(EnvelopeRef::decode(&wire).unwrap().into_owned(), owned);
+    assert_eq!(opened.into_owned(), owned);
+    assert_eq!(owned.payload_as::<Chunk>().unwrap(), c);
+    // A limit below the message's length refuses it before anything is parsed.
+    assert!(matches!(
+        Keyring::single(id("site-1"), key.public()).open(&wire, wire.len() - 1),
+        Err(AuthError::Decode(DecodeError::TooLarge { .. }))
+    ));
+}

@@ -190,7 +190,7 @@ pub fn run_federation<N: Net>(
                         k,
                         SiteEvent::Message {
                             topic: topics.ack(&site),
-                            payload: bytes,
+                            payload: bytes.into(),
                         },
                     ));
                 }
@@ -216,7 +216,7 @@ pub fn run_federation<N: Net>(
                             k,
                             SiteEvent::Message {
                                 topic: topics.manifest(),
-                                payload: bytes.clone(),
+                                payload: bytes.clone().into(),
                             },
                         ));
                     }
@@ -254,12 +254,14 @@ pub fn run_federation<N: Net>(
                                 k,
                                 SiteEvent::Message {
                                     topic: topics.chunk_reply(site),
-                                    payload: wire.envelope(
-                                        MessageKind::ModelChunk,
-                                        m.round,
-                                        m.model_version,
-                                        c,
-                                    ),
+                                    payload: wire
+                                        .envelope(
+                                            MessageKind::ModelChunk,
+                                            m.round,
+                                            m.model_version,
+                                            c,
+                                        )
+                                        .into(),
                                 },
                             ));
                         }

@@ -16,10 +16,10 @@ use std::collections::BTreeSet;
 use unifed_protocol::SpecHash;
 use unifed_protocol::auth::{Keyring, PublicKey, SigningKey};
 use unifed_protocol::chunking::{Reassembler, fetch_window};
-use unifed_protocol::envelope::{Envelope, MessageKind};
+use unifed_protocol::envelope::{Envelope, EnvelopeRef, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
 use unifed_protocol::messages::{
-    Answer, Chunk, ChunkRequest, Download, ModelDelta, Payload, RoundManifest, ServerBroadcast,
+    Answer, ChunkRef, ChunkRequest, Download, ModelDelta, Payload, RoundManifest, ServerBroadcast,
     UpdateAnswer, UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
@@ -70,8 +70,8 @@ pub enum Event {
     Message {
         /// Its topic.
         topic: String,
-        /// Its bytes.
-        payload: Vec<u8>,
+        /// Its bytes (shared with the transport's buffer: a `Vec<u8>` converts without a copy).
+        payload: bytes::Bytes,
     },
     /// The driver applied the model of an [`Action::Apply`].
     Applied {
@@ -367,7 +367,7 @@ impl SiteEngine {
                 Ok(m) => self.on_manifest(m, &env),
                 Err(e) => drop_msg(topic, &e.to_string()),
             },
-            MessageKind::ModelChunk => match env.payload_as::<Chunk>() {
+            MessageKind::ModelChunk => match env.payload_as::<ChunkRef>() {
                 Ok(c) => self.on_chunk(c, now_ms, out),
                 Err(e) => drop_msg(topic, &e.to_string()),
             },
@@ -387,7 +387,7 @@ impl SiteEngine {
         }
     }
 
-    fn on_manifest(&mut self, m: RoundManifest, env: &Envelope) {
+    fn on_manifest(&mut self, m: RoundManifest, env: &EnvelopeRef<'_>) {
         let problem = if m.spec_hash != self.cfg.spec_hash {
             Some("it names another model spec".to_string())
         } else if m.round != env.round || m.model_version != env.model_version {
@@ -439,7 +439,7 @@ impl SiteEngine {
         self.manifest = Some(m);
     }
 
-    fn on_chunk(&mut self, chunk: Chunk, now_ms: u64, out: &mut Vec<Action>) {
+    fn on_chunk(&mut self, chunk: ChunkRef<'_>, now_ms: u64, out: &mut Vec<Action>) {
         let Some(m) = &self.manifest else { return };
         let t = self.target(m);
         if chunk.payload_hash != t.hash {

@@ -14,7 +14,7 @@ use unifed_protocol::auth::SigningKey;
 use unifed_protocol::chunking::{chunks, payload_hash};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::UpdateReceipt;
+use unifed_protocol::messages::{ChunkRef, UpdateReceipt};
 
 /// Largest update chunk: small enough that a window of every site fits a broker's log.
 pub const MAX_CHUNK: usize = 256 << 10;
@@ -26,16 +26,31 @@ pub const CHUNK_TIMEOUT_MS: u64 = 10_000;
 pub struct Upload {
     /// The round it is for.
     pub round: u64,
-    len: usize,
+    /// The signed update envelope.
     bytes: Vec<u8>,
     payload_hash: [u8; 32],
-    /// Encoded chunk envelopes; empty when the update goes whole.
-    chunks: Vec<Vec<u8>>,
+    /// What a chunk's envelope says and who signs it: chunks are cut and signed as they are
+    /// sent, so the first leaves at once and none is held twice.
+    signer: ChunkSigner,
+    /// Length of every chunk but the last; 0 when the update goes whole.
+    chunk: usize,
+    /// Number of chunks; 0 when the update goes whole.
+    count: usize,
     next: usize,
     /// Chunks in flight without a receipt at most (at least 1).
     window: usize,
     inflight: BTreeMap<u32, Option<u64>>,
     last_progress: Option<u64>,
+}
+
+/// The envelope fields of an update's chunks, and the key that signs them.
+#[derive(Debug)]
+struct ChunkSigner {
+    federation: Id,
+    site: Id,
+    hash: SpecHash,
+    version: u64,
+    key: SigningKey,
 }
 
 impl Upload {
@@ -53,37 +68,31 @@ impl Upload {
         window_bytes: usize,
     ) -> Upload {
         let limit = max_packet.saturating_sub(4096).max(1024);
-        // The update's hash: `chunks` computes it for its chunks, so it is not computed again.
-        let (update_hash, chunks) = if bytes.len() <= limit {
-            (payload_hash(&bytes), Vec::new())
+        // The update's hash: `chunks` computes it with its cut, so it is not computed again.
+        let (payload_hash, chunk, count) = if bytes.len() <= limit {
+            (payload_hash(&bytes), 0, 0)
         } else {
             let cut = chunks(&bytes, (limit - 512).min(MAX_CHUNK));
-            let update_hash = cut.payload_hash();
-            let signed = cut
-                .map(|c| {
-                    key.sign(&Envelope::new(
-                        MessageKind::UpdateChunk,
-                        federation.clone(),
-                        site.clone(),
-                        round,
-                        version,
-                        hash,
-                        &c,
-                    ))
-                })
-                .collect();
-            (update_hash, signed)
+            (cut.payload_hash(), cut.chunk_len(), cut.len())
         };
-        let window = chunks
-            .first()
-            .map_or(1, |c| (window_bytes / c.len().max(1)).max(1));
+        let window = if count == 0 {
+            1
+        } else {
+            (window_bytes / chunk).max(1)
+        };
         Upload {
             round,
-            payload_hash: update_hash,
-            len: bytes.len(),
-            // A chunked update lives in its chunks only (no second copy of the whole).
-            bytes: if chunks.is_empty() { bytes } else { Vec::new() },
-            chunks,
+            bytes,
+            payload_hash,
+            signer: ChunkSigner {
+                federation: federation.clone(),
+                site: site.clone(),
+                hash,
+                version,
+                key: key.clone(),
+            },
+            chunk,
+            count,
             next: 0,
             window,
             inflight: BTreeMap::new(),
@@ -91,14 +100,39 @@ impl Upload {
         }
     }
 
+    /// The signed envelope of chunk `index`: the bytes [`chunks`] cuts, in the envelope
+    /// `Envelope::new` would make, serialised straight into it.
+    fn chunk_envelope(&self, index: usize) -> Vec<u8> {
+        let at = index * self.chunk;
+        let s = &self.signer;
+        let c = ChunkRef {
+            payload_hash: self.payload_hash,
+            index: index as u32,
+            count: self.count as u32,
+            total_len: self.bytes.len() as u64,
+            data: &self.bytes[at..(at + self.chunk).min(self.bytes.len())],
+        };
+        let unsigned = Envelope::encode_new(
+            MessageKind::UpdateChunk,
+            &s.federation,
+            &s.site,
+            (self.round, s.version),
+            s.hash,
+            &c,
+        );
+        s.key
+            .sign_encoded(unsigned)
+            .expect("encode_new writes an unsigned envelope")
+    }
+
     /// Bytes of the update envelope.
     pub fn len(&self) -> usize {
-        self.len
+        self.bytes.len()
     }
 
     /// Whether the update is empty (never: an envelope has a header).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.bytes.is_empty()
     }
 
     /// Hash of the update envelope (what the aggregator's answer names).
@@ -108,7 +142,7 @@ impl Upload {
 
     /// MQTT messages one complete send takes.
     pub fn messages(&self) -> usize {
-        self.chunks.len().max(1)
+        self.count.max(1)
     }
 
     /// The aggregator holds a chunk.
@@ -131,7 +165,7 @@ impl Upload {
         for t in self.inflight.values_mut() {
             *t = None;
         }
-        if self.chunks.is_empty() {
+        if self.count == 0 {
             self.last_progress = None;
         }
     }
@@ -142,14 +176,14 @@ impl Upload {
         let mut out = Vec::new();
         let overdue =
             |t: Option<u64>, limit: u64| t.is_none_or(|t| now_ms.saturating_sub(t) > limit);
-        if self.chunks.is_empty() {
+        if self.count == 0 {
             if overdue(self.last_progress, resend_ms) {
                 out.push(self.bytes.clone());
                 self.last_progress = Some(now_ms);
             }
             return out;
         }
-        if self.next == self.chunks.len()
+        if self.next == self.count
             && self.inflight.is_empty()
             && overdue(self.last_progress, resend_ms)
         {
@@ -163,11 +197,11 @@ impl Upload {
             .map(|(&i, _)| i)
             .collect();
         for i in due {
-            out.push(self.chunks[i as usize].clone());
+            out.push(self.chunk_envelope(i as usize));
             self.inflight.insert(i, Some(now_ms));
         }
-        while self.inflight.len() < self.window && self.next < self.chunks.len() {
-            out.push(self.chunks[self.next].clone());
+        while self.inflight.len() < self.window && self.next < self.count {
+            out.push(self.chunk_envelope(self.next));
             self.inflight.insert(self.next as u32, Some(now_ms));
             self.next += 1;
         }

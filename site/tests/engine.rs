@@ -119,7 +119,10 @@ fn agg(kind: MessageKind, round: u64, v: u64, p: &impl serde::Serialize) -> Vec<
 }
 
 fn msg(topic: String, payload: Vec<u8>) -> Event {
-    Event::Message { topic, payload }
+    Event::Message {
+        topic,
+        payload: payload.into(),
+    }
 }
 
 fn manifest_msg(m: &RoundManifest) -> Event {
@@ -436,6 +439,44 @@ fn a_chunked_update_keeps_the_manifests_upload_window_in_flight() {
         assert_eq!(chunk_indices(&acts), vec![in_flight as u32]);
         assert!(e.handle(Event::Tick, 6).is_empty());
     }
+}
+
+/// Chunks are cut and signed as they are sent: each is byte for byte the signed envelope of
+/// the chunk `split` cuts, however many times it is sent.
+#[test]
+fn every_chunk_sent_is_the_signed_envelope_of_the_cut() {
+    let update: Vec<u8> = (0..1_500_000u32).map(|i| (i * 7 % 253) as u8).collect();
+    let max_packet = 64 << 10;
+    let mut up = unifed_site::Upload::new(
+        (&id("fed"), &id("a"), HASH),
+        &key("a"),
+        3,
+        2,
+        update.clone(),
+        max_packet,
+        usize::MAX,
+    );
+    let cut = split(&update, max_packet - 4096 - 512);
+    assert_eq!((up.messages(), up.len()), (cut.len(), update.len()));
+    assert_eq!(up.hash(), payload_hash(&update));
+    let expected: Vec<Vec<u8>> = cut
+        .iter()
+        .map(|c| {
+            key("a").sign(&Envelope::new(
+                MessageKind::UpdateChunk,
+                id("fed"),
+                id("a"),
+                3,
+                2,
+                HASH,
+                c,
+            ))
+        })
+        .collect();
+    assert_eq!(up.pump(0, 60_000), expected);
+    // Without receipts, every chunk goes again after the timeout: the same bytes.
+    let again = up.pump(unifed_site::upload::CHUNK_TIMEOUT_MS + 1, 60_000);
+    assert_eq!(again, expected);
 }
 
 #[test]

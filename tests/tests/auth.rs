@@ -142,7 +142,7 @@ fn attack(fed: Fed, stop: Arc<AtomicBool>) -> Sent {
                     sent.spoofed_answers += 1;
                 }
                 if site == "grey" {
-                    grey.push(payload);
+                    grey.push(payload.to_vec());
                 }
                 continue;
             }

@@ -542,7 +542,7 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
     let mut sets = Reassembler::new(u64::MAX, 1 << 30);
     let package: ServerBroadcast = chunks
         .iter()
-        .filter_map(|c| sets.insert(c.clone(), 0).unwrap())
+        .filter_map(|c| sets.insert(c.as_ref(), 0).unwrap())
         .map(|b| postcard::from_bytes::<ServerBroadcast>(&b).unwrap())
         .find(|b| b.weights.iter().any(|t| t.name.ends_with("running_mean")))
         .expect("the onboarding package reached the joiner");
@@ -556,7 +556,7 @@ fn a_late_joiner_gets_a_model_larger_than_the_packet_limit_in_chunks() {
             let e = Envelope::decode(&p.payload).unwrap();
             match e.kind {
                 MessageKind::UpdateChunk => uploads
-                    .insert(e.payload_as().unwrap(), 0)
+                    .insert(e.payload_as::<Chunk>().unwrap().as_ref(), 0)
                     .unwrap()
                     .map(|b| Envelope::decode(&b).unwrap()),
                 _ => Some(e),

@@ -82,7 +82,7 @@ fn check(fed: &Fed, packets: &[Packet]) {
                 let e = sent.entry((env.round, site.clone())).or_default();
                 (e.0, e.1) = (e.0 + 1, c.count as usize);
                 uploads
-                    .insert(c, 0)
+                    .insert(c.as_ref(), 0)
                     .unwrap()
                     .map(|b| Envelope::decode(&b).unwrap())
             }
@@ -181,7 +181,7 @@ fn check(fed: &Fed, packets: &[Packet]) {
         let r = sets
             .entry(site.clone())
             .or_insert_with(|| Reassembler::new(u64::MAX, 1 << 30));
-        if let Some(bytes) = r.insert(c, 0).unwrap() {
+        if let Some(bytes) = r.insert(c.as_ref(), 0).unwrap() {
             let b: ServerBroadcast = postcard::from_bytes(&bytes).unwrap();
             received.insert((site, b.model_version), b);
         }
@@ -330,7 +330,7 @@ fn under_a_lossy_encoding_agents_fetch_deltas_that_add_up_to_the_model_they_end_
             .filter(|p| !p.to_broker && p.topic == format!("unifed/v1/e2e/chunks/reply/{site}"))
         {
             let c: Chunk = envelope(p).payload_as().unwrap();
-            let Some(bytes) = r.insert(c, 0).unwrap() else {
+            let Some(bytes) = r.insert(c.as_ref(), 0).unwrap() else {
                 continue;
             };
             let (v, is_delta, model_len) = by_hash(unifed_protocol::payload_hash(&bytes));

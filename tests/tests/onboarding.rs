@@ -68,7 +68,7 @@ fn payloads(packets: &[Packet]) -> Vec<Vec<u8>> {
             let r = sets
                 .entry(p.topic.clone())
                 .or_insert_with(|| Reassembler::new(u64::MAX, 1 << 30));
-            if let Ok(Some(whole)) = r.insert(c, 0) {
+            if let Ok(Some(whole)) = r.insert(c.as_ref(), 0) {
                 if let Ok(inner) = Envelope::decode(&whole) {
                     out.push(inner.payload);
                 }
@@ -91,7 +91,7 @@ fn updates(packets: &[Packet]) -> Vec<(String, SiteUpdate)> {
         let env = Envelope::decode(&p.payload).unwrap();
         let whole = match env.kind {
             MessageKind::UpdateChunk => r
-                .insert(env.payload_as::<Chunk>().unwrap(), 0)
+                .insert(env.payload_as::<Chunk>().unwrap().as_ref(), 0)
                 .unwrap()
                 .map(|b| Envelope::decode(&b).unwrap()),
             _ => Some(env),
