@@ -55,11 +55,18 @@ pub enum Event {
     },
     /// Time passed: closes a round whose deadline has expired.
     Tick,
+    /// Folds the open round if it has every update it needs: what an [`Action::Close`] asks
+    /// for once the answers before it are sent. Does nothing otherwise.
+    Close,
 }
 
 /// Something the transport must do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
+    /// The open round has every update it needs: send the answers before this one, then hand
+    /// the core [`Event::Close`] to fold it. The last update's answer (it is spooled, durable)
+    /// so goes out before the fold, and its site checkpoints while the aggregator folds.
+    Close,
     /// Send `answer` for `round` to `site`.
     Answer {
         /// The site.
@@ -117,6 +124,50 @@ pub enum CoreError {
     /// A storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// The keys and federation a site's message is opened against ([`Aggregator::admission`]).
+#[derive(Debug, Clone)]
+pub struct Admission {
+    keyring: Keyring,
+    federation: Id,
+}
+
+impl Admission {
+    /// Opens a message that arrived on the topic of `topic_site`: it must decode within
+    /// `limit` bytes, be signed by that site's enrolled and unrevoked key, and belong to this
+    /// federation. The error says why not, for the log.
+    pub fn admit<'a>(
+        &self,
+        topic_site: &Id,
+        bytes: &'a [u8],
+        limit: usize,
+    ) -> Result<EnvelopeRef<'a>, String> {
+        admit(&self.keyring, &self.federation, topic_site, bytes, limit)
+    }
+}
+
+fn admit<'a>(
+    keyring: &Keyring,
+    federation: &Id,
+    topic_site: &Id,
+    bytes: &'a [u8],
+    limit: usize,
+) -> Result<EnvelopeRef<'a>, String> {
+    let env = keyring.open(bytes, limit).map_err(|e| e.to_string())?;
+    if &env.sender != topic_site {
+        return Err(format!(
+            "signed by `{}` but sent on the topic of `{topic_site}`",
+            env.sender
+        ));
+    }
+    if &env.federation != federation {
+        return Err(format!(
+            "federation `{}` is not `{federation}`",
+            env.federation
+        ));
+    }
+    Ok(env)
 }
 
 /// The federation core.
@@ -455,6 +506,16 @@ impl Aggregator {
                 self.close_round(now_ms)
             }
             Event::Update { site, bytes, hash } => self.on_update(&site, bytes, hash, now_ms),
+            Event::Close => {
+                if self.state.round == 0
+                    || self.state.finished
+                    || self.accepted.is_empty()
+                    || self.accepted.len() < self.needed()
+                {
+                    return Ok(Vec::new());
+                }
+                self.close_round(now_ms)
+            }
         }
     }
 
@@ -910,7 +971,7 @@ impl Aggregator {
             answer: Answer::Accepted,
         }];
         if self.accepted.len() >= self.needed() {
-            actions.extend(self.close_round(now_ms)?);
+            actions.push(Action::Close);
         }
         Ok(actions)
     }
@@ -936,29 +997,23 @@ impl Aggregator {
         }
     }
 
-    /// Opens a message that arrived on the topic of `topic_site`: it must decode within
-    /// `limit` bytes, be signed by that site's enrolled and unrevoked key, and belong to this
-    /// federation. The error says why not, for the log.
+    /// Opens a message that arrived on the topic of `topic_site` ([`Admission::admit`]).
     pub fn admit<'a>(
         &self,
         topic_site: &Id,
         bytes: &'a [u8],
         limit: usize,
     ) -> Result<EnvelopeRef<'a>, String> {
-        let env = self.keyring.open(bytes, limit).map_err(|e| e.to_string())?;
-        if &env.sender != topic_site {
-            return Err(format!(
-                "signed by `{}` but sent on the topic of `{topic_site}`",
-                env.sender
-            ));
+        admit(&self.keyring, &self.federation, topic_site, bytes, limit)
+    }
+
+    /// What opening a site's message takes, to be used away from the core (the service's
+    /// update-chunk task); taken again after [`Aggregator::set_revoked`].
+    pub fn admission(&self) -> Admission {
+        Admission {
+            keyring: self.keyring.clone(),
+            federation: self.federation.clone(),
         }
-        if env.federation != self.federation {
-            return Err(format!(
-                "federation `{}` is not `{}`",
-                env.federation, self.federation
-            ));
-        }
-        Ok(env)
     }
 
     /// Updates that close the open round.

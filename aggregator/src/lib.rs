@@ -20,6 +20,7 @@
 //! - [`bnshare`]: the sites' shared BN tensors pooled for the onboarding package.
 //! - [`onboard`]: onboarding packages and the registry of sites' sealed, calibrated BN.
 //! - [`uploads`]: sites' chunked uploads, spooled to disk as they arrive.
+//! - [`ingest`]: the task that takes in update chunks beside the core's loop.
 //! - [`service`]: the core on MQTT (`unifed-aggregator serve`).
 //!
 //! The core never needs burn or a network; the service adds MQTT.
@@ -28,6 +29,7 @@ pub mod bnshare;
 pub mod config;
 pub mod core;
 pub mod fold;
+pub mod ingest;
 pub mod mosquitto;
 pub mod onboard;
 mod sealed;

@@ -10,13 +10,13 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use unifed_net::report::{self, Phase, Report};
-use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop};
+use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop_with_side};
 use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
     Chunk, ChunkRef, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, Payload,
-    RoundManifest, UpdateAnswer, UpdateReceipt,
+    RoundManifest, UpdateAnswer,
 };
 use unifed_protocol::topics::Topics;
 use unifed_protocol::{ModelSpec, SpecHash};
@@ -114,7 +114,8 @@ pub fn load_model(model: &Path) -> Result<GlobalModel> {
     Ok(GlobalModel { spec, tensors })
 }
 
-fn now_ms() -> u64 {
+/// Milliseconds since the Unix epoch.
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -123,11 +124,12 @@ fn now_ms() -> u64 {
 
 struct Served {
     manifest: RoundManifest,
-    /// The model's chunks as signed envelopes, signed once per version.
-    chunks: Vec<Vec<u8>>,
+    /// The model's chunks as signed envelopes, signed once per version; shared with the MQTT
+    /// client (`publish_bytes`), so serving a chunk copies it into no new buffer.
+    chunks: Vec<bytes::Bytes>,
     /// The chunks of the model's delta from the previous version, signed likewise (empty when
     /// the manifest announces none).
-    delta_chunks: Vec<Vec<u8>>,
+    delta_chunks: Vec<bytes::Bytes>,
 }
 
 /// Chunks served per request at most (sites ask for windows of 16).
@@ -176,11 +178,12 @@ fn upload_share(max_update_bytes: usize, total: usize, sites: usize) -> u64 {
 struct Package {
     info: PackageInfo,
     /// Its chunks as signed envelopes.
-    chunks: Vec<Vec<u8>>,
+    chunks: Vec<bytes::Bytes>,
 }
 
 /// What every message the aggregator publishes shares: client, topics, ids, spec hash, and
 /// the key that signs it.
+#[derive(Clone)]
 struct Wire {
     client: unifed_net::Client,
     topics: Topics,
@@ -319,7 +322,9 @@ pub async fn serve(
     let update_prefix = format!("unifed/v1/{fed}/update/");
     let request_prefix = format!("unifed/v1/{fed}/chunks/request/");
     let onboard_prefix = format!("unifed/v1/{fed}/onboard/request/");
-    let (client, mut rx) = spawn_event_loop(
+    // Update chunks go to a task of their own (`ingest`), the rest to this loop.
+    let chunk_prefix = update_prefix.clone();
+    let (client, mut rx, chunks_rx) = spawn_event_loop_with_side(
         cfg.broker
             .options(&format!("unifed-aggregator-{fed}"), None)
             .map_err(anyhow::Error::msg)?,
@@ -328,6 +333,10 @@ pub async fn serve(
             format!("{request_prefix}+"),
             topics.onboard_requests_filter(),
         ],
+        move |topic, payload| {
+            topic.starts_with(&chunk_prefix)
+                && Envelope::peek_kind(payload) == Some(MessageKind::UpdateChunk)
+        },
     );
     let wire = Wire {
         client,
@@ -343,8 +352,9 @@ pub async fn serve(
     let mut entries =
         unifed_protocol::chunking::Reassembler::new(120_000, 16 * core.max_entry_bytes());
     // Chunked uploads spooled to disk as they arrive: bounded per site and in all, incomplete
-    // sets dropped after 10 minutes.
-    let mut uploads = SpooledUploads::open(
+    // sets dropped after 10 minutes. Their chunks are taken, and receipted, by a task of their
+    // own; the model version its receipts name and its keys follow this loop's.
+    let uploads = SpooledUploads::open(
         &cfg.data_dir.join("incoming"),
         upload_share(
             cfg.federation.max_update_bytes,
@@ -353,6 +363,35 @@ pub async fn serve(
         ),
         600_000,
     )?;
+    let (admission_tx, admission) = tokio::sync::watch::channel(core.admission());
+    let (version_tx, version) = tokio::sync::watch::channel(core.model_version());
+    // Two complete updates per enrolled site may wait for the core (an honest site has one
+    // per round).
+    let (complete, mut completed) =
+        tokio::sync::mpsc::channel(2 * cfg.federation.sites.len().max(1));
+    let ingest = crate::ingest::Ingest {
+        uploads,
+        admission,
+        limit: cfg.broker.max_packet_bytes + 4096,
+        prefix: update_prefix.clone(),
+        complete,
+    };
+    let receipts = std::sync::Arc::new(wire.clone());
+    tokio::spawn(
+        ingest.run(chunks_rx, move |(site, r): crate::ingest::Receipt| {
+            let (wire, version) = (receipts.clone(), *version.borrow());
+            async move {
+                wire.send(
+                    wire.topics.ack(&site),
+                    MessageKind::UpdateReceipt,
+                    (r.round, version),
+                    &r,
+                    false,
+                )
+                .await
+            }
+        }),
+    );
     let mut serves = ServeCounts::default();
     let mut finished_at: Option<Instant> = None;
     let mut manifest_at = Instant::now();
@@ -361,8 +400,13 @@ pub async fn serve(
     tokio::pin!(shutdown);
     let mut pending = tokio::task::block_in_place(|| core.handle(Event::Start, now_ms()))?;
     loop {
+        version_tx.send_if_modified(|v| std::mem::replace(v, core.model_version()) != *v);
+        let mut close = false;
         for action in pending.drain(..) {
             match action {
+                // After the answers before it: the last update's site is told at once and
+                // checkpoints while the round folds.
+                Action::Close => close = true,
                 Action::Answer {
                     site,
                     round,
@@ -406,10 +450,10 @@ pub async fn serve(
                     // The old version's chunks go before the new ones are sealed, and each chunk
                     // is freed as soon as its envelope is made: one copy of the model at a time.
                     drop(served.take());
-                    let seal = |chunks: Vec<Chunk>| -> Vec<Vec<u8>> {
+                    let seal = |chunks: Vec<Chunk>| -> Vec<bytes::Bytes> {
                         chunks
                             .into_iter()
-                            .map(|c| wire.seal(MessageKind::ModelChunk, at, &c))
+                            .map(|c| wire.seal(MessageKind::ModelChunk, at, &c).into())
                             .collect()
                     };
                     let (chunks, delta_chunks) =
@@ -448,6 +492,10 @@ pub async fn serve(
                 }
             }
         }
+        if close {
+            pending = step(&mut core, Event::Close, Instant::now())?;
+            continue;
+        }
         if finished_at.is_some_and(|t| t.elapsed() > Duration::from_secs(cfg.linger_secs)) {
             return Ok(core.model_version());
         }
@@ -463,14 +511,21 @@ pub async fn serve(
                 if let Some(revoked) = revocations.as_mut().and_then(Revocations::changed) {
                     tracing::warn!(revoked = revoked.len(), "revocation list reloaded; other changes take effect at the next start");
                     core.set_revoked(revoked);
+                    admission_tx.send_replace(core.admission());
                 }
-                let (round, t) = (core.round(), Instant::now());
-                pending = tokio::task::block_in_place(|| core.handle(Event::Tick, now_ms()))?;
-                if pending.iter().any(|a| matches!(a, Action::RoundClosed { .. })) {
-                    unifed_net::release_free_memory();
-                    report::phase(round, Phase::Fold, t);
-                }
+                pending = step(&mut core, Event::Tick, Instant::now())?;
             }
+            done = completed.recv() => match done {
+                None => bail!("the task taking update chunks stopped"),
+                Some(c) => {
+                    let (hash, t) = (c.set.hash(), Instant::now());
+                    // Read (and checked against its hash) only now: one update in memory.
+                    match tokio::task::block_in_place(|| c.set.read()) {
+                        Ok(bytes) => pending = step(&mut core, Event::Update { site: c.site, bytes, hash: Some(hash) }, t)?,
+                        Err(e) => tracing::warn!(site = c.site, error = %e, "update dropped"),
+                    }
+                }
+            },
             ev = rx.recv() => match ev {
                 None => bail!("the MQTT event loop stopped"),
                 Some(NetEvent::Connected) => {
@@ -485,43 +540,10 @@ pub async fn serve(
                 Some(NetEvent::Disconnected(_)) => {}
                 Some(NetEvent::Message { topic, payload }) => {
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
-                        let site = site.to_string();
-                        // Updates above the packet limit arrive as chunks, each signed: a chunk
-                        // is checked before it takes any memory. Whole messages go to the core,
-                        // which opens them (once) and refuses what is not an update.
-                        let whole = if Envelope::peek_kind(&payload) == Some(MessageKind::UpdateChunk) {
-                            let opened = Id::new(&site).map_err(|e| e.to_string()).and_then(|id| core.admit(&id, &payload, cfg.broker.max_packet_bytes + 4096).map(|env| (id, env)));
-                            let inserted = opened.and_then(|(id, env)| {
-                                let c = env.payload_as::<ChunkRef>().map_err(|e| e.to_string())?;
-                                let r = UpdateReceipt { round: env.round, payload_hash: c.payload_hash, index: c.index };
-                                tokio::task::block_in_place(|| uploads.insert(&id, c, now_ms()))
-                                    .map(|done| (id, r, done))
-                                    .map_err(|e| e.to_string())
-                            });
-                            match inserted {
-                                Ok((id, r, done)) => {
-                                    // Receipt first: the site's upload window moves on.
-                                    wire.send(topics.ack(&id), MessageKind::UpdateReceipt, (r.round, core.model_version()), &r, false).await?;
-                                    // A complete set's bytes were checked against its hash.
-                                    done.map(|bytes| (bytes, Some(r.payload_hash)))
-                                }
-                                Err(e) => {
-                                    tracing::warn!(site, error = %e, "update chunk dropped");
-                                    None
-                                }
-                            }
-                        } else {
-                            Some((payload.to_vec(), None))
-                        };
-                        uploads.expire(now_ms());
-                        if let Some((bytes, hash)) = whole {
-                            let (round, t) = (core.round(), Instant::now());
-                            pending = tokio::task::block_in_place(|| core.handle(Event::Update { site, bytes, hash }, now_ms()))?;
-                            unifed_net::release_free_memory();
-                            // The update that closes the round: its spool is counted in the fold.
-                            let closed = pending.iter().any(|a| matches!(a, Action::RoundClosed { .. }));
-                            report::phase(round, if closed { Phase::Fold } else { Phase::Spool }, t);
-                        }
+                        // Whole updates (chunks go to the ingest task): the core opens them
+                        // (once) and refuses what is not an update.
+                        let update = Event::Update { site: site.to_string(), bytes: payload.to_vec(), hash: None };
+                        pending = step(&mut core, update, Instant::now())?;
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
                         serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, &mut serves).await?;
                     } else if let Some(site) = topic.strip_prefix(&onboard_prefix) {
@@ -531,6 +553,22 @@ pub async fn serve(
             }
         }
     }
+}
+
+/// Hands the core `event`; reports an update's spool (from `t`, which may be before the
+/// update was read), and the fold of a round it closes.
+fn step(core: &mut Aggregator, event: Event, t: Instant) -> Result<Vec<Action>> {
+    let update = matches!(event, Event::Update { .. });
+    let round = core.round();
+    let pending = tokio::task::block_in_place(|| core.handle(event, now_ms()))?;
+    let closed = pending
+        .iter()
+        .any(|a| matches!(a, Action::RoundClosed { .. }));
+    if closed || update {
+        unifed_net::release_free_memory();
+        report::phase(round, if closed { Phase::Fold } else { Phase::Spool }, t);
+    }
+    Ok(pending)
 }
 
 /// Serves the chunks a site asked for: of the round model, or of an onboarding package.
@@ -603,7 +641,7 @@ async fn serve_chunks(
         }
         if let Some(c) = chunks.get(i as usize) {
             wire.client
-                .publish(
+                .publish_bytes(
                     wire.topics.chunk_reply(&site),
                     Qos::AtLeastOnce,
                     false,
@@ -713,7 +751,7 @@ fn cached_package(
         Ok((info, chunks)) => {
             let chunks = chunks
                 .iter()
-                .map(|c| wire.seal(MessageKind::ModelChunk, (0, v), c))
+                .map(|c| wire.seal(MessageKind::ModelChunk, (0, v), c).into())
                 .collect();
             *cache = Some(Package {
                 info: info.clone(),

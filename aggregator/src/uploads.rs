@@ -74,6 +74,39 @@ impl Set {
     }
 }
 
+/// A set whose chunks have all arrived: its file, already unlinked, holds the payload until it
+/// is read. Handing this on rather than the bytes keeps a complete update out of memory until
+/// its reader takes it.
+#[derive(Debug)]
+pub struct Received {
+    file: File,
+    path: PathBuf,
+    len: u64,
+    hash: [u8; 32],
+}
+
+impl Received {
+    /// The set's payload hash (what its chunks named).
+    pub fn hash(&self) -> [u8; 32] {
+        self.hash
+    }
+
+    /// The payload, checked against the set's hash.
+    pub fn read(self) -> Result<Vec<u8>, UploadError> {
+        let mut payload = vec![0u8; self.len as usize];
+        self.file
+            .read_exact_at(&mut payload, 0)
+            .map_err(|source| UploadError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        if payload_hash(&payload) != self.hash {
+            return Err(ChunkError::HashMismatch.into());
+        }
+        Ok(payload)
+    }
+}
+
 /// Every site's incomplete chunked uploads, spooled in one folder.
 #[derive(Debug)]
 pub struct SpooledUploads {
@@ -106,15 +139,15 @@ impl SpooledUploads {
         })
     }
 
-    /// Adds `site`'s chunk, received at `now_ms`; returns the whole payload when this chunk
-    /// completes its set. A repeated chunk is ignored. A set whose payload does not match its
-    /// hash is dropped.
+    /// Adds `site`'s chunk, received at `now_ms`; returns the set when this chunk completes it
+    /// (its payload is read, and checked against its hash, by [`Received::read`]). A repeated
+    /// chunk is ignored.
     pub fn insert(
         &mut self,
         site: &Id,
         chunk: ChunkRef<'_>,
         now_ms: u64,
-    ) -> Result<Option<Vec<u8>>, UploadError> {
+    ) -> Result<Option<Received>, UploadError> {
         let Chunk {
             payload_hash: hash,
             index,
@@ -198,17 +231,15 @@ impl SpooledUploads {
         if sets.is_empty() {
             self.sites.remove(site);
         }
-        let mut payload = vec![0u8; total_len as usize];
-        let read = s.file.read_exact_at(&mut payload, 0);
+        // Unlinked now: the name is free for a new set (a re-send of the same update), and
+        // the open file goes when the set is read or dropped.
         let _ = std::fs::remove_file(&s.path);
-        read.map_err(|source| UploadError::Io {
-            path: s.path.clone(),
-            source,
-        })?;
-        if payload_hash(&payload) != hash {
-            return Err(ChunkError::HashMismatch.into());
-        }
-        Ok(Some(payload))
+        Ok(Some(Received {
+            file: s.file,
+            path: s.path,
+            len: total_len,
+            hash,
+        }))
     }
 
     /// Drops (and deletes) every set whose first chunk is older than the timeout at `now_ms`;
@@ -288,7 +319,8 @@ mod tests {
             let done = u.insert(&site("a"), c.as_ref(), 0).unwrap();
             assert_eq!(done.is_some(), k + 1 == n);
             if let Some(got) = done {
-                assert_eq!(got, p);
+                assert_eq!(got.hash(), payload_hash(&p));
+                assert_eq!(got.read().unwrap(), p);
             }
         }
         assert_eq!(u.pending_sets(), 0);
@@ -323,24 +355,26 @@ mod tests {
         for c in cs.into_iter().skip(1) {
             done = u.insert(&site("a"), c.as_ref(), 0).unwrap();
         }
-        assert_eq!(done, Some(p));
+        assert_eq!(done.map(|d| d.read().unwrap()), Some(p));
     }
 
     #[test]
-    fn tampered_chunks_fail_the_hash_and_drop_the_set() {
+    fn tampered_chunks_fail_the_hash_when_the_set_is_read() {
         let dir = tempfile::tempdir().unwrap();
         let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
         let mut cs: Vec<Chunk> = chunks(&payload(5_000), 1_000).collect();
         cs[2].data[7] ^= 1;
-        let mut last = Ok(None);
+        let mut last = None;
         for c in cs {
-            last = u.insert(&site("a"), c.as_ref(), 0);
+            last = u.insert(&site("a"), c.as_ref(), 0).unwrap();
         }
+        // Complete, and no longer pending or on disk by name; its bytes fail the hash.
+        assert_eq!(u.pending_sets(), 0);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         assert!(matches!(
-            last,
+            last.unwrap().read(),
             Err(UploadError::Chunk(ChunkError::HashMismatch))
         ));
-        assert_eq!(u.pending_sets(), 0);
     }
 
     #[test]

@@ -158,16 +158,32 @@ fn answers(actions: &[Action]) -> Vec<(String, Answer)> {
         .collect()
 }
 
+/// The actions of an update, with the fold an [`Action::Close`] asks for done in its place.
 fn send(agg: &mut Aggregator, site: &str, bytes: Vec<u8>) -> Vec<Action> {
-    agg.handle(
-        Event::Update {
-            site: site.into(),
-            bytes,
-            hash: None,
-        },
-        1_000,
-    )
-    .unwrap()
+    let acts = agg
+        .handle(
+            Event::Update {
+                site: site.into(),
+                bytes,
+                hash: None,
+            },
+            1_000,
+        )
+        .unwrap();
+    closed(agg, acts)
+}
+
+/// `acts` with an [`Action::Close`] replaced by what the core does on [`Event::Close`].
+fn closed(agg: &mut Aggregator, acts: Vec<Action>) -> Vec<Action> {
+    let mut out = Vec::new();
+    for a in acts {
+        if a == Action::Close {
+            out.extend(agg.handle(Event::Close, 1_000).unwrap());
+        } else {
+            out.push(a);
+        }
+    }
+    out
 }
 
 /// The expected model after one round: base + sum(w * delta) / sum(w), computed here in f64.
@@ -250,6 +266,52 @@ fn under_global_bn_the_bn_tensors_are_averaged_too() {
         }
     }
     assert!(agg.finished());
+}
+
+/// The update that completes a round is answered before the round is folded: the core asks
+/// for the fold with `Action::Close` after the answer, and folds on `Event::Close` only while
+/// the round has the updates it needs.
+#[test]
+fn the_last_update_is_answered_before_the_fold_it_asks_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(2, 2, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let update = |agg: &mut Aggregator, site: &str| {
+        agg.handle(
+            Event::Update {
+                site: site.into(),
+                bytes: good(site, 1, 0, 10, BnPolicy::Local),
+                hash: None,
+            },
+            1_000,
+        )
+        .unwrap()
+    };
+    let first = update(&mut agg, "a");
+    assert_eq!(answers(&first), vec![("a".into(), Answer::Accepted)]);
+    assert!(!first.contains(&Action::Close));
+    // One update of the two needed: a Close changes nothing.
+    assert!(agg.handle(Event::Close, 1_000).unwrap().is_empty());
+    assert_eq!((agg.round(), agg.model_version()), (1, 0));
+    let last = update(&mut agg, "b");
+    assert_eq!(answers(&last), vec![("b".into(), Answer::Accepted)]);
+    assert_eq!(last.last(), Some(&Action::Close));
+    assert_eq!(last.len(), 2, "{last:?}");
+    // Answered, spooled, not yet folded.
+    assert_eq!((agg.round(), agg.model_version()), (1, 0));
+    let fold = agg.handle(Event::Close, 1_000).unwrap();
+    assert!(fold.iter().any(|a| matches!(
+        a,
+        Action::RoundClosed {
+            round: 1,
+            model_version: 1,
+            ..
+        }
+    )));
+    assert_eq!((agg.round(), agg.model_version()), (2, 1));
+    // The round is closed: another Close does nothing.
+    assert!(agg.handle(Event::Close, 1_000).unwrap().is_empty());
+    assert_eq!(agg.model_version(), 1);
 }
 
 #[test]

@@ -145,6 +145,9 @@ fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
             1_000,
         )
         .unwrap();
+    if actions.contains(&Action::Close) {
+        agg.handle(Event::Close, 1_000).unwrap();
+    }
     actions
         .iter()
         .find_map(|a| match a {

@@ -178,8 +178,26 @@ pub fn spawn_event_loop(
     options: MqttOptions,
     subscriptions: Vec<String>,
 ) -> (AsyncClient, mpsc::UnboundedReceiver<NetEvent>) {
+    let (client, rx, _) = spawn_event_loop_with_side(options, subscriptions, |_, _| false);
+    (client, rx)
+}
+
+/// [`spawn_event_loop`] with a second receiver: the messages `aside(topic, payload)` picks go
+/// to it rather than to the first, so a task that drains them (the aggregator taking update
+/// chunks) never waits behind the other's work. Connection events go to the first receiver
+/// only; a picked message is dropped, with a warning, once the second receiver is gone.
+pub fn spawn_event_loop_with_side(
+    options: MqttOptions,
+    subscriptions: Vec<String>,
+    aside: impl Fn(&str, &[u8]) -> bool + Send + 'static,
+) -> (
+    AsyncClient,
+    mpsc::UnboundedReceiver<NetEvent>,
+    mpsc::UnboundedReceiver<NetEvent>,
+) {
     let (client, mut ev): (AsyncClient, EventLoop) = AsyncClient::new(options, 4096);
     let (tx, rx) = mpsc::unbounded_channel();
+    let (side_tx, side_rx) = mpsc::unbounded_channel();
     let c = client.clone();
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(100);
@@ -201,13 +219,16 @@ pub fn spawn_event_loop(
                     }
                 }
                 Ok(Event::Incoming(Packet::Publish(p))) => {
-                    if tx
-                        .send(NetEvent::Message {
-                            topic: p.topic,
-                            payload: p.payload,
-                        })
-                        .is_err()
-                    {
+                    let to_side = aside(&p.topic, &p.payload);
+                    let message = NetEvent::Message {
+                        topic: p.topic,
+                        payload: p.payload,
+                    };
+                    if to_side {
+                        if side_tx.send(message).is_err() {
+                            tracing::warn!("a message for the side receiver dropped: it is gone");
+                        }
+                    } else if tx.send(message).is_err() {
                         break;
                     }
                 }
@@ -226,7 +247,7 @@ pub fn spawn_event_loop(
             }
         }
     });
-    (client, rx)
+    (client, rx, side_rx)
 }
 
 pub use rumqttc::{AsyncClient as Client, LastWill as Will, QoS as Qos};

@@ -164,8 +164,11 @@ pub fn run_federation<N: Net>(
     let mut done = vec![false; sites.len()];
     let mut now = 0u64;
     loop {
+        let mut close = false;
         for action in agg_actions.drain(..) {
             match action {
+                // The answers before it are in the sites' inboxes: now the fold.
+                Action::Close => close = true,
                 Action::Answer {
                     site,
                     round,
@@ -224,6 +227,10 @@ pub fn run_federation<N: Net>(
                 }
                 Action::RoundClosed { .. } | Action::Finished { .. } => {}
             }
+        }
+        if close {
+            agg_actions = agg.handle(Event::Close, now)?;
+            continue;
         }
         let Some((k, event)) = inbox.pop_front() else {
             if done.iter().all(|&d| d) {

@@ -148,10 +148,19 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
         }) {
             bail!("the update of {id} was not accepted: {acts:?}");
         }
-        if acts.iter().any(|a| matches!(a, Action::RoundClosed { .. })) {
-            fold = secs;
-        } else {
-            spool += secs;
+        spool += secs;
+        if acts.contains(&Action::Close) {
+            crate::heap::reset_peak();
+            let t = Instant::now();
+            let closed = agg.handle(Event::Close, 1)?;
+            fold = t.elapsed().as_secs_f64();
+            held = held.max(crate::heap::peak());
+            if !closed
+                .iter()
+                .any(|a| matches!(a, Action::RoundClosed { .. }))
+            {
+                bail!("the round did not close: {closed:?}");
+            }
         }
     }
     if agg.model_version() != 1 {
