@@ -8,7 +8,7 @@ use crate::config::FederationConfig;
 use crate::store::{
     AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, SpoolTensor, State, Store, StoreError,
 };
-use crate::strategy::{self, RoundReader, Setup, Strategy};
+use crate::strategy::{self, Checked, RoundReader, Setup, Strategy};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{payload_hash, split};
-use unifed_protocol::encoding::{EncodedTensor, Encoding, Values, decode};
+use unifed_protocol::encoding::{EncodedTensor, Encoding, decode};
 use unifed_protocol::envelope::{EnvelopeRef, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -211,10 +211,10 @@ pub struct Aggregator {
 pub const AUDITED_REJECTS: u32 = 32;
 
 /// The L2 norm of all values of `tensors`, in f64.
-fn l2<'a>(tensors: impl Iterator<Item = &'a [f32]>) -> f64 {
-    tensors
-        .flatten()
-        .map(|&x| f64::from(x) * f64::from(x))
+/// The L2 norm of `values`, summed in f64 in their order.
+fn l2(values: impl Iterator<Item = f32>) -> f64 {
+    values
+        .map(|x| f64::from(x) * f64::from(x))
         .sum::<f64>()
         .sqrt()
 }
@@ -895,7 +895,7 @@ impl Aggregator {
                 },
             );
         }
-        let (dense, bn, ratio) = match self.validate_delta(&upd) {
+        let (checked, bn, ratio) = match self.validate_delta(&upd) {
             Ok(d) => d,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
@@ -903,33 +903,29 @@ impl Aggregator {
             Ok(x) => x,
             Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
         };
-        // The encoded update goes here, all but its lossy tensors, which are spooled as they
-        // arrived (compact; the fold decodes them again); exact ones go as their values.
-        let SiteUpdate {
-            samples,
-            report,
-            delta: wire,
-            ..
-        } = upd;
-        let lossy: Vec<EncodedTensor> = wire
-            .into_iter()
-            .filter(|t| !matches!(t.values, Values::F32(_)))
-            .collect();
+        // Every tensor is spooled as it arrived: an exact one as its values (the bytes it came
+        // in, which are the spool's), a lossy one in its wire form (compact; the fold decodes
+        // it again). Its decoded values, needed only for the checks, go now.
         let delta: Vec<SpoolTensor> = self
             .update_idx
             .iter()
-            .zip(&dense)
-            .map(|(&i, values)| {
-                let name = &self.spec.tensors[i].name;
-                lossy
-                    .iter()
-                    .find(|t| &t.name == name)
-                    .map_or(SpoolTensor::Values(values), SpoolTensor::Wire)
+            .zip(checked)
+            .map(|(&i, c)| match c {
+                Checked::Exact(bytes) => SpoolTensor::Le(bytes),
+                Checked::Decoded(_) => {
+                    let name = &self.spec.tensors[i].name;
+                    SpoolTensor::Wire(
+                        upd.delta
+                            .iter()
+                            .find(|t| &t.name == name)
+                            .expect("a checked tensor is one of the update's"),
+                    )
+                }
             })
             .collect();
         let entry = SpoolEntry {
-            samples,
-            report: &report,
+            samples: upd.samples,
+            report: &upd.report,
             extras: &extras,
             delta: &delta,
             bn: &bn,
@@ -954,8 +950,9 @@ impl Aggregator {
         // Durable first, then the accept.
         self.store.spool_put(round, site.as_str(), &entry)?;
         // Only the spool holds the update from here on.
+        let samples = upd.samples;
         drop(delta);
-        drop((dense, lossy, bn, extras));
+        drop((upd, bn, extras));
         self.audit(
             now_ms,
             round,
@@ -990,7 +987,10 @@ impl Aggregator {
         match self.model_norm.get() {
             Some((at, n)) if at == v => n,
             _ => {
-                let n = l2(self.update_idx.iter().map(|&i| self.model[i].as_slice()));
+                let n = l2(self
+                    .update_idx
+                    .iter()
+                    .flat_map(|&i| self.model[i].iter().copied()));
                 self.model_norm.set(Some((v, n)));
                 n
             }
@@ -1025,28 +1025,34 @@ impl Aggregator {
         }
     }
 
-    /// Checks an update's tensors against the spec and policy; returns its dense deltas in
-    /// `update_idx` order, its shared BN tensors in `share_idx` order, and its norm relative to
-    /// the model's (what `max_relative_norm` bounds).
+    /// Checks an update's tensors against the spec and policy; returns its deltas in
+    /// `update_idx` order (exact ones read in place, lossy ones decoded), its shared BN tensors
+    /// in `share_idx` order, and its norm relative to the model's (what `max_relative_norm`
+    /// bounds).
     #[allow(clippy::type_complexity)]
-    fn validate_delta(
+    fn validate_delta<'u>(
         &self,
-        upd: &SiteUpdate,
-    ) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, f64), RejectReason> {
-        let dense = self.dense(&upd.delta, &self.update_idx, self.cfg.encoding)?;
+        upd: &'u SiteUpdate,
+    ) -> Result<(Vec<Checked<'u>>, Vec<Vec<f32>>, f64), RejectReason> {
+        let specs: Vec<&TensorSpec> = self
+            .update_idx
+            .iter()
+            .map(|&i| &self.spec.tensors[i])
+            .collect();
+        let delta = strategy::checked(&specs, &upd.delta, self.cfg.encoding)?;
         // Under `global` BN a running variance must stay a variance: base + delta >= 0.
-        for (&i, d) in self.update_idx.iter().zip(&dense) {
+        for (&i, d) in self.update_idx.iter().zip(&delta) {
             let spec = &self.spec.tensors[i];
             if spec.kind == TensorKind::BnRunningVar
                 && self.model[i]
                     .iter()
-                    .zip(d)
-                    .any(|(&b, &x)| (b as f64) + (x as f64) < 0.0)
+                    .zip(d.values())
+                    .any(|(&b, x)| (b as f64) + (x as f64) < 0.0)
             {
                 return Err(RejectReason::NegativeVariance(spec.name.clone()));
             }
         }
-        let norm = l2(dense.iter().map(Vec::as_slice));
+        let norm = l2(delta.iter().flat_map(Checked::values));
         let model_norm = self.model_norm();
         // A model of all zeros still lets updates of norm up to the ratio through.
         let relative = self.cfg.max_relative_norm * model_norm.max(1.0);
@@ -1065,7 +1071,7 @@ impl Aggregator {
                 )));
             }
         }
-        Ok((dense, share, ratio))
+        Ok((delta, share, ratio))
     }
 
     /// Decodes `tensors` into dense values in the order of the spec indices `idx` (see

@@ -155,6 +155,12 @@ impl SealedFile {
                     self.put(&[0])?;
                     self.put_values(v)?;
                 }
+                SpoolTensor::Le(bytes) => {
+                    // `put_values`' very bytes: the count, then the values little-endian.
+                    self.put(&[0])?;
+                    self.put(&((bytes.len() / 4) as u64).to_le_bytes())?;
+                    self.put(bytes)?;
+                }
                 SpoolTensor::Wire(t) => {
                     let wire = postcard::to_allocvec(t).expect("a tensor serialises");
                     self.put(&[1])?;

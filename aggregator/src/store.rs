@@ -63,6 +63,9 @@ pub struct SpoolEntry<'a> {
 pub enum SpoolTensor<'a> {
     /// The values of an exact tensor.
     Values(&'a [f32]),
+    /// The values of an exact tensor as little-endian bytes (as it arrived): spooled exactly as
+    /// [`SpoolTensor::Values`] of the same values.
+    Le(&'a [u8]),
     /// A lossy tensor as it arrived.
     Wire(&'a unifed_protocol::EncodedTensor),
 }

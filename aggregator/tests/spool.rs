@@ -154,3 +154,41 @@ fn a_version_4_spool_file_is_still_read() {
     let err = store.spool_get(1, "b").unwrap_err().to_string();
     assert!(err.contains("format version 6 is not 5"), "{err}");
 }
+
+/// An exact tensor spooled from the bytes it arrived in (`SpoolTensor::Le`, what the core does
+/// to skip a copy) makes the very file its decoded values make, and reads back as those values.
+#[test]
+fn an_exact_tensor_spooled_from_its_bytes_is_the_file_of_its_values() {
+    let report = LocalReport {
+        local_steps: 3,
+        train_loss: 0.5,
+    };
+    let (weights, stats) = (values(70_001, 4.0), values(6, 5.0));
+    let le = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let (weights_le, stats_le) = (le(&weights), le(&stats));
+    let spooled = |delta: &[SpoolTensor]| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let entry = SpoolEntry {
+            samples: 9,
+            report: &report,
+            extras: &Extras::None,
+            delta,
+            bn: &[],
+        };
+        store.spool_put(2, "a", &entry).unwrap();
+        let c = store.spool_get(2, "a").unwrap();
+        assert_eq!(c.delta, [weights.clone(), stats.clone()]);
+        (
+            std::fs::read(dir.path().join("spool/r2/a.upd")).unwrap(),
+            dir,
+            store,
+        )
+    };
+    let (from_values, _d1, _) =
+        spooled(&[SpoolTensor::Values(&weights), SpoolTensor::Values(&stats)]);
+    let (from_bytes, _d2, store) =
+        spooled(&[SpoolTensor::Le(&weights_le), SpoolTensor::Le(&stats_le)]);
+    assert_eq!(from_bytes, from_values);
+    streamed_fold_is_the_fold_of_the_read_delta(&store, 2, "a");
+}

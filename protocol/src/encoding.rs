@@ -428,6 +428,19 @@ fn f32_bytes(x: &[f32]) -> Values {
     Values::F32(x.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
+/// The little-endian `f32` values of an exact tensor, checked against its shape as
+/// [`decode`] checks them and read in place (no copy); `None` for any other encoding.
+pub fn exact_le_bytes(t: &EncodedTensor) -> Result<Option<&[u8]>, TensorError> {
+    let Values::F32(bytes) = &t.values else {
+        return Ok(None);
+    };
+    let numel = t
+        .numel()
+        .ok_or_else(|| TensorError::ShapeOverflow(t.name.clone()))?;
+    check_bytes(t, numel, bytes.len(), 4)?;
+    Ok(Some(bytes))
+}
+
 /// Decodes a tensor to dense `f32` values after checking it against its shape.
 ///
 /// Dense encodings must hold exactly one value per element of the shape. A sparse tensor's

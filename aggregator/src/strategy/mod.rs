@@ -43,7 +43,7 @@ use crate::config::Weighting;
 use crate::store::{Store, StoreError};
 use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
-use unifed_protocol::encoding::{EncodedTensor, Encoding, decode};
+use unifed_protocol::encoding::{EncodedTensor, Encoding, decode, exact_le_bytes};
 use unifed_protocol::messages::{
     LocalReport, Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdate,
 };
@@ -444,7 +444,21 @@ pub fn dense(
     tensors: &[EncodedTensor],
     encoding: Encoding,
 ) -> Result<Vec<Vec<f32>>, RejectReason> {
-    let mut out: Vec<Option<Vec<f32>>> = vec![None; specs.len()];
+    Ok(checked(specs, tensors, encoding)?
+        .into_iter()
+        .map(Checked::into_vec)
+        .collect())
+}
+
+/// [`dense`] without copying exact tensors: each is checked where it lies, in the update's
+/// bytes, and only lossy ones are decoded. The aggregator validates and spools a 57 MB f32
+/// update so with one copy of it in memory, not two.
+pub fn checked<'a>(
+    specs: &[&TensorSpec],
+    tensors: &'a [EncodedTensor],
+    encoding: Encoding,
+) -> Result<Vec<Checked<'a>>, RejectReason> {
+    let mut out: Vec<Option<Checked<'a>>> = specs.iter().map(|_| None).collect();
     for t in tensors {
         let Some(pos) = specs.iter().position(|s| s.name == t.name) else {
             return Err(RejectReason::UnexpectedTensor(t.name.clone()));
@@ -469,16 +483,92 @@ pub fn dense(
         if !expected.holds(t) {
             return Err(RejectReason::WrongEncoding);
         }
-        let v = decode(t).map_err(|e| RejectReason::Malformed(e.to_string()))?;
-        if v.iter().any(|x| !x.is_finite()) {
+        let malformed = |e: unifed_protocol::TensorError| RejectReason::Malformed(e.to_string());
+        let c = match exact_le_bytes(t).map_err(malformed)? {
+            Some(bytes) => Checked::Exact(bytes),
+            None => Checked::Decoded(decode(t).map_err(malformed)?),
+        };
+        let finite = match &c {
+            Checked::Exact(b) => b.chunks_exact(4).all(|b| le_f32(b).is_finite()),
+            Checked::Decoded(v) => v.iter().all(|x| x.is_finite()),
+        };
+        if !finite {
             return Err(RejectReason::NonFinite(t.name.clone()));
         }
-        out[pos] = Some(v);
+        out[pos] = Some(c);
     }
     if let Some(pos) = out.iter().position(Option::is_none) {
         return Err(RejectReason::MissingTensor(specs[pos].name.clone()));
     }
     Ok(out.into_iter().map(|o| o.expect("checked")).collect())
+}
+
+/// A tensor of an update once [`checked`]: an exact one as the little-endian bytes it arrived
+/// in, a lossy one decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Checked<'a> {
+    /// An exact tensor's little-endian `f32` values, in the update's bytes.
+    Exact(&'a [u8]),
+    /// A lossy tensor's decoded values.
+    Decoded(Vec<f32>),
+}
+
+impl Checked<'_> {
+    /// The values in order.
+    pub fn values(&self) -> CheckedValues<'_> {
+        match self {
+            Checked::Exact(b) => CheckedValues::Exact(b.chunks_exact(4)),
+            Checked::Decoded(v) => CheckedValues::Decoded(v.iter()),
+        }
+    }
+
+    /// The values as a vector (a copy for an exact tensor).
+    pub fn into_vec(self) -> Vec<f32> {
+        match self {
+            Checked::Exact(_) => self.values().collect(),
+            Checked::Decoded(v) => v,
+        }
+    }
+}
+
+/// The values of a [`Checked`] tensor.
+#[derive(Debug, Clone)]
+pub enum CheckedValues<'a> {
+    /// Read from little-endian bytes.
+    Exact(std::slice::ChunksExact<'a, u8>),
+    /// Decoded values.
+    Decoded(std::slice::Iter<'a, f32>),
+}
+
+impl Iterator for CheckedValues<'_> {
+    type Item = f32;
+
+    fn next(&mut self) -> Option<f32> {
+        match self {
+            CheckedValues::Exact(c) => c.next().map(le_f32),
+            CheckedValues::Decoded(v) => v.next().copied(),
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        match self {
+            CheckedValues::Exact(c) => c.size_hint(),
+            CheckedValues::Decoded(v) => v.size_hint(),
+        }
+    }
+
+    // One dispatch per tensor rather than per value, in the same order: sums over the values
+    // (the update's norm) are the very sums over a decoded vector.
+    fn fold<B, F: FnMut(B, f32) -> B>(self, init: B, mut f: F) -> B {
+        match self {
+            CheckedValues::Exact(c) => c.fold(init, |acc, b| f(acc, le_f32(b))),
+            CheckedValues::Decoded(v) => v.fold(init, |acc, &x| f(acc, x)),
+        }
+    }
+}
+
+fn le_f32(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
 /// `x <- x + eta d` in f64, rounded once to f32 (with `eta = 1` exactly FedAvg's step).
