@@ -84,6 +84,15 @@ pub struct SiteResult {
     pub download_bytes: Vec<u64>,
 }
 
+/// The moment the demo's processes together held the most memory.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PeakMoment {
+    /// Seconds since the run started.
+    pub seconds: f64,
+    /// Each process's resident memory then, bytes.
+    pub rss_bytes: BTreeMap<String, u64>,
+}
+
 /// One run's figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunResult {
@@ -104,6 +113,9 @@ pub struct RunResult {
     pub peak_rss_total_bytes: u64,
     /// Each process's peak resident memory, bytes.
     pub peak_rss_bytes: BTreeMap<String, u64>,
+    /// When the summed peak happened (seconds since the start, as `spans` count) and each
+    /// process's resident memory then, bytes: what the peak is made of.
+    pub peak_rss_total_at: PeakMoment,
     /// CPU threads per agent.
     pub threads_per_agent: usize,
     /// Where each round's time went.
@@ -658,6 +670,10 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         wall_seconds: t0.elapsed().as_secs_f64(),
         peak_rss_total_bytes: memory.peak_total,
         peak_rss_bytes: memory.peak_each,
+        peak_rss_total_at: PeakMoment {
+            seconds: memory.peak_total_at.0.saturating_sub(start_ms) as f64 / 1000.0,
+            rss_bytes: memory.peak_total_at.1,
+        },
         threads_per_agent: threads,
         timeline,
         phase_peak_bytes,

@@ -46,6 +46,9 @@ pub struct Memory {
     pub peak_total: u64,
     /// Each process's own peak resident set (VmHWM), in bytes, by name.
     pub peak_each: BTreeMap<String, u64>,
+    /// When the summed peak was sampled (ms since the Unix epoch), and each process's resident
+    /// set then: which processes and phases the peak is made of.
+    pub peak_total_at: (u64, BTreeMap<String, u64>),
 }
 
 /// `VmRSS` and `VmHWM` of `pid` in KiB, from one read of `/proc/<pid>/status`.
@@ -87,16 +90,24 @@ impl Children {
             while !s.load(Ordering::SeqCst) {
                 let list = p.lock().map(|l| l.clone()).unwrap_or_default();
                 let mut total = 0;
+                let mut each = BTreeMap::new();
                 let mut mem = m.lock().unwrap_or_else(|e| e.into_inner());
                 for (name, pid) in &list {
                     let (rss, hwm) = rss_and_peak_kib(*pid).unwrap_or((None, None));
                     total += rss.unwrap_or(0) * 1024;
+                    each.insert(name.clone(), rss.unwrap_or(0) * 1024);
                     if let Some(hwm) = hwm {
                         let e = mem.peak_each.entry(name.clone()).or_default();
                         *e = (*e).max(hwm * 1024);
                     }
                 }
-                mem.peak_total = mem.peak_total.max(total);
+                if total > mem.peak_total {
+                    mem.peak_total = total;
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64);
+                    mem.peak_total_at = (now, each);
+                }
                 drop(mem);
                 std::thread::sleep(Duration::from_millis(100));
             }
