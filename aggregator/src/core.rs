@@ -143,38 +143,27 @@ impl Admission {
         bytes: &'a [u8],
         limit: usize,
     ) -> Result<EnvelopeRef<'a>, String> {
-        admit(&self.keyring, &self.federation, topic_site, bytes, limit)
+        let env = self.keyring.open(bytes, limit).map_err(|e| e.to_string())?;
+        if &env.sender != topic_site {
+            return Err(format!(
+                "signed by `{}` but sent on the topic of `{topic_site}`",
+                env.sender
+            ));
+        }
+        if env.federation != self.federation {
+            return Err(format!(
+                "federation `{}` is not `{}`",
+                env.federation, self.federation
+            ));
+        }
+        Ok(env)
     }
-}
-
-fn admit<'a>(
-    keyring: &Keyring,
-    federation: &Id,
-    topic_site: &Id,
-    bytes: &'a [u8],
-    limit: usize,
-) -> Result<EnvelopeRef<'a>, String> {
-    let env = keyring.open(bytes, limit).map_err(|e| e.to_string())?;
-    if &env.sender != topic_site {
-        return Err(format!(
-            "signed by `{}` but sent on the topic of `{topic_site}`",
-            env.sender
-        ));
-    }
-    if &env.federation != federation {
-        return Err(format!(
-            "federation `{}` is not `{federation}`",
-            env.federation
-        ));
-    }
-    Ok(env)
 }
 
 /// The federation core.
 #[derive(Debug)]
 pub struct Aggregator {
     pub(crate) cfg: FederationConfig,
-    federation: Id,
     pub(crate) spec: ModelSpec,
     pub(crate) hash: SpecHash,
     pub(crate) store: Store,
@@ -198,7 +187,8 @@ pub struct Aggregator {
     /// What the strategy was built for (to rebuild it from a committed state).
     setup: Setup,
     /// The enrolled sites' keys: every message from a site is opened with it.
-    keyring: Keyring,
+    /// The keys and federation a site's message is opened against.
+    admission: Admission,
     /// Rejects audited per site in the open round (see [`AUDITED_REJECTS`]).
     rejects: std::collections::BTreeMap<String, u32>,
     /// The L2 norm of the current model over the tensors updates carry, with the model version
@@ -210,7 +200,6 @@ pub struct Aggregator {
 /// the rest only logged, so a misbehaving site cannot fill the disk with its rejects.
 pub const AUDITED_REJECTS: u32 = 32;
 
-/// The L2 norm of all values of `tensors`, in f64.
 /// The L2 norm of `values`, summed in f64 in their order.
 fn l2(values: impl Iterator<Item = f32>) -> f64 {
     values
@@ -350,7 +339,6 @@ impl Aggregator {
         };
         Ok(Aggregator {
             cfg,
-            federation,
             spec,
             hash,
             store,
@@ -364,7 +352,10 @@ impl Aggregator {
             chunk_bytes: chunk_bytes.max(1),
             strategy,
             setup,
-            keyring: cfg_keyring,
+            admission: Admission {
+                keyring: cfg_keyring,
+                federation,
+            },
             rejects: Default::default(),
             model_norm: Default::default(),
         })
@@ -759,7 +750,10 @@ impl Aggregator {
         // Every answer names the bytes it answers, so a site never takes another message's
         // answer (a reject of someone's garbage on its topic) for its own update's.
         let hash = hash.unwrap_or_else(|| payload_hash(&bytes));
-        let env = match self.admit(&site, &bytes, self.cfg.max_update_bytes) {
+        let env = match self
+            .admission
+            .admit(&site, &bytes, self.cfg.max_update_bytes)
+        {
             Ok(e) => e,
             Err(why) => {
                 // Not answered: only the site's own signed bytes earn an answer, and junk must
@@ -977,7 +971,7 @@ impl Aggregator {
     /// (and those of a key taken off it are taken again).
     pub fn set_revoked(&mut self, revoked: Vec<unifed_protocol::PublicKey>) {
         self.cfg.revoked = revoked;
-        self.keyring = self.cfg.keyring();
+        self.admission.keyring = self.cfg.keyring();
     }
 
     /// The L2 norm of the current model over the tensors updates carry (what
@@ -997,23 +991,10 @@ impl Aggregator {
         }
     }
 
-    /// Opens a message that arrived on the topic of `topic_site` ([`Admission::admit`]).
-    pub fn admit<'a>(
-        &self,
-        topic_site: &Id,
-        bytes: &'a [u8],
-        limit: usize,
-    ) -> Result<EnvelopeRef<'a>, String> {
-        admit(&self.keyring, &self.federation, topic_site, bytes, limit)
-    }
-
-    /// What opening a site's message takes, to be used away from the core (the service's
-    /// update-chunk task); taken again after [`Aggregator::set_revoked`].
-    pub fn admission(&self) -> Admission {
-        Admission {
-            keyring: self.keyring.clone(),
-            federation: self.federation.clone(),
-        }
+    /// How a site's message is opened ([`Admission::admit`]); a clone serves away from the
+    /// core (the service's update-chunk task), taken again after [`Aggregator::set_revoked`].
+    pub fn admission(&self) -> &Admission {
+        &self.admission
     }
 
     /// Updates that close the open round.

@@ -363,7 +363,7 @@ pub async fn serve(
         ),
         600_000,
     )?;
-    let (admission_tx, admission) = tokio::sync::watch::channel(core.admission());
+    let (admission_tx, admission) = tokio::sync::watch::channel(core.admission().clone());
     let (version_tx, version) = tokio::sync::watch::channel(core.model_version());
     // Two complete updates per enrolled site may wait for the core (an honest site has one
     // per round).
@@ -511,7 +511,7 @@ pub async fn serve(
                 if let Some(revoked) = revocations.as_mut().and_then(Revocations::changed) {
                     tracing::warn!(revoked = revoked.len(), "revocation list reloaded; other changes take effect at the next start");
                     core.set_revoked(revoked);
-                    admission_tx.send_replace(core.admission());
+                    admission_tx.send_replace(core.admission().clone());
                 }
                 pending = step(&mut core, Event::Tick, Instant::now())?;
             }
@@ -585,6 +585,7 @@ async fn serve_chunks(
         return Ok(());
     };
     let req: ChunkRequest = match core
+        .admission()
         .admit(&site, payload, 1 << 20)
         .and_then(|e| e.payload_as().map_err(|e| e.to_string()))
     {
@@ -671,7 +672,10 @@ async fn onboard(
     let Ok(site) = Id::new(site) else {
         return Ok(());
     };
-    let env = match core.admit(&site, payload, cfg.broker.max_packet_bytes + 4096) {
+    let env = match core
+        .admission()
+        .admit(&site, payload, cfg.broker.max_packet_bytes + 4096)
+    {
         Ok(e) => e,
         Err(e) => {
             tracing::warn!(site = %site, error = %e, "onboarding message refused");

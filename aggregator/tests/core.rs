@@ -1522,13 +1522,14 @@ fn a_revoked_key_is_refused_whichever_enrolled_site_claims_it() {
     assert!(answers(&send(&mut agg, "a", good("a", 1, 0, 5, BnPolicy::Local))).is_empty());
     assert!(agg.accepted().is_empty());
     assert!(
-        agg.admit(
-            &Id::new("a").unwrap(),
-            &good("a", 1, 0, 5, BnPolicy::Local),
-            1 << 20
-        )
-        .unwrap_err()
-        .contains("is revoked")
+        agg.admission()
+            .admit(
+                &Id::new("a").unwrap(),
+                &good("a", 1, 0, 5, BnPolicy::Local),
+                1 << 20
+            )
+            .unwrap_err()
+            .contains("is revoked")
     );
     assert_eq!(
         answers(&send(&mut agg, "b", good("b", 1, 0, 5, BnPolicy::Local))),

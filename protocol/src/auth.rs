@@ -259,7 +259,7 @@ impl Keyring {
             }
             .into());
         }
-        let env = EnvelopeRef::decode(bytes)?;
+        let env = EnvelopeRef::read(bytes)?;
         let Some(signature) = env.signature else {
             return Err(AuthError::Unsigned(env.sender));
         };

@@ -119,9 +119,11 @@ pub enum DecodeError {
     },
 }
 
-/// A message on the wire: who sent what, for which round and model, plus the payload.
+/// A message on the wire: who sent what, for which round and model, plus the payload. Its
+/// payload and signature are owned (`Vec<u8>`, the default) or slices of the received bytes
+/// ([`EnvelopeRef`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Envelope {
+pub struct Envelope<B = Vec<u8>> {
     /// What the payload is.
     pub kind: MessageKind,
     /// Federation the message belongs to.
@@ -135,11 +137,15 @@ pub struct Envelope {
     /// Spec hash of the federation's model.
     pub spec_hash: SpecHash,
     /// The postcard-encoded payload, of the type `kind` names.
-    pub payload: Vec<u8>,
+    pub payload: B,
     /// The sender's ed25519 signature over everything else (see [`crate::auth`]); receivers
     /// refuse a message without a valid one.
-    pub signature: Option<Vec<u8>>,
+    pub signature: Option<B>,
 }
+
+/// An [`Envelope`] read in place: its payload and signature are slices of the received bytes.
+/// What a receiver checks and routes, without copying a chunk-sized payload first.
+pub type EnvelopeRef<'a> = Envelope<&'a [u8]>;
 
 /// The envelope after its fixed header, as postcard writes it.
 #[derive(Serialize)]
@@ -269,7 +275,7 @@ impl Envelope {
 
     /// Parses wire bytes, checking in order: length, magic, version, kind, body, trailing bytes.
     pub fn decode(bytes: &[u8]) -> Result<Envelope, DecodeError> {
-        EnvelopeRef::decode(bytes).map(EnvelopeRef::into_owned)
+        EnvelopeRef::read(bytes).map(EnvelopeRef::into_owned)
     }
 
     /// The kind named in the fixed header of `bytes`, if they start with this version's
@@ -301,31 +307,9 @@ impl Envelope {
     }
 }
 
-/// An [`Envelope`] read in place: its payload and signature are slices of the received bytes.
-/// What a receiver checks and routes, without copying a chunk-sized payload first.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EnvelopeRef<'a> {
-    /// What the payload is.
-    pub kind: MessageKind,
-    /// Federation the message belongs to.
-    pub federation: FederationId,
-    /// Site (or aggregator) that sent it.
-    pub sender: SiteId,
-    /// Round the message is about.
-    pub round: u64,
-    /// Model version the message is about.
-    pub model_version: u64,
-    /// Spec hash of the federation's model.
-    pub spec_hash: SpecHash,
-    /// The postcard-encoded payload, of the type `kind` names.
-    pub payload: &'a [u8],
-    /// The sender's signature, if the envelope has one.
-    pub signature: Option<&'a [u8]>,
-}
-
 impl<'a> EnvelopeRef<'a> {
     /// Parses wire bytes like [`Envelope::decode`], borrowing the payload and signature.
-    pub fn decode(bytes: &'a [u8]) -> Result<EnvelopeRef<'a>, DecodeError> {
+    pub fn read(bytes: &'a [u8]) -> Result<EnvelopeRef<'a>, DecodeError> {
         if bytes.len() < HEADER_LEN {
             return Err(DecodeError::Truncated);
         }

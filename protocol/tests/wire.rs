@@ -395,16 +395,16 @@ fn a_chunk_is_read_in_place_with_the_fields_and_bytes_of_an_owned_one() {
         postcard::to_allocvec(&c).unwrap()
     );
     let key = SigningKey::from_seed([9; 32]);
-    let e = Envelope::new(
+    // Serialised straight from the borrowed chunk, as a site sends one.
+    let unsigned = Envelope::encode_new(
         MessageKind::UpdateChunk,
-        id("fed"),
-        id("site-1"),
-        4,
-        9,
+        &id("fed"),
+        &id("site-1"),
+        (4, 9),
         spec_hash(),
-        &c,
+        &c.as_ref(),
     );
-    let wire = key.sign(&e);
+    let wire = key.sign_encoded(unsigned).unwrap();
     let opened = Keyring::single(id("site-1"), key.public())
         .open(&wire, 1 << 20)
         .unwrap();
@@ -415,7 +415,7 @@ fn a_chunk_is_read_in_place_with_the_fields_and_bytes_of_an_owned_one() {
     assert_eq!(chunk, c.as_ref());
     // The owned reads agree field for field.
     let owned = Envelope::decode(&wire).unwrap();
-    assert_eq!(EnvelopeRef::decode(&wire).unwrap().into_owned(), owned);
+    assert_eq!(EnvelopeRef::read(&wire).unwrap().into_owned(), owned);
     assert_eq!(opened.into_owned(), owned);
     assert_eq!(owned.payload_as::<Chunk>().unwrap(), c);
     // A limit below the message's length refuses it before anything is parsed.
