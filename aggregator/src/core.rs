@@ -1015,12 +1015,7 @@ impl Aggregator {
         &self,
         upd: &'u SiteUpdate,
     ) -> Result<(Vec<Checked<'u>>, Vec<Vec<f32>>, f64), RejectReason> {
-        let specs: Vec<&TensorSpec> = self
-            .update_idx
-            .iter()
-            .map(|&i| &self.spec.tensors[i])
-            .collect();
-        let delta = strategy::checked(&specs, &upd.delta, self.cfg.encoding)?;
+        let delta = self.checked(&upd.delta, &self.update_idx, self.cfg.encoding)?;
         // Under `global` BN a running variance must stay a variance: base + delta >= 0.
         for (&i, d) in self.update_idx.iter().zip(&delta) {
             let spec = &self.spec.tensors[i];
@@ -1042,7 +1037,11 @@ impl Aggregator {
         if norm > bound {
             return Err(RejectReason::NormTooLarge { norm, bound });
         }
-        let share = self.dense(&upd.bn, &self.share_idx, Encoding::F32)?;
+        let share: Vec<Vec<f32>> = self
+            .checked(&upd.bn, &self.share_idx, Encoding::F32)?
+            .into_iter()
+            .map(Checked::into_vec)
+            .collect();
         for (&i, t) in self.share_idx.iter().zip(&share) {
             let spec = &self.spec.tensors[i];
             if spec.kind == TensorKind::BnRunningVar && t.iter().any(|&v| v < 0.0) {
@@ -1055,16 +1054,15 @@ impl Aggregator {
         Ok((delta, share, ratio))
     }
 
-    /// Decodes `tensors` into dense values in the order of the spec indices `idx` (see
-    /// [`strategy::dense`]).
-    fn dense(
+    /// Checks `tensors` in the order of the spec indices `idx` (see [`strategy::checked`]).
+    fn checked<'u>(
         &self,
-        tensors: &[EncodedTensor],
+        tensors: &'u [EncodedTensor],
         idx: &[usize],
         encoding: Encoding,
-    ) -> Result<Vec<Vec<f32>>, RejectReason> {
+    ) -> Result<Vec<Checked<'u>>, RejectReason> {
         let specs: Vec<&TensorSpec> = idx.iter().map(|&i| &self.spec.tensors[i]).collect();
-        strategy::dense(&specs, tensors, encoding)
+        strategy::checked(&specs, tensors, encoding)
     }
 
     /// Combines the spool of the open round into the new model by the strategy, checks it,

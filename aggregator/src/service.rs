@@ -400,7 +400,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     let mut pending = tokio::task::block_in_place(|| core.handle(Event::Start, now_ms()))?;
     loop {
-        version_tx.send_if_modified(|v| std::mem::replace(v, core.model_version()) != *v);
+        version_tx.send_replace(core.model_version());
         let mut close = false;
         for action in pending.drain(..) {
             match action {
