@@ -526,10 +526,16 @@ pub async fn run(
                     report::phase_seconds(for_round, Phase::Download, fetch_ms as f64 / 1000.0);
                     let applying = Instant::now();
                     let s = site.as_mut().expect("site present");
-                    if let Err(e) = s.receive(&spec, &m, &download) {
+                    let applied = download
+                        .read()
+                        .map_err(|e| e.to_string())
+                        .and_then(|d| s.receive(&spec, &m, &d).map_err(|e| e.to_string()));
+                    // The payload goes before anything else grows (calibration, evaluation).
+                    drop(download);
+                    if let Err(error) = applied {
                         queue.push_back(Event::ApplyFailed {
                             version: m.model_version,
-                            error: e.to_string(),
+                            error,
                         });
                         continue;
                     }

@@ -251,48 +251,53 @@ impl<N: Net> Site<N> {
     /// Under a lossy encoding the applied weights are kept for the next delta. A model that does
     /// not fit the spec or the plan, or a delta from a version the site does not hold, changes
     /// nothing.
-    pub fn receive(
+    pub fn receive<B: AsRef<[u8]>>(
         &mut self,
         spec: &ModelSpec,
         m: &RoundManifest,
-        download: &Download,
+        download: &Download<B>,
     ) -> Result<(), SiteError> {
         let select = select_for(m.bn_policy);
-        let sd = match download {
-            Download::Model(b) => crate::state::from_encoded(spec, &b.weights)?,
-            Download::Delta(d) => self.add_to_held(spec, select, m, d)?,
-        };
         let control = self.control_of(spec, select, m, download)?;
-        // Nothing can fail after this check (the import's own). The old held model goes
-        // before the new one is copied: a site holds one beside its model.
-        crate::state::validate(&sd, spec, select)?;
-        self.memory.held = None;
-        // Under a lossy encoding the site keeps what it applied; otherwise the tensors move
-        // into the model and the old ones are freed as they go.
-        let held = (!m.encoding.is_exact()).then(|| {
-            (
-                download.model_version(),
-                sd.tensors
-                    .iter()
-                    .map(|t| (t.name.clone(), t.data.clone()))
-                    .collect(),
-            )
-        });
-        import_into(&mut self.net, spec, sd, select)?;
+        // Under a lossy encoding the site keeps what it applied for the next delta.
+        let mut held = (!m.encoding.is_exact()).then(BTreeMap::new);
+        match download {
+            Download::Model(b) => {
+                // Nothing can fail after this check. The old held model goes before the new
+                // one is made, and each tensor is decoded from the payload once the model's
+                // old one has gone: the site holds the payload beside its model, no decoded
+                // copy of it.
+                let checked = crate::state::CheckedImport::new(spec, &b.weights, select)?;
+                self.memory.held = None;
+                checked.import_into(&mut self.net, held.as_mut())?;
+            }
+            Download::Delta(d) => {
+                let sd = self.add_to_held(spec, select, m, d)?;
+                // Nothing can fail after this check (the import's own). The old held model
+                // goes before the new one is copied: a site holds one beside its model.
+                crate::state::validate(&sd, spec, select)?;
+                self.memory.held = None;
+                if let Some(h) = &mut held {
+                    h.extend(sd.tensors.iter().map(|t| (t.name.clone(), t.data.clone())));
+                }
+                // The tensors move into the model and the old ones are freed as they go.
+                import_into(&mut self.net, spec, sd, select)?;
+            }
+        }
         self.memory.server_control = control;
-        self.memory.held = held;
+        self.memory.held = held.map(|h| (download.model_version(), h));
         Ok(())
     }
 
     /// The held broadcast tensors plus delta `d`, in spec order: the trainable tensors add the
     /// decoded delta (in f32, exactly as the aggregator did), BN running statistics take the
     /// delta's values.
-    fn add_to_held(
+    fn add_to_held<B: AsRef<[u8]>>(
         &self,
         spec: &ModelSpec,
         select: Select,
         m: &RoundManifest,
-        d: &ModelDelta,
+        d: &ModelDelta<B>,
     ) -> Result<StateDict, SiteError> {
         let plan = |message: String| SiteError::Plan {
             round: m.round,
@@ -364,12 +369,12 @@ impl<N: Net> Site<N> {
     }
 
     /// The server control variate the download carries, checked against the round's plan.
-    fn control_of(
+    fn control_of<B: AsRef<[u8]>>(
         &self,
         spec: &ModelSpec,
         select: Select,
         m: &RoundManifest,
-        download: &Download,
+        download: &Download<B>,
     ) -> Result<Option<Versioned>, SiteError> {
         match (&m.plan.objective, download.extras()) {
             (o, ServerExtras::Control(tensors)) if o.uses_control() => {

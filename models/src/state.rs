@@ -14,8 +14,8 @@ use crate::error::StateError;
 use crate::zoo::Net;
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
-use std::collections::HashMap;
-use unifed_protocol::{ModelSpec, SpecHash, TensorKind, TensorSpec};
+use std::collections::{BTreeMap, HashMap};
+use unifed_protocol::{EncodedTensor, ModelSpec, SpecHash, TensorKind, TensorSpec};
 
 /// The container type burn's visitor reports for parameters owned by a BatchNorm layer.
 pub const BN_CONTAINER: &str = "Struct:BatchNorm";
@@ -306,21 +306,33 @@ pub fn validate(state: &StateDict, spec: &ModelSpec, select: Select) -> Result<(
     Ok(())
 }
 
-struct Writer<'a, N: Net> {
+struct Writer<'a, 'k, N: Net, B = Vec<u8>> {
     net: &'a N,
     walk: Walker,
-    values: Values<'a>,
+    values: Values<'a, B>,
+    /// Where each tensor an encoded import decodes is also copied, if anywhere.
+    keep: Option<&'k mut BTreeMap<String, Vec<f32>>>,
+    /// A tensor whose values failed to decode after their check (see [`CheckedImport`]).
+    failed: Option<String>,
     select: Select,
 }
 
-/// The tensors a [`Writer`] writes in: borrowed (each copied as it goes in) or owned (each moved
-/// in, so the import holds no second copy).
-enum Values<'a> {
+/// The tensors a [`Writer`] writes in: borrowed (each copied as it goes in), owned (each moved
+/// in, so the import holds no second copy) or encoded (each decoded from its message's bytes
+/// once the old tensor has gone, so the import holds no decoded copy of the message).
+enum Values<'a, B> {
     Borrowed(HashMap<&'a str, &'a NamedTensor>),
     Owned(HashMap<String, NamedTensor>),
+    Encoded(HashMap<&'a str, &'a EncodedTensor<B>>),
 }
 
-impl<N: Net> ModuleMapper for Writer<'_, N> {
+/// Where a tensor's new values come from.
+enum Source<'a, B> {
+    Ready(Vec<f32>, Vec<usize>),
+    Encoded(&'a EncodedTensor<B>),
+}
+
+impl<N: Net, B: AsRef<[u8]>> ModuleMapper for Writer<'_, '_, N, B> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         self.walk.enter(name, container_type);
     }
@@ -335,23 +347,112 @@ impl<N: Net> ModuleMapper for Writer<'_, N> {
             return param;
         }
         let name = torch_name(self.net, &path, kind);
-        let (data, shape) = match &mut self.values {
+        let source = match &mut self.values {
             Values::Borrowed(v) => match v.get(name.as_str()) {
-                Some(src) => (src.data.clone(), src.shape.clone()),
+                Some(src) => Source::Ready(src.data.clone(), src.shape.clone()),
                 None => return param,
             },
             Values::Owned(v) => match v.remove(name.as_str()) {
-                Some(src) => (src.data, src.shape),
+                Some(src) => Source::Ready(src.data, src.shape),
+                None => return param,
+            },
+            Values::Encoded(v) => match v.get(name.as_str()) {
+                Some(&src) => Source::Encoded(src),
                 None => return param,
             },
         };
+        let (keep, failed) = (&mut self.keep, &mut self.failed);
         param.map(|t| {
             let rg = t.is_require_grad();
             let device = t.device();
-            // The old tensor goes before the new one is made.
+            // The old tensor goes before the new one is made (or decoded).
             drop(t);
+            let (data, shape) = match source {
+                Source::Ready(data, shape) => (data, shape),
+                Source::Encoded(e) => {
+                    let shape = e.shape.iter().map(|&d| d as usize).collect::<Vec<_>>();
+                    let data = unifed_protocol::decode(e).unwrap_or_else(|err| {
+                        failed.get_or_insert_with(|| err.to_string());
+                        vec![0.0; shape.iter().product()]
+                    });
+                    if let Some(k) = keep.as_deref_mut() {
+                        k.insert(name, data.clone());
+                    }
+                    (data, shape)
+                }
+            };
             from_torch::<D>(data, shape, linear_w, &device).set_require_grad(rg)
         })
+    }
+}
+
+/// The encoded tensors of a message (a broadcast) checked for an import of the tensors that
+/// `select` keeps: every name in the spec with the spec's shape, every value decodable
+/// ([`unifed_protocol::check`]), and every kept tensor of the spec present. Tensors that
+/// `select` does not keep are ignored; of a name given twice, the last counts.
+pub struct CheckedImport<'a, B> {
+    tensors: HashMap<&'a str, &'a EncodedTensor<B>>,
+    select: Select,
+}
+
+impl<'a, B: AsRef<[u8]>> CheckedImport<'a, B> {
+    /// Checks `tensors` against `spec` for an import of `select`, allocating nothing the size
+    /// of a tensor.
+    pub fn new(
+        spec: &ModelSpec,
+        tensors: &'a [EncodedTensor<B>],
+        select: Select,
+    ) -> Result<Self, StateError> {
+        let mut checked = HashMap::new();
+        for t in tensors {
+            spec_of_encoded(spec, t)?;
+            unifed_protocol::check(t)
+                .map_err(|e| StateError::Mismatch(format!("tensor `{}`: {e}", t.name)))?;
+            checked.insert(t.name.as_str(), t);
+        }
+        if let Some(missing) = spec
+            .tensors
+            .iter()
+            .find(|s| select.keeps(s.kind) && !checked.contains_key(s.name.as_str()))
+        {
+            return Err(StateError::Missing(missing.name.clone()));
+        }
+        Ok(CheckedImport {
+            tensors: checked,
+            select,
+        })
+    }
+
+    /// Writes the tensors into `net`, each decoded from the message's bytes once the model's
+    /// old tensor has gone: the import holds one decoded tensor beyond the model, never a
+    /// decoded copy of the message. With `keep`, each decoded tensor is also copied into it.
+    /// The check made decoding infallible; should a tensor still fail to decode, the error
+    /// names it and `net` holds zeros in its place.
+    pub fn import_into<N: Net>(
+        self,
+        net: &mut N,
+        keep: Option<&mut BTreeMap<String, Vec<f32>>>,
+    ) -> Result<(), StateError> {
+        // As in `import_into`: the stand-in lets go of the model's tensors.
+        let copy = net.valid();
+        *net = stand_in(&copy);
+        let mut w = Writer {
+            net: &*net,
+            walk: Walker::default(),
+            values: Values::Encoded(self.tensors),
+            keep,
+            failed: None,
+            select: self.select,
+        };
+        let written = copy.map(&mut w);
+        let failed = w.failed.take();
+        *net = written;
+        match failed {
+            Some(e) => Err(StateError::Mismatch(format!(
+                "a tensor failed to decode after its check; the model is incomplete: {e}"
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -390,7 +491,11 @@ pub fn import<N: Net>(
     let mut w = Writer {
         net: &copy,
         walk: Walker::default(),
-        values: Values::Borrowed(state.tensors.iter().map(|t| (t.name.as_str(), t)).collect()),
+        values: Values::<Vec<u8>>::Borrowed(
+            state.tensors.iter().map(|t| (t.name.as_str(), t)).collect(),
+        ),
+        keep: None,
+        failed: None,
         select,
     };
     Ok(copy.clone().map(&mut w))
@@ -413,13 +518,15 @@ pub fn import_into<N: Net>(
     let mut w = Writer {
         net: &*net,
         walk: Walker::default(),
-        values: Values::Owned(
+        values: Values::<Vec<u8>>::Owned(
             state
                 .tensors
                 .into_iter()
                 .map(|t| (t.name.clone(), t))
                 .collect(),
         ),
+        keep: None,
+        failed: None,
         select,
     };
     let written = copy.map(&mut w);
@@ -442,9 +549,9 @@ pub(crate) fn stand_in<N: Net>(net: &N) -> N {
 }
 
 /// The spec of encoded tensor `t`: an error when the spec lacks it or gives it another shape.
-pub fn spec_of_encoded<'s>(
+pub fn spec_of_encoded<'s, B>(
     spec: &'s ModelSpec,
-    t: &unifed_protocol::EncodedTensor,
+    t: &EncodedTensor<B>,
 ) -> Result<&'s unifed_protocol::TensorSpec, StateError> {
     let s = spec
         .tensor(&t.name)
@@ -465,9 +572,9 @@ pub fn spec_of_encoded<'s>(
 /// a state dict of `spec`, in the message's order. A name outside the spec, a shape other than
 /// the spec's (checked before anything is allocated) or undecodable values are errors naming
 /// the tensor.
-pub fn from_encoded(
+pub fn from_encoded<B: AsRef<[u8]>>(
     spec: &ModelSpec,
-    tensors: &[unifed_protocol::EncodedTensor],
+    tensors: &[EncodedTensor<B>],
 ) -> Result<StateDict, StateError> {
     let tensors = tensors
         .iter()

@@ -6,10 +6,12 @@ use common::*;
 use unifed_models::checkpoint;
 use unifed_models::data::Dataset;
 use unifed_models::error::StateError;
-use unifed_models::state::{Select, StateDict, add_delta, apply_non_bn, delta, export, import};
+use unifed_models::state::{
+    CheckedImport, Select, StateDict, add_delta, apply_non_bn, delta, export, from_encoded, import,
+};
 use unifed_models::train::{TrainConfig, train_local};
 use unifed_models::zoo::{DigitsCnnConfig, MlpConfig, ResNetConfig, Stem, seeded};
-use unifed_protocol::{ModelSpec, TensorKind};
+use unifed_protocol::{EncodedTensor, EncodedTensorRef, Encoding, ModelSpec, TensorKind, Values};
 
 #[test]
 fn digits_cnn_has_the_papers_layers_and_14213578_non_bn_parameters() {
@@ -439,4 +441,90 @@ fn safetensors_are_streamed_byte_for_byte_as_the_safetensors_crate_writes_them()
         );
         assert_eq!(checkpoint::from_bytes(&bytes, &spec).unwrap(), state);
     }
+}
+
+#[test]
+fn an_import_read_in_place_writes_what_a_decoded_one_does_and_a_bad_message_changes_nothing() {
+    let d = device();
+    let cfg = DigitsCnnConfig {
+        conv: [4, 6, 8],
+        fc: [32, 16],
+        ..Default::default()
+    };
+    let site = || seeded(&d, 3, |d| cfg.init(d));
+    let global = seeded(&d, 4, |d| cfg.init(d));
+    let spec = spec(&global, 10, image_input(3, 28, 28));
+    for (select, encoding) in [
+        (Select::NonBn, Encoding::F32),
+        (Select::All, Encoding::F16),
+        (Select::NonBn, Encoding::Q8),
+    ] {
+        let encoded: Vec<EncodedTensor> = export(&global, &spec, select)
+            .tensors
+            .iter()
+            .map(|t| t.encode(encoding, None))
+            .collect();
+        let wire = postcard::to_allocvec(&encoded).unwrap();
+        let read: Vec<EncodedTensorRef> = postcard::from_bytes(&wire).unwrap();
+        let decoded = from_encoded(&spec, &encoded).unwrap();
+        let want = import(&site(), &spec, &decoded, select).unwrap();
+        let mut got = site();
+        let mut kept = std::collections::BTreeMap::new();
+        CheckedImport::new(&spec, &read, select)
+            .unwrap()
+            .import_into(&mut got, Some(&mut kept))
+            .unwrap();
+        assert_eq!(
+            bits(&got, &spec, Select::All),
+            bits(&want, &spec, Select::All),
+            "{select:?} {encoding:?}"
+        );
+        // What it keeps is every tensor it wrote, as decoded.
+        let kept: Vec<_> = kept.into_iter().collect();
+        let mut want_kept: Vec<_> = decoded
+            .tensors
+            .into_iter()
+            .map(|t| (t.name, t.data))
+            .collect();
+        want_kept.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(kept, want_kept);
+    }
+    // Refused before anything is written: a tensor short of a value, a tensor missing, a shape
+    // other than the spec's.
+    let good: Vec<EncodedTensor> = export(&global, &spec, Select::All)
+        .tensors
+        .iter()
+        .map(|t| t.encode(Encoding::F32, None))
+        .collect();
+    let mut short = good.clone();
+    if let Values::F32(b) = &mut short[1].values {
+        b.truncate(b.len() - 4);
+    }
+    let mut missing = good.clone();
+    missing.remove(0);
+    let mut reshaped = good.clone();
+    reshaped[0].shape.push(1);
+    for (bad, what) in [
+        (short, good[1].name.clone()),
+        (missing, good[0].name.clone()),
+        (reshaped, good[0].name.clone()),
+    ] {
+        let err = CheckedImport::new(&spec, &bad, Select::NonBn)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains(&what), "{err}");
+    }
+    let before = bits(&site(), &spec, Select::All);
+    let mut net = site();
+    assert!(CheckedImport::new(&spec, &good[1..], Select::NonBn).is_err());
+    assert_eq!(bits(&net, &spec, Select::All), before);
+    // Tensors the selection does not keep (BN, here) are ignored, as `import` ignores them.
+    CheckedImport::new(&spec, &good, Select::NonBn)
+        .unwrap()
+        .import_into(&mut net, None)
+        .unwrap();
+    assert_eq!(
+        bits(&net, &spec, Select::Bn),
+        bits(&site(), &spec, Select::Bn)
+    );
 }

@@ -105,20 +105,26 @@ impl core::str::FromStr for Encoding {
     }
 }
 
-/// The values of one tensor in some encoding.
+/// The values of one tensor in some encoding. Their bytes are owned (`Vec<u8>`, the default)
+/// or read in place from a received message (`&[u8]`, see [`EncodedTensorRef`]): both encode
+/// alike. Sparse gaps and values are varints and f32s, always decoded into vectors.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Values {
+#[serde(bound(
+    serialize = "B: serde_bytes::Serialize",
+    deserialize = "B: serde_bytes::Deserialize<'de>"
+))]
+pub enum Values<B = Vec<u8>> {
     /// Little-endian f32 bytes.
-    F32(#[serde(with = "serde_bytes")] Vec<u8>),
+    F32(#[serde(with = "serde_bytes")] B),
     /// Little-endian IEEE f16 bytes.
-    F16(#[serde(with = "serde_bytes")] Vec<u8>),
+    F16(#[serde(with = "serde_bytes")] B),
     /// int8 values (as bytes) and their scale.
     Q8 {
         /// `max|x| / 127` (0 for an all-zero tensor).
         scale: f32,
         /// Two's-complement int8 values.
         #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        data: B,
     },
     /// Sparse: `len` values, all zero except at `indices` (strictly increasing, each stored as
     /// the gap to the previous one) where they are `values`.
@@ -140,7 +146,7 @@ pub enum Values {
         scale: f32,
         /// Two's-complement int8 values, one per kept index.
         #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        data: B,
     },
     /// Dense ternary: value `i` is `(t_i - 1) * scale_{i / block}` with the digit `t_i` in
     /// `0..=2`.
@@ -151,23 +157,31 @@ pub enum Values {
         block: u16,
         /// One little-endian f16 scale per `block` values (the last block may be shorter).
         #[serde(with = "serde_bytes")]
-        scales: Vec<u8>,
+        scales: B,
         /// Five base-3 digits per byte, the first in the lowest place (each byte below 243).
         #[serde(with = "serde_bytes")]
-        digits: Vec<u8>,
+        digits: B,
     },
 }
 
-/// A named tensor in wire form.
+/// A named tensor in wire form, its value bytes owned or read in place (see [`Values`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct EncodedTensor {
+#[serde(bound(
+    serialize = "B: serde_bytes::Serialize",
+    deserialize = "B: serde_bytes::Deserialize<'de>"
+))]
+pub struct EncodedTensor<B = Vec<u8>> {
     /// state_dict name.
     pub name: String,
     /// Shape.
     pub shape: Vec<u32>,
     /// Values.
-    pub values: Values,
+    pub values: Values<B>,
 }
+
+/// An [`EncodedTensor`] read in place: its value bytes are a slice of the message it came in,
+/// so a receiver decodes them where they lie.
+pub type EncodedTensorRef<'a> = EncodedTensor<&'a [u8]>;
 
 /// Why a tensor cannot be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -267,7 +281,7 @@ impl core::fmt::Display for Encoding {
     }
 }
 
-impl EncodedTensor {
+impl<B> EncodedTensor<B> {
     /// Number of elements the shape describes (1 for an empty shape), or `None` if the
     /// product overflows `usize`.
     pub fn numel(&self) -> Option<usize> {
@@ -430,112 +444,118 @@ fn f32_bytes(x: &[f32]) -> Values {
 
 /// The little-endian `f32` values of an exact tensor, checked against its shape as
 /// [`decode`] checks them and read in place (no copy); `None` for any other encoding.
-pub fn exact_le_bytes(t: &EncodedTensor) -> Result<Option<&[u8]>, TensorError> {
+pub fn exact_le_bytes<B: AsRef<[u8]>>(t: &EncodedTensor<B>) -> Result<Option<&[u8]>, TensorError> {
     let Values::F32(bytes) = &t.values else {
         return Ok(None);
     };
     let numel = t
         .numel()
         .ok_or_else(|| TensorError::ShapeOverflow(t.name.clone()))?;
+    let bytes = bytes.as_ref();
     check_bytes(t, numel, bytes.len(), 4)?;
     Ok(Some(bytes))
 }
 
-/// Decodes a tensor to dense `f32` values after checking it against its shape.
+/// Checks a tensor against its shape exactly as [`decode`] and [`decode_add`] do, without
+/// allocating or decoding anything, and gives its element count: a tensor that passes decodes.
 ///
 /// Dense encodings must hold exactly one value per element of the shape. A sparse tensor's
 /// `len` must equal the shape's element count, it needs one value per index, and its indices
-/// (first gap = first index, later gaps at least 1) must stay below `len`. Decoding a sparse
-/// tensor allocates its full dense length, so compare the shape with the model spec first.
-pub fn decode(t: &EncodedTensor) -> Result<Vec<f32>, TensorError> {
+/// (first gap = first index, later gaps at least 1) must stay below `len`. A ternary tensor's
+/// block must be in [`TERNARY_BLOCKS`], with one scale per block and digits below 243.
+pub fn check<B: AsRef<[u8]>>(t: &EncodedTensor<B>) -> Result<usize, TensorError> {
     let numel = t
         .numel()
         .ok_or_else(|| TensorError::ShapeOverflow(t.name.clone()))?;
     match &t.values {
-        Values::F32(bytes) => {
-            check_bytes(t, numel, bytes.len(), 4)?;
-            Ok(bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect())
-        }
-        Values::F16(bytes) => {
-            check_bytes(t, numel, bytes.len(), 2)?;
-            Ok(bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect())
-        }
-        Values::Q8 { scale, data } => {
-            check_bytes(t, numel, data.len(), 1)?;
-            Ok(data.iter().map(|&q| f32::from(q as i8) * scale).collect())
-        }
-        Values::Sparse { len, gaps, values } => {
-            sparse(t, numel, *len, gaps, values.len(), |n| values[n])
-        }
+        Values::F32(bytes) => check_bytes(t, numel, bytes.as_ref().len(), 4)?,
+        Values::F16(bytes) => check_bytes(t, numel, bytes.as_ref().len(), 2)?,
+        Values::Q8 { data, .. } => check_bytes(t, numel, data.as_ref().len(), 1)?,
+        Values::Sparse { len, gaps, values } => check_sparse(t, numel, *len, gaps, values.len())?,
         Values::SparseQ8 {
-            len,
-            gaps,
-            scale,
-            data,
-        } => sparse(t, numel, *len, gaps, data.len(), |n| {
-            f32::from(data[n] as i8) * scale
-        }),
+            len, gaps, data, ..
+        } => check_sparse(t, numel, *len, gaps, data.as_ref().len())?,
         Values::Ternary { len, block, .. } => {
             check_ternary(t, numel, *len, *block)?;
-            decode_ternary(numel, &t.values).map_err(|found| wrong_length(t, numel, found))
+            ternary_parts(numel, &t.values).map_err(|found| wrong_length(t, numel, found))?;
         }
     }
+    Ok(numel)
+}
+
+/// Decodes a tensor to dense `f32` values after checking it against its shape ([`check`]).
+/// Decoding a sparse tensor allocates its full dense length, so compare the shape with the
+/// model spec first.
+pub fn decode<B: AsRef<[u8]>>(t: &EncodedTensor<B>) -> Result<Vec<f32>, TensorError> {
+    let numel = check(t)?;
+    Ok(match &t.values {
+        Values::F32(bytes) => bytes
+            .as_ref()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Values::F16(bytes) => bytes
+            .as_ref()
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Values::Q8 { scale, data } => data
+            .as_ref()
+            .iter()
+            .map(|&q| f32::from(q as i8) * scale)
+            .collect(),
+        Values::Sparse { gaps, values, .. } => sparse(numel, gaps, |n| values[n]),
+        Values::SparseQ8 {
+            gaps, scale, data, ..
+        } => {
+            let data = data.as_ref();
+            sparse(numel, gaps, |n| f32::from(data[n] as i8) * scale)
+        }
+        Values::Ternary { .. } => {
+            decode_ternary(numel, &t.values).map_err(|found| wrong_length(t, numel, found))?
+        }
+    })
 }
 
 /// Adds the values [`decode`] gives for `t` to `out`, in place and bit for bit as
 /// `out[i] + decode(t)[i]`, without allocating the decoded tensor. `out` must hold exactly the
 /// tensor's values. Everything is checked before anything is written: on an error `out` is
 /// unchanged.
-pub fn decode_add(t: &EncodedTensor, out: &mut [f32]) -> Result<(), TensorError> {
+pub fn decode_add<B: AsRef<[u8]>>(
+    t: &EncodedTensor<B>,
+    out: &mut [f32],
+) -> Result<(), TensorError> {
     let numel = t
         .numel()
         .ok_or_else(|| TensorError::ShapeOverflow(t.name.clone()))?;
     if out.len() != numel {
         return Err(wrong_length(t, out.len(), numel));
     }
+    check(t)?;
     match &t.values {
         Values::F32(bytes) => {
-            check_bytes(t, numel, bytes.len(), 4)?;
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            for (o, b) in out.iter_mut().zip(bytes.as_ref().chunks_exact(4)) {
                 *o += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
         Values::F16(bytes) => {
-            check_bytes(t, numel, bytes.len(), 2)?;
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+            for (o, b) in out.iter_mut().zip(bytes.as_ref().chunks_exact(2)) {
                 *o += half::f16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
         Values::Q8 { scale, data } => {
-            check_bytes(t, numel, data.len(), 1)?;
-            for (o, &q) in out.iter_mut().zip(data) {
+            for (o, &q) in out.iter_mut().zip(data.as_ref()) {
                 *o += f32::from(q as i8) * scale;
             }
         }
-        Values::Sparse { len, gaps, values } => {
-            sparse_add(t, *len, gaps, values.len(), |n| values[n], out)?;
-        }
+        Values::Sparse { gaps, values, .. } => sparse_add(gaps, |n| values[n], out),
         Values::SparseQ8 {
-            len,
-            gaps,
-            scale,
-            data,
-        } => sparse_add(
-            t,
-            *len,
-            gaps,
-            data.len(),
-            |n| f32::from(data[n] as i8) * scale,
-            out,
-        )?,
-        Values::Ternary { len, block, .. } => {
-            check_ternary(t, numel, *len, *block)?;
+            gaps, scale, data, ..
+        } => {
+            let data = data.as_ref();
+            sparse_add(gaps, |n| f32::from(data[n] as i8) * scale, out)
+        }
+        Values::Ternary { .. } => {
             ternary_add(&t.values, out).map_err(|found| wrong_length(t, numel, found))?;
         }
     }
@@ -634,7 +654,7 @@ const TRITS: [[f32; 5]; 243] = {
 
 /// The `numel` values of a [`Values::Ternary`] whose block is in [`TERNARY_BLOCKS`]; on a
 /// length that does not fit, the count of values the bytes hold, for the error.
-fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
+fn decode_ternary<B: AsRef<[u8]>>(numel: usize, v: &Values<B>) -> Result<Vec<f32>, usize> {
     let (size, scales, digits) = ternary_parts(numel, v)?;
     let scale = |b: usize| half::f16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]).to_f32();
     // Five values per byte from the table, then each block times its scale.
@@ -657,7 +677,12 @@ fn decode_ternary(numel: usize, v: &Values) -> Result<Vec<f32>, usize> {
 
 /// Checks a ternary tensor's stated length against `numel` and its block size against
 /// [`TERNARY_BLOCKS`].
-fn check_ternary(t: &EncodedTensor, numel: usize, len: u32, block: u16) -> Result<(), TensorError> {
+fn check_ternary<B>(
+    t: &EncodedTensor<B>,
+    numel: usize,
+    len: u32,
+    block: u16,
+) -> Result<(), TensorError> {
     if len as usize != numel {
         return Err(wrong_length(t, numel, len as usize));
     }
@@ -672,7 +697,10 @@ fn check_ternary(t: &EncodedTensor, numel: usize, len: u32, block: u16) -> Resul
 
 /// The block size, scales and digits of a [`Values::Ternary`] of `numel` values, checked: on a
 /// length that does not fit, the count of values the bytes hold, for the error.
-fn ternary_parts(numel: usize, v: &Values) -> Result<(usize, &[u8], &[u8]), usize> {
+fn ternary_parts<B: AsRef<[u8]>>(
+    numel: usize,
+    v: &Values<B>,
+) -> Result<(usize, &[u8], &[u8]), usize> {
     let Values::Ternary {
         block,
         scales,
@@ -682,6 +710,7 @@ fn ternary_parts(numel: usize, v: &Values) -> Result<(usize, &[u8], &[u8]), usiz
     else {
         return Err(0);
     };
+    let (scales, digits) = (scales.as_ref(), digits.as_ref());
     let size = usize::from(*block).max(1);
     if scales.len() != 2 * numel.div_ceil(size) {
         return Err(scales.len() / 2 * size);
@@ -694,7 +723,7 @@ fn ternary_parts(numel: usize, v: &Values) -> Result<(usize, &[u8], &[u8]), usiz
 
 /// [`decode_ternary`] added to `out` in place, bit for bit: each value is its digit times its
 /// block's scale, then added.
-fn ternary_add(v: &Values, out: &mut [f32]) -> Result<(), usize> {
+fn ternary_add<B: AsRef<[u8]>>(v: &Values<B>, out: &mut [f32]) -> Result<(), usize> {
     let (size, scales, digits) = ternary_parts(out.len(), v)?;
     for (b, values) in out.chunks_mut(size).enumerate() {
         let s = half::f16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]).to_f32();
@@ -707,38 +736,22 @@ fn ternary_add(v: &Values, out: &mut [f32]) -> Result<(), usize> {
     Ok(())
 }
 
-/// A sparse tensor of dense length `len` (which must equal the shape's `numel`) with one value
-/// per gap (`count` of them, the `n`th given by `value(n)`), its indices checked before the
-/// dense tensor is allocated.
-fn sparse(
-    t: &EncodedTensor,
-    numel: usize,
-    len: u32,
-    gaps: &[u32],
-    count: usize,
-    value: impl Fn(usize) -> f32,
-) -> Result<Vec<f32>, TensorError> {
-    check_sparse(t, numel, len, gaps, count)?;
+/// The dense tensor of `numel` values, zero except at the indices `gaps` names (checked by
+/// [`check`]), where the `n`th is `value(n)`.
+fn sparse(numel: usize, gaps: &[u32], value: impl Fn(usize) -> f32) -> Vec<f32> {
     let mut dense = alloc::vec![0.0f32; numel];
     let mut i = 0usize;
     for (n, &g) in gaps.iter().enumerate() {
         i = if n == 0 { g as usize } else { i + g as usize };
         dense[i] = value(n);
     }
-    Ok(dense)
+    dense
 }
 
-/// [`sparse`] added to `out` (of the tensor's length) in place: every value of `out` gets the
-/// dense tensor's value, zero included, so the result is bit for bit `out + sparse(..)`.
-fn sparse_add(
-    t: &EncodedTensor,
-    len: u32,
-    gaps: &[u32],
-    count: usize,
-    value: impl Fn(usize) -> f32,
-    out: &mut [f32],
-) -> Result<(), TensorError> {
-    check_sparse(t, out.len(), len, gaps, count)?;
+/// [`sparse`] added to `out` (of the tensor's length, indices checked by [`check`]) in place:
+/// every value of `out` gets the dense tensor's value, zero included, so the result is bit for
+/// bit `out + sparse(..)`.
+fn sparse_add(gaps: &[u32], value: impl Fn(usize) -> f32, out: &mut [f32]) {
     // Adding zero is not a no-op on -0.0: the dense sum turns it into +0.0.
     let (mut next, mut i) = (0usize, 0usize);
     for (n, &g) in gaps.iter().enumerate() {
@@ -748,13 +761,12 @@ fn sparse_add(
         next = i + 1;
     }
     out[next..].iter_mut().for_each(|o| *o += 0.0);
-    Ok(())
 }
 
 /// Checks a sparse tensor's dense length against `numel`, its value count against its gaps,
 /// and every index it names (in range, strictly increasing) before anything is written.
-fn check_sparse(
-    t: &EncodedTensor,
+fn check_sparse<B>(
+    t: &EncodedTensor<B>,
     numel: usize,
     len: u32,
     gaps: &[u32],
@@ -789,8 +801,8 @@ fn check_sparse(
 }
 
 /// Checks that `bytes` bytes hold exactly `numel` values of `width` bytes each.
-fn check_bytes(
-    t: &EncodedTensor,
+fn check_bytes<B>(
+    t: &EncodedTensor<B>,
     numel: usize,
     bytes: usize,
     width: usize,
@@ -810,7 +822,7 @@ fn check_bytes(
     Err(wrong_length(t, numel, found))
 }
 
-fn wrong_length(t: &EncodedTensor, expected: usize, found: usize) -> TensorError {
+fn wrong_length<B>(t: &EncodedTensor<B>, expected: usize, found: usize) -> TensorError {
     TensorError::WrongLength {
         name: t.name.clone(),
         expected,
@@ -1331,7 +1343,7 @@ mod tests {
 
     #[test]
     fn decode_rejects_bad_sparse_indices() {
-        let sparse = |len, gaps: Vec<u32>| EncodedTensor {
+        let sparse = |len, gaps: Vec<u32>| EncodedTensor::<Vec<u8>> {
             name: "s".into(),
             shape: vec![len],
             values: Values::Sparse {

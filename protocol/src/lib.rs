@@ -63,15 +63,16 @@ pub mod topics;
 pub use auth::{AuthError, KeyFileError, Keyring, PublicKey, SigningKey};
 pub use chunking::{ChunkError, Reassembler, payload_hash, split};
 pub use encoding::{
-    EncodedTensor, Encoding, TensorError, Values, decode, decode_add, encode, encode_leaving_error,
+    EncodedTensor, EncodedTensorRef, Encoding, TensorError, Values, check, decode, decode_add,
+    encode, encode_leaving_error,
 };
 pub use envelope::{DecodeError, Envelope, EnvelopeRef, MAGIC, MessageKind, PROTOCOL_VERSION};
 pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, SiteId};
 pub use messages::{
-    Answer, BnPolicy, BnSharing, Chunk, ChunkRef, ChunkRequest, DeltaInfo, Download, LocalReport,
-    ModelDelta, Objective, OnboardError, OnboardReply, OnboardRequest, PackageInfo, Payload,
-    RegistryEntry, RejectReason, RoundManifest, RoundPlan, Sealing, ServerBroadcast, ServerExtras,
-    SiteExtras, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
+    Answer, BnPolicy, BnSharing, Chunk, ChunkRef, ChunkRequest, DeltaInfo, Download, Downloaded,
+    LocalReport, ModelDelta, Objective, OnboardError, OnboardReply, OnboardRequest, PackageInfo,
+    Payload, RegistryEntry, RejectReason, RoundManifest, RoundPlan, Sealing, ServerBroadcast,
+    ServerExtras, SiteExtras, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
     max_broadcast_bytes, max_registry_entry_bytes,
 };
 #[cfg(feature = "std")]

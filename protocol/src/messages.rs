@@ -331,13 +331,18 @@ pub struct ChunkRequest {
     pub payload: Payload,
 }
 
-/// The server's model for a round: weights (non-BN only under `local` BN) and extras.
+/// The server's model for a round: weights (non-BN only under `local` BN) and extras. Its
+/// tensors' bytes are owned or read in place from the payload (as [`EncodedTensor`]'s are).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ServerBroadcast {
+#[serde(bound(
+    serialize = "B: serde_bytes::Serialize",
+    deserialize = "B: serde_bytes::Deserialize<'de>"
+))]
+pub struct ServerBroadcast<B = Vec<u8>> {
     /// Model version.
     pub model_version: u64,
     /// The global weights.
-    pub weights: Vec<EncodedTensor>,
+    pub weights: Vec<EncodedTensor<B>>,
     /// Algorithm tensors beside the model (e.g. a server control variate).
     pub extras: ServerExtras,
 }
@@ -348,30 +353,35 @@ pub struct ServerBroadcast {
 /// following the deltas holds; what the encoding drops stays in the next delta (error
 /// feedback on the server), and sites that follow the deltas all hold the same weights.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelDelta {
+#[serde(bound(
+    serialize = "B: serde_bytes::Serialize",
+    deserialize = "B: serde_bytes::Deserialize<'de>"
+))]
+pub struct ModelDelta<B = Vec<u8>> {
     /// The version the delta applies to.
     pub from_version: u64,
     /// The version it gives.
     pub model_version: u64,
     /// Additions to the trainable tensors of the broadcast, in the federation's encoding.
-    pub delta: Vec<EncodedTensor>,
+    pub delta: Vec<EncodedTensor<B>>,
     /// BN running statistics of the broadcast (under `global` BN) as exact f32 values, not
     /// deltas: a lossy variance could turn negative.
-    pub values: Vec<EncodedTensor>,
+    pub values: Vec<EncodedTensor<B>>,
     /// Algorithm tensors beside the model, whole (as in [`ServerBroadcast`]).
     pub extras: ServerExtras,
 }
 
-/// A model as a site receives it: whole, or as a delta from the version it holds.
+/// A model as a site receives it: whole, or as a delta from the version it holds; its tensors'
+/// bytes owned or read in place from the payload ([`Downloaded::read`]).
 #[derive(Debug, Clone, PartialEq)]
-pub enum Download {
+pub enum Download<B = Vec<u8>> {
     /// The whole model.
-    Model(ServerBroadcast),
+    Model(ServerBroadcast<B>),
     /// The change from the version before.
-    Delta(ModelDelta),
+    Delta(ModelDelta<B>),
 }
 
-impl Download {
+impl<B> Download<B> {
     /// The model version it gives.
     pub fn model_version(&self) -> u64 {
         match self {
@@ -386,6 +396,60 @@ impl Download {
             Download::Model(b) => &b.extras,
             Download::Delta(d) => &d.extras,
         }
+    }
+}
+
+/// A complete model payload a site fetched: its bytes, checked once to decode as the payload
+/// they are (a [`ServerBroadcast`], or a [`ModelDelta`]), then read in place by
+/// [`Downloaded::read`], so that applying the model holds the payload and no decoded copy of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Downloaded {
+    bytes: Vec<u8>,
+    delta: bool,
+    model_version: u64,
+    from_version: Option<u64>,
+}
+
+impl Downloaded {
+    /// `bytes` as a whole model, or as a delta when `delta`: an error when they do not decode as
+    /// that payload.
+    pub fn new(bytes: Vec<u8>, delta: bool) -> Result<Downloaded, postcard::Error> {
+        let mut d = Downloaded {
+            bytes,
+            delta,
+            model_version: 0,
+            from_version: None,
+        };
+        (d.model_version, d.from_version) = match d.read()? {
+            Download::Model(b) => (b.model_version, None),
+            Download::Delta(m) => (m.model_version, Some(m.from_version)),
+        };
+        Ok(d)
+    }
+
+    /// The model, its tensors' bytes read in place from the payload. Only names, shapes and
+    /// small fields are decoded; the error cannot happen for bytes [`Downloaded::new`] took.
+    pub fn read(&self) -> Result<Download<&[u8]>, postcard::Error> {
+        Ok(if self.delta {
+            Download::Delta(postcard::from_bytes(&self.bytes)?)
+        } else {
+            Download::Model(postcard::from_bytes(&self.bytes)?)
+        })
+    }
+
+    /// The model version it gives.
+    pub fn model_version(&self) -> u64 {
+        self.model_version
+    }
+
+    /// The version a delta applies to; `None` for a whole model.
+    pub fn from_version(&self) -> Option<u64> {
+        self.from_version
+    }
+
+    /// The payload's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
     }
 }
 

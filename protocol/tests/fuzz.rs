@@ -299,6 +299,25 @@ proptest! {
     }
 
     #[test]
+    fn check_passes_exactly_the_tensors_that_decode_and_a_borrowed_tensor_decodes_alike(
+        t in encoded_tensor(),
+        out in prop::collection::vec(any::<f32>(), 0..64),
+    ) {
+        let decoded = decode(&t);
+        prop_assert_eq!(check(&t).map_err(|e| e.to_string()), decoded.as_ref().map(|v| v.len()).map_err(|e| e.to_string()));
+        // Read in place from its wire bytes, the tensor decodes (and adds) bit for bit alike.
+        let wire = postcard::to_allocvec(&t).unwrap();
+        let borrowed: EncodedTensorRef<'_> = postcard::from_bytes(&wire).unwrap();
+        prop_assert_eq!(postcard::to_allocvec(&borrowed).unwrap(), wire.clone());
+        let bits = |r: Result<Vec<f32>, TensorError>| r.map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        prop_assert_eq!(bits(decode(&borrowed)), bits(decoded));
+        let (mut a, mut b) = (out.clone(), out);
+        let (ra, rb) = (decode_add(&t, &mut a), decode_add(&borrowed, &mut b));
+        prop_assert_eq!(ra, rb);
+        prop_assert_eq!(bits(Ok(a)), bits(Ok(b)));
+    }
+
+    #[test]
     fn encode_then_decode_keeps_the_length_of_any_values(
         x in prop::collection::vec(any::<f32>(), 0..200),
         enc in encoding(),

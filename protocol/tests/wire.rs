@@ -424,3 +424,60 @@ fn a_chunk_is_read_in_place_with_the_fields_and_bytes_of_an_owned_one() {
         Err(AuthError::Decode(DecodeError::TooLarge { .. }))
     ));
 }
+
+#[test]
+fn a_downloaded_model_is_read_in_place_and_a_payload_of_the_wrong_kind_is_refused() {
+    let t = |name: &str, values: Values| EncodedTensor {
+        name: name.into(),
+        shape: vec![3],
+        values,
+    };
+    let model = ServerBroadcast {
+        model_version: 7,
+        weights: vec![
+            encode("fc.weight", &[3], &[1.0, -2.5, 3.25], Encoding::F32, None),
+            t("fc.bias", Values::F16(vec![0, 60, 0, 188, 0, 0])),
+        ],
+        extras: ServerExtras::None,
+    };
+    let bytes = postcard::to_allocvec(&model).unwrap();
+    let d = Downloaded::new(bytes.clone(), false).unwrap();
+    assert_eq!((d.model_version(), d.from_version()), (7, None));
+    let Download::Model(read) = d.read().unwrap() else {
+        panic!("a whole model reads as one");
+    };
+    // Every tensor's bytes are a slice of the payload, and the read encodes as the owned model.
+    for w in &read.weights {
+        let (Values::F32(b) | Values::F16(b)) = &w.values else {
+            panic!("dense tensors")
+        };
+        assert!(lies_in(b, d.bytes()));
+    }
+    assert_eq!(postcard::to_allocvec(&read).unwrap(), bytes);
+    assert_eq!(decode(&read.weights[0]).unwrap(), vec![1.0, -2.5, 3.25]);
+    assert_eq!(decode(&read.weights[1]).unwrap(), vec![1.0, -1.0, 0.0]);
+
+    let delta = ModelDelta {
+        from_version: 6,
+        model_version: 7,
+        delta: vec![t(
+            "fc.weight",
+            Values::Q8 {
+                scale: 0.5,
+                data: vec![2, 254, 0],
+            },
+        )],
+        values: Vec::new(),
+        extras: ServerExtras::None,
+    };
+    let dbytes = postcard::to_allocvec(&delta).unwrap();
+    let dd = Downloaded::new(dbytes.clone(), true).unwrap();
+    assert_eq!((dd.model_version(), dd.from_version()), (7, Some(6)));
+    let Download::Delta(read) = dd.read().unwrap() else {
+        panic!("a delta reads as one");
+    };
+    assert_eq!(decode(&read.delta[0]).unwrap(), vec![1.0, -1.0, 0.0]);
+    // A truncated payload, and a delta's bytes where a model's are expected, are refused.
+    assert!(Downloaded::new(bytes[..bytes.len() - 5].to_vec(), false).is_err());
+    assert!(Downloaded::new(dbytes, false).is_err());
+}

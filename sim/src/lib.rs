@@ -297,7 +297,8 @@ pub fn run_federation<N: Net>(
                     bytes,
                     ..
                 } => {
-                    sites[k].receive(&spec, &manifest, &download)?;
+                    sites[k].receive(&spec, &manifest, &download.read()?)?;
+                    drop(download);
                     download_bytes[k] = bytes as usize;
                     applied[k] = Some(manifest.model_version);
                     inbox.push_back((

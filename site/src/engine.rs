@@ -19,8 +19,7 @@ use unifed_protocol::chunking::{Reassembler, fetch_window};
 use unifed_protocol::envelope::{Envelope, EnvelopeRef, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
 use unifed_protocol::messages::{
-    Answer, ChunkRef, ChunkRequest, Download, ModelDelta, Payload, RoundManifest, ServerBroadcast,
-    UpdateAnswer, UpdateReceipt,
+    Answer, ChunkRef, ChunkRequest, Downloaded, Payload, RoundManifest, UpdateAnswer, UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
 
@@ -122,8 +121,9 @@ pub enum Action {
     Apply {
         /// The manifest that announced it.
         manifest: RoundManifest,
-        /// The model, whole or as a delta.
-        download: Download,
+        /// The model's payload, whole or as a delta, checked to decode and read in place
+        /// ([`Downloaded::read`]).
+        download: Downloaded,
         /// True for a site whose first model is past version 0 and that has no checkpoint: a
         /// late joiner, whose BN may need calibrating first.
         joining: bool,
@@ -460,21 +460,19 @@ impl SiteEngine {
             Ok(None) => return,
             Err(e) => return drop_msg("chunk", &e.to_string()),
         };
-        let download = match t.payload {
-            Payload::Delta => match postcard::from_bytes::<ModelDelta>(&bytes) {
-                Ok(d) if Some(d.from_version) != m.delta.map(|i| i.from_version) => {
-                    return drop_msg("delta", "its base version differs from the manifest's");
-                }
-                Ok(d) => Download::Delta(d),
-                Err(e) => return drop_msg("delta", &e.to_string()),
-            },
-            _ => match postcard::from_bytes::<ServerBroadcast>(&bytes) {
-                Ok(b) => Download::Model(b),
-                Err(e) => return drop_msg("model", &e.to_string()),
-            },
+        let delta = t.payload == Payload::Delta;
+        let what = if delta { "delta" } else { "model" };
+        // Checked to decode here, read in place when the driver applies it: the site holds the
+        // payload and no decoded copy of it.
+        let download = match Downloaded::new(bytes, delta) {
+            Ok(d) => d,
+            Err(e) => return drop_msg(what, &e.to_string()),
         };
+        if delta && download.from_version() != m.delta.map(|i| i.from_version) {
+            return drop_msg("delta", "its base version differs from the manifest's");
+        }
         if download.model_version() != m.model_version {
-            return drop_msg("model", "its version differs from the manifest's");
+            return drop_msg(what, "its version differs from the manifest's");
         }
         let joining =
             !self.resumed && self.progress.applied_version.is_none() && m.model_version > 0;

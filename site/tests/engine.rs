@@ -204,15 +204,17 @@ fn a_site_holding_the_base_version_fetches_the_delta_and_falls_back_to_the_whole
     let acts = deliver(&mut e, &m, &delta_chunks);
     let [
         Action::Apply {
-            download: Download::Delta(d),
-            bytes,
-            ..
+            download, bytes, ..
         },
     ] = &acts[..]
     else {
         panic!("{acts:?}")
     };
+    let Ok(Download::Delta(d)) = download.read() else {
+        panic!("{download:?}")
+    };
     assert_eq!((d.from_version, d.model_version), (2, 3));
+    assert_eq!(download.bytes().len() as u64, *bytes);
     assert_eq!(*bytes, m.delta.unwrap().payload_len);
     // The driver cannot apply it (say its held model was lost): the whole model comes next.
     let acts = e.handle(
@@ -227,7 +229,8 @@ fn a_site_holding_the_base_version_fetches_the_delta_and_falls_back_to_the_whole
     assert_eq!(req.indices, (0..chunks.len() as u32).collect::<Vec<_>>());
     let acts = deliver(&mut e, &m, &chunks);
     assert!(
-        matches!(&acts[..], [Action::Apply { download: Download::Model(b), .. }] if b.model_version == 3),
+        matches!(&acts[..], [Action::Apply { download, .. }]
+            if matches!(download.read(), Ok(Download::Model(b)) if b.model_version == 3)),
         "{acts:?}"
     );
 }
@@ -307,13 +310,16 @@ fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     let acts = deliver(&mut e, &m, &chunks);
     let [
         Action::Apply {
-            download: Download::Model(broadcast),
+            download,
             joining: false,
             ..
         },
     ] = &acts[..]
     else {
         panic!("{acts:?}")
+    };
+    let Ok(Download::Model(broadcast)) = download.read() else {
+        panic!("{download:?}")
     };
     assert_eq!(broadcast.model_version, 0);
     // Trained from at once: checkpointed with the round's outcome, on the answer.
@@ -576,9 +582,8 @@ fn bad_input_on_every_topic_is_dropped_and_changes_nothing() {
     }
     // The real chunks still give the real model, and the site trains as if nothing happened.
     let acts = deliver(&mut e, &m, &chunks);
-    assert!(
-        matches!(&acts[..], [Action::Apply { download: Download::Model(broadcast), .. }] if broadcast.weights[0].name == "fc.weight")
-    );
+    assert!(matches!(&acts[..], [Action::Apply { download, .. }]
+            if matches!(download.read(), Ok(Download::Model(b)) if b.weights[0].name == "fc.weight")));
     assert!(e.progress().answered_rounds.is_empty());
 }
 
