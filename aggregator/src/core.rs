@@ -21,7 +21,7 @@ use unifed_protocol::envelope::{EnvelopeRef, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
     Answer, BnPolicy, Chunk, DeltaInfo, ModelDelta, RejectReason, RoundManifest, ServerBroadcast,
-    ServerExtras, SiteUpdate,
+    ServerExtras, SiteUpdateRef,
 };
 use unifed_protocol::{ModelSpec, SpecHash};
 use unifed_protocol::{TensorKind, TensorSpec};
@@ -781,7 +781,9 @@ impl Aggregator {
                 RejectReason::SpecHashMismatch,
             );
         }
-        let upd: SiteUpdate = match env.payload_as() {
+        // Read in place: the tensors' bytes stay where they arrived, and are checked and
+        // spooled from there (no decoded copy beside the received bytes).
+        let upd: SiteUpdateRef = match env.payload_as() {
             Ok(u) => u,
             Err(e) => {
                 return self.reject(
@@ -793,8 +795,6 @@ impl Aggregator {
             }
         };
         let (env_round, env_version) = (env.round, env.model_version);
-        // The received bytes go as soon as the update is decoded out of them.
-        drop(bytes);
         let round = upd.round;
         if round != env_round {
             return self.reject(
@@ -947,6 +947,7 @@ impl Aggregator {
         let samples = upd.samples;
         drop(delta);
         drop((upd, bn, extras));
+        drop(bytes);
         self.audit(
             now_ms,
             round,
@@ -1013,7 +1014,7 @@ impl Aggregator {
     #[allow(clippy::type_complexity)]
     fn validate_delta<'u>(
         &self,
-        upd: &'u SiteUpdate,
+        upd: &'u SiteUpdateRef<'_>,
     ) -> Result<(Vec<Checked<'u>>, Vec<Vec<f32>>, f64), RejectReason> {
         let delta = self.checked(&upd.delta, &self.update_idx, self.cfg.encoding)?;
         // Under `global` BN a running variance must stay a variance: base + delta >= 0.
@@ -1055,9 +1056,9 @@ impl Aggregator {
     }
 
     /// Checks `tensors` in the order of the spec indices `idx` (see [`strategy::checked`]).
-    fn checked<'u>(
+    fn checked<'u, B: AsRef<[u8]>>(
         &self,
-        tensors: &'u [EncodedTensor],
+        tensors: &'u [EncodedTensor<B>],
         idx: &[usize],
         encoding: Encoding,
     ) -> Result<Vec<Checked<'u>>, RejectReason> {

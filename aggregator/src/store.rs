@@ -66,8 +66,8 @@ pub enum SpoolTensor<'a> {
     /// The values of an exact tensor as little-endian bytes (as it arrived): spooled exactly as
     /// [`SpoolTensor::Values`] of the same values.
     Le(&'a [u8]),
-    /// A lossy tensor as it arrived.
-    Wire(&'a unifed_protocol::EncodedTensor),
+    /// A lossy tensor as it arrived (read in place from the message).
+    Wire(&'a unifed_protocol::EncodedTensorRef<'a>),
 }
 
 /// Errors of the data directory, naming the file.

@@ -84,8 +84,8 @@ fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() 
                 report: &report,
                 extras: &Extras::None,
                 delta: &[
-                    SpoolTensor::Wire(&matrix),
-                    SpoolTensor::Wire(&bias),
+                    SpoolTensor::Wire(&matrix.as_ref()),
+                    SpoolTensor::Wire(&bias.as_ref()),
                     SpoolTensor::Values(&stats),
                 ],
                 bn: &bn,

@@ -237,7 +237,7 @@ impl Encoding {
     }
 
     /// True if the values of `t` are what this encoding sends for a tensor of its shape.
-    pub fn holds(&self, t: &EncodedTensor) -> bool {
+    pub fn holds<B>(&self, t: &EncodedTensor<B>) -> bool {
         match (&t.values, self) {
             (Values::Ternary { block: b, .. }, Encoding::TernaryQ8 { block }) => {
                 t.shape.len() == 2 && b == block
@@ -277,6 +277,52 @@ impl core::fmt::Display for Encoding {
                 }
                 Ok(())
             }
+        }
+    }
+}
+
+impl EncodedTensor {
+    /// This tensor with its value bytes borrowed (its name, shape and any sparse gaps and
+    /// values copied).
+    pub fn as_ref(&self) -> EncodedTensorRef<'_> {
+        EncodedTensor {
+            name: self.name.clone(),
+            shape: self.shape.clone(),
+            values: match &self.values {
+                Values::F32(b) => Values::F32(b),
+                Values::F16(b) => Values::F16(b),
+                Values::Q8 { scale, data } => Values::Q8 {
+                    scale: *scale,
+                    data,
+                },
+                Values::Sparse { len, gaps, values } => Values::Sparse {
+                    len: *len,
+                    gaps: gaps.clone(),
+                    values: values.clone(),
+                },
+                Values::SparseQ8 {
+                    len,
+                    gaps,
+                    scale,
+                    data,
+                } => Values::SparseQ8 {
+                    len: *len,
+                    gaps: gaps.clone(),
+                    scale: *scale,
+                    data,
+                },
+                Values::Ternary {
+                    len,
+                    block,
+                    scales,
+                    digits,
+                } => Values::Ternary {
+                    len: *len,
+                    block: *block,
+                    scales,
+                    digits,
+                },
+            },
         }
     }
 }

@@ -72,8 +72,8 @@ pub use messages::{
     Answer, BnPolicy, BnSharing, Chunk, ChunkRef, ChunkRequest, DeltaInfo, Download, Downloaded,
     LocalReport, ModelDelta, Objective, OnboardError, OnboardReply, OnboardRequest, PackageInfo,
     Payload, RegistryEntry, RejectReason, RoundManifest, RoundPlan, Sealing, ServerBroadcast,
-    ServerExtras, SiteExtras, SiteState, SiteStatus, SiteUpdate, UpdateAnswer, UpdateReceipt,
-    max_broadcast_bytes, max_registry_entry_bytes,
+    ServerExtras, SiteExtras, SiteState, SiteStatus, SiteUpdate, SiteUpdateRef, UpdateAnswer,
+    UpdateReceipt, max_broadcast_bytes, max_registry_entry_bytes,
 };
 #[cfg(feature = "std")]
 pub use spec::spec_path;

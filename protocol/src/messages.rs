@@ -454,9 +454,14 @@ impl Downloaded {
 }
 
 /// A site's contribution to a round: the delta of its trained weights against the round's
-/// model (non-BN only under `local` BN), its sample count and extras.
+/// model (non-BN only under `local` BN), its sample count and extras. Its tensors' bytes are
+/// owned or read in place from the message ([`SiteUpdateRef`]); the extras are always owned.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SiteUpdate {
+#[serde(bound(
+    serialize = "B: serde_bytes::Serialize",
+    deserialize = "B: serde_bytes::Deserialize<'de>"
+))]
+pub struct SiteUpdate<B = Vec<u8>> {
     /// Round the update is for.
     pub round: u64,
     /// Model version the site trained from.
@@ -465,15 +470,18 @@ pub struct SiteUpdate {
     /// `max_samples`.
     pub samples: u64,
     /// `trained - base`, tensor by tensor.
-    pub delta: Vec<EncodedTensor>,
+    pub delta: Vec<EncodedTensor<B>>,
     /// The site's BN tensors after training, as values (not deltas) in exact f32: exactly
     /// those the federation's [`BnSharing`] policy shares, none under `none`.
-    pub bn: Vec<EncodedTensor>,
+    pub bn: Vec<EncodedTensor<B>>,
     /// Facts about the local training (steps, loss).
     pub report: LocalReport,
     /// Algorithm tensors beside the delta, as the round's plan asks.
     pub extras: SiteExtras,
 }
+
+/// A [`SiteUpdate`] read in place: its tensors' bytes are slices of the message it came in.
+pub type SiteUpdateRef<'a> = SiteUpdate<&'a [u8]>;
 
 /// Why an update was rejected. Every reject names one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

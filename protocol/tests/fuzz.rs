@@ -309,6 +309,7 @@ proptest! {
         let wire = postcard::to_allocvec(&t).unwrap();
         let borrowed: EncodedTensorRef<'_> = postcard::from_bytes(&wire).unwrap();
         prop_assert_eq!(postcard::to_allocvec(&borrowed).unwrap(), wire.clone());
+        prop_assert_eq!(postcard::to_allocvec(&t.as_ref()).unwrap(), wire.clone());
         let bits = |r: Result<Vec<f32>, TensorError>| r.map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
         prop_assert_eq!(bits(decode(&borrowed)), bits(decoded));
         let (mut a, mut b) = (out.clone(), out);

@@ -6,7 +6,7 @@
 use super::{Extras, RoundReader, Strategy, StrategyState, no_extras, step_by};
 use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
-use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, SiteUpdate};
+use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, SiteUpdateRef};
 
 /// MOON's parameters: the weight of the model-contrastive loss and its temperature. The
 /// defaults are the MOON paper's: `mu = 1` (its CIFAR-100 and Tiny-ImageNet setting; 5 on
@@ -91,7 +91,7 @@ impl Strategy for FedAvg {
         }
     }
 
-    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
+    fn check(&self, update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReason> {
         no_extras(update)
     }
 

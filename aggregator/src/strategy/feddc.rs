@@ -21,7 +21,7 @@
 use super::{Extras, RoundReader, Scaffold, ScaffoldConfig, Setup, Strategy, StrategyState};
 use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
-use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, ServerExtras, SiteUpdate};
+use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, ServerExtras, SiteUpdateRef};
 
 /// FedDC's parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -119,7 +119,7 @@ impl Strategy for FedDc {
         self.scaffold.extras()
     }
 
-    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
+    fn check(&self, update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReason> {
         self.scaffold.check(update)
     }
 

@@ -26,7 +26,7 @@ use super::{Extras, RoundReader, Setup, Strategy, StrategyState, no_extras, step
 use crate::fold::Fold;
 use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
-use unifed_protocol::messages::{RejectReason, SiteUpdate};
+use unifed_protocol::messages::{RejectReason, SiteUpdateRef};
 
 /// FedNova's parameters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -78,7 +78,7 @@ impl FedNova {
 }
 
 impl Strategy for FedNova {
-    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
+    fn check(&self, update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReason> {
         if update.report.local_steps == 0 {
             return Err(RejectReason::Malformed(
                 "FedNova normalises by the local step count, and the report says 0 steps".into(),

@@ -19,7 +19,7 @@
 use super::{Extras, RoundReader, Setup, Strategy, StrategyState, no_extras, step_by};
 use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
-use unifed_protocol::messages::{RejectReason, SiteUpdate};
+use unifed_protocol::messages::{RejectReason, SiteUpdateRef};
 
 /// The server optimiser's parameters. Defaults are the FedOpt paper's: `beta1 = 0.9`,
 /// `beta2 = 0.99`, `tau = 1e-3`, and server learning rate `eta = 0.01` (the paper tunes `eta`
@@ -159,7 +159,7 @@ impl FedOpt {
 }
 
 impl Strategy for FedOpt {
-    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
+    fn check(&self, update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReason> {
         no_extras(update)
     }
 

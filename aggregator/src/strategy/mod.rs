@@ -45,7 +45,7 @@ use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
 use unifed_protocol::encoding::{EncodedTensor, Encoding, decode, exact_le_bytes};
 use unifed_protocol::messages::{
-    LocalReport, Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdate,
+    LocalReport, Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdateRef,
 };
 
 /// The federation's algorithm and its server-side parameters, as configured. FedBN is
@@ -362,7 +362,7 @@ pub trait Strategy: std::fmt::Debug + Send {
 
     /// The algorithm's checks of an update the core has validated (names, shapes, encodings,
     /// finite values); returns its extras decoded. A failure rejects this update alone.
-    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason>;
+    fn check(&self, update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReason>;
 
     /// Combines the round's contributions into `model`: the averaged tensors, in the order of
     /// each contribution's `delta`.
@@ -427,7 +427,7 @@ pub fn from_config(
 }
 
 /// The extras of an update whose algorithm sends none: anything else is refused.
-pub(crate) fn no_extras(update: &SiteUpdate) -> Result<Extras, RejectReason> {
+pub(crate) fn no_extras(update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReason> {
     match update.extras {
         SiteExtras::None => Ok(Extras::None),
         SiteExtras::Control(_) => Err(RejectReason::UnexpectedExtras(
@@ -453,9 +453,9 @@ pub fn dense(
 /// [`dense`] without copying exact tensors: each is checked where it lies, in the update's
 /// bytes, and only lossy ones are decoded. The aggregator validates and spools a 57 MB f32
 /// update so with one copy of it in memory, not two.
-pub fn checked<'a>(
+pub fn checked<'a, B: AsRef<[u8]>>(
     specs: &[&TensorSpec],
-    tensors: &'a [EncodedTensor],
+    tensors: &'a [EncodedTensor<B>],
     encoding: Encoding,
 ) -> Result<Vec<Checked<'a>>, RejectReason> {
     let mut out: Vec<Option<Checked<'a>>> = specs.iter().map(|_| None).collect();

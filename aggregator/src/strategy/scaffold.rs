@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::messages::{
-    Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdate,
+    Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdateRef,
 };
 
 /// SCAFFOLD's server parameters.
@@ -207,7 +207,7 @@ impl Strategy for Scaffold {
         ))
     }
 
-    fn check(&self, update: &SiteUpdate) -> Result<Extras, RejectReason> {
+    fn check(&self, update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReason> {
         match &update.extras {
             SiteExtras::Control(tensors) => {
                 let specs: Vec<&TensorSpec> = self.trainable.iter().collect();
