@@ -24,7 +24,7 @@ use unifed_models::bn::{BnStart, CalibrateConfig, StreamConfig, calibrate};
 use unifed_models::checkpoint;
 use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes};
 use unifed_models::state::{Select, StateDict, import};
-use unifed_models::train::{evaluate, evaluate_stream};
+use unifed_models::train::{EVAL_BATCH, evaluate, evaluate_stream};
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig};
 use unifed_protocol::{ModelSpec, TensorSpec};
 
@@ -218,7 +218,7 @@ pub fn table(run: &FedBnRun, sweep: bool, mut say: impl FnMut(String)) -> Result
         let test = dd.test.dataset(&format!("{}/test", d.name()), spec)?;
         let calib = dd.calib.dataset(&format!("{}/calib", d.name()), spec)?;
         let acc = |net: &DigitsCnn| -> Result<f64> {
-            Ok(evaluate(net, &test, 10, 256, device)?.accuracy())
+            Ok(evaluate(net, &test, 10, EVAL_BATCH, device)?.accuracy())
         };
         let cal = |net: &DigitsCnn| -> Result<DigitsCnn> {
             Ok(calibrate(
@@ -319,7 +319,7 @@ pub fn late_joiners(
         let train = dd.train.dataset(&format!("{}/train", d.name()), spec)?;
         let test = dd.test.dataset(&format!("{}/test", d.name()), spec)?;
         let acc = |net: &DigitsCnn| -> Result<f64> {
-            Ok(evaluate(net, &test, 10, 256, device)?.accuracy())
+            Ok(evaluate(net, &test, 10, EVAL_BATCH, device)?.accuracy())
         };
         let one_epoch = |net: &DigitsCnn| -> Result<DigitsCnn> {
             Ok(unifed_models::train::train_local(net, &train, 10, &tc, device, |_| {})?.0)

@@ -9,7 +9,9 @@ use unifed_models::data::Dataset;
 use unifed_models::objective::{SiteState, Term};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export};
-use unifed_models::train::{TrainConfig, evaluate, meta_pairs, shuffle_epoch, train_objective};
+use unifed_models::train::{
+    EVAL_BATCH, TrainConfig, evaluate, meta_pairs, shuffle_epoch, train_objective,
+};
 use unifed_protocol::messages::{Objective, RoundPlan};
 
 fn subset(d: &Dataset, idx: &[usize]) -> Dataset {
@@ -147,7 +149,7 @@ fn a_per_fedavg_site_evaluates_after_one_personalisation_step_on_a_copy() {
         |_| {},
     )
     .unwrap();
-    let want = evaluate(&personal, &test, 2, 256, &device()).unwrap();
+    let want = evaluate(&personal, &test, 2, EVAL_BATCH, &device()).unwrap();
     assert_eq!(got.correct, want.correct);
     assert!(
         (got.loss - want.loss).abs() < 1e-6,
@@ -161,7 +163,7 @@ fn a_per_fedavg_site_evaluates_after_one_personalisation_step_on_a_copy() {
     let plain = site
         .evaluate(&spec, &RoundPlan::default(), &tc(0.01, 4, seed), &device())
         .unwrap();
-    let unpersonalised = evaluate(&net0, &test, 2, 256, &device()).unwrap();
+    let unpersonalised = evaluate(&net0, &test, 2, EVAL_BATCH, &device()).unwrap();
     assert_eq!(plain, unpersonalised);
     assert_ne!(plain.loss, got.loss);
 }

@@ -33,7 +33,7 @@ use unifed_models::bn::{CalibrateConfig, StreamConfig, calibrate};
 use unifed_models::checkpoint::write_atomic;
 use unifed_models::data::{BuiltinData, SplitSizes};
 use unifed_models::state::{Select, export, import};
-use unifed_models::train::{TrainConfig, evaluate, evaluate_stream};
+use unifed_models::train::{EVAL_BATCH, TrainConfig, evaluate, evaluate_stream};
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, seeded};
 use unifed_protocol::messages::BnPolicy;
 
@@ -675,9 +675,9 @@ fn score_held_out(
         seed,
         held_out: d.name.clone(),
         settings: preset.settings(),
-        deployed: evaluate(&deployed, &d.test, classes, 256, &device)?.accuracy(),
+        deployed: evaluate(&deployed, &d.test, classes, EVAL_BATCH, &device)?.accuracy(),
         stream: evaluate_stream(&deployed, &d.test, classes, stream, &order, &device)?.accuracy(),
-        calibrate: evaluate(&calibrated, &d.test, classes, 256, &device)?.accuracy(),
+        calibrate: evaluate(&calibrated, &d.test, classes, EVAL_BATCH, &device)?.accuracy(),
     })
 }
 
