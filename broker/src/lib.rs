@@ -66,12 +66,13 @@ pub const PER_SITE_BULK_FILTERS: [&str; 2] =
     ["unifed/+/+/chunks/reply/+", "unifed/+/+/onboard/reply/+"];
 
 /// The in-memory log limits of a shared filter and of a per-site bulk filter, for packets of at
-/// most `packet` bytes. rumqttd keeps a filter's log in segments and drops the oldest when a new
-/// one starts, so a log of `n` segments of `s` bytes keeps at least `(n - 1) * s` bytes and holds
-/// at most `n * s` plus one packet: many small segments waste less memory than two large ones.
-/// A segment holds at least one packet.
+/// most `packet` bytes. rumqttd keeps a filter's log in segments of 1 MiB and drops the oldest
+/// when a new one starts; a segment is closed by the packet that takes it to 1 MiB or past it
+/// (one packet larger than that fills one alone). So a log of `n` segments of `s` bytes keeps
+/// at least `(n - 1) * s` bytes and holds at most `n` times `s` plus one packet. A segment of
+/// exactly 1 MiB closes after four 256 KiB chunks; one of 1 MiB plus a packet's slack held five.
 pub fn log_limits(packet: usize) -> (rumqttd::SegmentConfig, rumqttd::SegmentConfig) {
-    let segment = packet.max(1 << 20);
+    let segment = 1 << 20;
     let limits = |keep: usize| rumqttd::SegmentConfig {
         max_segment_size: segment,
         max_segment_count: keep.max(2 * packet).div_ceil(segment) + 1,

@@ -390,7 +390,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         data_dir: work.join("aggregator"),
         model: model.clone(),
         key: agg_key_path,
-        chunk_bytes: 256 << 10,
+        chunk_bytes: unifed_protocol::chunking::CHUNK_BYTES,
         linger_secs: 3600,
         manifest_every_secs: 30,
         // Spooled on disk as chunks arrive: room for every site's largest update.

@@ -8,11 +8,11 @@
 /// How malloc serves large blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Allocation {
-    /// Blocks of 256 KiB and more are mapped for each use and unmapped when freed, so a
-    /// model's chunks and tensors go back to the system at once instead of fragmenting the
-    /// heap. Training this way is about 30 % slower.
+    /// Blocks of 128 KiB and more are mapped for each use and unmapped when freed, so a
+    /// model's chunks (just under 256 KiB) and tensors go back to the system at once instead
+    /// of fragmenting the heap. Training this way is about 30 % slower.
     Lean,
-    /// For a process that relays chunks (the broker): blocks below 1 MiB (a chunk of 256 KiB)
+    /// For a process that relays chunks (the broker): blocks below 1 MiB (a chunk of 255 KiB)
     /// come from the heap and are reused, larger ones are mapped per use and unmapped when
     /// freed. Under [`Lean`] the broker's page faults on every chunk cost the demo's five-site
     /// round 0.3 s of download; this way they cost nothing, for about 10 MiB more.
@@ -26,7 +26,7 @@ pub enum Allocation {
 }
 
 /// Blocks from this size up are mapped per allocation under [`Allocation::Lean`].
-const LEAN_MMAP_THRESHOLD: i32 = 256 << 10;
+const LEAN_MMAP_THRESHOLD: i32 = 128 << 10;
 /// Blocks from this size up are mapped per allocation under [`Allocation::Relay`].
 const RELAY_MMAP_THRESHOLD: i32 = 1 << 20;
 /// glibc's largest dynamic mmap threshold on 64-bit, fixed from the start under

@@ -222,6 +222,13 @@ pub fn check_set(
     Ok(())
 }
 
+/// Bytes of data in a full chunk of a model or an update: 1 KiB below 256 KiB, so that the
+/// whole MQTT packet of a chunk (signed envelope, topic and header, under 600 bytes more) fits
+/// in 256 KiB. A broker reads packets into buffers that grow by doubling and keeps each
+/// packet in its log as a slice of its buffer: a packet just over a power of two pins a
+/// buffer of twice its size for as long as the log holds it.
+pub const CHUNK_BYTES: usize = (256 << 10) - 1024;
+
 /// Bytes of chunks a receiver asks for at once: a broker keeps only a few MiB per topic in
 /// memory (`unifed-broker` keeps 8 MiB per site), so a larger request would overrun a slow
 /// subscriber.

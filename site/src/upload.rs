@@ -16,8 +16,9 @@ use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{ChunkRef, UpdateReceipt};
 
-/// Largest update chunk: small enough that a window of every site fits a broker's log.
-pub const MAX_CHUNK: usize = 256 << 10;
+/// Largest update chunk: small enough that a window of every site fits a broker's log, and
+/// its packet fits in 256 KiB ([`unifed_protocol::chunking::CHUNK_BYTES`]).
+pub const MAX_CHUNK: usize = unifed_protocol::chunking::CHUNK_BYTES;
 /// A chunk without a receipt for this long (ms) is sent again.
 pub const CHUNK_TIMEOUT_MS: u64 = 10_000;
 
