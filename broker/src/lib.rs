@@ -11,8 +11,10 @@
 //!   publisher;
 //! - router limits are non-zero (rumqttd's zero defaults panic or refuse every connection), and
 //!   each filter's in-memory log is bounded ([`log_limits`]): 32 MiB for the filters every site
-//!   shares, 8 MiB for a site's own model and package replies, in segments of 1 MiB (or one
-//!   packet), so the broker's memory grows by 9 MiB per site rather than 32.
+//!   shares, 8 MiB for a site's own model and package replies, in segments of 1 MiB, so the
+//!   broker's memory grows by 9 MiB per site rather than 32. The logs keep packets as slices
+//!   of the buffers they were read into, so chunks are cut to fit 256 KiB packets
+//!   (`unifed_protocol::chunking::CHUNK_BYTES`).
 
 pub mod tls;
 
