@@ -7,8 +7,10 @@
 //! Settings and why (see `shared/notes/mqtt-stack.md`):
 //! - `max_payload_size` is rumqttd's limit on a whole packet (remaining length), so it is set to
 //!   the largest application packet plus room for topic and header;
-//! - `dynamic_filters = true`, or a publish to a topic nobody subscribed to disconnects the
-//!   publisher;
+//! - `dynamic_filters = true`: in 0.20.0 it has no effect (`DataLog::matches` in
+//!   `router/logs.rs` always answers `Some`, so a publish nobody subscribed to is dropped, and
+//!   no log is made for it), but a rumqttd whose router took its `None` branch would otherwise
+//!   disconnect the publisher;
 //! - router limits are non-zero (rumqttd's zero defaults panic or refuse every connection), and
 //!   each filter's in-memory log is bounded ([`log_limits`]): 32 MiB for the filters every site
 //!   shares, 8 MiB for a site's own model and package replies, in segments of 1 MiB, so the
