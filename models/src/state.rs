@@ -433,21 +433,7 @@ impl<'a, B: AsRef<[u8]>> CheckedImport<'a, B> {
         net: &mut N,
         keep: Option<&mut BTreeMap<String, Vec<f32>>>,
     ) -> Result<(), StateError> {
-        // As in `import_into`: the stand-in lets go of the model's tensors.
-        let copy = net.valid();
-        *net = stand_in(&copy);
-        let mut w = Writer {
-            net: &*net,
-            walk: Walker::default(),
-            values: Values::Encoded(self.tensors),
-            keep,
-            failed: None,
-            select: self.select,
-        };
-        let written = copy.map(&mut w);
-        let failed = w.failed.take();
-        *net = written;
-        match failed {
+        match write_into(net, Values::Encoded(self.tensors), self.select, keep) {
             Some(e) => Err(StateError::Mismatch(format!(
                 "a tensor failed to decode after its check; the model is incomplete: {e}"
             ))),
@@ -511,6 +497,24 @@ pub fn import_into<N: Net>(
     select: Select,
 ) -> Result<(), StateError> {
     validate(&state, spec, select)?;
+    let owned = state
+        .tensors
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect();
+    // Values that are already decoded cannot fail to decode.
+    write_into(net, Values::<Vec<u8>>::Owned(owned), select, None);
+    Ok(())
+}
+
+/// Writes `values` into `net` in place of the tensors `select` keeps, with each old tensor freed
+/// before its new one is made; gives the error of a tensor that failed to decode, if any.
+fn write_into<N: Net, B: AsRef<[u8]>>(
+    net: &mut N,
+    values: Values<'_, B>,
+    select: Select,
+    keep: Option<&mut BTreeMap<String, Vec<f32>>>,
+) -> Option<String> {
     // `valid()` syncs the running statistics into fresh ones; the stand-in then lets go of the
     // model's tensors, so that `copy` holds the only reference to each.
     let copy = net.valid();
@@ -518,20 +522,15 @@ pub fn import_into<N: Net>(
     let mut w = Writer {
         net: &*net,
         walk: Walker::default(),
-        values: Values::<Vec<u8>>::Owned(
-            state
-                .tensors
-                .into_iter()
-                .map(|t| (t.name.clone(), t))
-                .collect(),
-        ),
-        keep: None,
+        values,
+        keep,
         failed: None,
         select,
     };
     let written = copy.map(&mut w);
+    let failed = w.failed.take();
     *net = written;
-    Ok(())
+    failed
 }
 
 /// `net` with every float parameter replaced by a one-value tensor: a stand-in that holds none

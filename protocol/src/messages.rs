@@ -414,27 +414,22 @@ impl Downloaded {
     /// `bytes` as a whole model, or as a delta when `delta`: an error when they do not decode as
     /// that payload.
     pub fn new(bytes: Vec<u8>, delta: bool) -> Result<Downloaded, postcard::Error> {
-        let mut d = Downloaded {
+        let (model_version, from_version) = match read_download(&bytes, delta)? {
+            Download::Model(b) => (b.model_version, None),
+            Download::Delta(d) => (d.model_version, Some(d.from_version)),
+        };
+        Ok(Downloaded {
             bytes,
             delta,
-            model_version: 0,
-            from_version: None,
-        };
-        (d.model_version, d.from_version) = match d.read()? {
-            Download::Model(b) => (b.model_version, None),
-            Download::Delta(m) => (m.model_version, Some(m.from_version)),
-        };
-        Ok(d)
+            model_version,
+            from_version,
+        })
     }
 
     /// The model, its tensors' bytes read in place from the payload. Only names, shapes and
     /// small fields are decoded; the error cannot happen for bytes [`Downloaded::new`] took.
     pub fn read(&self) -> Result<Download<&[u8]>, postcard::Error> {
-        Ok(if self.delta {
-            Download::Delta(postcard::from_bytes(&self.bytes)?)
-        } else {
-            Download::Model(postcard::from_bytes(&self.bytes)?)
-        })
+        read_download(&self.bytes, self.delta)
     }
 
     /// The model version it gives.
@@ -451,6 +446,15 @@ impl Downloaded {
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
+}
+
+/// `bytes` read in place as a whole model, or as a delta when `delta`.
+fn read_download(bytes: &[u8], delta: bool) -> Result<Download<&[u8]>, postcard::Error> {
+    Ok(if delta {
+        Download::Delta(postcard::from_bytes(bytes)?)
+    } else {
+        Download::Model(postcard::from_bytes(bytes)?)
+    })
 }
 
 /// A site's contribution to a round: the delta of its trained weights against the round's
