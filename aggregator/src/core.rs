@@ -52,6 +52,11 @@ pub enum Event {
         /// Its hash ([`unifed_protocol::payload_hash`]) when the transport has it already (a chunked update's set hash, checked
         /// against the reassembled bytes); computed here when `None`.
         hash: Option<[u8; 32]>,
+        /// A file on the data directory's file system that holds `bytes` and nothing else (a
+        /// reassembled upload): an accepted update's spool file is made of it instead of
+        /// writing the bytes again, and it is renamed away then. The caller removes it
+        /// otherwise.
+        staged: Option<std::path::PathBuf>,
     },
     /// Time passed: closes a round whose deadline has expired.
     Tick,
@@ -496,7 +501,12 @@ impl Aggregator {
                 }
                 self.close_round(now_ms)
             }
-            Event::Update { site, bytes, hash } => self.on_update(&site, bytes, hash, now_ms),
+            Event::Update {
+                site,
+                bytes,
+                hash,
+                staged,
+            } => self.on_update(&site, bytes, hash, staged.as_deref(), now_ms),
             Event::Close => {
                 if self.state.round == 0
                     || self.state.finished
@@ -737,6 +747,7 @@ impl Aggregator {
         topic_site: &str,
         bytes: Vec<u8>,
         hash: Option<[u8; 32]>,
+        staged: Option<&std::path::Path>,
         now_ms: u64,
     ) -> Result<Vec<Action>, CoreError> {
         let Ok(site) = Id::new(topic_site) else {
@@ -918,6 +929,8 @@ impl Aggregator {
             })
             .collect();
         let entry = SpoolEntry {
+            message: &bytes,
+            staged,
             samples: upd.samples,
             report: &upd.report,
             extras: &extras,

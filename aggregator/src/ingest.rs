@@ -34,8 +34,8 @@ pub struct Ingest {
     pub limit: usize,
     /// The topic prefix of updates (`…/update/`), the site's id after it.
     pub prefix: String,
-    /// Where complete updates go: a bounded queue, so sets waiting for the core (unlinked
-    /// files, outside the per-site share of `uploads`) take at most its capacity times a set's
+    /// Where complete updates go: a bounded queue, so sets waiting for the core (files
+    /// outside the per-site share of `uploads`) take at most its capacity times a set's
     /// bytes of disk; a full queue holds this task back until the core takes one.
     pub complete: mpsc::Sender<Complete>,
 }

@@ -34,6 +34,7 @@ pub mod mosquitto;
 pub mod onboard;
 mod sealed;
 pub mod service;
+mod spoolfile;
 pub mod store;
 pub mod strategy;
 pub mod uploads;

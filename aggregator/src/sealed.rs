@@ -9,7 +9,6 @@
 //! SHA instructions: a model-sized file was hashed five times a round. Files written before
 //! that end with a SHA-256 and are still read.
 
-use crate::store::SpoolTensor;
 use crate::store::{FORMAT_VERSION, StoreError, commit, corrupt, io};
 use sha2::Digest;
 use std::fs::File;
@@ -48,7 +47,7 @@ pub(crate) const CHECKSUM_LEN: usize = 32;
 pub(crate) const XXH3_TAG: &[u8; 16] = b"UniFed.xxh3-128\0";
 
 /// The running sum of a sealed file's body.
-enum Sum {
+pub(crate) enum Sum {
     /// What every file is written with.
     Xxh3(Box<xxhash_rust::xxh3::Xxh3Default>),
     /// Files written before XXH3 (read only).
@@ -56,12 +55,12 @@ enum Sum {
 }
 
 impl Sum {
-    fn xxh3() -> Sum {
+    pub(crate) fn xxh3() -> Sum {
         Sum::Xxh3(Box::new(xxhash_rust::xxh3::Xxh3Default::new()))
     }
 
     /// The sum a trailer names: XXH3 when it ends with [`XXH3_TAG`], SHA-256 otherwise.
-    fn for_trailer(trailer: &[u8; CHECKSUM_LEN]) -> Sum {
+    pub(crate) fn for_trailer(trailer: &[u8; CHECKSUM_LEN]) -> Sum {
         if &trailer[16..] == XXH3_TAG {
             Sum::xxh3()
         } else {
@@ -69,7 +68,7 @@ impl Sum {
         }
     }
 
-    fn update(&mut self, bytes: &[u8]) {
+    pub(crate) fn update(&mut self, bytes: &[u8]) {
         match self {
             Sum::Xxh3(h) => h.update(bytes),
             Sum::Sha256(h) => h.update(bytes),
@@ -77,7 +76,7 @@ impl Sum {
     }
 
     /// The trailer of what was summed.
-    fn trailer(&self) -> [u8; CHECKSUM_LEN] {
+    pub(crate) fn trailer(&self) -> [u8; CHECKSUM_LEN] {
         match self {
             Sum::Xxh3(h) => {
                 let mut t = [0u8; CHECKSUM_LEN];
@@ -91,7 +90,7 @@ impl Sum {
 }
 
 /// Values read or written per block.
-const BLOCK_VALUES: usize = 16 << 10;
+pub(crate) const BLOCK_VALUES: usize = 16 << 10;
 
 /// A sealed binary file written as it goes: atomically and durably (temporary file, fsync,
 /// rename, fsync of the folder), its sum computed on the way and appended by
@@ -99,6 +98,8 @@ const BLOCK_VALUES: usize = 16 << 10;
 pub(crate) struct SealedFile {
     w: std::io::BufWriter<File>,
     h: Sum,
+    /// Body bytes so far.
+    len: u64,
     tmp: PathBuf,
     path: PathBuf,
 }
@@ -111,14 +112,48 @@ impl SealedFile {
         Ok(SealedFile {
             w: std::io::BufWriter::with_capacity(1 << 20, f),
             h: Sum::xxh3(),
+            len: 0,
             tmp,
             path: path.to_path_buf(),
         })
     }
 
+    /// Goes on writing `path` from the file `staged`, which holds `head` and nothing else
+    /// (a file of this aggregator's, on the same file system): the body starts with `head`
+    /// without writing it again, and [`SealedFile::finish`] renames `staged` to `path`.
+    /// `None` when `staged` does not hold exactly `head`'s length.
+    pub(crate) fn adopt(
+        staged: &Path,
+        path: &Path,
+        head: &[u8],
+    ) -> Result<Option<SealedFile>, StoreError> {
+        let f = File::options()
+            .append(true)
+            .open(staged)
+            .map_err(|e| io(staged, e))?;
+        if f.metadata().map_err(|e| io(staged, e))?.len() != head.len() as u64 {
+            return Ok(None);
+        }
+        let mut h = Sum::xxh3();
+        h.update(head);
+        Ok(Some(SealedFile {
+            w: std::io::BufWriter::with_capacity(1 << 20, f),
+            h,
+            len: head.len() as u64,
+            tmp: staged.to_path_buf(),
+            path: path.to_path_buf(),
+        }))
+    }
+
+    /// Body bytes written so far (where the next [`SealedFile::put`] lands).
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
     /// Appends `bytes` to the body.
     pub(crate) fn put(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
         self.h.update(bytes);
+        self.len += bytes.len() as u64;
         self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))
     }
 
@@ -133,41 +168,13 @@ impl SealedFile {
     }
 
     /// One tensor's length and little-endian values, a block of values at a time.
-    fn put_values(&mut self, t: &[f32]) -> Result<(), StoreError> {
+    pub(crate) fn put_values(&mut self, t: &[f32]) -> Result<(), StoreError> {
         self.put(&(t.len() as u64).to_le_bytes())?;
         let mut buf = Vec::with_capacity(BLOCK_VALUES.min(t.len()) * 4);
         for part in t.chunks(BLOCK_VALUES) {
             buf.clear();
             buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
             self.put(&buf)?;
-        }
-        Ok(())
-    }
-
-    /// A delta as the spool keeps it: its count, then per tensor a tag and either its values
-    /// as [`SealedFile::put_tensors`] writes one (tag 0: an exact tensor) or its length and
-    /// wire form (tag 1: a lossy tensor, kept as compact as it arrived).
-    pub(crate) fn put_delta(&mut self, tensors: &[SpoolTensor]) -> Result<(), StoreError> {
-        self.put(&(tensors.len() as u32).to_le_bytes())?;
-        for t in tensors {
-            match t {
-                SpoolTensor::Values(v) => {
-                    self.put(&[0])?;
-                    self.put_values(v)?;
-                }
-                SpoolTensor::Le(bytes) => {
-                    // `put_values`' very bytes: the count, then the values little-endian.
-                    self.put(&[0])?;
-                    self.put(&((bytes.len() / 4) as u64).to_le_bytes())?;
-                    self.put(bytes)?;
-                }
-                SpoolTensor::Wire(t) => {
-                    let wire = postcard::to_allocvec(t).expect("a tensor serialises");
-                    self.put(&[1])?;
-                    self.put(&(wire.len() as u64).to_le_bytes())?;
-                    self.put(&wire)?;
-                }
-            }
         }
         Ok(())
     }
@@ -212,7 +219,7 @@ pub(crate) fn read_sealed_optional<T>(
     }
 }
 
-fn read_open<T>(
+pub(crate) fn read_open<T>(
     path: &Path,
     f: File,
     parse: impl FnOnce(&mut Reader) -> Result<T, StoreError>,
@@ -393,7 +400,9 @@ impl Reader<'_> {
         Ok(t)
     }
 
-    /// A delta as [`SealedFile::put_delta`] writes it. Lossy tensors come back in wire form, to
+    /// A delta as a spool file of format 5 holds it: its count, then per tensor a tag and either
+    /// its values as [`SealedFile::put_tensors`] writes one (tag 0: an exact tensor) or its length
+    /// and wire form (tag 1: a lossy tensor). Lossy tensors come back in wire form, to
     /// be decoded with [`SpooledTensor::decode`] only once the checksum has passed (a damaged
     /// shape must not size an allocation).
     pub(crate) fn delta(&mut self) -> Result<Vec<SpooledTensor>, StoreError> {
@@ -408,7 +417,7 @@ impl Reader<'_> {
         Ok(out)
     }
 
-    /// The next tensor of a delta as [`SealedFile::put_delta`] writes it: a lossy tensor's wire
+    /// The next tensor of a delta as [`Reader::delta`] reads it: a lossy tensor's wire
     /// form, or `None` for an exact tensor, whose length and values come next
     /// ([`Reader::value_count`]).
     pub(crate) fn delta_tensor(&mut self) -> Result<Option<Vec<u8>>, StoreError> {

@@ -1,5 +1,5 @@
 //! The aggregator's data directory. Every file carries a magic and a format version, ends with
-//! the SHA-256 of everything before it (`state.json` holds its own in a `checksum` field), and
+//! a checksum of everything before it (`state.json` holds its own in a `checksum` field), and
 //! is written atomically (temporary file, fsync, rename, fsync of the folder). A file whose
 //! checksum fails was damaged or changed outside the aggregator and is never used:
 //!
@@ -12,14 +12,16 @@
 //!                            (BN sharing `affine` or `affine+stats`), pruned with the model
 //! registry/{site}/v{N}.entry a site's registry entry (calibrated BN, sealed by the site),
 //!                            pruned with model N
-//! spool/r{R}/{site}.upd      an accepted update of round R (written before the accept)
+//! spool/r{R}/{site}.upd      an accepted update of round R (written before the accept): the
+//!                            message it came in, then where its tensors lie (`spoolfile`)
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
 
 use crate::fold::Fold;
 use crate::sealed::{
-    Reader, SealedFile, SpooledTensor, read_sealed, read_sealed_optional, write_sealed,
+    Reader, SealedFile, SpooledTensor, read_open, read_sealed, read_sealed_optional, write_sealed,
 };
+use crate::spoolfile::{self, Placed};
 use crate::strategy::{Contribution, Extras, StrategyState};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
@@ -30,12 +32,11 @@ use std::path::{Path, PathBuf};
 /// Format version of every file in the data directory: 2 added the checksums.
 pub const FORMAT_VERSION: u32 = 2;
 const MODEL_MAGIC: &[u8; 4] = b"UFEM";
-const SPOOL_MAGIC: &[u8; 4] = b"UFES";
-/// Format version of spool files: 2 added the typed report and algorithm extras of protocol 2;
+/// Format versions of spool files: 2 added the typed report and algorithm extras of protocol 2;
 /// 3 keeps the extras decoded (SCAFFOLD's control-variate delta); 4 added the checksum; 5 keeps
-/// a lossy delta tensor in its wire form (17x smaller under ternary-q8). Version 4 is still
-/// read.
-const SPOOL_VERSION: u32 = 5;
+/// a lossy delta tensor in its wire form (17x smaller under ternary-q8); 6 keeps the message
+/// the update arrived in at the head of the file, its exact tensors read from there, so that a
+/// reassembled upload becomes the spool file (`spoolfile`). Versions 4 and 5 are still read.
 const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
@@ -45,6 +46,13 @@ const HELD_MAGIC: &[u8; 4] = b"UFEH";
 /// the core hands to the strategy), the rest as [`Contribution`] holds it.
 #[derive(Debug)]
 pub struct SpoolEntry<'a> {
+    /// The message the update arrived in. Exact tensors that are slices of it are spooled as
+    /// where they lie in it, and it is kept whole at the head of the spool file (empty: none).
+    pub message: &'a [u8],
+    /// A file of the data directory's file system that holds `message` and nothing else (a
+    /// reassembled upload): it becomes the spool file, so the message is not written again.
+    /// It is renamed away when it is adopted, and left alone otherwise.
+    pub staged: Option<&'a Path>,
     /// Training samples behind it.
     pub samples: u64,
     /// The site's report of its local training.
@@ -504,21 +512,11 @@ impl Store {
     }
 
     /// Durably stores an accepted update (sample count, report, extras, delta as it arrived and
-    /// shared BN tensors).
+    /// shared BN tensors), adopting `c.staged` as the file when it can (see [`SpoolEntry`]).
     pub fn spool_put(&self, round: u64, site: &str, c: &SpoolEntry) -> Result<(), StoreError> {
         let d = self.spool_dir(round);
         fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
-        let mut f = SealedFile::create(&d.join(format!("{site}.upd")))?;
-        f.put(SPOOL_MAGIC)?;
-        f.put(&SPOOL_VERSION.to_le_bytes())?;
-        f.put(&round.to_le_bytes())?;
-        f.put(&c.samples.to_le_bytes())?;
-        f.put_delta(c.delta)?;
-        f.put_tensors(c.bn)?;
-        let typed = postcard::to_allocvec(&(c.report, c.extras)).expect("report serialises");
-        f.put(&(typed.len() as u32).to_le_bytes())?;
-        f.put(&typed)?;
-        f.finish()?;
+        spoolfile::write(&d.join(format!("{site}.upd")), round, c)?;
         File::open(self.dir.join("spool"))
             .and_then(|f| f.sync_all())
             .map_err(|e| io(&self.dir.join("spool"), e))
@@ -563,28 +561,55 @@ impl Store {
 
     /// Reads a spooled contribution.
     pub fn spool_get(&self, round: u64, site: &str) -> Result<Contribution, StoreError> {
-        // Read a block at a time (the file is never whole in memory beside its values).
         let p = self.spool_path(round, site);
-        let (c, delta) = read_sealed(&p, |r| {
-            let (version, samples) = spool_head(r, round)?;
-            let delta = if version == 4 {
-                r.tensors()?.into_iter().map(SpooledTensor::Dense).collect()
-            } else {
-                r.delta()?
-            };
-            let bn = r.tensors()?;
-            let n = r.u32()? as usize;
+        let f = File::open(&p).map_err(|e| io(&p, e))?;
+        let (c, delta) = if spoolfile::starts_with_magic(&p, &f)? {
+            read_legacy(&p, f, round)?
+        } else {
+            // Each exact tensor's values as they pass, a block at a time.
+            let (footer, mut exact) = spoolfile::read(
+                &p,
+                f,
+                round,
+                |ft| {
+                    Ok(ft
+                        .delta
+                        .iter()
+                        .map(|t| match t {
+                            Placed::InHead { count, .. } => Vec::with_capacity(*count),
+                            Placed::Wire(_) => Vec::new(),
+                        })
+                        .collect::<Vec<Vec<f32>>>())
+                },
+                |exact, k, _, bytes| {
+                    exact[k].extend(
+                        bytes
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                    );
+                    Ok(())
+                },
+            )?;
             let (report, extras) =
-                postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(&p, e.to_string()))?;
+                postcard::from_bytes(&footer.typed).map_err(|e| corrupt(&p, e.to_string()))?;
+            let delta = footer
+                .delta
+                .into_iter()
+                .zip(exact.iter_mut())
+                .map(|(t, v)| match t {
+                    Placed::InHead { .. } => SpooledTensor::Dense(std::mem::take(v)),
+                    Placed::Wire(w) => SpooledTensor::Wire(w),
+                })
+                .collect();
             let c = Contribution {
-                samples,
+                samples: footer.samples,
                 report,
                 extras,
                 delta: Vec::new(),
-                bn,
+                bn: footer.bn,
             };
-            Ok((c, delta))
-        })?;
+            (c, delta)
+        };
         // Decoded only now that the checksum has passed.
         let mut c = c;
         c.delta = delta
@@ -624,49 +649,101 @@ impl Store {
                 format!("delta tensor {k} holds {len} values, not {}", lens[k]),
             )
         };
-        let (w, lossy) = read_sealed(&p, |r| {
-            let (version, samples) = spool_head(r, round)?;
-            let w = weight(samples);
-            let n = r.u32()? as usize;
-            if n != lens.len() {
-                return Err(corrupt(
-                    &p,
-                    format!("holds {n} delta tensors where the model has {}", lens.len()),
-                ));
-            }
-            // Lossy tensors are decoded once the checksum has passed.
-            let mut lossy = Vec::new();
-            for (k, &want) in lens.iter().enumerate() {
-                // Version 4 holds exact tensors only, untagged.
-                let wire = if version == 4 {
-                    None
-                } else {
-                    r.delta_tensor()?
-                };
-                if let Some(wire) = wire {
-                    lossy.push((k, SpooledTensor::Wire(wire)));
-                    continue;
+        let f = File::open(&p).map_err(|e| io(&p, e))?;
+        let legacy = spoolfile::starts_with_magic(&p, &f)?;
+        let (w, lossy) = if legacy {
+            read_open(&p, f, |r| {
+                let (version, samples) = spool_head(r, round)?;
+                let w = weight(samples);
+                let n = r.u32()? as usize;
+                if n != lens.len() {
+                    return Err(corrupt(
+                        &p,
+                        format!("holds {n} delta tensors where the model has {}", lens.len()),
+                    ));
                 }
-                let len = r.value_count()?;
-                if len != want {
-                    return Err(misfit(k, len));
+                // Lossy tensors are decoded once the checksum has passed.
+                let mut lossy = Vec::new();
+                for (k, &want) in lens.iter().enumerate() {
+                    // Version 4 holds exact tensors only, untagged.
+                    let wire = if version == 4 {
+                        None
+                    } else {
+                        r.delta_tensor()?
+                    };
+                    if let Some(wire) = wire {
+                        lossy.push((k, SpooledTensor::Wire(wire)));
+                        continue;
+                    }
+                    let len = r.value_count()?;
+                    if len != want {
+                        return Err(misfit(k, len));
+                    }
+                    r.value_blocks(len, |at, bytes| {
+                        if fold.add_le_block(k, at, w, bytes) {
+                            Ok(())
+                        } else {
+                            Err(not_finite())
+                        }
+                    })?;
                 }
-                r.value_blocks(len, |at, bytes| {
+                if r.tensors()?.iter().flatten().any(|v| !v.is_finite()) {
+                    return Err(not_finite());
+                }
+                let n = r.u32()? as usize;
+                postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(r.take(n)?)
+                    .map_err(|e| corrupt(&p, e.to_string()))?;
+                Ok((w, lossy))
+            })?
+        } else {
+            let (footer, w) = spoolfile::read(
+                &p,
+                f,
+                round,
+                |ft| {
+                    if ft.delta.len() != lens.len() {
+                        return Err(corrupt(
+                            &p,
+                            format!(
+                                "holds {} delta tensors where the model has {}",
+                                ft.delta.len(),
+                                lens.len()
+                            ),
+                        ));
+                    }
+                    for (k, t) in ft.delta.iter().enumerate() {
+                        if let Placed::InHead { count, .. } = *t
+                            && count != lens[k]
+                        {
+                            return Err(misfit(k, count));
+                        }
+                    }
+                    Ok(weight(ft.samples))
+                },
+                |&mut w, k, at, bytes| {
                     if fold.add_le_block(k, at, w, bytes) {
                         Ok(())
                     } else {
                         Err(not_finite())
                     }
-                })?;
-            }
-            if r.tensors()?.iter().flatten().any(|v| !v.is_finite()) {
+                },
+            )?;
+            if footer.bn.iter().flatten().any(|v| !v.is_finite()) {
                 return Err(not_finite());
             }
-            let n = r.u32()? as usize;
-            postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(r.take(n)?)
+            postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(&footer.typed)
                 .map_err(|e| corrupt(&p, e.to_string()))?;
-            Ok((w, lossy))
-        })?;
+            let lossy = footer
+                .delta
+                .into_iter()
+                .enumerate()
+                .filter_map(|(k, t)| match t {
+                    Placed::Wire(w) => Some((k, SpooledTensor::Wire(w))),
+                    Placed::InHead { .. } => None,
+                })
+                .collect();
+            (w, lossy)
+        };
         for (k, t) in lossy {
             let values = t.decode(&p)?;
             if values.len() != lens[k] {
@@ -767,18 +844,47 @@ fn versions_in(dir: &Path, suffix: &str) -> Result<Vec<u64>, StoreError> {
     Ok(v)
 }
 
+/// A spool file of format 4 or 5, read a block at a time: its contribution, and its delta
+/// tensors still to decode (once the checksum has passed).
+fn read_legacy(
+    p: &Path,
+    f: File,
+    round: u64,
+) -> Result<(Contribution, Vec<SpooledTensor>), StoreError> {
+    read_open(p, f, |r| {
+        let (version, samples) = spool_head(r, round)?;
+        let delta = if version == 4 {
+            r.tensors()?.into_iter().map(SpooledTensor::Dense).collect()
+        } else {
+            r.delta()?
+        };
+        let bn = r.tensors()?;
+        let n = r.u32()? as usize;
+        let (report, extras) =
+            postcard::from_bytes(r.take(n)?).map_err(|e| corrupt(p, e.to_string()))?;
+        let c = Contribution {
+            samples,
+            report,
+            extras,
+            delta: Vec::new(),
+            bn,
+        };
+        Ok((c, delta))
+    })
+}
+
 /// Writes the header [`Reader::header`] checks.
-/// A spool file's head: magic, a format version it reads (returned), the round it must be of,
-/// and the sample count (returned).
+/// A spool file's head (formats 4 and 5): magic, a format version it reads (returned), the
+/// round it must be of, and the sample count (returned).
 fn spool_head(r: &mut Reader, round: u64) -> Result<(u32, u64), StoreError> {
-    if r.take(4)? != SPOOL_MAGIC {
+    if r.take(4)? != spoolfile::MAGIC {
         return Err(corrupt(r.path(), "bad magic"));
     }
     let version = r.u32()?;
-    if !(4..=SPOOL_VERSION).contains(&version) {
+    if !(4..=5).contains(&version) {
         return Err(corrupt(
             r.path(),
-            format!("format version {version} is not {SPOOL_VERSION} (or 4, which it reads)"),
+            format!("format version {version} is not 6 (or 4 or 5, which it reads)"),
         ));
     }
     if r.u64()? != round {

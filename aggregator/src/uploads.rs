@@ -1,7 +1,8 @@
 //! Sites' chunked uploads, spooled to disk as their chunks arrive: an incomplete update costs
 //! the aggregator a file and a set of received indices, not its bytes in memory, however many
 //! sites upload at once. A complete update is read back once, checked against its hash and
-//! handed to the core (which decodes and spools it durably); its file is then removed.
+//! handed to the core with its file, which the core makes its spool file when it accepts the
+//! update (so the update is not written again); the file is removed otherwise.
 //!
 //! Chunks are written where they belong in the payload: every chunk but the last has the same
 //! length (as `unifed_protocol::chunking::chunks` cuts them), which the set's first chunk fixes;
@@ -74,9 +75,10 @@ impl Set {
     }
 }
 
-/// A set whose chunks have all arrived: its file, already unlinked, holds the payload until it
-/// is read. Handing this on rather than the bytes keeps a complete update out of memory until
-/// its reader takes it.
+/// A set whose chunks have all arrived: its file (under a name of its own) holds the payload
+/// and nothing else. Handing this on rather than the bytes keeps a complete update out of
+/// memory until its reader takes it. The file is removed when this is dropped, unless it was
+/// moved away from [`Received::path`] (the core adopts it as a spool file) by then.
 #[derive(Debug)]
 pub struct Received {
     file: File,
@@ -85,14 +87,25 @@ pub struct Received {
     hash: [u8; 32],
 }
 
+impl Drop for Received {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 impl Received {
     /// The set's payload hash (what its chunks named).
     pub fn hash(&self) -> [u8; 32] {
         self.hash
     }
 
+    /// The file holding the payload (no other set's file ever has this name).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The payload, checked against the set's hash.
-    pub fn read(self) -> Result<Vec<u8>, UploadError> {
+    pub fn read(&self) -> Result<Vec<u8>, UploadError> {
         let mut payload = vec![0u8; self.len as usize];
         self.file
             .read_exact_at(&mut payload, 0)
@@ -115,6 +128,8 @@ pub struct SpooledUploads {
     timeout_ms: u64,
     sites: BTreeMap<Id, Vec<Set>>,
     last_sweep_ms: Option<u64>,
+    /// Complete sets so far: each one's file gets a name of its own.
+    completed: u64,
 }
 
 impl SpooledUploads {
@@ -136,6 +151,7 @@ impl SpooledUploads {
             timeout_ms,
             sites: BTreeMap::new(),
             last_sweep_ms: None,
+            completed: 0,
         })
     }
 
@@ -231,12 +247,24 @@ impl SpooledUploads {
         if sets.is_empty() {
             self.sites.remove(site);
         }
-        // Unlinked now: the name is free for a new set (a re-send of the same update), and
-        // the open file goes when the set is read or dropped.
-        let _ = std::fs::remove_file(&s.path);
+        // Renamed now: the set's name is free for a new set (a re-send of the same update),
+        // and the complete one's is never reused, so removing it never removes another's.
+        self.completed += 1;
+        let path = self.dir.join(format!(
+            "{site}.{}.{}.complete",
+            hex(&hash[..8]),
+            self.completed
+        ));
+        if let Err(source) = std::fs::rename(&s.path, &path) {
+            let _ = std::fs::remove_file(&s.path);
+            return Err(UploadError::Io {
+                path: s.path,
+                source,
+            });
+        }
         Ok(Some(Received {
             file: s.file,
-            path: s.path,
+            path,
             len: total_len,
             hash,
         }))
@@ -368,13 +396,54 @@ mod tests {
         for c in cs {
             last = u.insert(&site("a"), c.as_ref(), 0).unwrap();
         }
-        // Complete, and no longer pending or on disk by name; its bytes fail the hash.
+        // Complete, and no longer pending; its file has a name of its own until the set is
+        // dropped, and its bytes fail the hash.
         assert_eq!(u.pending_sets(), 0);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        let names = |d: &Path| -> Vec<String> {
+            std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        };
+        let set = last.unwrap();
+        assert_eq!(
+            names(dir.path()),
+            [set.path().file_name().unwrap().to_string_lossy()]
+        );
         assert!(matches!(
-            last.unwrap().read(),
+            set.read(),
             Err(UploadError::Chunk(ChunkError::HashMismatch))
         ));
+        drop(set);
+        assert!(names(dir.path()).is_empty());
+    }
+
+    /// The same update sent again while the first copy waits for the core is another file:
+    /// dropping (or adopting) one never touches the other.
+    #[test]
+    fn a_complete_set_keeps_its_file_apart_from_a_resend_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
+        let p = payload(5_000);
+        let mut sets = Vec::new();
+        for _ in 0..2 {
+            let mut last = None;
+            for c in chunks(&p, 1_000) {
+                last = u.insert(&site("a"), c.as_ref(), 0).unwrap();
+            }
+            sets.push(last.unwrap());
+        }
+        assert_ne!(sets[0].path(), sets[1].path());
+        let second = sets.pop().unwrap();
+        let kept = second.path().to_path_buf();
+        drop(sets);
+        assert_eq!(std::fs::read(&kept).unwrap(), p);
+        assert_eq!(second.read().unwrap(), p);
+        // Moved away (as the core adopts it), the file outlives the set.
+        let adopted = dir.path().join("adopted");
+        std::fs::rename(&kept, &adopted).unwrap();
+        drop(second);
+        assert_eq!(std::fs::read(&adopted).unwrap(), p);
     }
 
     #[test]

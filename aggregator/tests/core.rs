@@ -166,6 +166,7 @@ fn send(agg: &mut Aggregator, site: &str, bytes: Vec<u8>) -> Vec<Action> {
                 site: site.into(),
                 bytes,
                 hash: None,
+                staged: None,
             },
             1_000,
         )
@@ -282,6 +283,7 @@ fn the_last_update_is_answered_before_the_fold_it_asks_for() {
                 site: site.into(),
                 bytes: good(site, 1, 0, 10, BnPolicy::Local),
                 hash: None,
+                staged: None,
             },
             1_000,
         )
@@ -382,12 +384,75 @@ fn an_answer_names_the_transports_hash_of_a_reassembled_update_or_the_bytes_own(
                 site: "b".into(),
                 bytes: b,
                 hash: Some(set),
+                staged: None,
             },
             1_000,
         )
         .unwrap();
     assert_eq!(hashes(&acts), vec![set]);
     assert_eq!(answers(&acts), vec![("b".into(), Answer::Accepted)]);
+}
+
+/// An accepted update's staged file (the service's reassembled upload) becomes its spool
+/// file: the same file, renamed, with the message at its head. A refused update's staged file
+/// is left where it is, for the caller to remove. The round folds from the adopted file as it
+/// folds from a written one, to the same bits.
+#[test]
+fn an_accepted_update_adopts_its_staged_file_as_the_spool_and_a_refused_one_leaves_it() {
+    let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    let mut models = Vec::new();
+    for stage in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut agg = open(dir.path(), config(2, 2, BnPolicy::Local));
+        agg.handle(Event::Start, 0).unwrap();
+        let incoming = tempfile::tempdir_in(dir.path()).unwrap();
+        let update = |agg: &mut Aggregator, site: &str, bytes: Vec<u8>| {
+            let staged = incoming.path().join(format!("{site}.complete"));
+            std::fs::write(&staged, &bytes).unwrap();
+            let ino = inode(&staged);
+            let acts = agg
+                .handle(
+                    Event::Update {
+                        site: site.into(),
+                        bytes: bytes.clone(),
+                        hash: None,
+                        staged: stage.then(|| staged.clone()),
+                    },
+                    1_000,
+                )
+                .unwrap();
+            (closed(agg, acts), staged, ino, bytes)
+        };
+        // Refused (a round that is not open): the file stays.
+        let (acts, staged, _, _) = update(&mut agg, "a", good("a", 2, 0, 10, BnPolicy::Local));
+        assert!(matches!(answers(&acts)[..], [(_, Answer::Rejected(_))]));
+        assert!(staged.exists());
+        for site in ["a", "b"] {
+            let spool = dir.path().join(format!("spool/r1/{site}.upd"));
+            let (acts, staged, ino, bytes) = update(
+                &mut agg,
+                site,
+                good(site, 1, 0, 10 + site.len() as u64, BnPolicy::Local),
+            );
+            assert_eq!(answers(&acts)[0], (site.to_string(), Answer::Accepted));
+            if site == "b" {
+                // The round closed and its spool went with it.
+                assert!(!spool.exists());
+                continue;
+            }
+            assert_eq!(staged.exists(), !stage);
+            assert_eq!(inode(&spool) == ino, stage);
+            assert_eq!(std::fs::read(&spool).unwrap()[..bytes.len()], bytes[..]);
+        }
+        assert_eq!(agg.model_version(), 1);
+        models.push(agg.model().to_vec());
+    }
+    let bits = |m: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        m.iter()
+            .map(|t| t.iter().map(|v| v.to_bits()).collect())
+            .collect()
+    };
+    assert_eq!(bits(&models[0]), bits(&models[1]));
 }
 
 #[test]
@@ -603,6 +668,8 @@ fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
             1,
             "b",
             &SpoolEntry {
+                message: &[],
+                staged: None,
                 samples: 5,
                 report: &LocalReport::default(),
                 extras: &unifed_aggregator::strategy::Extras::None,

@@ -141,6 +141,7 @@ fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
                 site: s.into(),
                 bytes,
                 hash: None,
+                staged: None,
             },
             1_000,
         )

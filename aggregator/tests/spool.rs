@@ -80,6 +80,8 @@ fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() 
             3,
             "a",
             &SpoolEntry {
+                message: &[],
+                staged: None,
                 samples: 11,
                 report: &report,
                 extras: &Extras::None,
@@ -146,13 +148,180 @@ fn a_version_4_spool_file_is_still_read() {
     streamed_fold_is_the_fold_of_the_read_delta(&store, 1, "b");
 
     // A version from the future is refused by name.
-    body[4..8].copy_from_slice(&6u32.to_le_bytes());
+    body[4..8].copy_from_slice(&7u32.to_le_bytes());
     let n = body.len() - 32;
     let sum = sha2::Sha256::digest(&body[..n]);
     body[n..].copy_from_slice(&sum);
     std::fs::write(dir.path().join("spool/r1/b.upd"), &body).unwrap();
     let err = store.spool_get(1, "b").unwrap_err().to_string();
-    assert!(err.contains("format version 6 is not 5"), "{err}");
+    assert!(err.contains("format version 7 is not 6"), "{err}");
+}
+
+/// Version 5 (the last before the message was kept): a tag per delta tensor, exact ones as
+/// their values, lossy ones in their wire form; XXH3 trailer.
+#[test]
+fn a_version_5_spool_file_is_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let exact = values(40, 1.0);
+    let lossy = encode(
+        "w",
+        &[300],
+        &values(300, 2.0),
+        Encoding::TernaryQ8 { block: 64 },
+        None,
+    );
+    let wire = postcard::to_allocvec(&lossy).unwrap();
+    let report = LocalReport {
+        local_steps: 2,
+        train_loss: 0.75,
+    };
+    let mut body = b"UFES".to_vec();
+    body.extend_from_slice(&5u32.to_le_bytes());
+    body.extend_from_slice(&4u64.to_le_bytes());
+    body.extend_from_slice(&8u64.to_le_bytes());
+    body.extend_from_slice(&2u32.to_le_bytes());
+    body.push(0);
+    body.extend_from_slice(&(exact.len() as u64).to_le_bytes());
+    body.extend(exact.iter().flat_map(|v| v.to_le_bytes()));
+    body.push(1);
+    body.extend_from_slice(&(wire.len() as u64).to_le_bytes());
+    body.extend_from_slice(&wire);
+    body.extend_from_slice(&1u32.to_le_bytes());
+    body.extend_from_slice(&2u64.to_le_bytes());
+    body.extend(values(2, 3.0).iter().flat_map(|v| v.to_le_bytes()));
+    let typed = postcard::to_allocvec(&(&report, &Extras::None)).unwrap();
+    body.extend_from_slice(&(typed.len() as u32).to_le_bytes());
+    body.extend_from_slice(&typed);
+    body.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(&body).to_le_bytes());
+    body.extend_from_slice(b"UniFed.xxh3-128\0");
+    std::fs::create_dir_all(dir.path().join("spool/r4")).unwrap();
+    std::fs::write(dir.path().join("spool/r4/c.upd"), &body).unwrap();
+    let c = store.spool_get(4, "c").unwrap();
+    assert_eq!((c.samples, &c.report), (8, &report));
+    assert_eq!(c.delta, [exact, decode(&lossy).unwrap()]);
+    assert_eq!(c.bn, [values(2, 3.0)]);
+    streamed_fold_is_the_fold_of_the_read_delta(&store, 4, "c");
+}
+
+/// A message whose exact tensors lie in it, as an update arrives: `hdr`, weights, `mid`, stats.
+fn message_with(
+    weights: &[f32],
+    stats: &[f32],
+) -> (Vec<u8>, std::ops::Range<usize>, std::ops::Range<usize>) {
+    let mut m = b"UFED-header".to_vec();
+    let w = m.len()..m.len() + weights.len() * 4;
+    m.extend(weights.iter().flat_map(|v| v.to_le_bytes()));
+    m.extend_from_slice(b"-mid-");
+    let s = m.len()..m.len() + stats.len() * 4;
+    m.extend(stats.iter().flat_map(|v| v.to_le_bytes()));
+    m.extend_from_slice(b"-end");
+    (m, w, s)
+}
+
+/// The core's path: a reassembled upload (the staged file) becomes the spool file. Its bytes
+/// are not written again (the spool file is the staged file, renamed), the message stays whole
+/// at its head, the exact tensors are read from where they lie in it, and the fold streamed
+/// from it is the fold of what it holds. A damaged byte anywhere is a checksum mismatch.
+#[test]
+fn a_staged_upload_becomes_the_spool_file_and_its_tensors_are_read_where_they_lie() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let (weights, stats) = (values(50_003, 6.0), values(9, 7.0));
+    let (message, w, s) = message_with(&weights, &stats);
+    let staged = dir.path().join("incoming.complete");
+    std::fs::write(&staged, &message).unwrap();
+    let inode =
+        |p: &std::path::Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    let staged_inode = inode(&staged);
+    let report = LocalReport {
+        local_steps: 5,
+        train_loss: 0.125,
+    };
+    let bias = encode(
+        "b",
+        &[64],
+        &values(64, 8.0),
+        Encoding::TernaryQ8 { block: 64 },
+        None,
+    );
+    // The strategy's order is not the message's: stats first.
+    let delta = [
+        SpoolTensor::Le(&message[s.clone()]),
+        SpoolTensor::Wire(&bias.as_ref()),
+        SpoolTensor::Le(&message[w.clone()]),
+    ];
+    store
+        .spool_put(
+            6,
+            "a",
+            &SpoolEntry {
+                message: &message,
+                staged: Some(&staged),
+                samples: 13,
+                report: &report,
+                extras: &Extras::None,
+                delta: &delta,
+                bn: &[vec![0.25, 4.0]],
+            },
+        )
+        .unwrap();
+    let p = dir.path().join("spool/r6/a.upd");
+    assert!(!staged.exists());
+    assert_eq!(inode(&p), staged_inode);
+    let file = std::fs::read(&p).unwrap();
+    assert_eq!(&file[..message.len()], &message[..]);
+    // The footer is small: where two tensors lie, the lossy one, BN and the report.
+    assert!(
+        file.len() - message.len() < 400,
+        "{} bytes",
+        file.len() - message.len()
+    );
+    let c = store.spool_get(6, "a").unwrap();
+    assert_eq!((c.samples, &c.report), (13, &report));
+    assert_eq!(
+        c.delta,
+        [stats.clone(), decode(&bias).unwrap(), weights.clone()]
+    );
+    assert_eq!(c.bn, [vec![0.25, 4.0]]);
+    streamed_fold_is_the_fold_of_the_read_delta(&store, 6, "a");
+
+    // A flipped bit in the message, in a tensor, or in the footer's length is the checksum's.
+    for at in [3, w.start + 1001, file.len() - 32 - 16] {
+        let mut b = file.clone();
+        b[at] ^= 0x10;
+        std::fs::write(&p, &b).unwrap();
+        let err = store.spool_get(6, "a").unwrap_err().to_string();
+        assert!(err.contains("checksum mismatch"), "{at}: {err}");
+        let lens = [stats.len(), 64, weights.len()];
+        let err = store
+            .spool_fold(6, "a", |n| n as f64, &mut Fold::new(&lens))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("checksum mismatch"), "{at}: {err}");
+    }
+
+    // A staged file that does not hold the message is left alone, and the message written.
+    std::fs::write(&staged, b"something else").unwrap();
+    store
+        .spool_put(
+            6,
+            "b",
+            &SpoolEntry {
+                message: &message,
+                staged: Some(&staged),
+                samples: 13,
+                report: &report,
+                extras: &Extras::None,
+                delta: &delta,
+                bn: &[],
+            },
+        )
+        .unwrap();
+    assert_eq!(std::fs::read(&staged).unwrap(), b"something else");
+    let b = std::fs::read(dir.path().join("spool/r6/b.upd")).unwrap();
+    assert_eq!(&b[..message.len()], &message[..]);
+    assert_eq!(store.spool_get(6, "b").unwrap().delta[2], weights);
 }
 
 /// An exact tensor spooled from the bytes it arrived in (`SpoolTensor::Le`, what the core does
@@ -170,6 +339,8 @@ fn an_exact_tensor_spooled_from_its_bytes_is_the_file_of_its_values() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let entry = SpoolEntry {
+            message: &[],
+            staged: None,
             samples: 9,
             report: &report,
             extras: &Extras::None,

@@ -284,6 +284,7 @@ pub fn run_federation<N: Net>(
                                 site: site.to_string(),
                                 bytes: payload,
                                 hash: None,
+                                staged: None,
                             },
                             now,
                         )?);
