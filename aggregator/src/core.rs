@@ -47,8 +47,8 @@ pub enum Event {
     Update {
         /// The site named by the topic.
         site: String,
-        /// The raw message.
-        bytes: Vec<u8>,
+        /// The raw message (a reassembled upload's is its file mapped).
+        bytes: bytes::Bytes,
         /// Its hash ([`unifed_protocol::payload_hash`]) when the transport has it already (a chunked update's set hash, checked
         /// against the reassembled bytes); computed here when `None`.
         hash: Option<[u8; 32]>,
@@ -745,7 +745,7 @@ impl Aggregator {
     fn on_update(
         &mut self,
         topic_site: &str,
-        bytes: Vec<u8>,
+        bytes: bytes::Bytes,
         hash: Option<[u8; 32]>,
         staged: Option<&std::path::Path>,
         now_ms: u64,

@@ -547,7 +547,7 @@ pub async fn serve(
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
                         // Whole updates (chunks go to the ingest task): the core opens them
                         // (once) and refuses what is not an update.
-                        let update = Event::Update { site: site.to_string(), bytes: payload.to_vec(), hash: None, staged: None };
+                        let update = Event::Update { site: site.to_string(), bytes: payload, hash: None, staged: None };
                         pending = step(&mut core, update, Instant::now())?;
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
                         serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, &mut serves).await?;

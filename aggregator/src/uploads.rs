@@ -11,10 +11,12 @@
 //! older than the timeout are dropped. The folder is emptied at start: chunks of a previous
 //! process are re-sent by their sites.
 
+use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use unifed_net::memory::MappedFile;
 use unifed_protocol::chunking::{ChunkError, check_set, payload_hash};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{Chunk, ChunkRef};
@@ -104,19 +106,20 @@ impl Received {
         &self.path
     }
 
-    /// The payload, checked against the set's hash.
-    pub fn read(&self) -> Result<Vec<u8>, UploadError> {
-        let mut payload = vec![0u8; self.len as usize];
-        self.file
-            .read_exact_at(&mut payload, 0)
-            .map_err(|source| UploadError::Io {
-                path: self.path.clone(),
-                source,
-            })?;
+    /// The payload, checked against the set's hash: the file's pages mapped, not copied into
+    /// a fresh buffer (see [`MappedFile`]; the file is this aggregator's own).
+    pub fn read(&self) -> Result<Bytes, UploadError> {
+        let io = |source| UploadError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let len =
+            usize::try_from(self.len).map_err(|_| io(std::io::ErrorKind::FileTooLarge.into()))?;
+        let payload = MappedFile::map(&self.file, len).map_err(io)?;
         if payload_hash(&payload) != self.hash {
             return Err(ChunkError::HashMismatch.into());
         }
-        Ok(payload)
+        Ok(Bytes::from_owner(payload))
     }
 }
 
@@ -383,7 +386,7 @@ mod tests {
         for c in cs.into_iter().skip(1) {
             done = u.insert(&site("a"), c.as_ref(), 0).unwrap();
         }
-        assert_eq!(done.map(|d| d.read().unwrap()), Some(p));
+        assert_eq!(done.map(|d| d.read().unwrap().to_vec()), Some(p));
     }
 
     #[test]

@@ -164,7 +164,7 @@ fn send(agg: &mut Aggregator, site: &str, bytes: Vec<u8>) -> Vec<Action> {
         .handle(
             Event::Update {
                 site: site.into(),
-                bytes,
+                bytes: bytes.into(),
                 hash: None,
                 staged: None,
             },
@@ -281,7 +281,7 @@ fn the_last_update_is_answered_before_the_fold_it_asks_for() {
         agg.handle(
             Event::Update {
                 site: site.into(),
-                bytes: good(site, 1, 0, 10, BnPolicy::Local),
+                bytes: good(site, 1, 0, 10, BnPolicy::Local).into(),
                 hash: None,
                 staged: None,
             },
@@ -382,7 +382,7 @@ fn an_answer_names_the_transports_hash_of_a_reassembled_update_or_the_bytes_own(
         .handle(
             Event::Update {
                 site: "b".into(),
-                bytes: b,
+                bytes: b.into(),
                 hash: Some(set),
                 staged: None,
             },
@@ -414,7 +414,7 @@ fn an_accepted_update_adopts_its_staged_file_as_the_spool_and_a_refused_one_leav
                 .handle(
                     Event::Update {
                         site: site.into(),
-                        bytes: bytes.clone(),
+                        bytes: bytes.clone().into(),
                         hash: None,
                         staged: stage.then(|| staged.clone()),
                     },

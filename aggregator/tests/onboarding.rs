@@ -139,7 +139,7 @@ fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
         .handle(
             Event::Update {
                 site: s.into(),
-                bytes,
+                bytes: bytes.into(),
                 hash: None,
                 staged: None,
             },

@@ -282,7 +282,7 @@ pub fn run_federation<N: Net>(
                         agg_actions.extend(agg.handle(
                             Event::Update {
                                 site: site.to_string(),
-                                bytes: payload,
+                                bytes: payload.into(),
                                 hash: None,
                                 staged: None,
                             },
