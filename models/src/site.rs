@@ -17,7 +17,7 @@ use crate::train::{
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use unifed_protocol::encoding::{Encoding, decode};
+use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, Values, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -586,21 +586,53 @@ impl<N: Net> Site<N> {
         };
         let old = &self.memory.residual;
         let residual = &mut next.residual;
-        let encoded: Vec<_> = d
+        // An exact tensor with no residual to add goes into the update as its own values'
+        // little-endian bytes, borrowed from the delta (on a little-endian machine, where they
+        // are the same bytes): the envelope is written from the delta, with no model-sized copy
+        // of the update beside it. Every other tensor is encoded here, with error feedback.
+        let owned: Vec<Option<EncodedTensor>> = d
             .tensors
-            .into_iter()
+            .iter_mut()
             .map(|t| {
                 let encoding = encoding_for(t.kind, m.encoding);
+                let carried = old.get(&t.name).map_or(&[][..], Vec::as_slice);
+                if encoding == Encoding::F32 && cfg!(target_endian = "little") && carried.is_empty()
+                {
+                    // What the encoding leaves behind: nothing.
+                    if !t.kind.is_bn_stat() {
+                        residual.insert(t.name.clone(), Vec::new());
+                    }
+                    return None;
+                }
+                let t = NamedTensor {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    kind: t.kind,
+                    data: std::mem::take(&mut t.data),
+                };
                 // Statistics carry no error feedback; everything else keeps its residual.
                 if t.kind.is_bn_stat() {
-                    return t.encode(encoding, None);
+                    return Some(t.encode(encoding, None));
                 }
                 // The last accepted update's residual stays as it is until this update is
                 // answered; the next one is made in the delta's own buffer.
                 let name = t.name.clone();
-                let (e, next) = t.encode_fed(encoding, old.get(&name).map_or(&[], Vec::as_slice));
+                let (e, next) = t.encode_fed(encoding, carried);
                 residual.insert(name, next);
-                e
+                Some(e)
+            })
+            .collect();
+        let encoded: Vec<EncodedTensorRef> = d
+            .tensors
+            .iter()
+            .zip(&owned)
+            .map(|(t, e)| match e {
+                Some(e) => e.as_ref(),
+                None => EncodedTensor {
+                    name: t.name.clone(),
+                    shape: t.shape.iter().map(|&n| n as u32).collect(),
+                    values: Values::F32(bytemuck::cast_slice(&t.data)),
+                },
             })
             .collect();
         // A residual of a tensor this update does not carry is kept as it was.
@@ -624,7 +656,7 @@ impl<N: Net> Site<N> {
                 h.iter_mut().zip(&back).for_each(|(h, d)| *h += d);
             }
         }
-        let shared = if m.bn_policy == BnPolicy::Local {
+        let shared: Vec<EncodedTensor> = if m.bn_policy == BnPolicy::Local {
             export(&self.net, spec, Select::Bn)
                 .tensors
                 .into_iter()
@@ -645,7 +677,7 @@ impl<N: Net> Site<N> {
             base_version: m.model_version,
             samples: self.train.len() as u64,
             delta: encoded,
-            bn: shared,
+            bn: shared.iter().map(EncodedTensor::as_ref).collect(),
             report,
             extras,
         };

@@ -268,6 +268,67 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
     assert!(err.to_string().contains(&w), "{err}");
 }
 
+/// An exact (f32) update carries exactly `trained - base` for every averaged tensor, its
+/// values' little-endian bytes (the site writes them from the delta's own buffer), and the
+/// shared BN tensors as their values; nothing is left behind as a residual. Parked or not.
+#[test]
+fn an_exact_update_carries_the_trained_minus_base_bits_and_leaves_no_residual() {
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (parked, bn) in [(false, BnPolicy::Local), (true, BnPolicy::Global)] {
+        let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+        if parked {
+            site.park_base_in(dir.path().join("base.f32"));
+        }
+        let select = if bn == BnPolicy::Local {
+            Select::NonBn
+        } else {
+            Select::All
+        };
+        let base = export(&site.net, &spec, select);
+        let bytes = site
+            .train_round(
+                &spec,
+                &fed,
+                &manifest(1, Encoding::F32, bn),
+                &tc,
+                &device(),
+                |_| {},
+            )
+            .unwrap();
+        let trained = export(&site.net, &spec, select);
+        let u = update(&bytes);
+        assert_eq!(u.delta.len(), base.tensors.len());
+        for ((t, b), a) in u.delta.iter().zip(&base.tensors).zip(&trained.tensors) {
+            assert_eq!(t.name, b.name);
+            let want: Vec<u8> = a
+                .data
+                .iter()
+                .zip(&b.data)
+                .flat_map(|(a, b)| (a - b).to_le_bytes())
+                .collect();
+            assert!(
+                matches!(&t.values, Values::F32(v) if *v == want),
+                "{}",
+                t.name
+            );
+            assert!(site.residual(&t.name).is_empty(), "{}", t.name);
+        }
+        assert!(want_moved(&u), "training moved nothing");
+    }
+}
+
+fn want_moved(u: &SiteUpdate) -> bool {
+    u.delta
+        .iter()
+        .any(|t| matches!(&t.values, Values::F32(v) if v.iter().any(|&b| b != 0)))
+}
+
 #[test]
 fn bn_running_statistics_travel_as_exact_f32_whatever_the_update_encoding() {
     let (net, spec) = tiny();
