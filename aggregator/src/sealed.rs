@@ -219,19 +219,25 @@ pub(crate) fn read_sealed_optional<T>(
     }
 }
 
+/// The length of the sealed file `f`'s body, and its trailer (not checked yet).
+pub(crate) fn trailer_of(path: &Path, f: &File) -> Result<(u64, [u8; CHECKSUM_LEN]), StoreError> {
+    let len = f.metadata().map_err(|e| io(path, e))?.len();
+    let Some(body) = len.checked_sub(CHECKSUM_LEN as u64) else {
+        return Err(corrupt(path, "truncated: shorter than its checksum"));
+    };
+    let mut trailer = [0u8; CHECKSUM_LEN];
+    f.read_exact_at(&mut trailer, body)
+        .map_err(|e| io(path, e))?;
+    Ok((body, trailer))
+}
+
 pub(crate) fn read_open<T>(
     path: &Path,
     f: File,
     parse: impl FnOnce(&mut Reader) -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
-    let len = f.metadata().map_err(|e| io(path, e))?.len();
-    let Some(body) = len.checked_sub(CHECKSUM_LEN as u64) else {
-        return Err(corrupt(path, "truncated: shorter than its checksum"));
-    };
     // The trailer names the sum; `Reader::finish` reads it again in order and compares.
-    let mut trailer = [0u8; CHECKSUM_LEN];
-    f.read_exact_at(&mut trailer, body)
-        .map_err(|e| io(path, e))?;
+    let (body, trailer) = trailer_of(path, &f)?;
     let mut r = Reader {
         f: BufReader::with_capacity(1 << 20, f),
         h: Sum::for_trailer(&trailer),

@@ -23,7 +23,7 @@
 //! it made of the file counts until the checksum has passed, and a damaged file is reported as
 //! the checksum mismatch it is, whatever its footer says.
 
-use crate::sealed::{BLOCK_VALUES, CHECKSUM_LEN, SealedFile, Sum};
+use crate::sealed::{BLOCK_VALUES, CHECKSUM_LEN, SealedFile, Sum, trailer_of};
 use crate::store::{SpoolEntry, SpoolTensor, StoreError, corrupt, io};
 use std::fs::File;
 use std::io::Read;
@@ -299,13 +299,8 @@ pub(crate) fn read<T>(
     check: impl FnOnce(&Footer) -> Result<T, StoreError>,
     mut values: impl FnMut(&mut T, usize, usize, &[u8]) -> Result<(), StoreError>,
 ) -> Result<(Footer, T), StoreError> {
-    let len = f.metadata().map_err(|e| io(path, e))?.len();
-    let Some(body) = len.checked_sub(CHECKSUM_LEN as u64) else {
-        return Err(corrupt(path, "truncated: shorter than its checksum"));
-    };
-    let mut trailer = [0u8; CHECKSUM_LEN];
-    f.read_exact_at(&mut trailer, body)
-        .map_err(|e| io(path, e))?;
+    let (body, trailer) = trailer_of(path, &f)?;
+    let len = body + CHECKSUM_LEN as u64;
     // Tail and footer first, by position; only what the file can hold is read.
     let footer = (|| {
         let at = body

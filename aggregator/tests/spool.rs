@@ -251,21 +251,19 @@ fn a_staged_upload_becomes_the_spool_file_and_its_tensors_are_read_where_they_li
         SpoolTensor::Wire(&bias.as_ref()),
         SpoolTensor::Le(&message[w.clone()]),
     ];
-    store
-        .spool_put(
-            6,
-            "a",
-            &SpoolEntry {
-                message: &message,
-                staged: Some(&staged),
-                samples: 13,
-                report: &report,
-                extras: &Extras::None,
-                delta: &delta,
-                bn: &[vec![0.25, 4.0]],
-            },
-        )
-        .unwrap();
+    let put = |site: &str, bn: &[Vec<f32>]| {
+        let entry = SpoolEntry {
+            message: &message,
+            staged: Some(&staged),
+            samples: 13,
+            report: &report,
+            extras: &Extras::None,
+            delta: &delta,
+            bn,
+        };
+        store.spool_put(6, site, &entry).unwrap();
+    };
+    put("a", &[vec![0.25, 4.0]]);
     let p = dir.path().join("spool/r6/a.upd");
     assert!(!staged.exists());
     assert_eq!(inode(&p), staged_inode);
@@ -303,21 +301,7 @@ fn a_staged_upload_becomes_the_spool_file_and_its_tensors_are_read_where_they_li
 
     // A staged file that does not hold the message is left alone, and the message written.
     std::fs::write(&staged, b"something else").unwrap();
-    store
-        .spool_put(
-            6,
-            "b",
-            &SpoolEntry {
-                message: &message,
-                staged: Some(&staged),
-                samples: 13,
-                report: &report,
-                extras: &Extras::None,
-                delta: &delta,
-                bn: &[],
-            },
-        )
-        .unwrap();
+    put("b", &[]);
     assert_eq!(std::fs::read(&staged).unwrap(), b"something else");
     let b = std::fs::read(dir.path().join("spool/r6/b.upd")).unwrap();
     assert_eq!(&b[..message.len()], &message[..]);

@@ -156,6 +156,15 @@ fn update(bytes: &[u8]) -> SiteUpdate {
     Envelope::decode(bytes).unwrap().payload_as().unwrap()
 }
 
+/// Site `a` on 16 training and 8 test samples, parking its starting model in `dir` when asked.
+fn site_parked_in(net: &Mlp, dir: Option<&std::path::Path>) -> Site<Mlp> {
+    let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+    if let Some(d) = dir {
+        site.park_base_in(d.join("base.f32"));
+    }
+    site
+}
+
 #[test]
 fn a_round_reports_trained_once_after_its_last_step_with_the_base_parked_or_held() {
     let (net, spec) = tiny();
@@ -166,10 +175,7 @@ fn a_round_reports_trained_once_after_its_last_step_with_the_base_parked_or_held
     };
     let dir = tempfile::tempdir().unwrap();
     for parked in [false, true] {
-        let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-        if parked {
-            site.park_base_in(dir.path().join("base.f32"));
-        }
+        let mut site = site_parked_in(&net, parked.then_some(dir.path()));
         let mut events = Vec::new();
         let m = manifest(1, Encoding::F32, BnPolicy::Local);
         site.train_round(&spec, &fed, &m, &tc, &device(), |e| events.push(e))
@@ -281,10 +287,7 @@ fn an_exact_update_carries_the_trained_minus_base_bits_and_leaves_no_residual() 
     };
     let dir = tempfile::tempdir().unwrap();
     for (parked, bn) in [(false, BnPolicy::Local), (true, BnPolicy::Global)] {
-        let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-        if parked {
-            site.park_base_in(dir.path().join("base.f32"));
-        }
+        let mut site = site_parked_in(&net, parked.then_some(dir.path()));
         let select = if bn == BnPolicy::Local {
             Select::NonBn
         } else {
