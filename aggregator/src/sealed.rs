@@ -90,7 +90,7 @@ impl Sum {
 }
 
 /// Values read or written per block.
-pub(crate) const BLOCK_VALUES: usize = 16 << 10;
+const BLOCK_VALUES: usize = 16 << 10;
 
 /// A sealed binary file written as it goes: atomically and durably (temporary file, fsync,
 /// rename, fsync of the folder), its sum computed on the way and appended by
@@ -168,8 +168,13 @@ impl SealedFile {
     }
 
     /// One tensor's length and little-endian values, a block of values at a time.
-    pub(crate) fn put_values(&mut self, t: &[f32]) -> Result<(), StoreError> {
+    fn put_values(&mut self, t: &[f32]) -> Result<(), StoreError> {
         self.put(&(t.len() as u64).to_le_bytes())?;
+        self.put_f32s(t)
+    }
+
+    /// Values little-endian, a block at a time (no length before them).
+    pub(crate) fn put_f32s(&mut self, t: &[f32]) -> Result<(), StoreError> {
         let mut buf = Vec::with_capacity(BLOCK_VALUES.min(t.len()) * 4);
         for part in t.chunks(BLOCK_VALUES) {
             buf.clear();

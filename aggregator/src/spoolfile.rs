@@ -23,7 +23,7 @@
 //! it made of the file counts until the checksum has passed, and a damaged file is reported as
 //! the checksum mismatch it is, whatever its footer says.
 
-use crate::sealed::{BLOCK_VALUES, CHECKSUM_LEN, SealedFile, Sum, trailer_of};
+use crate::sealed::{CHECKSUM_LEN, SealedFile, Sum, trailer_of};
 use crate::store::{SpoolEntry, SpoolTensor, StoreError, corrupt, io};
 use std::fs::File;
 use std::io::Read;
@@ -69,13 +69,10 @@ pub(crate) fn write(path: &Path, round: u64, entry: &SpoolEntry) -> Result<(), S
         }
         fits
     });
-    let head = if in_message.is_empty() {
-        &[][..]
-    } else {
-        entry.message
-    };
-    let adopted = match (entry.staged, in_message.is_empty()) {
-        (Some(staged), false) => SealedFile::adopt(staged, path, head)?,
+    let keep_message = !in_message.is_empty();
+    let head = if keep_message { entry.message } else { &[] };
+    let adopted = match entry.staged {
+        Some(staged) if keep_message => SealedFile::adopt(staged, path, head)?,
         _ => None,
     };
     let mut f = match adopted {
@@ -102,10 +99,7 @@ pub(crate) fn write(path: &Path, round: u64, entry: &SpoolEntry) -> Result<(), S
                 offsets[k] = Some((at, b.len() as u64 / 4));
             }
             SpoolTensor::Values(v) => {
-                for part in v.chunks(BLOCK_VALUES) {
-                    let bytes: Vec<u8> = part.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    f.put(&bytes)?;
-                }
+                f.put_f32s(v)?;
                 offsets[k] = Some((at, v.len() as u64));
             }
             SpoolTensor::Wire(_) => {}
@@ -239,15 +233,10 @@ fn parse_footer(path: &Path, b: &[u8], head_len: u64, round: u64) -> Result<Foot
         });
     }
     // Read in one pass: no two tensors may share bytes.
-    let mut ranges: Vec<(u64, u64)> = delta
-        .iter()
-        .filter_map(|p| match *p {
-            Placed::InHead { offset, count } => Some((offset, offset + count as u64 * 4)),
-            Placed::Wire(_) => None,
-        })
-        .collect();
-    ranges.sort_unstable();
-    if ranges.windows(2).any(|w| w[1].0 < w[0].1) {
+    if in_head_order(&delta)
+        .windows(2)
+        .any(|w| w[1].1 < w[0].1 + w[0].2 as u64 * 4)
+    {
         return Err(corrupt(path, "delta tensors overlap in the head"));
     }
     let nb = c.u32()? as usize;
@@ -273,6 +262,21 @@ fn parse_footer(path: &Path, b: &[u8], head_len: u64, round: u64) -> Result<Foot
         bn,
         typed,
     })
+}
+
+/// The exact tensors of `delta` that lie in the head, as (index, offset, count), in the order
+/// they lie there.
+fn in_head_order(delta: &[Placed]) -> Vec<(usize, u64, usize)> {
+    let mut v: Vec<(usize, u64, usize)> = delta
+        .iter()
+        .enumerate()
+        .filter_map(|(k, p)| match *p {
+            Placed::InHead { offset, count } => Some((k, offset, count)),
+            Placed::Wire(_) => None,
+        })
+        .collect();
+    v.sort_by_key(|&(_, offset, _)| offset);
+    v
 }
 
 /// Whether the file `f` starts with the spool magic: a file of format 4 or 5, which begin with
@@ -328,19 +332,10 @@ pub(crate) fn read<T>(
     })();
     let footer = footer.and_then(|ft| check(&ft).map(|state| (ft, state)));
     // Then the whole body in order, summed; exact tensors' values handed on as they pass.
-    let mut ranges: Vec<(usize, u64, usize)> = match &footer {
-        Ok((ft, _)) => ft
-            .delta
-            .iter()
-            .enumerate()
-            .filter_map(|(k, p)| match *p {
-                Placed::InHead { offset, count } => Some((k, offset, count)),
-                Placed::Wire(_) => None,
-            })
-            .collect(),
+    let ranges = match &footer {
+        Ok((ft, _)) => in_head_order(&ft.delta),
         Err(_) => Vec::new(),
     };
-    ranges.sort_by_key(|&(_, offset, _)| offset);
     let mut b = Body {
         f,
         buf: vec![0u8; READ_BLOCK],

@@ -17,7 +17,7 @@ use crate::train::{
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, Values, decode};
+use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -587,16 +587,16 @@ impl<N: Net> Site<N> {
         let old = &self.memory.residual;
         let residual = &mut next.residual;
         // An exact tensor with no residual to add goes into the update as its own values'
-        // little-endian bytes, borrowed from the delta (on a little-endian machine, where they
-        // are the same bytes): the envelope is written from the delta, with no model-sized copy
-        // of the update beside it. Every other tensor is encoded here, with error feedback.
+        // little-endian bytes, borrowed from the delta (`NamedTensor::exact_le`): the envelope
+        // is written from the delta, with no model-sized copy of the update beside it. Every
+        // other tensor is encoded here, with error feedback.
         let owned: Vec<Option<EncodedTensor>> = d
             .tensors
             .iter_mut()
             .map(|t| {
                 let encoding = encoding_for(t.kind, m.encoding);
                 let carried = old.get(&t.name).map_or(&[][..], Vec::as_slice);
-                if encoding == Encoding::F32 && cfg!(target_endian = "little") && carried.is_empty()
+                if encoding == Encoding::F32 && carried.is_empty() && cfg!(target_endian = "little")
                 {
                     // What the encoding leaves behind: nothing.
                     if !t.kind.is_bn_stat() {
@@ -604,21 +604,14 @@ impl<N: Net> Site<N> {
                     }
                     return None;
                 }
-                let t = NamedTensor {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    kind: t.kind,
-                    data: std::mem::take(&mut t.data),
-                };
                 // Statistics carry no error feedback; everything else keeps its residual.
                 if t.kind.is_bn_stat() {
                     return Some(t.encode(encoding, None));
                 }
                 // The last accepted update's residual stays as it is until this update is
                 // answered; the next one is made in the delta's own buffer.
-                let name = t.name.clone();
                 let (e, next) = t.encode_fed(encoding, carried);
-                residual.insert(name, next);
+                residual.insert(t.name.clone(), next);
                 Some(e)
             })
             .collect();
@@ -628,11 +621,9 @@ impl<N: Net> Site<N> {
             .zip(&owned)
             .map(|(t, e)| match e {
                 Some(e) => e.as_ref(),
-                None => EncodedTensor {
-                    name: t.name.clone(),
-                    shape: t.shape.iter().map(|&n| n as u32).collect(),
-                    values: Values::F32(bytemuck::cast_slice(&t.data)),
-                },
+                None => t
+                    .exact_le()
+                    .expect("borrowed only on a little-endian machine"),
             })
             .collect();
         // A residual of a tensor this update does not carry is kept as it was.

@@ -54,19 +54,30 @@ impl NamedTensor {
     /// The tensor plus `residual` (the last error-feedback residual; empty: none) in a wire
     /// encoding, summed in the tensor's own buffer, which then holds the next residual (see
     /// [`unifed_protocol::encode_leaving_error`]): `residual` itself is left as it was, without
-    /// a copy of it. Returns the encoded tensor and the next residual.
+    /// a copy of it. The values move out of the tensor (it is left empty). Returns the encoded
+    /// tensor and the next residual.
     pub fn encode_fed(
-        self,
+        &mut self,
         encoding: unifed_protocol::Encoding,
         residual: &[f32],
     ) -> (unifed_protocol::EncodedTensor, Vec<f32>) {
         let shape = self.wire_shape();
-        let mut x = self.data;
+        let mut x = std::mem::take(&mut self.data);
         if !residual.is_empty() {
             x.iter_mut().zip(residual).for_each(|(v, r)| *v += r);
         }
         let e = unifed_protocol::encode_leaving_error(&self.name, &shape, &mut x, encoding);
         (e, x)
+    }
+
+    /// The tensor in exact f32 with its value bytes borrowed from its own values (no copy), or
+    /// `None` on a big-endian machine, where they are not the wire's little-endian bytes.
+    pub fn exact_le(&self) -> Option<unifed_protocol::EncodedTensorRef<'_>> {
+        cfg!(target_endian = "little").then(|| unifed_protocol::EncodedTensor {
+            name: self.name.clone(),
+            shape: self.wire_shape(),
+            values: unifed_protocol::Values::F32(bytemuck::cast_slice(&self.data)),
+        })
     }
 
     /// The shape as the wire writes it.
