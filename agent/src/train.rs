@@ -349,12 +349,16 @@ impl SiteFiles {
         // `SiteCheckpoint` in postcard is its fields one after the other, and a byte string is
         // its length then its bytes: so the head below, then the model file, is exactly
         // `SiteCheckpoint { progress, memory, model }`. The memory (under a lossy encoding two
-        // model-sized maps) streams to the file rather than through a buffer.
+        // model-sized maps) streams to the file from the files where it waits, never through a
+        // buffer or a copy in memory.
         checkpoint::write_atomic_with(&self.checkpoint, |w| {
             w.write_all(CHECKPOINT_MAGIC)?;
             w.write_all(&CHECKPOINT_VERSION.to_le_bytes())?;
-            postcard::to_io(&(progress, site.memory(), layout.len() as usize), &mut *w)
-                .map_err(std::io::Error::other)?;
+            postcard::to_io(
+                &(progress, site.stored_memory(), layout.len() as usize),
+                &mut *w,
+            )
+            .map_err(std::io::Error::other)?;
             layout.write(&state, w)
         })?;
         checkpoint::write_atomic_with(&self.model, |w| layout.write(&state, w))?;
@@ -407,7 +411,8 @@ pub async fn run(
     // Training holds one copy of the model: the starting one waits in this file.
     site.as_mut()
         .expect("site present")
-        .park_base_in(files.parked.clone());
+        .park_base_in(files.parked.clone())
+        .with_context(|| format!("parking in {}", cfg.state_dir.display()))?;
     if let Some(m) = memory {
         // Residuals and control variates of the last accepted update, and the server's c.
         site.as_mut()

@@ -2,6 +2,7 @@
 //! model, and the update's delta reads the starting tensors back a block at a time.
 
 use crate::state::{NamedTensor, StateDict};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
@@ -225,6 +226,377 @@ impl Spilled {
     }
 }
 
+/// Named vectors of `f32` waiting in a file between uses: raw little-endian values one after
+/// the other, with each vector's name, place and length kept here. The file goes when the stash
+/// is dropped.
+#[derive(Debug)]
+pub(crate) struct Stash {
+    path: PathBuf,
+    /// Name → (offset in values, length), in name order.
+    entries: BTreeMap<String, (u64, usize)>,
+}
+
+impl Stash {
+    /// Starts a stash at `path` (replacing what is there); [`StashWriter::finish`] ends it.
+    pub(crate) fn create(path: &Path) -> io::Result<StashWriter> {
+        let file = File::create(path)?;
+        Ok(StashWriter {
+            w: Some(BufWriter::with_capacity(BLOCK, file)),
+            stash: Stash {
+                path: path.to_path_buf(),
+                entries: BTreeMap::new(),
+            },
+            at: 0,
+            failed: None,
+        })
+    }
+
+    /// The length of vector `name`, if the stash holds it.
+    pub(crate) fn len_of(&self, name: &str) -> Option<usize> {
+        self.entries.get(name).map(|&(_, n)| n)
+    }
+
+    /// Calls `f` with the values of vector `name` a block at a time, in order, with the index
+    /// of the block's first value; a vector the stash lacks calls nothing.
+    fn blocks(&self, name: &str, mut f: impl FnMut(usize, &[f32])) -> io::Result<()> {
+        let Some(&(offset, n)) = self.entries.get(name) else {
+            return Ok(());
+        };
+        let mut r = self.open()?;
+        r.seek_relative(4 * offset as i64)?;
+        let mut bytes = vec![0u8; BLOCK.min(4 * n)];
+        let mut values = Vec::with_capacity(bytes.len() / 4);
+        let mut done = 0;
+        while done < n {
+            let k = (n - done).min(BLOCK / 4);
+            r.read_exact(&mut bytes[..4 * k])?;
+            values.clear();
+            values.extend(
+                bytes[..4 * k]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+            f(done, &values);
+            done += k;
+        }
+        Ok(())
+    }
+
+    /// Adds the values of vector `name` to `dst`, which must be as long.
+    pub(crate) fn add_into(&self, name: &str, dst: &mut [f32]) -> io::Result<()> {
+        if self.len_of(name).is_some_and(|n| n != dst.len()) {
+            return Err(mismatch(name));
+        }
+        self.blocks(name, |at, values| {
+            dst[at..at + values.len()]
+                .iter_mut()
+                .zip(values)
+                .for_each(|(d, v)| *d += v);
+        })
+    }
+
+    /// The values of vector `name`, if the stash holds it.
+    pub(crate) fn get(&self, name: &str) -> io::Result<Option<Vec<f32>>> {
+        let Some(n) = self.len_of(name) else {
+            return Ok(None);
+        };
+        let mut v = Vec::with_capacity(n);
+        self.blocks(name, |_, values| v.extend_from_slice(values))?;
+        Ok(Some(v))
+    }
+
+    /// Every vector, read back into memory.
+    pub(crate) fn load(&self) -> io::Result<BTreeMap<String, Vec<f32>>> {
+        let mut out = BTreeMap::new();
+        for name in self.entries.keys() {
+            out.insert(name.clone(), self.get(name)?.expect("a name of the stash"));
+        }
+        Ok(out)
+    }
+
+    /// Where the vectors are.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file, checked for its length.
+    fn open(&self) -> io::Result<BufReader<File>> {
+        let f = File::open(&self.path)?;
+        let want: u64 = self.entries.values().map(|&(_, n)| 4 * n as u64).sum();
+        let len = f.metadata()?.len();
+        if len != want {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{len} bytes where {want} were written"),
+            ));
+        }
+        Ok(BufReader::with_capacity(BLOCK, f))
+    }
+}
+
+impl Drop for Stash {
+    fn drop(&mut self) {
+        // Scratch: a file left behind (the process ended first) is never read again.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A [`Stash`] being written, one vector after the other. The first failure to write is kept
+/// and given by [`StashWriter::finish`].
+#[derive(Debug)]
+pub(crate) struct StashWriter {
+    w: Option<BufWriter<File>>,
+    stash: Stash,
+    /// Values written so far.
+    at: u64,
+    failed: Option<io::Error>,
+}
+
+impl StashWriter {
+    /// Appends vector `name` (replacing none: a name given twice is an error).
+    pub(crate) fn put(&mut self, name: &str, values: &[f32]) {
+        if self.failed.is_some() {
+            return;
+        }
+        if self.stash.entries.contains_key(name) {
+            self.failed = Some(mismatch(name));
+            return;
+        }
+        let w = self.w.as_mut().expect("open until finished");
+        let mut bytes = Vec::with_capacity(BLOCK.min(4 * values.len()));
+        for block in values.chunks(BLOCK / 4) {
+            bytes.clear();
+            bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
+            if let Err(e) = w.write_all(&bytes) {
+                self.failed = Some(e);
+                return;
+            }
+        }
+        self.stash
+            .entries
+            .insert(name.to_string(), (self.at, values.len()));
+        self.at += values.len() as u64;
+    }
+
+    /// Flushes the file and gives the stash, or the first error.
+    pub(crate) fn finish(mut self) -> io::Result<Stash> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        let w = self.w.take().expect("open until finished");
+        w.into_inner().map_err(|e| e.into_error())?;
+        Ok(std::mem::replace(
+            &mut self.stash,
+            Stash {
+                path: PathBuf::new(),
+                entries: BTreeMap::new(),
+            },
+        ))
+    }
+
+    /// Where the vectors go.
+    pub(crate) fn path(&self) -> &Path {
+        &self.stash.path
+    }
+}
+
+/// `Serialize` of a [`Stash`] as the map of its vectors by name (as a `BTreeMap<String,
+/// Vec<f32>>` serialises, value by value), read from the file as it goes: the serialised form
+/// is the same as the loaded map's, without a copy of it in memory.
+impl serde::Serialize for Stash {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.entries.len()))?;
+        for name in self.entries.keys() {
+            map.serialize_entry(name, &Values { stash: self, name })?;
+        }
+        map.end()
+    }
+}
+
+/// One vector of a stash, serialised as a sequence of `f32` read from the file.
+struct Values<'a> {
+    stash: &'a Stash,
+    name: &'a str,
+}
+
+impl serde::Serialize for Values<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error, SerializeSeq};
+        let n = self.stash.len_of(self.name).unwrap_or(0);
+        let mut seq = s.serialize_seq(Some(n))?;
+        let mut failed = None;
+        let read = self.stash.blocks(self.name, |_, values| {
+            for v in values {
+                if failed.is_none()
+                    && let Err(e) = seq.serialize_element(v)
+                {
+                    failed = Some(e);
+                }
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        read.map_err(|e| {
+            S::Error::custom(format!(
+                "`{}` in {}: {e}",
+                self.name,
+                self.stash.path.display()
+            ))
+        })?;
+        seq.end()
+    }
+}
+
+/// Named vectors of `f32` kept in memory, or waiting in a [`Stash`] file between uses.
+#[derive(Debug)]
+pub(crate) enum Kept {
+    /// In memory.
+    Here(BTreeMap<String, Vec<f32>>),
+    /// In a file.
+    Filed(Stash),
+}
+
+impl Default for Kept {
+    fn default() -> Self {
+        Kept::Here(BTreeMap::new())
+    }
+}
+
+impl Kept {
+    /// The length of vector `name`, if kept.
+    pub(crate) fn len_of(&self, name: &str) -> Option<usize> {
+        match self {
+            Kept::Here(m) => m.get(name).map(Vec::len),
+            Kept::Filed(s) => s.len_of(name),
+        }
+    }
+
+    /// Adds the values of vector `name` (if kept) to `dst`, which must be as long.
+    pub(crate) fn add_into(&self, name: &str, dst: &mut [f32]) -> io::Result<()> {
+        match self {
+            Kept::Here(m) => match m.get(name) {
+                Some(v) if v.len() != dst.len() => Err(mismatch(name)),
+                Some(v) => {
+                    dst.iter_mut().zip(v).for_each(|(d, v)| *d += v);
+                    Ok(())
+                }
+                None => Ok(()),
+            },
+            Kept::Filed(s) => s.add_into(name, dst),
+        }
+    }
+
+    /// A copy of the values of vector `name`, if kept.
+    pub(crate) fn get(&self, name: &str) -> io::Result<Option<Vec<f32>>> {
+        match self {
+            Kept::Here(m) => Ok(m.get(name).cloned()),
+            Kept::Filed(s) => s.get(name),
+        }
+    }
+
+    /// The names of the vectors, in order.
+    pub(crate) fn names(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        match self {
+            Kept::Here(m) => Box::new(m.keys().map(String::as_str)),
+            Kept::Filed(s) => Box::new(s.entries.keys().map(String::as_str)),
+        }
+    }
+
+    /// A copy of every vector, in memory.
+    pub(crate) fn load(&self) -> io::Result<BTreeMap<String, Vec<f32>>> {
+        match self {
+            Kept::Here(m) => Ok(m.clone()),
+            Kept::Filed(s) => s.load(),
+        }
+    }
+
+    /// The vectors held in memory (none when filed).
+    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
+        match self {
+            Kept::Here(m) => Some(m.values_mut()),
+            Kept::Filed(_) => None,
+        }
+        .into_iter()
+        .flatten()
+    }
+
+    /// Moves the vectors into a stash at `path`, when they hold any value; `self` is left as it
+    /// was if writing fails.
+    pub(crate) fn file_at(&mut self, path: &Path) -> io::Result<()> {
+        let Kept::Here(m) = self else {
+            return Ok(());
+        };
+        if m.values().all(Vec::is_empty) {
+            return Ok(());
+        }
+        let mut w = Stash::create(path)?;
+        for (name, v) in m.iter() {
+            w.put(name, v);
+        }
+        *self = Kept::Filed(w.finish()?);
+        Ok(())
+    }
+}
+
+impl serde::Serialize for Kept {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Kept::Here(m) => m.serialize(s),
+            Kept::Filed(stash) => stash.serialize(s),
+        }
+    }
+}
+
+/// Vectors being kept, one after the other: in memory, or written to a stash file as they come.
+#[derive(Debug)]
+pub(crate) enum KeptWriter {
+    /// Into memory.
+    Here(BTreeMap<String, Vec<f32>>),
+    /// Into a stash file.
+    Filed(StashWriter),
+}
+
+impl KeptWriter {
+    /// Keeps vector `name`, moved in (in memory) or written and freed (to a file).
+    pub(crate) fn put_owned(&mut self, name: String, values: Vec<f32>) {
+        match self {
+            KeptWriter::Here(m) => {
+                m.insert(name, values);
+            }
+            KeptWriter::Filed(w) => w.put(&name, &values),
+        }
+    }
+
+    /// Keeps vector `name` of `from`, if `from` has it.
+    pub(crate) fn copy(&mut self, name: &str, from: &Kept) -> io::Result<()> {
+        if let Some(v) = from.get(name)? {
+            self.put_owned(name.to_string(), v);
+        }
+        Ok(())
+    }
+
+    /// Whether vector `name` is kept already.
+    pub(crate) fn has(&self, name: &str) -> bool {
+        match self {
+            KeptWriter::Here(m) => m.contains_key(name),
+            KeptWriter::Filed(w) => w.stash.entries.contains_key(name),
+        }
+    }
+}
+
+impl crate::state::Keep for KeptWriter {
+    fn keep(&mut self, name: &str, values: &[f32]) {
+        match self {
+            KeptWriter::Here(m) => {
+                m.insert(name.to_string(), values.to_vec());
+            }
+            KeptWriter::Filed(w) => w.put(name, values),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +646,86 @@ mod tests {
         let e = s.read(vs.iter_mut().take(2)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_stash_reads_adds_and_serialises_its_vectors_as_the_map_would_and_its_file_goes_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stash.1");
+        // Written out of name order, one longer than a block, one empty.
+        let long: Vec<f32> = (0..(BLOCK / 4 + 5))
+            .map(|i| i as f32 * 0.25 - 3.0)
+            .collect();
+        let map: BTreeMap<String, Vec<f32>> = [
+            ("z.weight".to_string(), long.clone()),
+            (
+                "a.bias".to_string(),
+                vec![f32::MIN_POSITIVE, -0.0, f32::from_bits(1)],
+            ),
+            ("m.empty".to_string(), Vec::new()),
+        ]
+        .into();
+        let mut w = Stash::create(&path).unwrap();
+        for name in ["z.weight", "a.bias", "m.empty"] {
+            w.put(name, &map[name]);
+        }
+        let stash = w.finish().unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            4 * (long.len() as u64 + 3)
+        );
+        let bits = |m: &BTreeMap<String, Vec<f32>>| -> Vec<(String, Vec<u32>)> {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.iter().map(|x| x.to_bits()).collect()))
+                .collect()
+        };
+        assert_eq!(bits(&stash.load().unwrap()), bits(&map));
+        assert_eq!(stash.len_of("a.bias"), Some(3));
+        assert_eq!(stash.get("nope").unwrap(), None);
+        // Added in place, a block at a time, as an in-memory sum adds.
+        let mut dst: Vec<f32> = (0..long.len()).map(|i| (i % 7) as f32 * 0.1).collect();
+        let want: Vec<f32> = dst.iter().zip(&long).map(|(d, v)| d + v).collect();
+        stash.add_into("z.weight", &mut dst).unwrap();
+        assert_eq!(dst, want);
+        let e = stash.add_into("a.bias", &mut [0.0; 2]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        // Serialised from the file, the bytes are the in-memory map's.
+        let kept = Kept::Filed(stash);
+        assert_eq!(
+            postcard::to_allocvec(&kept).unwrap(),
+            postcard::to_allocvec(&map).unwrap()
+        );
+        // A name twice is an error at the end; a file cut short is an error naming its size,
+        // and fails the serialisation.
+        let mut w = Stash::create(&dir.path().join("twice")).unwrap();
+        w.put("a", &[1.0]);
+        w.put("a", &[2.0]);
+        assert_eq!(w.finish().unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(8)
+            .unwrap();
+        let Kept::Filed(stash) = &kept else {
+            unreachable!()
+        };
+        assert_eq!(stash.load().unwrap_err().kind(), io::ErrorKind::InvalidData);
+        let e = postcard::to_allocvec(&kept).unwrap_err();
+        assert!(matches!(e, postcard::Error::SerdeSerCustom), "{e:?}");
+        drop(kept);
+        assert!(!path.exists(), "a dropped stash left its file");
+        // Moved to a file only when it holds a value; left as it was when it cannot be written.
+        let mut k = Kept::Here(map.clone());
+        let e = k
+            .file_at(&dir.path().join("no-such").join("x"))
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(matches!(&k, Kept::Here(m) if bits(m) == bits(&map)));
+        k.file_at(&path).unwrap();
+        assert!(matches!(&k, Kept::Filed(_)) && path.exists());
+        let mut empty = Kept::Here([("a".to_string(), Vec::new())].into());
+        empty.file_at(&dir.path().join("empty")).unwrap();
+        assert!(matches!(empty, Kept::Here(_)));
     }
 }

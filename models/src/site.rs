@@ -6,7 +6,7 @@ use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
 use crate::objective::{SiteState, Term};
-use crate::park::{Parked, Spilled};
+use crate::park::{Kept, KeptWriter, Parked, Spilled, Stash};
 use crate::state::{
     NamedTensor, Select, StateDict, export, import, import_into, stand_in, subtract,
 };
@@ -97,16 +97,88 @@ fn park_error(path: &std::path::Path, source: std::io::Error) -> SiteError {
     }
 }
 
+/// The error of kept vectors `k` (their file's, when they wait in one).
+fn kept_error(k: &Kept, source: std::io::Error) -> SiteError {
+    match k {
+        Kept::Filed(s) => park_error(s.path(), source),
+        Kept::Here(_) => SiteError::Memory(source.to_string()),
+    }
+}
+
+/// A writer of a part of the memory: into a new stash file at `path`, or into memory without
+/// one.
+fn kept_writer(path: Option<std::path::PathBuf>) -> Result<KeptWriter, SiteError> {
+    match path {
+        Some(p) => Stash::create(&p)
+            .map(KeptWriter::Filed)
+            .map_err(|e| park_error(&p, e)),
+        None => Ok(KeptWriter::Here(BTreeMap::new())),
+    }
+}
+
+/// The vectors `w` kept, or the error writing their file.
+fn finish_kept(w: KeptWriter) -> Result<Kept, SiteError> {
+    match w {
+        KeptWriter::Here(m) => Ok(Kept::Here(m)),
+        KeptWriter::Filed(w) => {
+            let path = w.path().to_path_buf();
+            w.finish()
+                .map(Kept::Filed)
+                .map_err(|e| park_error(&path, e))
+        }
+    }
+}
+
+/// Moves `k` into a stash file at `path`, if given (see [`Kept::file_at`]).
+fn file_kept(k: &mut Kept, path: Option<std::path::PathBuf>) -> Result<(), SiteError> {
+    match path {
+        Some(p) => k.file_at(&p).map_err(|e| park_error(&p, e)),
+        None => Ok(()),
+    }
+}
+
+/// Removes the stash files beside the parked model at `park` that an earlier process left
+/// behind (they are scratch: the checkpoint holds the memory).
+fn remove_stale_stashes(park: &std::path::Path) {
+    let (Some(dir), Some(stem)) = (park.parent(), park.file_stem().and_then(|s| s.to_str())) else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(if dir.as_os_str().is_empty() {
+        std::path::Path::new(".")
+    } else {
+        dir
+    }) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(stem)) else {
+            continue;
+        };
+        let stale = ["residual", "held"].iter().any(|part| {
+            rest.strip_prefix('.')
+                .and_then(|r| r.strip_prefix(part))
+                .and_then(|r| r.strip_prefix('.'))
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        });
+        if stale {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Tensors by name, with the model version they are of.
 type Versioned = (u64, BTreeMap<String, Vec<f32>>);
 
 /// What a site carries from round to round besides its model, by tensor name: error-feedback
 /// residuals, SCAFFOLD's and FedDC's control variates, MOON's previous local model and FedDC's
-/// drift. Persisted beside the checkpoint.
+/// drift. Persisted beside the checkpoint. `T` is how the two parts a lossy encoding keeps (the
+/// residual and the held broadcast, each model-sized) are kept: outside a site always in memory;
+/// inside one, in files between uses when it parks ([`Site::park_base_in`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Memory {
+pub struct Memory<T = BTreeMap<String, Vec<f32>>> {
     /// Error-feedback residual of each tensor, as of the last accepted update.
-    pub residual: BTreeMap<String, Vec<f32>>,
+    pub residual: T,
     /// The site's control variate `c_i` as the server knows it (its accepted deltas summed);
     /// absent tensors are zero.
     pub control: BTreeMap<String, Vec<f32>>,
@@ -115,7 +187,7 @@ pub struct Memory {
     /// Under a lossy encoding, the broadcast tensors of the model version applied last, as the
     /// aggregator sent them (before any local training), and that version: the next model
     /// arrives as a delta to add to them.
-    pub held: Option<(u64, BTreeMap<String, Vec<f32>>)>,
+    pub held: Option<(u64, T)>,
     /// Under MOON, every tensor of the model the site trained in its last accepted round (its
     /// previous local model, BN included); absent under other objectives and before the first.
     pub previous: Option<BTreeMap<String, Vec<f32>>>,
@@ -124,9 +196,9 @@ pub struct Memory {
     pub drift: BTreeMap<String, Vec<f32>>,
 }
 
-impl Memory {
-    /// Every tensor's values but the held broadcast's, in one fixed order (field by field,
-    /// names in order).
+impl Memory<Kept> {
+    /// Every tensor's values held in memory but the held broadcast's, in one fixed order (field
+    /// by field, names in order).
     fn values_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
         self.residual
             .values_mut()
@@ -140,31 +212,19 @@ impl Memory {
             .chain(self.drift.values_mut())
     }
 
-    /// The values of one part of the memory, in a fixed order.
-    fn part_mut(&mut self, part: Part) -> Box<dyn Iterator<Item = &mut Vec<f32>> + '_> {
-        match part {
-            Part::Held => Box::new(self.held.iter_mut().flat_map(|(_, h)| h.values_mut())),
-            Part::Rest => Box::new(self.values_mut()),
-        }
-    }
-}
-
-/// A part of a site's memory that waits in a file beside the parked model.
-#[derive(Debug, Clone, Copy)]
-enum Part {
-    /// The held broadcast: put aside while the site trains and encodes.
-    Held,
-    /// Everything else: put aside while the site trains.
-    Rest,
-}
-
-impl Part {
-    /// The extension of its file beside the parked model.
-    fn extension(self) -> &'static str {
-        match self {
-            Part::Held => "held",
-            Part::Rest => "memory",
-        }
+    /// The memory with every part in memory.
+    fn load(&self) -> std::io::Result<Memory> {
+        Ok(Memory {
+            residual: self.residual.load()?,
+            control: self.control.clone(),
+            server_control: self.server_control.clone(),
+            held: match &self.held {
+                Some((v, h)) => Some((*v, h.load()?)),
+                None => None,
+            },
+            previous: self.previous.clone(),
+            drift: self.drift.clone(),
+        })
     }
 }
 
@@ -180,10 +240,12 @@ pub struct Site<N: Net> {
     /// Test split.
     pub test: Dataset,
     /// Residuals and control variates, as of the last accepted update.
-    memory: Memory,
+    memory: Memory<Kept>,
     /// The residuals and control variate the update of a round leaves behind, kept until the
     /// aggregator answers: only an accepted update advances them.
-    pending: Option<(u64, Memory)>,
+    pending: Option<(u64, Memory<Kept>)>,
+    /// Stash files made so far (each gets a name of its own).
+    stashes: u64,
     /// Seconds the last [`Site::train_round`] spent encoding its update after training.
     encode_seconds: f64,
     /// Where training parks the starting model ([`Site::park_base_in`]).
@@ -202,6 +264,7 @@ impl<N: Net> Site<N> {
             test,
             memory: Memory::default(),
             pending: None,
+            stashes: 0,
             encode_seconds: 0.0,
             park: None,
             report: None,
@@ -211,36 +274,54 @@ impl<N: Net> Site<N> {
     /// Makes [`Site::train_round`] park the starting model in the file at `path` while it
     /// trains, so that training holds one copy of the model instead of two (the delta reads it
     /// back a block at a time). Objectives that train against the starting weights (FedProx)
-    /// keep them in memory regardless. The site's memory (error-feedback residuals, the held
-    /// broadcast, control variates: under a lossy encoding or a stateful objective up to
-    /// several model-sized maps) waits beside it while it trains, in `path` with the extension
-    /// `memory`, and the held broadcast while it trains and encodes, with the extension `held`.
-    pub fn park_base_in(&mut self, path: std::path::PathBuf) {
+    /// keep them in memory regardless. The two model-sized parts of the site's memory that a
+    /// lossy encoding keeps, the error-feedback residual and the held broadcast, then wait in
+    /// files beside it between uses (`path` with the extensions `residual.N` and `held.N`);
+    /// the rest of the memory (control variates, MOON's previous model) waits in `path` with
+    /// the extension `memory` while the site trains. Files of those names that an earlier
+    /// process left behind are removed; parts the site holds already go to files now.
+    pub fn park_base_in(&mut self, path: std::path::PathBuf) -> Result<(), SiteError> {
+        remove_stale_stashes(&path);
         self.park = Some(path);
+        let (residual, held) = (self.stash_path("residual"), self.stash_path("held"));
+        file_kept(&mut self.memory.residual, residual)?;
+        match &mut self.memory.held {
+            Some((_, h)) => file_kept(h, held),
+            None => Ok(()),
+        }
     }
 
-    /// Writes `part` of the site's memory to a file beside the parked model and frees it, when
-    /// the site parks and that part holds anything.
-    fn spill(&mut self, part: Part) -> Result<Option<Spilled>, SiteError> {
+    /// A new stash file's path beside the parked model, for a part of the memory (`residual`,
+    /// `held`); none when the site does not park.
+    fn stash_path(&mut self, part: &str) -> Option<std::path::PathBuf> {
+        let park = self.park.as_ref()?;
+        self.stashes += 1;
+        Some(park.with_extension(format!("{part}.{}", self.stashes)))
+    }
+
+    /// Writes the memory held in memory but the held broadcast (control variates, MOON's
+    /// previous model, a residual not in a file) beside the parked model and frees it, when the
+    /// site parks and it holds anything.
+    fn spill(&mut self) -> Result<Option<Spilled>, SiteError> {
         let Some(p) = &self.park else {
             return Ok(None);
         };
-        let path = p.with_extension(part.extension());
-        if self.memory.part_mut(part).all(|v| v.is_empty()) {
+        let path = p.with_extension("memory");
+        if self.memory.values_mut().all(|v| v.is_empty()) {
             return Ok(None);
         }
-        Spilled::write(&path, self.memory.part_mut(part))
+        Spilled::write(&path, self.memory.values_mut())
             .map(Some)
             .map_err(|e| park_error(&path, e))
     }
 
-    /// Reads back what [`Site::spill`] wrote of `part`.
-    fn unspill(&mut self, spilled: Option<Spilled>, part: Part) -> Result<(), SiteError> {
+    /// Reads back what [`Site::spill`] wrote.
+    fn unspill(&mut self, spilled: Option<Spilled>) -> Result<(), SiteError> {
         let Some(s) = spilled else {
             return Ok(());
         };
         let path = s.path().to_path_buf();
-        s.read(self.memory.part_mut(part))
+        s.read(self.memory.values_mut())
             .map_err(|e| park_error(&path, e))
     }
 
@@ -259,33 +340,55 @@ impl<N: Net> Site<N> {
     ) -> Result<(), SiteError> {
         let select = select_for(m.bn_policy);
         let control = self.control_of(spec, select, m, download)?;
-        // Under a lossy encoding the site keeps what it applied for the next delta.
-        let mut held = (!m.encoding.is_exact()).then(BTreeMap::new);
+        // Under a lossy encoding the site keeps what it applied for the next delta (in a file
+        // when it parks, written as the model is).
+        let lossy = !m.encoding.is_exact();
         match download {
             Download::Model(b) => {
-                // Nothing can fail after this check. The old held model goes before the new
-                // one is made, and each tensor is decoded from the payload once the model's
-                // old one has gone: the site holds the payload beside its model, no decoded
-                // copy of it.
+                // Nothing can fail after this check but the held model's file. The old held
+                // model goes before the new one is made, and each tensor is decoded from the
+                // payload once the model's old one has gone: the site holds the payload beside
+                // its model, no decoded copy of it.
                 let checked = crate::state::CheckedImport::new(spec, &b.weights, select)?;
                 self.memory.held = None;
-                checked.import_into(&mut self.net, held.as_mut())?;
+                let mut held = match lossy {
+                    true => Some(kept_writer(self.stash_path("held"))?),
+                    false => None,
+                };
+                checked.import_into(
+                    &mut self.net,
+                    held.as_mut().map(|h| h as &mut dyn crate::state::Keep),
+                )?;
+                self.memory.held = held
+                    .map(finish_kept)
+                    .transpose()?
+                    .map(|h| (download.model_version(), h));
             }
             Download::Delta(d) => {
                 let sd = self.add_to_held(spec, select, m, d)?;
-                // Nothing can fail after this check (the import's own). The old held model
-                // goes before the new one is copied: a site holds one beside its model.
+                // Nothing can fail after this check (the import's own) but the held model's
+                // file. The old held model goes before the new one is copied: a site holds
+                // one beside its model.
                 crate::state::validate(&sd, spec, select)?;
                 self.memory.held = None;
+                let mut held = match lossy {
+                    true => Some(kept_writer(self.stash_path("held"))?),
+                    false => None,
+                };
                 if let Some(h) = &mut held {
-                    h.extend(sd.tensors.iter().map(|t| (t.name.clone(), t.data.clone())));
+                    for t in &sd.tensors {
+                        crate::state::Keep::keep(h, &t.name, &t.data);
+                    }
                 }
                 // The tensors move into the model and the old ones are freed as they go.
                 import_into(&mut self.net, spec, sd, select)?;
+                self.memory.held = held
+                    .map(finish_kept)
+                    .transpose()?
+                    .map(|h| (download.model_version(), h));
             }
         }
         self.memory.server_control = control;
-        self.memory.held = held.map(|h| (download.model_version(), h));
         Ok(())
     }
 
@@ -322,13 +425,14 @@ impl<N: Net> Site<N> {
                 .iter()
                 .filter(|t| select.keeps(t.kind))
                 .map(|t| match held.get(&t.name) {
-                    Some(data) if data.len() == t.numel() => Ok(NamedTensor {
+                    Ok(Some(data)) if data.len() == t.numel() => Ok(NamedTensor {
                         name: t.name.clone(),
                         shape: t.shape.clone(),
                         kind: t.kind,
-                        data: data.clone(),
+                        data,
                     }),
-                    _ => Err(plan(format!("the held model lacks `{}`", t.name))),
+                    Ok(_) => Err(plan(format!("the held model lacks `{}`", t.name))),
+                    Err(e) => Err(kept_error(held, e)),
                 })
                 .collect::<Result<_, _>>()?,
         };
@@ -424,24 +528,6 @@ impl<N: Net> Site<N> {
         m: &RoundManifest,
         tc: &TrainConfig,
         device: &Device,
-        progress: impl FnMut(TrainEvent),
-    ) -> Result<Vec<u8>, SiteError> {
-        // Neither training nor encoding reads the held broadcast (under a lossy encoding, a copy
-        // of the model): it waits in a file until the update is made, whatever the outcome.
-        let held = self.spill(Part::Held)?;
-        let update = self.train_and_encode(spec, federation, m, tc, device, progress);
-        self.unspill(held, Part::Held)?;
-        update
-    }
-
-    /// [`Site::train_round`] with the held broadcast put aside.
-    fn train_and_encode(
-        &mut self,
-        spec: &ModelSpec,
-        federation: &Id,
-        m: &RoundManifest,
-        tc: &TrainConfig,
-        device: &Device,
         mut progress: impl FnMut(TrainEvent),
     ) -> Result<Vec<u8>, SiteError> {
         let select = select_for(m.bn_policy);
@@ -470,7 +556,7 @@ impl<N: Net> Site<N> {
             .map_err(TrainError::BadConfig)?;
         // Everything training does not read waits in a file until it ends (written first, so
         // that the model's export below is not made beside it).
-        let spilled = self.spill(Part::Rest)?;
+        let spilled = self.spill()?;
         // A term that holds the starting weights itself (FedProx, MOON) gains nothing from
         // parking them.
         let parked = match self.park.clone() {
@@ -478,7 +564,7 @@ impl<N: Net> Site<N> {
                 match Parked::write(&p, &export(&self.net, spec, Select::All)) {
                     Ok(parked) => Some(parked),
                     Err(e) => {
-                        self.unspill(spilled, Part::Rest)?;
+                        self.unspill(spilled)?;
                         return Err(park_error(&p, e));
                     }
                 }
@@ -520,7 +606,7 @@ impl<N: Net> Site<N> {
         if trained.is_ok() {
             progress(TrainEvent::Trained);
         }
-        self.unspill(spilled, Part::Rest)?;
+        self.unspill(spilled)?;
         let (net, rep) = trained?;
         let encoding = std::time::Instant::now();
         // The delta is made in the trained tensors' own buffers, and the base exported (or read
@@ -584,8 +670,17 @@ impl<N: Net> Site<N> {
             }
             None => SiteExtras::None,
         };
+        // The next residual goes to a file of its own as each tensor's is made, when the site
+        // parks; the last accepted update's stays as it is until this update is answered.
+        let lossy = d
+            .tensors
+            .iter()
+            .any(|t| encoding_for(t.kind, m.encoding) != Encoding::F32);
+        let mut residual = match lossy {
+            true => kept_writer(self.stash_path("residual"))?,
+            false => kept_writer(None)?,
+        };
         let old = &self.memory.residual;
-        let residual = &mut next.residual;
         // An exact tensor with no residual to add goes into the update as its own values'
         // little-endian bytes, borrowed from the delta (`NamedTensor::exact_le`): the envelope
         // is written from the delta, with no model-sized copy of the update beside it. Every
@@ -595,26 +690,27 @@ impl<N: Net> Site<N> {
             .iter_mut()
             .map(|t| {
                 let encoding = encoding_for(t.kind, m.encoding);
-                let carried = old.get(&t.name).map_or(&[][..], Vec::as_slice);
-                if encoding == Encoding::F32 && carried.is_empty() && cfg!(target_endian = "little")
-                {
+                let carried = old.len_of(&t.name).unwrap_or(0);
+                if encoding == Encoding::F32 && carried == 0 && cfg!(target_endian = "little") {
                     // What the encoding leaves behind: nothing.
                     if !t.kind.is_bn_stat() {
-                        residual.insert(t.name.clone(), Vec::new());
+                        residual.put_owned(t.name.clone(), Vec::new());
                     }
-                    return None;
+                    return Ok(None);
                 }
                 // Statistics carry no error feedback; everything else keeps its residual.
                 if t.kind.is_bn_stat() {
-                    return Some(t.encode(encoding, None));
+                    return Ok(Some(t.encode(encoding, None)));
                 }
-                // The last accepted update's residual stays as it is until this update is
-                // answered; the next one is made in the delta's own buffer.
-                let (e, next) = t.encode_fed(encoding, carried);
-                residual.insert(t.name.clone(), next);
-                Some(e)
+                // The last residual is added in the delta's own buffer (from its file a block
+                // at a time, when it waits in one), which then holds the next.
+                old.add_into(&t.name, &mut t.data)
+                    .map_err(|e| kept_error(old, e))?;
+                let (e, next) = t.encode_fed(encoding, &[]);
+                residual.put_owned(t.name.clone(), next);
+                Ok(Some(e))
             })
-            .collect();
+            .collect::<Result<_, SiteError>>()?;
         let encoded: Vec<EncodedTensorRef> = d
             .tensors
             .iter()
@@ -627,11 +723,12 @@ impl<N: Net> Site<N> {
             })
             .collect();
         // A residual of a tensor this update does not carry is kept as it was.
-        for (name, r) in old {
-            if !residual.contains_key(name) {
-                residual.insert(name.clone(), r.clone());
+        for name in old.names() {
+            if !residual.has(name) {
+                residual.copy(name, old).map_err(|e| kept_error(old, e))?;
             }
         }
+        next.residual = finish_kept(residual)?;
         if drifting {
             // FedDC's drift moves by what the server will add to its sum: the decoded delta.
             next.drift = self.memory.drift.clone();
@@ -820,9 +917,12 @@ impl<N: Net> Site<N> {
     }
 
     /// The error-feedback residual of tensor `name` as of the last accepted update (empty when
-    /// nothing is left behind).
-    pub fn residual(&self, name: &str) -> &[f32] {
-        self.memory.residual.get(name).map_or(&[], Vec::as_slice)
+    /// nothing is left behind), read from its file when it waits in one.
+    pub fn residual(&self, name: &str) -> Result<Vec<f32>, SiteError> {
+        let r = &self.memory.residual;
+        Ok(r.get(name)
+            .map_err(|e| kept_error(r, e))?
+            .unwrap_or_default())
     }
 
     /// The site's control variate `c_i` of tensor `name` as of the last accepted update (empty
@@ -831,14 +931,26 @@ impl<N: Net> Site<N> {
         self.memory.control.get(name).map_or(&[], Vec::as_slice)
     }
 
-    /// The site's memory (residuals and control variates) as of the last accepted update, and
-    /// the server's control variate applied last: what its checkpoint keeps.
-    pub fn memory(&self) -> &Memory {
+    /// A copy of the site's memory (residuals and control variates) as of the last accepted
+    /// update, and the server's control variate applied last, with the parts that wait in
+    /// files read back: what its checkpoint keeps.
+    pub fn memory(&self) -> Result<Memory, SiteError> {
+        self.memory.load().map_err(|e| {
+            let path = self.park.clone().unwrap_or_default();
+            park_error(&path, e)
+        })
+    }
+
+    /// The site's memory as [`Memory`] serialises (a checkpoint's), with the parts that wait in
+    /// files read from them as it is serialised rather than copied into memory first; a file
+    /// that cannot be read fails the serialisation, naming it.
+    pub fn stored_memory(&self) -> impl Serialize + '_ {
         &self.memory
     }
 
-    /// Restores a memory read back from the site's checkpoint. Tensors whose name or length
-    /// the spec does not know are refused, naming the tensor.
+    /// Restores a memory read back from the site's checkpoint (its residual and held broadcast
+    /// then go to files when the site parks). Tensors whose name or length the spec does not
+    /// know are refused, naming the tensor.
     pub fn restore_memory(&mut self, m: Memory, spec: &ModelSpec) -> Result<(), SiteError> {
         let fits = |name: &str, values: &[f32], may_be_empty: bool| {
             spec.tensors.iter().any(|t| {
@@ -864,7 +976,24 @@ impl<N: Net> Site<N> {
                 values.len()
             )));
         }
-        self.memory = m;
+        let mut residual = Kept::Here(m.residual);
+        file_kept(&mut residual, self.stash_path("residual"))?;
+        let held = match m.held {
+            Some((v, h)) => {
+                let mut h = Kept::Here(h);
+                file_kept(&mut h, self.stash_path("held"))?;
+                Some((v, h))
+            }
+            None => None,
+        };
+        self.memory = Memory {
+            residual,
+            control: m.control,
+            server_control: m.server_control,
+            held,
+            previous: m.previous,
+            drift: m.drift,
+        };
         self.pending = None;
         Ok(())
     }

@@ -322,7 +322,7 @@ struct Writer<'a, 'k, N: Net, B = Vec<u8>> {
     walk: Walker,
     values: Values<'a, B>,
     /// Where each tensor an encoded import decodes is also copied, if anywhere.
-    keep: Option<&'k mut BTreeMap<String, Vec<f32>>>,
+    keep: Option<&'k mut dyn Keep>,
     /// A tensor whose values failed to decode after their check (see [`CheckedImport`]).
     failed: Option<String>,
     select: Select,
@@ -387,13 +387,25 @@ impl<N: Net, B: AsRef<[u8]>> ModuleMapper for Writer<'_, '_, N, B> {
                         vec![0.0; shape.iter().product()]
                     });
                     if let Some(k) = keep.as_deref_mut() {
-                        k.insert(name, data.clone());
+                        k.keep(&name, &data);
                     }
                     (data, shape)
                 }
             };
             from_torch::<D>(data, shape, linear_w, &device).set_require_grad(rg)
         })
+    }
+}
+
+/// Where an import keeps a copy of each tensor it decodes into the model.
+pub trait Keep {
+    /// Keeps a copy of tensor `name`'s values.
+    fn keep(&mut self, name: &str, values: &[f32]);
+}
+
+impl Keep for BTreeMap<String, Vec<f32>> {
+    fn keep(&mut self, name: &str, values: &[f32]) {
+        self.insert(name.to_string(), values.to_vec());
     }
 }
 
@@ -442,7 +454,7 @@ impl<'a, B: AsRef<[u8]>> CheckedImport<'a, B> {
     pub fn import_into<N: Net>(
         self,
         net: &mut N,
-        keep: Option<&mut BTreeMap<String, Vec<f32>>>,
+        keep: Option<&mut dyn Keep>,
     ) -> Result<(), StateError> {
         match write_into(net, Values::Encoded(self.tensors), self.select, keep) {
             Some(e) => Err(StateError::Mismatch(format!(
@@ -524,7 +536,7 @@ fn write_into<N: Net, B: AsRef<[u8]>>(
     net: &mut N,
     values: Values<'_, B>,
     select: Select,
-    keep: Option<&mut BTreeMap<String, Vec<f32>>>,
+    keep: Option<&mut dyn Keep>,
 ) -> Option<String> {
     // `valid()` syncs the running statistics into fresh ones; the stand-in then lets go of the
     // model's tensors, so that `copy` holds the only reference to each.

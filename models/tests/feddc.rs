@@ -133,10 +133,13 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
             .unwrap(),
     );
     assert!(matches!(u.extras, SiteExtras::Control(_)));
-    assert!(site.memory().drift.is_empty(), "advanced before the answer");
+    assert!(
+        site.memory().unwrap().drift.is_empty(),
+        "advanced before the answer"
+    );
     site.answered(1, false);
     assert!(
-        site.memory().drift.is_empty(),
+        site.memory().unwrap().drift.is_empty(),
         "a rejected update advanced it"
     );
     let u1 = update(
@@ -153,9 +156,9 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
         .into_iter()
         .map(|t| t.name)
         .collect();
-    assert_eq!(site.memory().drift.len(), names.len());
+    assert_eq!(site.memory().unwrap().drift.len(), names.len());
     for n in &names {
-        assert_eq!(site.memory().drift[n], decoded(&u1, n), "{n}");
+        assert_eq!(site.memory().unwrap().drift[n], decoded(&u1, n), "{n}");
     }
 
     // Round 2 from model v1, after what the agent's checkpoint keeps is restored into a new
@@ -169,7 +172,7 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
         s.restore_memory(memory, &spec).unwrap();
         s
     };
-    let kept = site.memory().clone();
+    let kept = site.memory().unwrap();
     let mut again = restored(kept.clone());
     let bytes = site
         .train_round(&spec, &fed, &m(2), &tc, &device(), |_| {})
@@ -188,7 +191,7 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
             .zip(decoded(&u2, n))
             .map(|(a, b)| a + b)
             .collect();
-        assert_eq!(site.memory().drift[n], want, "{n}");
+        assert_eq!(site.memory().unwrap().drift[n], want, "{n}");
     }
     // The drift steers training: the same site with another drift sends other bytes.
     let mut other = kept;
@@ -203,7 +206,7 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
             .unwrap()
     );
     // A drift of the wrong length is refused, naming the tensor.
-    let mut short = site.memory().clone();
+    let mut short = site.memory().unwrap();
     short.drift.get_mut(&names[0]).unwrap().pop();
     let err = Site::new("a", net, tiny_data(16), tiny_data(8))
         .unwrap()

@@ -231,10 +231,13 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
         )
         .unwrap();
     assert_eq!(a, b);
-    assert!(site.memory().previous.is_none(), "kept before the answer");
+    assert!(
+        site.memory().unwrap().previous.is_none(),
+        "kept before the answer"
+    );
     site.answered(1, false);
     assert!(
-        site.memory().previous.is_none(),
+        site.memory().unwrap().previous.is_none(),
         "a rejected update kept it"
     );
     site.train_round(&spec, &fed, &manifest(1, moon(1.0)), &tc, &device(), |_| {})
@@ -243,13 +246,13 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
     plain.answered(1, true);
     // The previous model is the trained one, every tensor (BN included).
     let trained = export(&site.net, &spec, Select::All);
-    let previous = site.memory().previous.clone().unwrap();
+    let previous = site.memory().unwrap().previous.clone().unwrap();
     assert_eq!(previous.len(), spec.tensors.len());
     for t in &trained.tensors {
         assert_eq!(previous[&t.name], t.data, "{}", t.name);
     }
     // Plain cross-entropy keeps no previous model.
-    assert!(plain.memory().previous.is_none());
+    assert!(plain.memory().unwrap().previous.is_none());
 
     // Round 2 from the server's model v1: what the agent's checkpoint holds after applying it
     // (the model and the memory), restored into a new process's site, trains the same bytes.
@@ -265,7 +268,7 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
         tiny_data(8),
     )
     .unwrap();
-    again.restore_memory(site.memory().clone(), &spec).unwrap();
+    again.restore_memory(site.memory().unwrap(), &spec).unwrap();
     let m2 = manifest(2, moon(1.0));
     let uninterrupted = site
         .train_round(&spec, &fed, &m2, &tc, &device(), |_| {})
@@ -288,7 +291,7 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
     assert_ne!(uninterrupted, fedavg);
 
     // A previous model that does not fit the spec is refused, naming the tensor.
-    let mut short = site.memory().clone();
+    let mut short = site.memory().unwrap();
     let name = spec.tensors[0].name.clone();
     short
         .previous
@@ -303,7 +306,7 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
         .unwrap_err();
     assert!(err.to_string().contains(&name), "{err}");
     // One that lacks a tensor cannot train, and says which.
-    let mut partial = site.memory().clone();
+    let mut partial = site.memory().unwrap();
     partial.previous.as_mut().unwrap().remove(&name);
     let mut lacking = Site::new("a", net, tiny_data(16), tiny_data(8)).unwrap();
     lacking.restore_memory(partial, &spec).unwrap();

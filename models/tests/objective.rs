@@ -160,7 +160,7 @@ fn update(bytes: &[u8]) -> SiteUpdate {
 fn site_parked_in(net: &Mlp, dir: Option<&std::path::Path>) -> Site<Mlp> {
     let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
     if let Some(d) = dir {
-        site.park_base_in(d.join("base.f32"));
+        site.park_base_in(d.join("base.f32")).unwrap();
     }
     site
 }
@@ -215,10 +215,13 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
         |_| {},
     )
     .unwrap();
-    assert!(site.residual(&w).is_empty(), "advanced before any answer");
+    assert!(
+        site.residual(&w).unwrap().is_empty(),
+        "advanced before any answer"
+    );
     site.answered(1, false);
     assert!(
-        site.residual(&w).is_empty(),
+        site.residual(&w).unwrap().is_empty(),
         "a rejected update advanced it"
     );
     site.train_round(
@@ -231,9 +234,9 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
     )
     .unwrap();
     site.answered(1, true); // an answer for another round changes nothing
-    assert!(site.residual(&w).is_empty());
+    assert!(site.residual(&w).unwrap().is_empty());
     site.answered(2, true);
-    let kept = site.residual(&w).to_vec();
+    let kept = site.residual(&w).unwrap();
     assert_eq!(kept.len(), spec.tensors[0].numel());
     assert!(kept.iter().any(|&v| v != 0.0));
     // The next update starts from that residual and makes its own, which a rejection drops:
@@ -248,12 +251,16 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
     )
     .unwrap();
     site.answered(3, false);
-    assert_eq!(site.residual(&w), &kept[..], "a rejected update moved it");
+    assert_eq!(
+        site.residual(&w).unwrap(),
+        kept,
+        "a rejected update moved it"
+    );
 
     // What the checkpoint keeps, restored into a new process's site.
     let mut again = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-    again.restore_memory(site.memory().clone(), &spec).unwrap();
-    assert_eq!(again.residual(&w), &kept[..]);
+    again.restore_memory(site.memory().unwrap(), &spec).unwrap();
+    assert_eq!(again.residual(&w).unwrap(), kept);
     // The memory of another model is refused, naming the tensor.
     let (other, other_spec) = {
         let n = seeded(&device(), 3, |d| {
@@ -269,7 +276,7 @@ fn only_an_accepted_update_advances_the_error_feedback_residual_and_it_survives_
     };
     let err = Site::new("a", other, data(16), data(8))
         .unwrap()
-        .restore_memory(site.memory().clone(), &other_spec)
+        .restore_memory(site.memory().unwrap(), &other_spec)
         .unwrap_err();
     assert!(err.to_string().contains(&w), "{err}");
 }
@@ -320,7 +327,7 @@ fn an_exact_update_carries_the_trained_minus_base_bits_and_leaves_no_residual() 
                 "{}",
                 t.name
             );
-            assert!(site.residual(&t.name).is_empty(), "{}", t.name);
+            assert!(site.residual(&t.name).unwrap().is_empty(), "{}", t.name);
         }
         assert!(want_moved(&u), "training moved nothing");
     }
@@ -521,10 +528,10 @@ fn only_an_accepted_scaffold_update_advances_the_site_variate_and_it_survives_a_
     assert!(ci.iter().any(|&v| v != 0.0));
     // Restored from the checkpoint: c_i and the server's c of version 0.
     let mut again = Site::new("a", net, data(16), data(8)).unwrap();
-    again.restore_memory(site.memory().clone(), &spec).unwrap();
+    again.restore_memory(site.memory().unwrap(), &spec).unwrap();
     assert_eq!(again.control(w), &ci[..]);
     // A control variate of the wrong length is refused (it would index out of range).
-    let mut short = site.memory().clone();
+    let mut short = site.memory().unwrap();
     short.control.get_mut(w.as_str()).unwrap().pop();
     assert!(
         Site::new("a", tiny().0, data(16), data(8))
@@ -617,14 +624,36 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
         batch_size: 8,
         ..TrainConfig::default()
     };
-    // Under top-k the site carries an error-feedback residual from round to round (from round
-    // 2 on it waits in a file while the site trains) and holds the broadcast it applied (which
-    // waits in a file while it trains and encodes).
+    // Under top-k the site carries an error-feedback residual from round to round and holds
+    // the broadcast it applied: a parking site keeps both in files of their own between uses.
+    // A stale file of an earlier process goes when the site parks; other files stay.
+    let stale = dir.path().join("base.residual.999999");
+    let other = dir.path().join("base.residual.x");
+    std::fs::write(&stale, b"old").unwrap();
+    std::fs::write(&other, b"not ours").unwrap();
+    let stashes = |part: &str| -> Vec<u64> {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.unwrap().file_name().into_string().unwrap();
+                let n = name.strip_prefix(&format!("base.{part}."))?;
+                n.parse::<u64>()
+                    .ok()
+                    .map(|_| std::fs::metadata(dir.path().join(&name)).unwrap().len())
+            })
+            .collect()
+    };
+    let non_bn_bytes: u64 = spec
+        .tensors
+        .iter()
+        .filter(|t| !t.kind.is_bn())
+        .map(|t| 4 * t.numel() as u64)
+        .sum();
     for encoding in [Encoding::F32, Encoding::TopK { per_mille: 100 }] {
         for bn in [BnPolicy::Local, BnPolicy::Global] {
             let mut plain = Site::new("a", net.clone(), data(16), data(8)).unwrap();
             let mut parking = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-            parking.park_base_in(file.clone());
+            parking.park_base_in(file.clone()).unwrap();
             for round in 1..=3 {
                 let m = manifest(round, encoding, bn);
                 let b = unifed_protocol::messages::ServerBroadcast {
@@ -652,21 +681,70 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
                     export(&plain.net, &spec, Select::All),
                     export(&parking.net, &spec, Select::All)
                 );
+                if round == 2 {
+                    // A rejected update's residual goes, and its file with it.
+                    plain.answered(round, false);
+                    parking.answered(round, false);
+                    assert_eq!(plain.memory().unwrap(), parking.memory().unwrap(), "{case}");
+                    let a = plain
+                        .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                        .unwrap();
+                    let b = parking
+                        .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                        .unwrap();
+                    assert_eq!(a, b, "{case}: the resent update's bytes differ");
+                }
                 plain.answered(round, true);
                 parking.answered(round, true);
-                assert_eq!(plain.memory(), parking.memory(), "{case}");
+                assert_eq!(plain.memory().unwrap(), parking.memory().unwrap(), "{case}");
+                // The checkpoint's bytes are the same, whether the memory waits in files
+                // (streamed from them) or in memory.
+                let bytes = postcard::to_allocvec(&plain.memory().unwrap()).unwrap();
+                assert_eq!(
+                    postcard::to_allocvec(&parking.stored_memory()).unwrap(),
+                    bytes,
+                    "{case}"
+                );
+                assert_eq!(
+                    postcard::to_allocvec(&plain.stored_memory()).unwrap(),
+                    bytes,
+                    "{case}"
+                );
+                // Between rounds a lossy encoding's residual and held broadcast wait in one
+                // file each (the non-BN tensors under local BN, every trainable one and the
+                // held statistics under global BN); an exact encoding keeps neither.
+                let (residual, held) = (stashes("residual"), stashes("held"));
+                if encoding == Encoding::F32 {
+                    assert!(residual.is_empty() && held.is_empty(), "{case}");
+                } else {
+                    assert_eq!(residual.len(), 1, "{case}: {residual:?}");
+                    assert_eq!(held.len(), 1, "{case}: {held:?}");
+                    if bn == BnPolicy::Local {
+                        assert_eq!(
+                            (residual[0], held[0]),
+                            (non_bn_bytes, non_bn_bytes),
+                            "{case}"
+                        );
+                    }
+                }
                 // An exact encoding leaves no error behind.
                 assert_eq!(
-                    parking.memory().residual.values().all(Vec::is_empty),
+                    parking
+                        .memory()
+                        .unwrap()
+                        .residual
+                        .values()
+                        .all(Vec::is_empty),
                     encoding == Encoding::F32,
                     "{case}"
                 );
                 assert_eq!(
-                    parking.memory().held.is_some(),
+                    parking.memory().unwrap().held.is_some(),
                     encoding != Encoding::F32,
                     "{case}"
                 );
                 assert!(!file.exists(), "the parked model outlived its round");
+                assert!(!stale.exists() && other.exists());
                 assert!(
                     !memory_file.exists() && !held_file.exists(),
                     "the parked memory outlived its round"
@@ -679,7 +757,7 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
     // place, bit for bit.
     let topk = Encoding::TopK { per_mille: 100 };
     let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
-    site.park_base_in(file.clone());
+    site.park_base_in(file.clone()).unwrap();
     site.train_round(
         &spec,
         &fed,
@@ -691,8 +769,25 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
     .unwrap();
     site.answered(1, true);
     let before = export(&site.net, &spec, Select::All);
-    let memory = site.memory().clone();
+    let memory = site.memory().unwrap();
     assert!(memory.residual.values().any(|v| !v.is_empty()));
+    // A memory restored into a parking site goes to its files and reads back the same.
+    let mut again = Site::new("a", net.clone(), data(16), data(8)).unwrap();
+    again.park_base_in(dir.path().join("again.f32")).unwrap();
+    again.restore_memory(memory.clone(), &spec).unwrap();
+    assert_eq!(again.memory().unwrap(), memory);
+    let files = |prefix: &str| {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                name.to_str().unwrap().starts_with(prefix)
+            })
+            .count()
+    };
+    assert_eq!(files("again.residual."), 1);
+    drop(again);
+    assert_eq!(files("again."), 0, "a dropped site leaves no file");
     let wild = TrainConfig {
         lr: 1e30,
         ..tc.clone()
@@ -715,12 +810,12 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
         "{err}"
     );
     assert_eq!(export(&site.net, &spec, Select::All), before);
-    assert_eq!(site.memory(), &memory);
+    assert_eq!(site.memory().unwrap(), memory);
 
     // A parking file that cannot be written is an error naming it, nothing trains, and the
     // memory stays.
     let bad = dir.path().join("no-such-folder").join("base.f32");
-    site.park_base_in(bad.clone());
+    site.park_base_in(bad.clone()).unwrap();
     let err = site
         .train_round(
             &spec,
@@ -733,5 +828,5 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
         .unwrap_err();
     assert!(err.to_string().contains("no-such-folder"), "{err}");
     assert_eq!(export(&site.net, &spec, Select::All), before);
-    assert_eq!(site.memory(), &memory);
+    assert_eq!(site.memory().unwrap(), memory);
 }
