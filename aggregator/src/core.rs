@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{payload_hash, split};
-use unifed_protocol::encoding::{EncodedTensor, Encoding, decode};
+use unifed_protocol::encoding::{EncodedTensor, Encoding, decode_add, encode_leaving_error};
 use unifed_protocol::envelope::{EnvelopeRef, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -571,14 +571,18 @@ impl Aggregator {
                 held[i].copy_from_slice(&self.model[i]);
                 continue;
             }
-            let d: Vec<f32> = self.model[i]
+            // The delta is encoded in its own buffer (what the encoding drops is left there
+            // and freed: it is still in `model - held`), and its decoded values are added to
+            // `held` where it lies: one tensor-sized buffer a tensor.
+            let mut d: Vec<f32> = self.model[i]
                 .iter()
                 .zip(&held[i])
                 .map(|(x, h)| x - h)
                 .collect();
-            let e = t.encode(&d, self.cfg.encoding, None);
-            let back = decode(&e).map_err(|e| CoreError::Model(e.to_string()))?;
-            held[i].iter_mut().zip(&back).for_each(|(h, d)| *h += d);
+            let shape: Vec<u32> = t.shape.iter().map(|&n| n as u32).collect();
+            let e = encode_leaving_error(&t.name, &shape, &mut d, self.cfg.encoding);
+            drop(d);
+            decode_add(&e, &mut held[i]).map_err(|e| CoreError::Model(e.to_string()))?;
             delta.push(e);
         }
         let values = strategy::exact(

@@ -37,7 +37,40 @@ impl SpooledTensor {
             }
         }
     }
+    /// Calls `f(at, values)` with the tensor's values a block at a time in order (a wire form
+    /// decoded as it goes, without a decoded copy of the whole tensor) when it holds `len` of
+    /// them; gives the count it holds (nothing is called when that is not `len`).
+    pub(crate) fn each_block(
+        self,
+        path: &Path,
+        len: usize,
+        mut f: impl FnMut(usize, &[f32]),
+    ) -> Result<usize, StoreError> {
+        match self {
+            SpooledTensor::Dense(v) => {
+                if v.len() == len {
+                    f(0, &v);
+                }
+                Ok(v.len())
+            }
+            SpooledTensor::Wire(bytes) => {
+                let t: EncodedTensor =
+                    postcard::from_bytes(&bytes).map_err(|e| corrupt(path, e.to_string()))?;
+                let n = t
+                    .numel()
+                    .ok_or_else(|| corrupt(path, "a shape that overflows"))?;
+                if n == len {
+                    unifed_protocol::encoding::decode_blocks(&t, DECODE_BLOCK, f)
+                        .map_err(|e| corrupt(path, e.to_string()))?;
+                }
+                Ok(n)
+            }
+        }
+    }
 }
+
+/// Values a wire-form tensor is decoded in at a time.
+const DECODE_BLOCK: usize = 1 << 16;
 
 /// Length of the trailer of every sealed file.
 pub(crate) const CHECKSUM_LEN: usize = 32;

@@ -744,12 +744,17 @@ impl Store {
                 .collect();
             (w, lossy)
         };
+        // Lossy tensors are decoded a block at a time into the sums, never whole: a decoded
+        // tensor would be a fresh model-sized buffer per update.
         for (k, t) in lossy {
-            let values = t.decode(&p)?;
-            if values.len() != lens[k] {
-                return Err(misfit(k, values.len()));
+            let mut finite = true;
+            let len = t.each_block(&p, lens[k], |at, values| {
+                finite &= fold.add_block(k, at, w, values.iter().copied());
+            })?;
+            if len != lens[k] {
+                return Err(misfit(k, len));
             }
-            if !fold.add_block(k, 0, w, values.into_iter()) {
+            if !finite {
                 return Err(not_finite());
             }
         }

@@ -563,6 +563,90 @@ pub fn decode<B: AsRef<[u8]>>(t: &EncodedTensor<B>) -> Result<Vec<f32>, TensorEr
     })
 }
 
+/// Calls `f(at, values)` with the values [`decode`] gives for `t`, `block` values at a time in
+/// order from value `at` (the last block may be shorter), bit for bit the slices of
+/// `decode(t)`, without allocating the decoded tensor: one block of scratch. `t` is checked
+/// first ([`check`]); on an error `f` is never called.
+pub fn decode_blocks<B: AsRef<[u8]>>(
+    t: &EncodedTensor<B>,
+    block: usize,
+    mut f: impl FnMut(usize, &[f32]),
+) -> Result<(), TensorError> {
+    let numel = check(t)?;
+    let ternary = match &t.values {
+        Values::Ternary { .. } => {
+            Some(ternary_parts(numel, &t.values).map_err(|found| wrong_length(t, numel, found))?)
+        }
+        _ => None,
+    };
+    let mut buf = alloc::vec![0.0f32; block.max(1).min(numel)];
+    // Sparse tensors: the gaps consumed so far and the index of the last one.
+    let (mut cursor, mut last) = (0usize, 0usize);
+    let mut at = 0;
+    while at < numel {
+        let n = buf.len().min(numel - at);
+        let out = &mut buf[..n];
+        let mut sparse_block = |gaps: &[u32], value: &dyn Fn(usize) -> f32| {
+            out.fill(0.0);
+            while let Some(&g) = gaps.get(cursor) {
+                let i = if cursor == 0 {
+                    g as usize
+                } else {
+                    last + g as usize
+                };
+                if i >= at + n {
+                    break;
+                }
+                out[i - at] = value(cursor);
+                (last, cursor) = (i, cursor + 1);
+            }
+        };
+        match &t.values {
+            Values::F32(bytes) => {
+                let bytes = &bytes.as_ref()[4 * at..4 * (at + n)];
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Values::F16(bytes) => {
+                let bytes = &bytes.as_ref()[2 * at..2 * (at + n)];
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            Values::Q8 { scale, data } => {
+                for (o, &q) in out.iter_mut().zip(&data.as_ref()[at..at + n]) {
+                    *o = f32::from(q as i8) * scale;
+                }
+            }
+            Values::Sparse { gaps, values, .. } => sparse_block(gaps, &|k| values[k]),
+            Values::SparseQ8 {
+                gaps, scale, data, ..
+            } => {
+                let data = data.as_ref();
+                sparse_block(gaps, &|k| f32::from(data[k] as i8) * scale)
+            }
+            Values::Ternary { .. } => {
+                let (size, scales, digits) = ternary.expect("parts of a ternary tensor");
+                // A scale at a time, as `decode_ternary`: each digit's value times its scale.
+                let mut i = at;
+                while i < at + n {
+                    let b = i / size;
+                    let end = ((b + 1) * size).min(at + n);
+                    let s = half::f16::from_le_bytes([scales[2 * b], scales[2 * b + 1]]).to_f32();
+                    for (o, j) in out[i - at..end - at].iter_mut().zip(i..end) {
+                        *o = TRITS[usize::from(digits[j / 5])][j % 5] * s;
+                    }
+                    i = end;
+                }
+            }
+        }
+        f(at, out);
+        at += n;
+    }
+    Ok(())
+}
+
 /// Adds the values [`decode`] gives for `t` to `out`, in place and bit for bit as
 /// `out[i] + decode(t)[i]`, without allocating the decoded tensor. `out` must hold exactly the
 /// tensor's values. Everything is checked before anything is written: on an error `out` is
@@ -960,6 +1044,46 @@ mod tests {
                 (unit * 2.0 - 1.0) * mag
             })
             .collect()
+    }
+
+    #[test]
+    fn decode_blocks_gives_the_decoded_tensor_bit_for_bit_in_order_and_checks_first() {
+        let x = sample(3 * 257 + 11, 7);
+        let encodings = [
+            Encoding::F32,
+            Encoding::F16,
+            Encoding::Q8,
+            Encoding::TopK { per_mille: 30 },
+            Encoding::TopKQ8 { per_mille: 30 },
+            TERNARY,
+            Encoding::Ternary { block: 16 },
+            TERNARY_Q8,
+        ];
+        for enc in encodings {
+            for shape in [vec![x.len() as u32], vec![1, x.len() as u32]] {
+                let t = encode("w", &shape, &x, enc, None);
+                let want: Vec<u32> = decode(&t).unwrap().iter().map(|v| v.to_bits()).collect();
+                // Blocks that split ternary scales and packed bytes, one value, and one block.
+                for block in [1, 7, 100, 256, 1000, x.len(), 10 * x.len()] {
+                    let mut got = Vec::new();
+                    decode_blocks(&t, block, |at, v| {
+                        assert_eq!(at, got.len(), "{enc} block {block}");
+                        assert!(v.len() <= block);
+                        got.extend(v.iter().map(|v| v.to_bits()));
+                    })
+                    .unwrap();
+                    assert_eq!(got, want, "{enc} {shape:?} block {block}");
+                }
+            }
+        }
+        // A malformed tensor is an error before any block.
+        let mut t = encode("w", &[x.len() as u32], &x, TERNARY, None);
+        if let Values::Ternary { digits, .. } = &mut t.values {
+            digits.pop();
+        }
+        let mut called = false;
+        assert!(decode_blocks(&t, 64, |_, _| called = true).is_err());
+        assert!(!called);
     }
 
     #[test]
