@@ -15,7 +15,7 @@ use unifed_models::checkpoint;
 use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelled};
 use unifed_models::error::TrainError;
 use unifed_models::site::{Memory, Site, SiteError};
-use unifed_models::state::{Select, export, import};
+use unifed_models::state::{Select, export, import, import_into};
 use unifed_models::train::{TrainConfig, TrainEvent};
 use unifed_models::zoo::{AnyNet, Arch, DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_net::{BrokerConfig, NetEvent, Qos, Will, spawn_event_loop};
@@ -264,6 +264,9 @@ struct SiteFiles {
     parked: PathBuf,
 }
 
+/// `checkpoint.bin` is this magic, the format version (u32, little-endian), then in postcard the
+/// site's progress ([`Progress`]), its memory ([`Memory`]) and the model as the bytes of a
+/// safetensors file (a byte string: its length, then the bytes).
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
 /// 3 added MOON's previous local model and FedDC's drift to the memory; a version 2
 /// checkpoint is still read.
@@ -279,15 +282,6 @@ struct MemoryV2 {
     held: Option<(u64, std::collections::BTreeMap<String, Vec<f32>>)>,
 }
 
-/// What `checkpoint.bin` holds after its magic and version.
-#[derive(Serialize, Deserialize)]
-struct SiteCheckpoint {
-    progress: Progress,
-    memory: Memory,
-    /// The model as safetensors bytes.
-    model: Vec<u8>,
-}
-
 impl SiteFiles {
     fn new(dir: &std::path::Path) -> Self {
         SiteFiles {
@@ -298,57 +292,97 @@ impl SiteFiles {
         }
     }
 
-    /// The checkpoint's model, memory and progress, or `None` for a new site.
-    fn read(
+    /// Restores `site` from the checkpoint, its model and memory, and gives the progress it
+    /// holds; `None` for a new site (nothing changes). The file is read as it goes: the memory
+    /// (under a lossy encoding two model-sized maps) goes from the file to the site's own files
+    /// a block at a time, and the model is read once, then moved into the site's.
+    fn restore<N: unifed_models::zoo::Net>(
         &self,
         spec: &ModelSpec,
-    ) -> Result<Option<(unifed_models::state::StateDict, Memory, Progress)>> {
+        site: &mut Site<N>,
+    ) -> Result<Option<Progress>> {
+        use std::io::Read;
         let p = &self.checkpoint;
-        let bytes = match std::fs::read(p) {
-            Ok(b) => b,
+        let f = match std::fs::File::open(p) {
+            Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
         };
-        if bytes.len() < 8 || &bytes[..4] != CHECKPOINT_MAGIC {
+        let len = f
+            .metadata()
+            .with_context(|| format!("reading {}", p.display()))?
+            .len();
+        let mut r = std::io::BufReader::with_capacity(1 << 20, f);
+        let mut head = [0u8; 8];
+        if r.read_exact(&mut head).is_err() || &head[..4] != CHECKPOINT_MAGIC {
             bail!("{}: not a site checkpoint", p.display());
         }
-        let v = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
-        let c: SiteCheckpoint = match v {
-            CHECKPOINT_VERSION => postcard::from_bytes(&bytes[8..]),
-            2 => postcard::from_bytes::<(Progress, MemoryV2, Vec<u8>)>(&bytes[8..]).map(
-                |(progress, m, model)| SiteCheckpoint {
-                    progress,
-                    memory: Memory {
-                        residual: m.residual,
-                        control: m.control,
-                        server_control: m.server_control,
-                        held: m.held,
-                        previous: None,
-                        drift: Default::default(),
-                    },
-                    model,
-                },
-            ),
+        let v = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
+        let (progress, model) = match v {
+            CHECKPOINT_VERSION => {
+                // The progress, the memory, then the model (see `CHECKPOINT_MAGIC`).
+                let mut scratch = vec![0u8; 1 << 12];
+                let (progress, (r, _)) = postcard::from_io::<Progress, _>((r, &mut scratch))
+                    .with_context(|| format!("reading {}", p.display()))?;
+                let mut r = site
+                    .restore_memory_from(r, spec)
+                    .with_context(|| format!("{}", p.display()))?;
+                let n = read_varint(&mut r).with_context(|| format!("reading {}", p.display()))?;
+                if n > len {
+                    bail!("{}: a model of {n} bytes in a file of {len}", p.display());
+                }
+                let mut model = vec![0u8; n as usize];
+                r.read_exact(&mut model)
+                    .with_context(|| format!("reading {}", p.display()))?;
+                (progress, model)
+            }
+            2 => {
+                let mut bytes = Vec::new();
+                r.read_to_end(&mut bytes)
+                    .with_context(|| format!("reading {}", p.display()))?;
+                let (progress, m, model) =
+                    postcard::from_bytes::<(Progress, MemoryV2, Vec<u8>)>(&bytes)
+                        .with_context(|| format!("reading {}", p.display()))?;
+                let memory = Memory {
+                    residual: m.residual,
+                    control: m.control,
+                    server_control: m.server_control,
+                    held: m.held,
+                    previous: None,
+                    drift: Default::default(),
+                };
+                site.restore_memory(memory, spec)
+                    .with_context(|| format!("{}", p.display()))?;
+                (progress, model)
+            }
             v => bail!(
                 "{}: format version {v} is not {CHECKPOINT_VERSION} (or 2, which it reads)",
                 p.display()
             ),
-        }
-        .with_context(|| format!("reading {}", p.display()))?;
-        let state = checkpoint::from_bytes(&c.model, spec)
+        };
+        let state = checkpoint::from_bytes(&model, spec)
             .with_context(|| format!("the model in {}", p.display()))?;
-        Ok(Some((state, c.memory, c.progress)))
+        drop(model);
+        // The tensors move into the model, each old one freed as its new one goes in.
+        import_into(&mut site.net, spec, state, Select::All)
+            .with_context(|| format!("the model in {}", p.display()))?;
+        Ok(Some(progress))
     }
 
     /// Replaces the checkpoint atomically, then its copies. Both model files are written from
     /// one export of the model as they go: the model is never serialised whole in memory.
-    fn write(&self, spec: &ModelSpec, site: &Site<AnyNet>, progress: &Progress) -> Result<()> {
+    fn write<N: unifed_models::zoo::Net>(
+        &self,
+        spec: &ModelSpec,
+        site: &Site<N>,
+        progress: &Progress,
+    ) -> Result<()> {
         use std::io::Write;
         let state = export(&site.net, spec, Select::All);
         let layout = checkpoint::Layout::new(&state, spec);
-        // `SiteCheckpoint` in postcard is its fields one after the other, and a byte string is
-        // its length then its bytes: so the head below, then the model file, is exactly
-        // `SiteCheckpoint { progress, memory, model }`. The memory (under a lossy encoding two
+        // Postcard writes a tuple as its fields one after the other, and a byte string as its
+        // length then its bytes: so the head below, then the model file, is exactly the
+        // checkpoint's (progress, memory, model). The memory (under a lossy encoding two
         // model-sized maps) streams to the file from the files where it waits, never through a
         // buffer or a copy in memory.
         checkpoint::write_atomic_with(&self.checkpoint, |w| {
@@ -365,6 +399,23 @@ impl SiteFiles {
         checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
             .with_context(|| format!("writing {}", self.progress.display()))
     }
+}
+
+/// A postcard varint (LEB128, at most ten bytes) read from `r`.
+fn read_varint(r: &mut impl std::io::Read) -> std::io::Result<u64> {
+    let mut v = 0u64;
+    for i in 0..10 {
+        let mut b = [0u8; 1];
+        r.read_exact(&mut b)?;
+        v |= u64::from(b[0] & 0x7f) << (7 * i);
+        if b[0] & 0x80 == 0 {
+            return Ok(v);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        "a length longer than ten bytes",
+    ))
 }
 
 /// Reads the agent config at `path`, caps the CPU threads at the config's `threads` unless the
@@ -398,28 +449,15 @@ pub async fn run(
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
     let files = SiteFiles::new(&cfg.state_dir);
-    let resumed = files.read(&spec)?;
-    let (net, memory, progress) = match resumed {
-        Some((state, memory, progress)) => (
-            import(&net, &spec, &state, Select::All)?,
-            Some(memory),
-            Some(progress),
-        ),
-        None => (net, None, None),
-    };
-    let mut site: Option<Site<AnyNet>> = Some(Site::new(&cfg.site, net, train, test)?);
-    // Training holds one copy of the model: the starting one waits in this file.
-    site.as_mut()
-        .expect("site present")
-        .park_base_in(files.parked.clone())
+    let mut s = Site::new(&cfg.site, net, train, test)?;
+    // Training holds one copy of the model: the starting one waits in this file (and under a
+    // lossy encoding the residual and the held broadcast wait beside it).
+    s.park_base_in(files.parked.clone())
         .with_context(|| format!("parking in {}", cfg.state_dir.display()))?;
-    if let Some(m) = memory {
-        // Residuals and control variates of the last accepted update, and the server's c.
-        site.as_mut()
-            .expect("site present")
-            .restore_memory(m, &spec)
-            .with_context(|| format!("{}", files.checkpoint.display()))?;
-    }
+    // The model, the residuals and control variates of the last accepted update, and the
+    // server's c.
+    let progress = files.restore(&spec, &mut s)?;
+    let mut site: Option<Site<AnyNet>> = Some(s);
     let mut engine = SiteEngine::new(
         EngineConfig {
             site: site_id.clone(),
@@ -821,22 +859,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_version_2_checkpoint_is_read_with_an_empty_previous_model_and_a_future_one_refused() {
+    fn a_checkpoint_restores_model_memory_and_progress_streamed_and_a_version_2_one_too() {
+        use unifed_models::data::Dataset;
         use unifed_models::zoo::{MlpConfig, seeded, spec_of};
         let device = unifed_models::backend::Backend::Flex.device().unwrap();
-        let net = seeded(&device, 1, |d| {
-            MlpConfig {
-                inputs: 4,
-                hidden: [3, 3],
-                classes: 2,
-            }
-            .init(d)
-        });
+        let mlp = |seed| {
+            seeded(&device, seed, |d| {
+                MlpConfig {
+                    inputs: 4,
+                    hidden: [3, 3],
+                    classes: 2,
+                }
+                .init(d)
+            })
+        };
+        let net = mlp(1);
         let spec = spec_of(
             &net,
             &["a".into(), "b".into()],
             &unifed_protocol::Input::Features { len: 4 },
         );
+        let empty = || Dataset {
+            name: "none".into(),
+            features: 4,
+            x: Vec::new(),
+            y: Vec::new(),
+        };
+        // A site with another model, parking in `dir`, as the agent starts one.
+        let fresh = |dir: &std::path::Path| {
+            let mut s = Site::new("a", mlp(2), empty(), empty()).unwrap();
+            s.park_base_in(dir.join("training-base.f32")).unwrap();
+            s
+        };
         let state = export(&net, &spec, Select::All);
         let model = checkpoint::to_bytes(&state, &spec).unwrap();
         let name = spec.tensors[0].name.clone();
@@ -857,16 +911,72 @@ mod tests {
         let mut bytes = CHECKPOINT_MAGIC.to_vec();
         bytes.extend_from_slice(&2u32.to_le_bytes());
         std::fs::write(&files.checkpoint, postcard::to_extend(&old, bytes).unwrap()).unwrap();
-        let (sd, memory, read) = files.read(&spec).unwrap().unwrap();
-        assert_eq!(sd.tensors, state.tensors);
-        assert_eq!(read, progress);
+        let mut site = fresh(dir.path());
+        assert_eq!(
+            files.restore(&spec, &mut site).unwrap(),
+            Some(progress.clone())
+        );
+        assert_eq!(export(&site.net, &spec, Select::All).tensors, state.tensors);
+        let memory = site.memory().unwrap();
         assert_eq!((&memory.residual, &memory.control), (&residual, &residual));
         assert!(memory.previous.is_none() && memory.held.is_none());
-        let mut bytes = std::fs::read(&files.checkpoint).unwrap();
+
+        // Version 3, as `write` writes it from a site whose residual and held broadcast wait in
+        // files: read back into a fresh site, they go to its own files, bit for bit.
+        let lossy = Memory {
+            held: Some((
+                4,
+                spec.tensors
+                    .iter()
+                    .map(|t| (t.name.clone(), vec![-1.25; t.numel()]))
+                    .collect(),
+            )),
+            ..memory
+        };
+        site.restore_memory(lossy.clone(), &spec).unwrap();
+        files.write(&spec, &site, &progress).unwrap();
+        let other = tempfile::tempdir().unwrap();
+        let mut again = fresh(other.path());
+        assert_eq!(files.restore(&spec, &mut again).unwrap(), Some(progress));
+        assert_eq!(again.memory().unwrap(), lossy);
+        assert_eq!(
+            export(&again.net, &spec, Select::All).tensors,
+            state.tensors
+        );
+        let mut kept: Vec<String> = std::fs::read_dir(other.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        kept.sort();
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        assert!(
+            kept[0].starts_with("training-base.held.")
+                && kept[1].starts_with("training-base.residual.")
+        );
+
+        // A file cut inside the memory or the model is an error, as is a future version; a
+        // missing file is a new site.
+        let whole = std::fs::read(&files.checkpoint).unwrap();
+        for cut in [20, whole.len() - 10] {
+            std::fs::write(&files.checkpoint, &whole[..cut]).unwrap();
+            assert!(
+                files.restore(&spec, &mut fresh(other.path())).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let mut bytes = whole.clone();
         bytes[4..8].copy_from_slice(&9u32.to_le_bytes());
         std::fs::write(&files.checkpoint, bytes).unwrap();
-        let err = format!("{:#}", files.read(&spec).unwrap_err());
+        let err = format!(
+            "{:#}",
+            files.restore(&spec, &mut fresh(other.path())).unwrap_err()
+        );
         assert!(err.contains("format version 9 is not 3"), "{err}");
+        std::fs::remove_file(&files.checkpoint).unwrap();
+        assert_eq!(
+            files.restore(&spec, &mut fresh(other.path())).unwrap(),
+            None
+        );
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod bn;
 pub mod checkpoint;
 pub mod data;
 pub mod error;
+mod memory;
 pub mod objective;
 mod park;
 pub mod site;

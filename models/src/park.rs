@@ -247,8 +247,20 @@ impl Stash {
                 entries: BTreeMap::new(),
             },
             at: 0,
+            open: None,
+            bytes: Vec::with_capacity(BLOCK),
             failed: None,
         })
+    }
+
+    /// The names of the vectors, in order.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// The number of values of every vector together.
+    pub(crate) fn values(&self) -> u64 {
+        self.entries.values().map(|&(_, n)| n as u64).sum()
     }
 
     /// The length of vector `name`, if the stash holds it.
@@ -349,37 +361,78 @@ pub(crate) struct StashWriter {
     stash: Stash,
     /// Values written so far.
     at: u64,
+    /// The vector being appended ([`StashWriter::begin`]): its name and first value.
+    open: Option<(String, u64)>,
+    /// Bytes waiting for a block to fill.
+    bytes: Vec<u8>,
     failed: Option<io::Error>,
 }
 
 impl StashWriter {
-    /// Appends vector `name` (replacing none: a name given twice is an error).
+    /// Appends vector `name` (a name given twice is an error).
     pub(crate) fn put(&mut self, name: &str, values: &[f32]) {
-        if self.failed.is_some() {
-            return;
-        }
-        if self.stash.entries.contains_key(name) {
-            self.failed = Some(mismatch(name));
-            return;
-        }
-        let w = self.w.as_mut().expect("open until finished");
-        let mut bytes = Vec::with_capacity(BLOCK.min(4 * values.len()));
+        self.begin(name);
         for block in values.chunks(BLOCK / 4) {
-            bytes.clear();
-            bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
-            if let Err(e) = w.write_all(&bytes) {
-                self.failed = Some(e);
-                return;
-            }
+            self.extend(block);
         }
-        self.stash
-            .entries
-            .insert(name.to_string(), (self.at, values.len()));
+        self.end();
+    }
+
+    /// Starts vector `name`, whose values [`StashWriter::push`] then appends until
+    /// [`StashWriter::end`].
+    pub(crate) fn begin(&mut self, name: &str) {
+        self.end();
+        if self.stash.entries.contains_key(name) {
+            self.failed.get_or_insert_with(|| mismatch(name));
+        }
+        self.open = Some((name.to_string(), self.at));
+    }
+
+    /// Appends a value to the vector begun last.
+    pub(crate) fn push(&mut self, v: f32) {
+        self.bytes.extend_from_slice(&v.to_le_bytes());
+        self.at += 1;
+        if self.bytes.len() >= BLOCK {
+            self.flush_bytes();
+        }
+    }
+
+    /// Appends values to the vector begun last.
+    fn extend(&mut self, values: &[f32]) {
+        self.bytes
+            .extend(values.iter().flat_map(|v| v.to_le_bytes()));
         self.at += values.len() as u64;
+        if self.bytes.len() >= BLOCK {
+            self.flush_bytes();
+        }
+    }
+
+    /// Ends the vector begun last, if any.
+    pub(crate) fn end(&mut self) {
+        if let Some((name, first)) = self.open.take() {
+            let n = (self.at - first) as usize;
+            self.stash.entries.entry(name).or_insert((first, n));
+        }
+    }
+
+    /// Writes the waiting bytes.
+    fn flush_bytes(&mut self) {
+        if self.failed.is_none()
+            && let Err(e) = self
+                .w
+                .as_mut()
+                .expect("open until finished")
+                .write_all(&self.bytes)
+        {
+            self.failed = Some(e);
+        }
+        self.bytes.clear();
     }
 
     /// Flushes the file and gives the stash, or the first error.
     pub(crate) fn finish(mut self) -> io::Result<Stash> {
+        self.end();
+        self.flush_bytes();
         if let Some(e) = self.failed.take() {
             return Err(e);
         }

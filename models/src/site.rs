@@ -5,6 +5,7 @@
 use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
+pub use crate::memory::Memory;
 use crate::objective::{SiteState, Term};
 use crate::park::{Kept, KeptWriter, Parked, Spilled, Stash};
 use crate::state::{
@@ -15,7 +16,7 @@ use crate::train::{
     train_owned,
 };
 use crate::zoo::Net;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::collections::BTreeMap;
 use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
@@ -137,6 +138,39 @@ fn file_kept(k: &mut Kept, path: Option<std::path::PathBuf>) -> Result<(), SiteE
     }
 }
 
+/// Refuses a memory with a tensor whose name or length the spec does not know, naming it (a
+/// residual may be empty: nothing left behind).
+fn check_memory(m: &Memory<Kept>, spec: &ModelSpec) -> Result<(), SiteError> {
+    let fits = |name: &str, len: usize, may_be_empty: bool| {
+        spec.tensors
+            .iter()
+            .any(|t| t.name == name && ((may_be_empty && len == 0) || t.numel() == len))
+    };
+    let lens = |k: &Kept| -> Vec<(String, usize)> {
+        k.names()
+            .map(|n| (n.to_string(), k.len_of(n).unwrap_or(0)))
+            .collect()
+    };
+    let map = |m: &BTreeMap<String, Vec<f32>>| -> Vec<(String, usize)> {
+        m.iter().map(|(n, v)| (n.clone(), v.len())).collect()
+    };
+    let mut others = map(&m.control);
+    others.extend(m.server_control.iter().flat_map(|(_, c)| map(c)));
+    others.extend(m.held.iter().flat_map(|(_, h)| lens(h)));
+    others.extend(m.previous.iter().flat_map(map));
+    others.extend(map(&m.drift));
+    let bad = lens(&m.residual)
+        .into_iter()
+        .find(|(n, len)| !fits(n, *len, true))
+        .or_else(|| others.into_iter().find(|(n, len)| !fits(n, *len, false)));
+    match bad {
+        Some((name, len)) => Err(SiteError::Memory(format!(
+            "tensor `{name}` ({len} values) does not fit the model spec"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Removes the stash files beside the parked model at `park` that an earlier process left
 /// behind (they are scratch: the checkpoint holds the memory).
 fn remove_stale_stashes(park: &std::path::Path) {
@@ -169,64 +203,6 @@ fn remove_stale_stashes(park: &std::path::Path) {
 
 /// Tensors by name, with the model version they are of.
 type Versioned = (u64, BTreeMap<String, Vec<f32>>);
-
-/// What a site carries from round to round besides its model, by tensor name: error-feedback
-/// residuals, SCAFFOLD's and FedDC's control variates, MOON's previous local model and FedDC's
-/// drift. Persisted beside the checkpoint. `T` is how the two parts a lossy encoding keeps (the
-/// residual and the held broadcast, each model-sized) are kept: outside a site always in memory;
-/// inside one, in files between uses when it parks ([`Site::park_base_in`]).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Memory<T = BTreeMap<String, Vec<f32>>> {
-    /// Error-feedback residual of each tensor, as of the last accepted update.
-    pub residual: T,
-    /// The site's control variate `c_i` as the server knows it (its accepted deltas summed);
-    /// absent tensors are zero.
-    pub control: BTreeMap<String, Vec<f32>>,
-    /// The server control variate `c` of the model version applied last, and that version.
-    pub server_control: Option<(u64, BTreeMap<String, Vec<f32>>)>,
-    /// Under a lossy encoding, the broadcast tensors of the model version applied last, as the
-    /// aggregator sent them (before any local training), and that version: the next model
-    /// arrives as a delta to add to them.
-    pub held: Option<(u64, T)>,
-    /// Under MOON, every tensor of the model the site trained in its last accepted round (its
-    /// previous local model, BN included); absent under other objectives and before the first.
-    pub previous: Option<BTreeMap<String, Vec<f32>>>,
-    /// FedDC's local drift `h_i`: the sum of the site's accepted deltas as the server decoded
-    /// them, per trainable averaged tensor; absent tensors are zero.
-    pub drift: BTreeMap<String, Vec<f32>>,
-}
-
-impl Memory<Kept> {
-    /// Every tensor's values held in memory but the held broadcast's, in one fixed order (field
-    /// by field, names in order).
-    fn values_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
-        self.residual
-            .values_mut()
-            .chain(self.control.values_mut())
-            .chain(
-                self.server_control
-                    .iter_mut()
-                    .flat_map(|(_, c)| c.values_mut()),
-            )
-            .chain(self.previous.iter_mut().flat_map(|p| p.values_mut()))
-            .chain(self.drift.values_mut())
-    }
-
-    /// The memory with every part in memory.
-    fn load(&self) -> std::io::Result<Memory> {
-        Ok(Memory {
-            residual: self.residual.load()?,
-            control: self.control.clone(),
-            server_control: self.server_control.clone(),
-            held: match &self.held {
-                Some((v, h)) => Some((*v, h.load()?)),
-                None => None,
-            },
-            previous: self.previous.clone(),
-            drift: self.drift.clone(),
-        })
-    }
-}
 
 /// One site: its own model (and so its own BN layers), data and error-feedback residuals.
 #[derive(Debug)]
@@ -952,50 +928,49 @@ impl<N: Net> Site<N> {
     /// then go to files when the site parks). Tensors whose name or length the spec does not
     /// know are refused, naming the tensor.
     pub fn restore_memory(&mut self, m: Memory, spec: &ModelSpec) -> Result<(), SiteError> {
-        let fits = |name: &str, values: &[f32], may_be_empty: bool| {
-            spec.tensors.iter().any(|t| {
-                t.name == name && ((may_be_empty && values.is_empty()) || t.numel() == values.len())
-            })
-        };
-        let bad = m
-            .residual
-            .iter()
-            .find(|(n, v)| !fits(n, v, true))
-            .or_else(|| {
-                m.control
-                    .iter()
-                    .chain(m.server_control.iter().flat_map(|(_, c)| c))
-                    .chain(m.held.iter().flat_map(|(_, h)| h))
-                    .chain(m.previous.iter().flatten())
-                    .chain(m.drift.iter())
-                    .find(|(n, v)| !fits(n, v, false))
-            });
-        if let Some((name, values)) = bad {
-            return Err(SiteError::Memory(format!(
-                "tensor `{name}` ({} values) does not fit the model spec",
-                values.len()
-            )));
-        }
-        let mut residual = Kept::Here(m.residual);
-        file_kept(&mut residual, self.stash_path("residual"))?;
-        let held = match m.held {
-            Some((v, h)) => {
-                let mut h = Kept::Here(h);
-                file_kept(&mut h, self.stash_path("held"))?;
-                Some((v, h))
-            }
-            None => None,
-        };
-        self.memory = Memory {
-            residual,
+        let mut m = Memory {
+            residual: Kept::Here(m.residual),
             control: m.control,
             server_control: m.server_control,
-            held,
+            held: m.held.map(|(v, h)| (v, Kept::Here(h))),
             previous: m.previous,
             drift: m.drift,
         };
+        check_memory(&m, spec)?;
+        file_kept(&mut m.residual, self.stash_path("residual"))?;
+        if let Some((_, h)) = &mut m.held {
+            file_kept(h, self.stash_path("held"))?;
+        }
+        self.memory = m;
         self.pending = None;
         Ok(())
+    }
+
+    /// [`Site::restore_memory`] of a memory read from `r` in its serialised (postcard) form, as
+    /// a checkpoint holds it: when the site parks, the residual and the held broadcast go from
+    /// `r` to their files a block at a time, never whole in memory. Gives `r` back, positioned
+    /// after the memory. Nothing changes on an error.
+    pub fn restore_memory_from<R: std::io::Read>(
+        &mut self,
+        r: R,
+        spec: &ModelSpec,
+    ) -> Result<R, SiteError> {
+        use serde::de::DeserializeSeed;
+        let seed = crate::memory::MemorySeed {
+            residual: self.stash_path("residual"),
+            held: self.stash_path("held"),
+        };
+        // Room for the longest tensor name.
+        let mut scratch = vec![0u8; 1 << 12];
+        let flavor = postcard::de_flavors::io::io::IOReader::new(r, &mut scratch);
+        let mut d = postcard::Deserializer::from_flavor(flavor);
+        let unreadable = |e: postcard::Error| SiteError::Memory(format!("unreadable: {e}"));
+        let m = seed.deserialize(&mut d).map_err(unreadable)?;
+        let (r, _) = d.finalize().map_err(unreadable)?;
+        check_memory(&m, spec)?;
+        self.memory = m;
+        self.pending = None;
+        Ok(r)
     }
 
     /// Test accuracy with the site's own model and BN statistics, as the federation's plan
