@@ -94,16 +94,7 @@ impl Parked {
 
     /// The file to read, checked for its length.
     fn open(&self) -> io::Result<BufReader<File>> {
-        let f = File::open(&self.path)?;
-        let want: u64 = self.layout.iter().map(|t| 4 * numel(t) as u64).sum();
-        let len = f.metadata()?.len();
-        if len != want {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{len} bytes where {want} were written"),
-            ));
-        }
-        Ok(BufReader::with_capacity(BLOCK, f))
+        open_f32s(&self.path, self.layout.iter().map(numel).sum())
     }
 
     /// Where the model is parked.
@@ -126,6 +117,20 @@ fn write_f32s<'a>(path: &Path, slices: impl Iterator<Item = &'a [f32]>) -> io::R
     }
     w.into_inner().map_err(|e| e.into_error())?;
     Ok(())
+}
+
+/// The file at `path`, to read `n` raw little-endian `f32` from: checked to hold exactly that
+/// many bytes.
+fn open_f32s(path: &Path, n: usize) -> io::Result<BufReader<File>> {
+    let f = File::open(path)?;
+    let (want, len) = (4 * n as u64, f.metadata()?.len());
+    if len != want {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{len} bytes where {want} were written"),
+        ));
+    }
+    Ok(BufReader::with_capacity(BLOCK, f))
 }
 
 /// Reads `n` raw little-endian `f32` from `r`, a block at a time through `bytes` (at least 4
@@ -189,16 +194,7 @@ impl Spilled {
     /// Reads the vectors back into `vs`, which must yield as many (empty) vectors as were
     /// written, in the same order, and removes the file.
     pub(crate) fn read<'a>(self, vs: impl Iterator<Item = &'a mut Vec<f32>>) -> io::Result<()> {
-        let f = File::open(&self.path)?;
-        let want: u64 = self.lens.iter().map(|&n| 4 * n as u64).sum();
-        let len = f.metadata()?.len();
-        if len != want {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{len} bytes where {want} were written"),
-            ));
-        }
-        let mut r = BufReader::with_capacity(BLOCK, f);
+        let mut r = open_f32s(&self.path, self.lens.iter().sum())?;
         let mut bytes = vec![0u8; BLOCK];
         let mut lens = self.lens.iter();
         for v in vs {
@@ -333,16 +329,7 @@ impl Stash {
 
     /// The file, checked for its length.
     fn open(&self) -> io::Result<BufReader<File>> {
-        let f = File::open(&self.path)?;
-        let want: u64 = self.entries.values().map(|&(_, n)| 4 * n as u64).sum();
-        let len = f.metadata()?.len();
-        if len != want {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{len} bytes where {want} were written"),
-            ));
-        }
-        Ok(BufReader::with_capacity(BLOCK, f))
+        open_f32s(&self.path, self.entries.values().map(|&(_, n)| n).sum())
     }
 }
 

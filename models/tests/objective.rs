@@ -669,14 +669,21 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
                     .receive(&spec, &m, &Download::Model(b.clone()))
                     .unwrap();
                 parking.receive(&spec, &m, &Download::Model(b)).unwrap();
-                let a = plain
-                    .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
-                    .unwrap();
-                let b = parking
-                    .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
-                    .unwrap();
+                // Both sites train the round; their updates' bytes must be the same.
+                let train_both = |plain: &mut Site<_>, parking: &mut Site<_>, what: &str| {
+                    let a = plain
+                        .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                        .unwrap();
+                    let b = parking
+                        .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                        .unwrap();
+                    assert_eq!(
+                        a, b,
+                        "{encoding:?} {bn:?} round {round}: {what} bytes differ"
+                    );
+                };
+                train_both(&mut plain, &mut parking, "the update's");
                 let case = format!("{encoding:?} {bn:?} round {round}");
-                assert_eq!(a, b, "{case}: the update's bytes differ");
                 assert_eq!(
                     export(&plain.net, &spec, Select::All),
                     export(&parking.net, &spec, Select::All)
@@ -686,13 +693,7 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
                     plain.answered(round, false);
                     parking.answered(round, false);
                     assert_eq!(plain.memory().unwrap(), parking.memory().unwrap(), "{case}");
-                    let a = plain
-                        .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
-                        .unwrap();
-                    let b = parking
-                        .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
-                        .unwrap();
-                    assert_eq!(a, b, "{case}: the resent update's bytes differ");
+                    train_both(&mut plain, &mut parking, "the resent update's");
                 }
                 plain.answered(round, true);
                 parking.answered(round, true);
