@@ -641,6 +641,16 @@ impl crate::state::Keep for KeptWriter {
 mod tests {
     use super::*;
 
+    /// Cuts the file at `path` short, to 8 bytes.
+    fn cut_to_8_bytes(path: &Path) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(8)
+            .unwrap();
+    }
+
     #[test]
     fn spilled_vectors_come_back_bit_identical_and_the_file_goes() {
         let dir = std::env::temp_dir().join(format!("unifed-spill-{}", std::process::id()));
@@ -673,12 +683,7 @@ mod tests {
         // A file cut short, and a reader asking for a different count, are errors.
         let mut vs = original.clone();
         let s = Spilled::write(&path, vs.iter_mut()).unwrap();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(8)
-            .unwrap();
+        cut_to_8_bytes(&path);
         let e = s.read(vs.iter_mut()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         let mut vs = original.clone();
@@ -741,12 +746,7 @@ mod tests {
         w.put("a", &[1.0]);
         w.put("a", &[2.0]);
         assert_eq!(w.finish().unwrap_err().kind(), io::ErrorKind::InvalidInput);
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(8)
-            .unwrap();
+        cut_to_8_bytes(&path);
         let Kept::Filed(stash) = &kept else {
             unreachable!()
         };
