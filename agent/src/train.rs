@@ -15,7 +15,7 @@ use unifed_models::checkpoint;
 use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelled};
 use unifed_models::error::TrainError;
 use unifed_models::site::{Memory, Site, SiteError};
-use unifed_models::state::{Select, export, import, import_into};
+use unifed_models::state::{Select, import, import_into};
 use unifed_models::train::{TrainConfig, TrainEvent};
 use unifed_models::zoo::{AnyNet, Arch, DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_net::{BrokerConfig, NetEvent, Qos, Will, spawn_event_loop};
@@ -370,7 +370,7 @@ impl SiteFiles {
     }
 
     /// Replaces the checkpoint atomically, then its copies. Both model files are written from
-    /// one export of the model as they go: the model is never serialised whole in memory.
+    /// the model's tensors a block at a time: the model is never exported or serialised whole.
     fn write<N: unifed_models::zoo::Net>(
         &self,
         spec: &ModelSpec,
@@ -378,8 +378,8 @@ impl SiteFiles {
         progress: &Progress,
     ) -> Result<()> {
         use std::io::Write;
-        let state = export(&site.net, spec, Select::All);
-        let layout = checkpoint::Layout::new(&state, spec);
+        // Both model files are written from the model a block at a time: no export of it.
+        let layout = checkpoint::Layout::of_spec(spec);
         // Postcard writes a tuple as its fields one after the other, and a byte string as its
         // length then its bytes: so the head below, then the model file, is exactly the
         // checkpoint's (progress, memory, model). The memory (under a lossy encoding two
@@ -393,9 +393,9 @@ impl SiteFiles {
                 &mut *w,
             )
             .map_err(std::io::Error::other)?;
-            layout.write(&state, w)
+            layout.write_net(&site.net, w)
         })?;
-        checkpoint::write_atomic_with(&self.model, |w| layout.write(&state, w))?;
+        checkpoint::write_atomic_with(&self.model, |w| layout.write_net(&site.net, w))?;
         checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
             .with_context(|| format!("writing {}", self.progress.display()))
     }
@@ -857,6 +857,7 @@ fn announced(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use unifed_models::state::export;
 
     #[test]
     fn a_checkpoint_restores_model_memory_and_progress_streamed_and_a_version_2_one_too() {

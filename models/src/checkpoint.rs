@@ -10,7 +10,7 @@ use crate::state::{NamedTensor, StateDict};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::HashMap;
 use std::path::Path;
-use unifed_protocol::ModelSpec;
+use unifed_protocol::{ModelSpec, SpecHash};
 
 /// Metadata key of the spec hash in files we write.
 pub const META_SPEC_HASH: &str = "unifed.spec_hash";
@@ -33,6 +33,8 @@ pub struct Layout {
     header: Vec<u8>,
     /// Tensor indices of `state` in data order (the crate's: by name).
     order: Vec<usize>,
+    /// Each tensor's name and count of values, in data order.
+    entries: Vec<(String, usize)>,
     /// BN layers, each with an int64 `num_batches_tracked` of 0 written before the floats.
     counters: usize,
     data_len: u64,
@@ -44,11 +46,19 @@ impl Layout {
     /// counter, so 0 is written for every BN layer and `load_state_dict(strict=True)` accepts
     /// the file (the counter only matters to PyTorch BN layers built with momentum=None).
     pub fn new(state: &StateDict, spec: &ModelSpec) -> Layout {
+        let tensors: Vec<(&NamedTensor, usize)> =
+            state.tensors.iter().map(|t| (t, t.data.len())).collect();
+        Layout::build(&tensors, state.spec_hash, spec)
+    }
+
+    /// The layout of `tensors` (each with its count of values) of a state with hash
+    /// `spec_hash`.
+    fn build(tensors: &[(&NamedTensor, usize)], spec_hash: SpecHash, spec: &ModelSpec) -> Layout {
         use serde_json::{Value, json};
         use std::collections::BTreeMap;
-        let mut counters: Vec<String> = state
-            .tensors
+        let mut counters: Vec<String> = tensors
             .iter()
+            .map(|&(t, _)| t)
             .filter(|t| t.kind == unifed_protocol::TensorKind::BnRunningMean)
             .filter_map(|t| {
                 t.name
@@ -56,8 +66,8 @@ impl Layout {
                     .map(|p| format!("{p}.num_batches_tracked"))
             })
             .collect();
-        let mut order: Vec<usize> = (0..state.tensors.len()).collect();
-        order.sort_by(|&a, &b| state.tensors[a].name.cmp(&state.tensors[b].name));
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_by(|&a, &b| tensors[a].0.name.cmp(&tensors[b].0.name));
         let mut header: BTreeMap<String, Value> = BTreeMap::new();
         let mut offset = 0u64;
         // safetensors puts the wider dtype first: the int64 counters, then the floats.
@@ -70,8 +80,8 @@ impl Layout {
             offset += 8;
         }
         for &i in &order {
-            let t = &state.tensors[i];
-            let len = 4 * t.data.len() as u64;
+            let (t, n) = tensors[i];
+            let len = 4 * n as u64;
             header.insert(
                 t.name.clone(),
                 json!({"data_offsets": [offset, offset + len], "dtype": "F32", "shape": t.shape}),
@@ -79,7 +89,7 @@ impl Layout {
             offset += len;
         }
         let meta: BTreeMap<&str, String> = BTreeMap::from([
-            (META_SPEC_HASH, state.spec_hash.to_string()),
+            (META_SPEC_HASH, spec_hash.to_string()),
             (META_ARCH, spec.architecture.clone()),
             ("format", "pt".to_string()),
         ]);
@@ -94,9 +104,89 @@ impl Layout {
         }
         Layout {
             header: text,
+            entries: order
+                .iter()
+                .map(|&i| (tensors[i].0.name.clone(), tensors[i].1))
+                .collect(),
             order,
             counters: counters.len(),
             data_len: offset,
+        }
+    }
+
+    /// The layout of `export(net, spec, Select::All)` for a model of `spec`, from the spec alone
+    /// (no export needed): for [`Layout::write_net`].
+    pub fn of_spec(spec: &ModelSpec) -> Layout {
+        let state = StateDict {
+            spec_hash: spec.hash(),
+            tensors: spec
+                .tensors
+                .iter()
+                .map(|t| NamedTensor {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    kind: t.kind,
+                    data: Vec::new(),
+                })
+                .collect(),
+        };
+        let tensors: Vec<(&NamedTensor, usize)> = state
+            .tensors
+            .iter()
+            .zip(&spec.tensors)
+            .map(|(t, s)| (t, s.numel()))
+            .collect();
+        Layout::build(&tensors, state.spec_hash, spec)
+    }
+
+    /// Writes the file of `net`'s tensors (the layout made by [`Layout::of_spec`] for `net`'s
+    /// spec) to `w`, reading each tensor from the model a block of rows at a time
+    /// ([`crate::state::export_blocks`]): the same bytes as [`Layout::write`] of `export(net,
+    /// spec, Select::All)`, without the export's copy of the model. A tensor the layout does
+    /// not name, or of another length, is an error (the file is then incomplete).
+    pub fn write_net<N: crate::zoo::Net>(
+        &self,
+        net: &N,
+        w: &mut impl std::io::Write,
+    ) -> std::io::Result<()> {
+        w.write_all(&(self.header.len() as u64).to_le_bytes())?;
+        w.write_all(&self.header)?;
+        for _ in 0..self.counters {
+            w.write_all(&0i64.to_le_bytes())?;
+        }
+        let misfit = |name: &str| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("tensor `{name}` does not fit the checkpoint's layout"),
+            )
+        };
+        let mut buf = Vec::with_capacity(64 << 10);
+        // The entry being written and the values it still needs.
+        let (mut at, mut left): (Option<usize>, usize) = (None, 0);
+        crate::state::export_blocks(net, crate::state::Select::All, 16 << 10, |name, values| {
+            if at.is_none_or(|i| self.entries[i].0 != name) {
+                if left != 0 {
+                    return Err(misfit(name));
+                }
+                let next = at.map_or(0, |i| i + 1);
+                match self.entries.get(next) {
+                    Some((n, len)) if n == name => (at, left) = (Some(next), *len),
+                    _ => return Err(misfit(name)),
+                }
+            }
+            left = left.checked_sub(values.len()).ok_or_else(|| misfit(name))?;
+            for part in values.chunks(16 << 10) {
+                buf.clear();
+                buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+                w.write_all(&buf)?;
+            }
+            Ok(())
+        })?;
+        let written = at.map_or(0, |i| i + 1);
+        match self.entries.get(written) {
+            Some((n, _)) => Err(misfit(n)),
+            None if left != 0 => Err(misfit("the last")),
+            None => Ok(()),
         }
     }
 

@@ -239,6 +239,91 @@ impl<N: Net> ModuleVisitor for Reader<'_, N> {
     }
 }
 
+/// Writes one tensor's values, a block of rows at a time (see [`export_blocks`]).
+type BlockWriter =
+    Box<dyn FnOnce(usize, &mut dyn FnMut(&[f32]) -> std::io::Result<()>) -> std::io::Result<()>>;
+
+/// Collects, by name, a writer of each parameter's values in blocks (holding the parameter's
+/// tensor by reference, not a copy of its values).
+struct Blocks<'a, N: Net> {
+    net: &'a N,
+    walk: Walker,
+    select: Select,
+    out: BTreeMap<String, BlockWriter>,
+}
+
+impl<N: Net> ModuleVisitor for Blocks<'_, N> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.walk.enter(name, container_type);
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.walk.exit();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let (path, kind, linear_w) = self.walk.current();
+        if !self.select.keeps(kind) {
+            return;
+        }
+        let name = torch_name(self.net, &path, kind);
+        let t = param.val();
+        self.out.insert(
+            name,
+            Box::new(move |block, emit| {
+                // The values as `export` reads them (a linear weight in PyTorch's `[out, in]`),
+                // a block of whole rows at a time: each block a view of the model's tensor,
+                // read on its own.
+                let t = if linear_w { t.swap_dims(0, 1) } else { t };
+                let dims = t.dims();
+                let rows = dims.first().copied().unwrap_or(1);
+                let per_row = dims.iter().skip(1).product::<usize>().max(1);
+                let step = (block / per_row).max(1);
+                let mut r = 0;
+                while r < rows {
+                    let k = step.min(rows - r);
+                    let part = if D == 0 {
+                        t.clone()
+                    } else {
+                        t.clone().narrow(0, r, k)
+                    };
+                    let values = part
+                        .into_data()
+                        .try_into_vec_as::<f32>()
+                        .expect("float parameter");
+                    emit(&values)?;
+                    r += k;
+                }
+                Ok(())
+            }),
+        );
+    }
+}
+
+/// Calls `f(name, values)` for every tensor of `net` that `select` keeps, in name order (the
+/// data order of a [`crate::checkpoint::Layout`]), with the values [`export`] gives a block of
+/// whole rows (about `block` values) at a time, each read from the model as it goes: the model
+/// is never copied whole. Stops at the first error `f` gives.
+pub fn export_blocks<N: Net>(
+    net: &N,
+    select: Select,
+    block: usize,
+    mut f: impl FnMut(&str, &[f32]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let synced = net.valid();
+    let mut b = Blocks {
+        net: &synced,
+        walk: Walker::default(),
+        select,
+        out: BTreeMap::new(),
+    };
+    synced.visit(&mut b);
+    for (name, write) in b.out {
+        write(block, &mut |values| f(&name, values))?;
+    }
+    Ok(())
+}
+
 /// Every tensor of `net` (name, PyTorch shape, kind) in visiting order, without reading values.
 pub fn tensor_specs<N: Net>(net: &N) -> Vec<TensorSpec> {
     let mut r = Reader {

@@ -441,6 +441,37 @@ fn safetensors_are_streamed_byte_for_byte_as_the_safetensors_crate_writes_them()
         );
         assert_eq!(checkpoint::from_bytes(&bytes, &spec).unwrap(), state);
     }
+    // Written from the model a block at a time, with the layout made from the spec alone: the
+    // same bytes (the full-size CNN's `fc1` spans many blocks, transposed on the way).
+    let full = seeded(&d, 7, |d| DigitsCnnConfig::default().init(d));
+    streamed_is_exported(&small, &spec(&small, 10, image_input(3, 28, 28)));
+    streamed_is_exported(&resnet, &spec(&resnet, 3, image_input(3, 32, 32)));
+    streamed_is_exported(&full, &spec(&full, 10, image_input(3, 28, 28)));
+}
+
+/// `Layout::of_spec(spec).write_net(net)` writes what `Layout::new(export).write(export)`
+/// writes, byte for byte; a spec of another model is an error naming a tensor.
+fn streamed_is_exported<N: unifed_models::zoo::Net>(net: &N, spec: &ModelSpec) {
+    let state = export(net, spec, Select::All);
+    let mut want = Vec::new();
+    checkpoint::Layout::new(&state, spec)
+        .write(&state, &mut want)
+        .unwrap();
+    let layout = checkpoint::Layout::of_spec(spec);
+    assert_eq!(layout.len(), want.len() as u64, "{}", spec.architecture);
+    let mut got = Vec::new();
+    layout.write_net(net, &mut got).unwrap();
+    assert!(
+        got == want,
+        "{}: the streamed file differs",
+        spec.architecture
+    );
+    let mut other = spec.clone();
+    other.tensors[0].shape = vec![other.tensors[0].numel() + 1];
+    let e = checkpoint::Layout::of_spec(&other)
+        .write_net(net, &mut Vec::new())
+        .unwrap_err();
+    assert!(e.to_string().contains("does not fit"), "{e}");
 }
 
 #[test]
