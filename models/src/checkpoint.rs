@@ -24,6 +24,9 @@ fn file_err(path: &Path, message: impl ToString) -> StateError {
     }
 }
 
+/// A tensor of a [`Layout`]: name, kind, shape and count of values.
+type Entry<'a> = (&'a str, unifed_protocol::TensorKind, &'a [usize], usize);
+
 /// The safetensors layout of a state: its canonical header and the order of its data, so the
 /// file can be written straight from the state's tensors, without a serialised copy in memory.
 /// The bytes are those of `safetensors::serialize` with the header's keys sorted (the metadata
@@ -46,28 +49,28 @@ impl Layout {
     /// counter, so 0 is written for every BN layer and `load_state_dict(strict=True)` accepts
     /// the file (the counter only matters to PyTorch BN layers built with momentum=None).
     pub fn new(state: &StateDict, spec: &ModelSpec) -> Layout {
-        let tensors: Vec<(&NamedTensor, usize)> =
-            state.tensors.iter().map(|t| (t, t.data.len())).collect();
+        let tensors: Vec<Entry> = state
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.kind, t.shape.as_slice(), t.data.len()))
+            .collect();
         Layout::build(&tensors, state.spec_hash, spec)
     }
 
-    /// The layout of `tensors` (each with its count of values) of a state with hash
-    /// `spec_hash`.
-    fn build(tensors: &[(&NamedTensor, usize)], spec_hash: SpecHash, spec: &ModelSpec) -> Layout {
+    /// The layout of `tensors` of a state with hash `spec_hash`.
+    fn build(tensors: &[Entry], spec_hash: SpecHash, spec: &ModelSpec) -> Layout {
         use serde_json::{Value, json};
         use std::collections::BTreeMap;
         let mut counters: Vec<String> = tensors
             .iter()
-            .map(|&(t, _)| t)
-            .filter(|t| t.kind == unifed_protocol::TensorKind::BnRunningMean)
+            .filter(|t| t.1 == unifed_protocol::TensorKind::BnRunningMean)
             .filter_map(|t| {
-                t.name
-                    .strip_suffix(".running_mean")
+                t.0.strip_suffix(".running_mean")
                     .map(|p| format!("{p}.num_batches_tracked"))
             })
             .collect();
         let mut order: Vec<usize> = (0..tensors.len()).collect();
-        order.sort_by(|&a, &b| tensors[a].0.name.cmp(&tensors[b].0.name));
+        order.sort_by(|&a, &b| tensors[a].0.cmp(tensors[b].0));
         let mut header: BTreeMap<String, Value> = BTreeMap::new();
         let mut offset = 0u64;
         // safetensors puts the wider dtype first: the int64 counters, then the floats.
@@ -80,11 +83,11 @@ impl Layout {
             offset += 8;
         }
         for &i in &order {
-            let (t, n) = tensors[i];
+            let (name, _, shape, n) = tensors[i];
             let len = 4 * n as u64;
             header.insert(
-                t.name.clone(),
-                json!({"data_offsets": [offset, offset + len], "dtype": "F32", "shape": t.shape}),
+                name.to_string(),
+                json!({"data_offsets": [offset, offset + len], "dtype": "F32", "shape": shape}),
             );
             offset += len;
         }
@@ -106,7 +109,7 @@ impl Layout {
             header: text,
             entries: order
                 .iter()
-                .map(|&i| (tensors[i].0.name.clone(), tensors[i].1))
+                .map(|&i| (tensors[i].0.to_string(), tensors[i].3))
                 .collect(),
             order,
             counters: counters.len(),
@@ -117,26 +120,12 @@ impl Layout {
     /// The layout of `export(net, spec, Select::All)` for a model of `spec`, from the spec alone
     /// (no export needed): for [`Layout::write_net`].
     pub fn of_spec(spec: &ModelSpec) -> Layout {
-        let state = StateDict {
-            spec_hash: spec.hash(),
-            tensors: spec
-                .tensors
-                .iter()
-                .map(|t| NamedTensor {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    kind: t.kind,
-                    data: Vec::new(),
-                })
-                .collect(),
-        };
-        let tensors: Vec<(&NamedTensor, usize)> = state
+        let tensors: Vec<Entry> = spec
             .tensors
             .iter()
-            .zip(&spec.tensors)
-            .map(|(t, s)| (t, s.numel()))
+            .map(|t| (t.name.as_str(), t.kind, t.shape.as_slice(), t.numel()))
             .collect();
-        Layout::build(&tensors, state.spec_hash, spec)
+        Layout::build(&tensors, spec.hash(), spec)
     }
 
     /// Writes the file of `net`'s tensors (the layout made by [`Layout::of_spec`] for `net`'s

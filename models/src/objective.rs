@@ -9,7 +9,7 @@
 //! cross-entropy before backpropagation.
 
 use crate::bn::BnPass;
-use crate::state::{Select, StateDict, Walker, burn_tensor, torch_name};
+use crate::state::{Select, StateDict, Walker, burn_tensor};
 use crate::zoo::Net;
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -77,11 +77,12 @@ impl Reference {
                 self.walk.exit();
             }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let (path, kind, linear_w) = self.walk.current();
-                if !self.scope.keeps(kind) || kind.is_bn_stat() {
+                let Some((name, kind, linear_w)) = self.walk.kept(self.net, self.scope) else {
+                    return;
+                };
+                if kind.is_bn_stat() {
                     return;
                 }
-                let name = torch_name(self.net, &path, kind);
                 let Some(src) = self.values.get(name.as_str()) else {
                     return;
                 };

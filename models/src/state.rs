@@ -147,6 +147,19 @@ impl Walker {
         }
     }
 
+    /// (PyTorch name, kind, is a linear weight) of the parameter being visited in `net`, when
+    /// `select` keeps it.
+    pub(crate) fn kept<N: Net>(
+        &self,
+        net: &N,
+        select: Select,
+    ) -> Option<(String, TensorKind, bool)> {
+        let (path, kind, linear_w) = self.current();
+        select
+            .keeps(kind)
+            .then(|| (torch_name(net, &path, kind), kind, linear_w))
+    }
+
     /// (burn path, kind, is a linear weight) of the parameter being visited.
     pub(crate) fn current(&self) -> (String, TensorKind, bool) {
         let owner = self.owners.last().map(String::as_str).unwrap_or("");
@@ -207,11 +220,9 @@ impl<N: Net> ModuleVisitor for Reader<'_, N> {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let (path, kind, linear_w) = self.walk.current();
-        if !self.select.keeps(kind) {
+        let Some((name, kind, linear_w)) = self.walk.kept(self.net, self.select) else {
             return;
-        }
-        let name = torch_name(self.net, &path, kind);
+        };
         let (shape, data) = if self.with_data {
             let mut t = param.val();
             if linear_w {
@@ -262,11 +273,9 @@ impl<N: Net> ModuleVisitor for Blocks<'_, N> {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let (path, kind, linear_w) = self.walk.current();
-        if !self.select.keeps(kind) {
+        let Some((name, _, linear_w)) = self.walk.kept(self.net, self.select) else {
             return;
-        }
-        let name = torch_name(self.net, &path, kind);
+        };
         let t = param.val();
         self.out.insert(
             name,
@@ -438,11 +447,9 @@ impl<N: Net, B: AsRef<[u8]>> ModuleMapper for Writer<'_, '_, N, B> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let (path, kind, linear_w) = self.walk.current();
-        if !self.select.keeps(kind) {
+        let Some((name, _, linear_w)) = self.walk.kept(self.net, self.select) else {
             return param;
-        }
-        let name = torch_name(self.net, &path, kind);
+        };
         let source = match &mut self.values {
             Values::Borrowed(v) => match v.get(name.as_str()) {
                 Some(src) => Source::Ready(src.data.clone(), src.shape.clone()),
