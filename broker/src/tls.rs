@@ -76,6 +76,8 @@ pub async fn serve(
             tracing::warn!(%peer, "connection refused: {max_connections} connections already");
             continue;
         };
+        // No Nagle delay on either side of the relay (see the rumqttd patch in third_party).
+        let _ = tcp.set_nodelay(true);
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let _slot = slot;
@@ -86,7 +88,10 @@ pub async fn serve(
                 Err(_) => return tracing::warn!(%peer, "TLS handshake timed out"),
             };
             let mut plain = match TcpStream::connect(broker).await {
-                Ok(s) => s,
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    s
+                }
                 Err(e) => {
                     return tracing::error!(error = %e, "the broker behind TLS is unreachable");
                 }

@@ -196,6 +196,12 @@ pub fn spawn_event_loop_with_side(
     mpsc::UnboundedReceiver<NetEvent>,
 ) {
     let (client, mut ev): (AsyncClient, EventLoop) = AsyncClient::new(options, 4096);
+    // No Nagle delay: a request or an acknowledgement written behind a packet the broker has
+    // not acknowledged yet waited for its delayed ACK (up to 40 ms) on every turn of a chunk
+    // window.
+    let mut network = ev.network_options();
+    network.set_tcp_nodelay(true);
+    ev.set_network_options(network);
     let (tx, rx) = mpsc::unbounded_channel();
     let (side_tx, side_rx) = mpsc::unbounded_channel();
     let c = client.clone();

@@ -25,7 +25,7 @@ pub fn mosquitto_conf(
     });
     // TLS settings belong to the listener above them.
     format!(
-        "per_listener_settings false\nlistener {port} 127.0.0.1\n{tls}allow_anonymous false\n\
+        "per_listener_settings false\nset_tcp_nodelay true\nlistener {port} 127.0.0.1\n{tls}allow_anonymous false\n\
          password_file {}\nmax_packet_size {}\nmax_queued_messages 100000\nmax_queued_bytes 0\n\
          max_inflight_messages 100\npersistence false\nuser {user}\nlog_dest stderr\n",
         password_file.display(),
