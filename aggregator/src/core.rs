@@ -15,12 +15,14 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::path::Path;
 use unifed_protocol::auth::Keyring;
-use unifed_protocol::chunking::{payload_hash, split};
-use unifed_protocol::encoding::{EncodedTensor, Encoding, decode_add, encode_leaving_error};
+use unifed_protocol::chunking::{Cut, payload_hash};
+use unifed_protocol::encoding::{
+    EncodedTensor, EncodedTensorRef, Encoding, Values, decode_add, encode_leaving_error,
+};
 use unifed_protocol::envelope::{EnvelopeRef, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Answer, BnPolicy, Chunk, DeltaInfo, ModelDelta, RejectReason, RoundManifest, ServerBroadcast,
+    Answer, BnPolicy, DeltaInfo, ModelDelta, RejectReason, RoundManifest, ServerBroadcast,
     ServerExtras, SiteUpdateRef,
 };
 use unifed_protocol::{ModelSpec, SpecHash};
@@ -87,11 +89,11 @@ pub enum Action {
     Publish {
         /// The round manifest.
         manifest: RoundManifest,
-        /// The model payload (a postcard [`ServerBroadcast`]) cut into chunks.
-        chunks: Vec<Chunk>,
-        /// The model as a delta from the previous version (a postcard [`ModelDelta`]) cut into
-        /// chunks, when the manifest announces one; empty otherwise.
-        delta_chunks: Vec<Chunk>,
+        /// The model payload (a postcard [`ServerBroadcast`]) and its chunks.
+        model: Cut,
+        /// The model as a delta from the previous version (a postcard [`ModelDelta`]) and its
+        /// chunks, when the manifest announces one.
+        delta: Option<Cut>,
     },
     /// A round closed with the updates of `sites`, giving model `model_version`.
     RoundClosed {
@@ -613,38 +615,55 @@ impl Aggregator {
         tensors: impl Iterator<Item = (&'a TensorSpec, &'a [f32])>,
         extras: ServerExtras,
     ) -> Vec<u8> {
+        if cfg!(target_endian = "big") {
+            let b = ServerBroadcast {
+                model_version: version,
+                weights: strategy::exact(tensors),
+                extras,
+            };
+            return postcard::to_allocvec(&b).expect("broadcast serialises");
+        }
+        // On a little-endian machine the values are the wire's bytes: each tensor is borrowed
+        // and written once, into a buffer of the payload's exact size (an owned encoding and a
+        // buffer grown by doubling made three model-sized copies, all freshly faulted in).
         let b = ServerBroadcast {
             model_version: version,
-            weights: strategy::exact(tensors),
+            weights: tensors
+                .map(|(t, v)| EncodedTensorRef {
+                    name: t.name.clone(),
+                    shape: t.shape.iter().map(|&d| d as u32).collect(),
+                    values: Values::F32(bytemuck::cast_slice(v)),
+                })
+                .collect(),
             extras,
         };
-        postcard::to_allocvec(&b).expect("broadcast serialises")
+        let len = postcard::experimental::serialized_size(&b).expect("broadcast serialises");
+        postcard::to_extend(&b, Vec::with_capacity(len)).expect("broadcast serialises")
     }
 
     fn publish(&self) -> Action {
-        let payload = self.broadcast_payload();
-        let chunks = split(&payload, self.chunk_bytes);
-        let (delta, delta_chunks) = match &self.delta {
+        // Each payload is held once; the service signs its chunks as slices of it.
+        let model = Cut::new(self.broadcast_payload(), self.chunk_bytes);
+        let (delta, delta_cut) = match &self.delta {
             Some(d) if self.state.model_version > 0 => {
-                let c = split(d, self.chunk_bytes);
+                let c = Cut::new(d.clone(), self.chunk_bytes);
                 let info = DeltaInfo {
                     from_version: self.state.model_version - 1,
-                    chunk_count: c.len() as u32,
-                    payload_len: d.len() as u64,
-                    // Every chunk carries the payload's hash (`split` gives at least one).
-                    payload_hash: c[0].payload_hash,
+                    chunk_count: c.count(),
+                    payload_len: c.payload().len() as u64,
+                    payload_hash: c.payload_hash(),
                 };
-                (Some(info), c)
+                (Some(info), Some(c))
             }
-            _ => (None, Vec::new()),
+            _ => (None, None),
         };
         let manifest = RoundManifest {
             round: self.state.round,
             model_version: self.state.model_version,
             spec_hash: self.hash,
-            chunk_count: chunks.len() as u32,
-            payload_len: payload.len() as u64,
-            payload_hash: chunks[0].payload_hash,
+            chunk_count: model.count(),
+            payload_len: model.payload().len() as u64,
+            payload_hash: model.payload_hash(),
             delta,
             encoding: self.cfg.encoding,
             bn_policy: self.cfg.bn_policy,
@@ -662,8 +681,8 @@ impl Aggregator {
         };
         Action::Publish {
             manifest,
-            chunks,
-            delta_chunks,
+            model,
+            delta: delta_cut,
         }
     }
 

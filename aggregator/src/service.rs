@@ -15,11 +15,11 @@ use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    Chunk, ChunkRef, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, Payload,
-    RoundManifest, UpdateAnswer,
+    ChunkRef, ChunkRequest, OnboardReply, OnboardRequest, PackageInfo, Payload, RoundManifest,
+    UpdateAnswer,
 };
 use unifed_protocol::topics::Topics;
-use unifed_protocol::{ModelSpec, SpecHash};
+use unifed_protocol::{Cut, ModelSpec, SpecHash};
 
 /// The service's configuration file (`unifed-aggregator serve --config`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -201,15 +201,52 @@ impl Wire {
         (round, version): (u64, u64),
         payload: &impl Serialize,
     ) -> Vec<u8> {
-        self.key.sign(&Envelope::new(
+        let unsigned = Envelope::encode_new(
             kind,
-            self.fed.clone(),
-            self.me.clone(),
-            round,
-            version,
+            &self.fed,
+            &self.me,
+            (round, version),
             self.hash,
             payload,
-        ))
+        );
+        self.key
+            .sign_encoded(unsigned)
+            .expect("encode_new writes an unsigned envelope")
+    }
+
+    /// Every chunk of `cut` as a signed `ModelChunk` envelope, written one after another into
+    /// one buffer that they share: no buffer per chunk, and no copy of a chunk before its
+    /// envelope.
+    fn seal_chunks(&self, at: (u64, u64), cut: &Cut) -> Vec<bytes::Bytes> {
+        // Room for every envelope around its chunk (a chunk's packet fits 256 KiB with its
+        // data 1 KiB below it: see `CHUNK_BYTES`), so the buffer never moves.
+        let mut buf = Vec::with_capacity(cut.payload().len() + cut.count() as usize * 1024);
+        let mut ends = Vec::with_capacity(cut.count() as usize);
+        for c in cut.iter() {
+            let start = buf.len();
+            Envelope::append_new(
+                &mut buf,
+                MessageKind::ModelChunk,
+                &self.fed,
+                &self.me,
+                at,
+                self.hash,
+                &c,
+            );
+            self.key
+                .sign_tail(&mut buf, start)
+                .expect("append_new writes an unsigned envelope");
+            ends.push(buf.len());
+        }
+        let all = bytes::Bytes::from(buf);
+        let mut start = 0;
+        ends.into_iter()
+            .map(|end| {
+                let b = all.slice(start..end);
+                start = end;
+                b
+            })
+            .collect()
     }
 
     /// Publishes `payload` as a signed `kind` envelope on `topic` (QoS 1).
@@ -428,8 +465,8 @@ pub async fn serve(
                 }
                 Action::Publish {
                     manifest,
-                    chunks,
-                    delta_chunks,
+                    model,
+                    delta,
                 } => {
                     let publishing = Instant::now();
                     wire.send(
@@ -443,21 +480,19 @@ pub async fn serve(
                     tracing::info!(
                         round = manifest.round,
                         version = manifest.model_version,
-                        chunks = chunks.len(),
+                        chunks = model.count(),
                         "published manifest"
                     );
                     let at = (manifest.round, manifest.model_version);
-                    // The old version's chunks go before the new ones are sealed, and each chunk
-                    // is freed as soon as its envelope is made: one copy of the model at a time.
+                    // The old version's chunks go before the new ones are sealed, each payload
+                    // as soon as its chunks are: the payload and its envelopes at most at once.
                     drop(served.take());
-                    let seal = |chunks: Vec<Chunk>| -> Vec<bytes::Bytes> {
-                        chunks
-                            .into_iter()
-                            .map(|c| wire.seal(MessageKind::ModelChunk, at, &c).into())
-                            .collect()
-                    };
-                    let (chunks, delta_chunks) =
-                        tokio::task::block_in_place(|| (seal(chunks), seal(delta_chunks)));
+                    let (chunks, delta_chunks) = tokio::task::block_in_place(|| {
+                        let chunks = wire.seal_chunks(at, &model);
+                        drop(model);
+                        let delta = delta.map(|d| wire.seal_chunks(at, &d));
+                        (chunks, delta.unwrap_or_default())
+                    });
                     unifed_net::release_free_memory();
                     // Model v closes round v: its publication is that round's last phase.
                     report::phase(manifest.model_version, Phase::Publish, publishing);

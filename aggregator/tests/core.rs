@@ -227,7 +227,7 @@ fn a_round_gives_the_sample_weighted_mean_and_leaves_bn_alone_under_local() {
     let mut agg = open(dir.path(), config(2, 3, BnPolicy::Local));
     let start = agg.handle(Event::Start, 0).unwrap();
     assert!(
-        matches!(&start[0], Action::Publish { manifest, chunks, .. } if manifest.round == 1 && manifest.chunk_count as usize == chunks.len())
+        matches!(&start[0], Action::Publish { manifest, model, .. } if manifest.round == 1 && manifest.chunk_count == model.count() && manifest.payload_hash == model.payload_hash())
     );
     let sites = [("site-a", 100u64), ("site-b", 300), ("site-c", 50)];
     let mut last = Vec::new();
@@ -1191,16 +1191,20 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
 
 /// The broadcast payload a publish action carries.
 fn broadcast_of(actions: &[Action]) -> unifed_protocol::ServerBroadcast {
-    let chunks = actions
+    let model = actions
         .iter()
         .rev()
         .find_map(|a| match a {
-            Action::Publish { chunks, .. } => Some(chunks),
+            Action::Publish { model, .. } => Some(model),
             _ => None,
         })
         .expect("a publish");
-    let payload: Vec<u8> = chunks.iter().flat_map(|c| c.data.clone()).collect();
-    postcard::from_bytes(&payload).unwrap()
+    let payload: Vec<u8> = model.iter().flat_map(|c| c.data.to_vec()).collect();
+    assert_eq!(payload, model.payload());
+    let broadcast: unifed_protocol::ServerBroadcast = postcard::from_bytes(&payload).unwrap();
+    // Written from the model in place, the payload is the owned broadcast's serialisation.
+    assert_eq!(postcard::to_allocvec(&broadcast).unwrap(), payload);
+    broadcast
 }
 
 fn fedadam(rounds: u64) -> FederationConfig {
@@ -1818,12 +1822,12 @@ fn delta_of(
 ) -> Option<(unifed_protocol::DeltaInfo, unifed_protocol::ModelDelta)> {
     actions.iter().rev().find_map(|a| match a {
         Action::Publish {
-            manifest,
-            delta_chunks,
-            ..
+            manifest, delta, ..
         } => {
             let info = manifest.delta?;
-            let payload: Vec<u8> = delta_chunks.iter().flat_map(|c| c.data.clone()).collect();
+            let delta = delta.as_ref().expect("a delta announced is published");
+            assert_eq!(delta.count(), info.chunk_count);
+            let payload: Vec<u8> = delta.iter().flat_map(|c| c.data.to_vec()).collect();
             assert_eq!(payload.len() as u64, info.payload_len);
             assert_eq!(unifed_protocol::payload_hash(&payload), info.payload_hash);
             Some((info, postcard::from_bytes(&payload).unwrap()))

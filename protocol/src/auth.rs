@@ -128,19 +128,28 @@ impl SigningKey {
     /// signature): the bytes come back with the signature in the envelope's signature slot,
     /// without re-encoding the payload.
     pub fn sign_encoded(&self, mut unsigned: Vec<u8>) -> Result<Vec<u8>, AuthError> {
+        self.sign_tail(&mut unsigned, 0)?;
+        Ok(unsigned)
+    }
+
+    /// Signs in place the unsigned envelope that `buf` holds from byte `start` to its end (as
+    /// [`Envelope::append_new`] leaves it): [`SigningKey::sign_encoded`] of those bytes, with
+    /// the bytes before `start` untouched.
+    pub fn sign_tail(&self, buf: &mut Vec<u8>, start: usize) -> Result<(), AuthError> {
+        let unsigned = buf.get(start..).ok_or(AuthError::NotAnUnsignedEnvelope)?;
         // A signature's last byte may be 0 like the empty slot's: the envelope is read (its
         // payload skipped, not copied) rather than its last byte looked at.
-        if !crate::envelope::is_unsigned_encoding(&unsigned) {
+        if !crate::envelope::is_unsigned_encoding(unsigned) {
             return Err(AuthError::NotAnUnsignedEnvelope);
         }
-        let digest = digest(&[&unsigned]);
+        let digest = digest(&[unsigned]);
         let signature = self.pair.sign(&digest);
-        unsigned.pop();
-        unsigned.reserve_exact(SIGNED_TAIL);
-        unsigned.push(1);
-        unsigned.push(SIGNATURE_LEN as u8);
-        unsigned.extend_from_slice(signature.as_ref());
-        Ok(unsigned)
+        buf.pop();
+        buf.reserve_exact(SIGNED_TAIL);
+        buf.push(1);
+        buf.push(SIGNATURE_LEN as u8);
+        buf.extend_from_slice(signature.as_ref());
+        Ok(())
     }
 
     /// The wire bytes of `envelope`, signed by this key (any signature it had is replaced).
@@ -481,6 +490,58 @@ mod tests {
         assert_eq!(opened.signature.map(<[u8]>::len), Some(SIGNATURE_LEN));
         // Signing twice gives the same bytes (ed25519 is deterministic).
         assert_eq!(k.sign(&opened.into_owned()), bytes);
+    }
+
+    #[test]
+    fn envelopes_appended_and_signed_in_one_buffer_are_those_signed_one_by_one() {
+        let k = key(1);
+        let chunk = |i: u32| crate::messages::Chunk {
+            payload_hash: [9; 32],
+            index: i,
+            count: 300,
+            total_len: 3000,
+            data: vec![i as u8; 10],
+        };
+        let mut buf = b"kept".to_vec();
+        let mut ends = Vec::new();
+        // Indices on both sides of a varint's second byte.
+        for i in [0, 127, 128, 299] {
+            let start = buf.len();
+            Envelope::append_new(
+                &mut buf,
+                MessageKind::ModelChunk,
+                &id("fed"),
+                &id("aggregator"),
+                (2, 5),
+                SpecHash([3; 32]),
+                &chunk(i).as_ref(),
+            );
+            k.sign_tail(&mut buf, start).unwrap();
+            let alone = k.sign(&Envelope::new(
+                MessageKind::ModelChunk,
+                id("fed"),
+                id("aggregator"),
+                2,
+                5,
+                SpecHash([3; 32]),
+                &chunk(i),
+            ));
+            assert_eq!(&buf[start..], &alone[..], "chunk {i}");
+            ends.push(buf.len());
+        }
+        assert_eq!(&buf[..4], b"kept");
+        // Bytes that are not an unsigned envelope from `start` on are refused, untouched.
+        let before = buf.clone();
+        assert_eq!(
+            k.sign_tail(&mut buf, 4),
+            Err(AuthError::NotAnUnsignedEnvelope)
+        );
+        let past = buf.len() + 1;
+        assert_eq!(
+            k.sign_tail(&mut buf, past),
+            Err(AuthError::NotAnUnsignedEnvelope)
+        );
+        assert_eq!(buf, before);
     }
 
     #[test]

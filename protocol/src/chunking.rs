@@ -19,16 +19,79 @@ pub fn split(payload: &[u8], max_chunk_bytes: usize) -> Vec<Chunk> {
 /// The chunks of [`split`] one at a time, each copied out of `payload` only when it is taken
 /// (a sender that signs and keeps them never holds the whole payload twice in chunks).
 pub fn chunks(payload: &[u8], max_chunk_bytes: usize) -> Chunks<'_> {
-    let size = max_chunk_bytes
-        .max(1)
-        .max(payload.len().div_ceil(u32::MAX as usize));
+    let (size, count) = cut_of(payload.len(), max_chunk_bytes);
     Chunks {
         payload,
         hash: payload_hash(payload),
         size,
-        // An empty payload is one empty chunk.
-        count: payload.len().div_ceil(size).max(1) as u32,
+        count,
         next: 0,
+    }
+}
+
+/// The chunk length and count [`split`] cuts a payload of `len` bytes into.
+fn cut_of(len: usize, max_chunk_bytes: usize) -> (usize, u32) {
+    let size = max_chunk_bytes.max(1).max(len.div_ceil(u32::MAX as usize));
+    // An empty payload is one empty chunk.
+    (size, len.div_ceil(size).max(1) as u32)
+}
+
+/// A payload held once with its hash, handed out as the chunks [`split`] would make, each
+/// borrowed from it ([`ChunkRef`]): a sender that signs every chunk holds no copy of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cut {
+    payload: Vec<u8>,
+    hash: [u8; 32],
+    size: usize,
+    count: u32,
+}
+
+impl Cut {
+    /// `payload` in chunks of at most `max_chunk_bytes` bytes, as [`split`] cuts it.
+    pub fn new(payload: Vec<u8>, max_chunk_bytes: usize) -> Cut {
+        let (size, count) = cut_of(payload.len(), max_chunk_bytes);
+        Cut {
+            hash: payload_hash(&payload),
+            payload,
+            size,
+            count,
+        }
+    }
+
+    /// The whole payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// The payload's hash ([`payload_hash`]), which every chunk carries.
+    pub fn payload_hash(&self) -> [u8; 32] {
+        self.hash
+    }
+
+    /// Number of chunks (at least one).
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// Chunk `index`, or `None` past the last.
+    pub fn chunk(&self, index: u32) -> Option<ChunkRef<'_>> {
+        if index >= self.count {
+            return None;
+        }
+        let len = self.payload.len();
+        let at = (index as usize).saturating_mul(self.size).min(len);
+        Some(Chunk {
+            payload_hash: self.hash,
+            index,
+            count: self.count,
+            total_len: len as u64,
+            data: &self.payload[at..at.saturating_add(self.size).min(len)],
+        })
+    }
+
+    /// Every chunk in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = ChunkRef<'_>> + '_ {
+        (0..self.count).map(|i| self.chunk(i).expect("below the count"))
     }
 }
 
@@ -424,6 +487,29 @@ impl Reassembler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cut_hands_out_the_chunks_split_makes_borrowed() {
+        for (len, max) in [(0, 4), (1, 4), (8, 4), (9, 4), (10_000, 333), (5, 0)] {
+            let payload: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let owned = split(&payload, max);
+            let cut = Cut::new(payload.clone(), max);
+            assert_eq!(cut.count() as usize, owned.len(), "{len} bytes by {max}");
+            assert_eq!(cut.payload(), &payload[..]);
+            assert_eq!(cut.payload_hash(), payload_hash(&payload));
+            let borrowed: Vec<ChunkRef> = cut.iter().collect();
+            let expected: Vec<ChunkRef> = owned.iter().map(Chunk::as_ref).collect();
+            assert_eq!(borrowed, expected, "{len} bytes by {max}");
+            assert_eq!(cut.chunk(cut.count()), None);
+            // Both forms encode alike.
+            for (c, o) in cut.iter().zip(&owned) {
+                assert_eq!(
+                    postcard::to_allocvec(&c).unwrap(),
+                    postcard::to_allocvec(o).unwrap()
+                );
+            }
+        }
+    }
 
     #[test]
     fn the_fetch_window_is_a_few_mib_of_chunks() {

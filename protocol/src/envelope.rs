@@ -236,14 +236,42 @@ impl Envelope {
         spec_hash: SpecHash,
         payload: &T,
     ) -> Vec<u8> {
+        let mut out = Vec::new();
+        Self::append_new(
+            &mut out,
+            kind,
+            federation,
+            sender,
+            (round, model_version),
+            spec_hash,
+            payload,
+        );
+        out
+    }
+
+    /// [`Envelope::encode_new`]'s bytes appended to `out` (which grows once, by their length):
+    /// many envelopes written one after another into one buffer.
+    pub fn append_new<T: Serialize>(
+        out: &mut Vec<u8>,
+        kind: MessageKind,
+        federation: &FederationId,
+        sender: &SiteId,
+        (round, model_version): (u64, u64),
+        spec_hash: SpecHash,
+        payload: &T,
+    ) {
         const PLAIN: &str = "postcard cannot fail on a derived Serialize of plain data";
         let len = postcard::experimental::serialized_size(payload).expect(PLAIN);
-        let out = header(kind, len);
+        out.reserve(HEADER_LEN + 160 + len);
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        out.extend_from_slice(&kind.as_u16().to_le_bytes());
         // The fields of `BodyRef` in order; the payload as its byte string: length, then bytes.
         let head = (federation, sender, round, model_version, &spec_hash, len);
-        let out = postcard::to_extend(&head, out).expect(PLAIN);
-        let out = postcard::to_extend(payload, out).expect(PLAIN);
-        postcard::to_extend(&None::<&[u8]>, out).expect(PLAIN)
+        let taken = core::mem::take(out);
+        let taken = postcard::to_extend(&head, taken).expect(PLAIN);
+        let taken = postcard::to_extend(payload, taken).expect(PLAIN);
+        *out = postcard::to_extend(&None::<&[u8]>, taken).expect(PLAIN);
     }
 
     /// The wire bytes: [`MAGIC`], version and kind as little-endian `u16`, then the postcard

@@ -20,11 +20,9 @@ use unifed_models::zoo::Net;
 use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
-use unifed_protocol::max_broadcast_bytes;
-use unifed_protocol::messages::{
-    Answer, Chunk, ChunkRequest, Payload, RoundManifest, UpdateAnswer,
-};
+use unifed_protocol::messages::{Answer, ChunkRequest, Payload, RoundManifest, UpdateAnswer};
 use unifed_protocol::topics::Topics;
+use unifed_protocol::{Cut, max_broadcast_bytes};
 use unifed_site::{Action as SiteAction, EngineConfig, Event as SiteEvent, SiteEngine};
 
 /// What a federation run did in one round.
@@ -151,7 +149,7 @@ pub fn run_federation<N: Net>(
             )
         })
         .collect();
-    let mut served: Option<(RoundManifest, Vec<Chunk>, Vec<Chunk>)> = None;
+    let mut served: Option<(RoundManifest, Cut, Option<Cut>)> = None;
     let mut agg_actions = agg.handle(Event::Start, 0)?;
     let mut inbox: VecDeque<(usize, SiteEvent)> = VecDeque::new();
     let mut records = Vec::new();
@@ -199,15 +197,14 @@ pub fn run_federation<N: Net>(
                 }
                 Action::Publish {
                     manifest,
-                    chunks,
-                    delta_chunks,
+                    model,
+                    delta,
                 } => {
-                    let payload: Vec<u8> = chunks.iter().flat_map(|c| c.data.clone()).collect();
                     observe(Observed::Model {
                         version: manifest.model_version,
-                        payload: &payload,
+                        payload: model.payload(),
                     });
-                    model_bytes = payload.len();
+                    model_bytes = model.payload().len();
                     let bytes = wire.envelope(
                         MessageKind::RoundManifest,
                         manifest.round,
@@ -223,7 +220,7 @@ pub fn run_federation<N: Net>(
                             },
                         ));
                     }
-                    served = Some((manifest, chunks, delta_chunks));
+                    served = Some((manifest, model, delta));
                 }
                 Action::RoundClosed { .. } | Action::Finished { .. } => {}
             }
@@ -250,13 +247,13 @@ pub fn run_federation<N: Net>(
                         if m.model_version != req.model_version {
                             continue;
                         }
-                        let chunks = match req.payload {
+                        let cut = match req.payload {
                             Payload::Model => model,
-                            Payload::Delta => delta,
+                            Payload::Delta => delta.as_ref().context("no delta was published")?,
                             Payload::Package => bail!("the in-process run serves no packages"),
                         };
                         for i in req.indices {
-                            let c = chunks.get(i as usize).context("a chunk out of range")?;
+                            let c = &cut.chunk(i).context("a chunk out of range")?;
                             inbox.push_back((
                                 k,
                                 SiteEvent::Message {
