@@ -305,31 +305,7 @@ pub(crate) fn read<T>(
 ) -> Result<(Footer, T), StoreError> {
     let (body, trailer) = trailer_of(path, &f)?;
     let len = body + CHECKSUM_LEN as u64;
-    // Tail and footer first, by position; only what the file can hold is read.
-    let footer = (|| {
-        let at = body
-            .checked_sub(TAIL)
-            .ok_or_else(|| corrupt(path, "truncated: no footer"))?;
-        let mut tail = [0u8; TAIL as usize];
-        f.read_exact_at(&mut tail, at).map_err(|e| io(path, e))?;
-        let version = u32::from_le_bytes(tail[12..].try_into().expect("4"));
-        if &tail[8..12] != MAGIC {
-            return Err(corrupt(path, "bad magic"));
-        }
-        if version != VERSION {
-            return Err(corrupt(
-                path,
-                format!("format version {version} is not {VERSION} (or 4 or 5, which it reads)"),
-            ));
-        }
-        let footer_len = u64::from_le_bytes(tail[..8].try_into().expect("8"));
-        let head_len = at
-            .checked_sub(footer_len)
-            .ok_or_else(|| corrupt(path, "footer longer than the file"))?;
-        let mut b = vec![0u8; footer_len as usize];
-        f.read_exact_at(&mut b, head_len).map_err(|e| io(path, e))?;
-        parse_footer(path, &b, head_len, round)
-    })();
+    let footer = footer_of(path, &f, body, round);
     let footer = footer.and_then(|ft| check(&ft).map(|state| (ft, state)));
     // Then the whole body in order, summed; exact tensors' values handed on as they pass.
     let ranges = match &footer {
@@ -369,6 +345,124 @@ pub(crate) fn read<T>(
     match failed {
         Some(e) => Err(e),
         None => Ok(footer),
+    }
+}
+
+/// The footer of the file `f` whose body (all but the checksum) is `body` bytes: tail and footer
+/// read by position, only what the file can hold.
+fn footer_of(path: &Path, f: &File, body: u64, round: u64) -> Result<Footer, StoreError> {
+    let at = body
+        .checked_sub(TAIL)
+        .ok_or_else(|| corrupt(path, "truncated: no footer"))?;
+    let mut tail = [0u8; TAIL as usize];
+    f.read_exact_at(&mut tail, at).map_err(|e| io(path, e))?;
+    let version = u32::from_le_bytes(tail[12..].try_into().expect("4"));
+    if &tail[8..12] != MAGIC {
+        return Err(corrupt(path, "bad magic"));
+    }
+    if version != VERSION {
+        return Err(corrupt(
+            path,
+            format!("format version {version} is not {VERSION} (or 4 or 5, which it reads)"),
+        ));
+    }
+    let footer_len = u64::from_le_bytes(tail[..8].try_into().expect("8"));
+    let head_len = at
+        .checked_sub(footer_len)
+        .ok_or_else(|| corrupt(path, "footer longer than the file"))?;
+    let mut b = vec![0u8; footer_len as usize];
+    f.read_exact_at(&mut b, head_len).map_err(|e| io(path, e))?;
+    parse_footer(path, &b, head_len, round)
+}
+
+/// A spool file whose delta is exact tensors in its head only, read in order a block at a time
+/// as the caller asks, and summed on the way: several files of a round are read in step this
+/// way ([`crate::store::Store::spool_fold_round`]). Nothing read counts until [`Exact::finish`]
+/// has checked the sum.
+pub(crate) struct Exact {
+    /// The footer (read before the checksum has vouched for it).
+    pub footer: Footer,
+    /// The delta's tensors as (index, offset, count), in the order they lie in the file.
+    pub ranges: Vec<(usize, u64, usize)>,
+    f: File,
+    sum: Sum,
+    pos: u64,
+    body: u64,
+    trailer: [u8; CHECKSUM_LEN],
+    path: std::path::PathBuf,
+}
+
+impl Exact {
+    /// Opens the spool file `f` at `path` of round `round` by its footer; `None` when a delta
+    /// tensor is lossy (in its wire form).
+    pub(crate) fn open(
+        path: std::path::PathBuf,
+        f: File,
+        round: u64,
+    ) -> Result<Option<Exact>, StoreError> {
+        let (body, trailer) = trailer_of(&path, &f)?;
+        let footer = footer_of(&path, &f, body, round)?;
+        if footer.delta.iter().any(|t| matches!(t, Placed::Wire(_))) {
+            return Ok(None);
+        }
+        Ok(Some(Exact {
+            ranges: in_head_order(&footer.delta),
+            footer,
+            sum: Sum::for_trailer(&trailer),
+            f,
+            pos: 0,
+            body,
+            trailer,
+            path,
+        }))
+    }
+
+    /// The file's path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads and sums the file up to byte `to` (nothing when it is there already).
+    fn skip_to(&mut self, to: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        while self.pos < to {
+            let n = ((to - self.pos) as usize).min(buf.len());
+            self.read(n, buf)?;
+        }
+        Ok(())
+    }
+
+    /// The `n` bytes (at most `buf`'s length) from byte `at` on, read and summed; `at` is not
+    /// before what was read already.
+    pub(crate) fn read_at<'b>(
+        &mut self,
+        at: u64,
+        n: usize,
+        buf: &'b mut [u8],
+    ) -> Result<&'b [u8], StoreError> {
+        self.skip_to(at, buf)?;
+        self.read(n, buf)
+    }
+
+    fn read<'b>(&mut self, n: usize, buf: &'b mut [u8]) -> Result<&'b [u8], StoreError> {
+        let b = &mut buf[..n];
+        self.f.read_exact(b).map_err(|e| io(&self.path, e))?;
+        self.sum.update(b);
+        self.pos += n as u64;
+        Ok(b)
+    }
+
+    /// Reads and sums the rest of the body and checks it against the trailer.
+    pub(crate) fn finish(mut self, buf: &mut [u8]) -> Result<(), StoreError> {
+        self.skip_to(self.body, buf)?;
+        // A file that grew since it was measured is not the file that was sealed.
+        let len = self.f.metadata().map_err(|e| io(&self.path, e))?.len();
+        if len != self.body + CHECKSUM_LEN as u64 || self.sum.trailer() != self.trailer {
+            return Err(corrupt(
+                &self.path,
+                "checksum mismatch: the file was damaged or changed outside the aggregator",
+            ));
+        }
+        Ok(())
     }
 }
 

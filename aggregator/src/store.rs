@@ -41,6 +41,10 @@ const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
 const HELD_MAGIC: &[u8; 4] = b"UFEH";
+/// Values of every update summed at a time by [`Store::spool_fold_round`]: 16 Ki (128 KiB of
+/// sums, 64 KiB read per file), small enough for a core's cache, large enough that a read of
+/// each file costs little against its sums.
+pub const ROUND_BLOCK: usize = 16 << 10;
 
 /// An accepted update as [`Store::spool_put`] keeps it: the delta as it arrived (in the order
 /// the core hands to the strategy), the rest as [`Contribution`] holds it.
@@ -760,6 +764,111 @@ impl Store {
         }
         fold.count_added(w);
         Ok(())
+    }
+
+    /// The weighted mean of the spooled deltas of `sites` (in that order) of `round`, each
+    /// scaled by `weight(samples)`, handed on a block of values at a time as `each(tensor,
+    /// first value, mean)`: all the files are read once and in step, so neither an update nor
+    /// the sums are ever whole in memory (a block of [`ROUND_BLOCK`] sums, and a read buffer).
+    /// The sums are [`Fold`]'s, bit for bit (per value in site order, in f64, then divided by
+    /// the total weight). Returns `Ok(Some(false))` when no weight was folded (nothing goes to
+    /// `each`), and `Ok(None)`, having handed nothing on, when a file holds a lossy tensor, is
+    /// of an older format, or places the tensors in another order than the first: such a round
+    /// is folded an update at a time ([`Store::spool_fold`]). Values reach `each` before the
+    /// files' checksums have passed: on any error, what it made of them must be dropped.
+    pub fn spool_fold_round(
+        &self,
+        round: u64,
+        sites: &[String],
+        weight: impl Fn(u64) -> f64,
+        lens: &[usize],
+        mut each: impl FnMut(usize, usize, &[f64]),
+    ) -> Result<Option<bool>, StoreError> {
+        let mut files = Vec::with_capacity(sites.len());
+        let mut weights = Vec::with_capacity(sites.len());
+        let mut total = 0.0;
+        for site in sites {
+            let p = self.spool_path(round, site);
+            let f = File::open(&p).map_err(|e| io(&p, e))?;
+            if spoolfile::starts_with_magic(&p, &f)? {
+                return Ok(None);
+            }
+            let Some(file) = spoolfile::Exact::open(p.clone(), f, round)? else {
+                return Ok(None);
+            };
+            let ft = &file.footer;
+            if ft.delta.len() != lens.len() {
+                return Err(corrupt(
+                    &p,
+                    format!(
+                        "holds {} delta tensors where the model has {}",
+                        ft.delta.len(),
+                        lens.len()
+                    ),
+                ));
+            }
+            for (k, t) in ft.delta.iter().enumerate() {
+                if let Placed::InHead { count, .. } = *t
+                    && count != lens[k]
+                {
+                    return Err(corrupt(
+                        &p,
+                        format!("delta tensor {k} holds {count} values, not {}", lens[k]),
+                    ));
+                }
+            }
+            if ft.bn.iter().flatten().any(|v| !v.is_finite()) {
+                return Err(corrupt(&p, "holds a value that is not finite"));
+            }
+            postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(&ft.typed)
+                .map_err(|e| corrupt(&p, e.to_string()))?;
+            let w = weight(ft.samples);
+            total += w;
+            weights.push(w);
+            files.push(file);
+        }
+        let order = |f: &spoolfile::Exact| -> Vec<(usize, usize)> {
+            f.ranges.iter().map(|&(k, _, n)| (k, n)).collect()
+        };
+        let Some(first) = files.first().map(order) else {
+            return Ok(Some(false));
+        };
+        if files.iter().any(|f| order(f) != first) {
+            return Ok(None);
+        }
+        let folded = total > 0.0;
+        let mut sums = vec![0.0f64; ROUND_BLOCK];
+        let mut buf = vec![0u8; ROUND_BLOCK * 4];
+        for (i, &(k, count)) in first.iter().enumerate() {
+            let mut at = 0;
+            while at < count {
+                let n = (count - at).min(ROUND_BLOCK);
+                let sums = &mut sums[..n];
+                sums.fill(0.0);
+                for (f, &w) in files.iter_mut().zip(&weights) {
+                    let from = f.ranges[i].1 + at as u64 * 4;
+                    let bytes = f.read_at(from, n * 4, &mut buf)?;
+                    let mut finite = true;
+                    for (s, b) in sums.iter_mut().zip(bytes.chunks_exact(4)) {
+                        let y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        finite &= y.is_finite();
+                        *s += w * y as f64;
+                    }
+                    if !finite {
+                        return Err(corrupt(f.path(), "holds a value that is not finite"));
+                    }
+                }
+                if folded {
+                    sums.iter_mut().for_each(|s| *s /= total);
+                    each(k, at, sums);
+                }
+                at += n;
+            }
+        }
+        for f in files {
+            f.finish(&mut buf)?;
+        }
+        Ok(Some(folded))
     }
 
     /// Checks `site`'s spooled update of `round` in full (checksum, format, finite values)

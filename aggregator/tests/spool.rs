@@ -348,3 +348,171 @@ fn an_exact_tensor_spooled_from_its_bytes_is_the_file_of_its_values() {
     assert_eq!(from_bytes, from_values);
     streamed_fold_is_the_fold_of_the_read_delta(&store, 2, "a");
 }
+
+/// Spools an exact update of `site` in `round` with `samples` and these delta tensors.
+fn spool_exact(store: &Store, round: u64, site: &str, samples: u64, delta: &[Vec<f32>]) {
+    let report = LocalReport {
+        local_steps: 1,
+        train_loss: 0.5,
+    };
+    let tensors: Vec<SpoolTensor> = delta.iter().map(|v| SpoolTensor::Values(v)).collect();
+    store
+        .spool_put(
+            round,
+            site,
+            &SpoolEntry {
+                message: &[],
+                staged: None,
+                samples,
+                report: &report,
+                extras: &Extras::None,
+                delta: &tensors,
+                bn: &[],
+            },
+        )
+        .unwrap();
+}
+
+/// The round's mean by `spool_fold_round`, gathered from its blocks, with how often each value
+/// was handed on.
+fn round_mean(
+    store: &Store,
+    round: u64,
+    sites: &[String],
+    lens: &[usize],
+) -> Result<Option<(bool, Vec<Vec<u64>>)>, String> {
+    let mut mean: Vec<Vec<u64>> = lens.iter().map(|&n| vec![0; n]).collect();
+    let mut seen: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0; n]).collect();
+    let folded = store
+        .spool_fold_round(
+            round,
+            sites,
+            |n| n as f64 * 0.5,
+            lens,
+            |k, at, m| {
+                for (i, v) in m.iter().enumerate() {
+                    mean[k][at + i] = v.to_bits();
+                    seen[k][at + i] += 1;
+                }
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    Ok(folded.map(|f| {
+        // Every value exactly once when folded, none otherwise.
+        let want = u8::from(f);
+        assert!(seen.iter().flatten().all(|&s| s == want));
+        (f, mean)
+    }))
+}
+
+#[test]
+fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let block = unifed_aggregator::store::ROUND_BLOCK;
+    // One tensor over two blocks and a half, a small one, and one of a single value.
+    let lens = [2 * block + block / 2, 7, 1];
+    let sites: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+    for (i, s) in sites.iter().enumerate() {
+        let delta: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| values(n, (i * 3 + k) as f32))
+            .collect();
+        spool_exact(&store, 4, s, 10 + 7 * i as u64, &delta);
+    }
+    let mut whole = Fold::new(&lens);
+    for s in &sites {
+        store
+            .spool_fold(4, s, |n| n as f64 * 0.5, &mut whole)
+            .unwrap();
+    }
+    let whole: Vec<Vec<u64>> = whole
+        .mean()
+        .unwrap()
+        .into_iter()
+        .map(|t| t.into_iter().map(f64::to_bits).collect())
+        .collect();
+    let (folded, mean) = round_mean(&store, 4, &sites, &lens).unwrap().unwrap();
+    assert!(folded);
+    assert_eq!(mean, whole);
+
+    // No site, or no weight: nothing folded, nothing handed on.
+    assert_eq!(
+        round_mean(&store, 4, &[], &lens).unwrap().map(|m| m.0),
+        Some(false)
+    );
+    spool_exact(
+        &store,
+        5,
+        "z",
+        0,
+        &[vec![1.0; lens[0]], vec![1.0; 7], vec![1.0]],
+    );
+    let zero = ["z".to_string()];
+    assert_eq!(
+        round_mean(&store, 5, &zero, &lens).unwrap().map(|m| m.0),
+        Some(false)
+    );
+
+    // A model of another shape is refused by name.
+    let err = round_mean(&store, 4, &sites, &[lens[0], 8, 1]).unwrap_err();
+    assert!(err.contains("holds 7 values, not 8"), "{err}");
+    let err = round_mean(&store, 4, &sites, &lens[1..]).unwrap_err();
+    assert!(err.contains("delta tensors where the model has"), "{err}");
+
+    // A lossy update: the round is left to the fold of one update at a time.
+    let lossy = encode(
+        "w",
+        &[7],
+        &values(7, 1.0),
+        Encoding::TernaryQ8 { block: 256 },
+        None,
+    );
+    let report = LocalReport {
+        local_steps: 1,
+        train_loss: 0.5,
+    };
+    let big = values(lens[0], 9.0);
+    store
+        .spool_put(
+            4,
+            "d",
+            &SpoolEntry {
+                message: &[],
+                staged: None,
+                samples: 3,
+                report: &report,
+                extras: &Extras::None,
+                delta: &[
+                    SpoolTensor::Values(&big),
+                    SpoolTensor::Wire(&lossy.as_ref()),
+                    SpoolTensor::Values(&[0.5]),
+                ],
+                bn: &[],
+            },
+        )
+        .unwrap();
+    let mut with_lossy = sites.clone();
+    with_lossy.push("d".into());
+    assert_eq!(round_mean(&store, 4, &with_lossy, &lens).unwrap(), None);
+
+    // A damaged file: a checksum mismatch, or a value that is not finite, named by its path.
+    let p = dir.path().join("spool/r4/b.upd");
+    let good = std::fs::read(&p).unwrap();
+    let mut bad = good.clone();
+    bad[1000] ^= 0x10;
+    std::fs::write(&p, &bad).unwrap();
+    let err = round_mean(&store, 4, &sites, &lens).unwrap_err();
+    assert!(err.contains("checksum") && err.contains("b.upd"), "{err}");
+    std::fs::write(&p, &good).unwrap();
+    spool_exact(
+        &store,
+        6,
+        "n",
+        1,
+        &[vec![f32::NAN; lens[0]], vec![0.0; 7], vec![0.0]],
+    );
+    let err = round_mean(&store, 6, &["n".to_string()], &lens).unwrap_err();
+    assert!(err.contains("not finite") && err.contains("n.upd"), "{err}");
+}

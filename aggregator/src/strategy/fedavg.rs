@@ -100,12 +100,11 @@ impl Strategy for FedAvg {
         round: &RoundReader<'_>,
         model: &mut [&mut Vec<f32>],
     ) -> Result<(), StoreError> {
-        let Some(mean) = round.mean_delta(model)? else {
-            return Ok(());
-        };
-        for (x, d) in model.iter_mut().zip(&mean) {
-            step_by(x, d, 1.0);
-        }
+        // The mean is applied as it is folded, a block at a time: no model-sized sums.
+        let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
+        round.mean_delta_blocks(&lens, |k, at, mean| {
+            step_by(&mut model[k][at..at + mean.len()], mean, 1.0);
+        })?;
         Ok(())
     }
 

@@ -335,13 +335,45 @@ impl<'a> RoundReader<'a> {
     /// nothing carries weight).
     pub fn mean_delta(&self, model: &[&mut Vec<f32>]) -> Result<Option<Vec<Vec<f64>>>, StoreError> {
         let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
-        let mut fold = crate::fold::Fold::new(&lens);
-        // Streamed from each file into the sums: no update is ever whole in memory.
+        let mut mean: Vec<Vec<f64>> = lens.iter().map(|&n| vec![0.0; n]).collect();
+        let folded = self.mean_delta_blocks(&lens, |k, at, m| {
+            mean[k][at..at + m.len()].copy_from_slice(m);
+        })?;
+        Ok(folded.then_some(mean))
+    }
+
+    /// The weighted mean of the contributions' deltas (tensors of `lens` values) handed on a
+    /// block at a time, `each(tensor, first value, mean)`, every value exactly once; false when
+    /// nothing carries weight (nothing is handed on). Every update is read once and never
+    /// whole, and neither are the sums when the round's updates are exact
+    /// ([`Store::spool_fold_round`]); otherwise each update is folded into sums of the model's
+    /// size in turn. On an error, what `each` made of the values must be dropped.
+    pub fn mean_delta_blocks(
+        &self,
+        lens: &[usize],
+        mut each: impl FnMut(usize, usize, &[f64]),
+    ) -> Result<bool, StoreError> {
+        if let Some(folded) = self.store.spool_fold_round(
+            self.round,
+            &self.sites,
+            |n| self.weight_of(n),
+            lens,
+            &mut each,
+        )? {
+            return Ok(folded);
+        }
+        let mut fold = crate::fold::Fold::new(lens);
         for s in &self.sites {
             self.store
                 .spool_fold(self.round, s, |n| self.weight_of(n), &mut fold)?;
         }
-        Ok(fold.mean())
+        let Some(mean) = fold.mean() else {
+            return Ok(false);
+        };
+        for (k, m) in mean.iter().enumerate() {
+            each(k, 0, m);
+        }
+        Ok(true)
     }
 }
 
