@@ -377,9 +377,11 @@ impl SiteFiles {
         site: &Site<N>,
         progress: &Progress,
     ) -> Result<()> {
-        use std::io::Write;
-        // Both model files are written from the model a block at a time: no export of it.
+        use std::io::{Read, Seek, Write};
+        // The checkpoint is written from the model a block at a time: no export of it.
         let layout = checkpoint::Layout::of_spec(spec);
+        // Where the model's safetensors bytes start in the checkpoint.
+        let mut model_at = 0;
         // Postcard writes a tuple as its fields one after the other, and a byte string as its
         // length then its bytes: so the head below, then the model file, is exactly the
         // checkpoint's (progress, memory, model). The memory (under a lossy encoding two
@@ -393,9 +395,25 @@ impl SiteFiles {
                 &mut *w,
             )
             .map_err(std::io::Error::other)?;
+            model_at = w.stream_position()?;
             layout.write_net(&site.net, w)
         })?;
-        checkpoint::write_atomic_with(&self.model, |w| layout.write_net(&site.net, w))?;
+        // The model file is those bytes, copied from the checkpoint just written (file to file,
+        // in the kernel where it can): laying the model out again (its linear weights read
+        // transposed, PyTorch's order) cost as much as the checkpoint itself.
+        checkpoint::write_atomic_with(&self.model, |w| {
+            let mut f = std::fs::File::open(&self.checkpoint)?;
+            f.seek(std::io::SeekFrom::Start(model_at))?;
+            let want = layout.len();
+            let copied = std::io::copy(&mut f.take(want), w)?;
+            if copied != want {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the checkpoint holds {copied} bytes of the model, not {want}"),
+                ));
+            }
+            Ok(())
+        })?;
         checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
             .with_context(|| format!("writing {}", self.progress.display()))
     }
@@ -936,6 +954,17 @@ mod tests {
         };
         site.restore_memory(lossy.clone(), &spec).unwrap();
         files.write(&spec, &site, &progress).unwrap();
+        // The model file is the model's safetensors, the checkpoint's last bytes.
+        let (model, whole) = (
+            std::fs::read(&files.model).unwrap(),
+            std::fs::read(&files.checkpoint).unwrap(),
+        );
+        let mut expected = Vec::new();
+        checkpoint::Layout::of_spec(&spec)
+            .write_net(&site.net, &mut expected)
+            .unwrap();
+        assert_eq!(model, expected);
+        assert!(whole.ends_with(&model));
         let other = tempfile::tempdir().unwrap();
         let mut again = fresh(other.path());
         assert_eq!(files.restore(&spec, &mut again).unwrap(), Some(progress));
