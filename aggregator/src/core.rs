@@ -90,10 +90,10 @@ pub enum Action {
         /// The round manifest.
         manifest: RoundManifest,
         /// The model payload (a postcard [`ServerBroadcast`]) and its chunks.
-        model: Cut,
+        model: Box<Cut>,
         /// The model as a delta from the previous version (a postcard [`ModelDelta`]) and its
         /// chunks, when the manifest announces one.
-        delta: Option<Cut>,
+        delta: Option<Box<Cut>>,
     },
     /// A round closed with the updates of `sites`, giving model `model_version`.
     RoundClosed {
@@ -643,7 +643,7 @@ impl Aggregator {
 
     fn publish(&self) -> Action {
         // Each payload is held once; the service signs its chunks as slices of it.
-        let model = Cut::new(self.broadcast_payload(), self.chunk_bytes);
+        let model = Box::new(Cut::new(self.broadcast_payload(), self.chunk_bytes));
         let (delta, delta_cut) = match &self.delta {
             Some(d) if self.state.model_version > 0 => {
                 let c = Cut::new(d.clone(), self.chunk_bytes);
@@ -653,7 +653,7 @@ impl Aggregator {
                     payload_len: c.payload().len() as u64,
                     payload_hash: c.payload_hash(),
                 };
-                (Some(info), Some(c))
+                (Some(info), Some(Box::new(c)))
             }
             _ => (None, None),
         };

@@ -373,14 +373,17 @@ fn spool_exact(store: &Store, round: u64, site: &str, samples: u64, delta: &[Vec
         .unwrap();
 }
 
-/// The round's mean by `spool_fold_round`, gathered from its blocks, with how often each value
-/// was handed on.
+/// Whether a round was folded, and its mean's bits per tensor.
+type RoundMean = (bool, Vec<Vec<u64>>);
+
+/// The round's mean by `spool_fold_round`, gathered from its blocks (each value handed on
+/// exactly once when folded, none otherwise).
 fn round_mean(
     store: &Store,
     round: u64,
     sites: &[String],
     lens: &[usize],
-) -> Result<Option<(bool, Vec<Vec<u64>>)>, String> {
+) -> Result<Option<RoundMean>, String> {
     let mut mean: Vec<Vec<u64>> = lens.iter().map(|&n| vec![0; n]).collect();
     let mut seen: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0; n]).collect();
     let folded = store

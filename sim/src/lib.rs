@@ -220,7 +220,7 @@ pub fn run_federation<N: Net>(
                             },
                         ));
                     }
-                    served = Some((manifest, model, delta));
+                    served = Some((manifest, *model, delta.map(|d| *d)));
                 }
                 Action::RoundClosed { .. } | Action::Finished { .. } => {}
             }
