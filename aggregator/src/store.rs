@@ -705,23 +705,7 @@ impl Store {
                 f,
                 round,
                 |ft| {
-                    if ft.delta.len() != lens.len() {
-                        return Err(corrupt(
-                            &p,
-                            format!(
-                                "holds {} delta tensors where the model has {}",
-                                ft.delta.len(),
-                                lens.len()
-                            ),
-                        ));
-                    }
-                    for (k, t) in ft.delta.iter().enumerate() {
-                        if let Placed::InHead { count, .. } = *t
-                            && count != lens[k]
-                        {
-                            return Err(misfit(k, count));
-                        }
-                    }
+                    footer_fits(&p, ft, &lens)?;
                     Ok(weight(ft.samples))
                 },
                 |&mut w, k, at, bytes| {
@@ -732,11 +716,7 @@ impl Store {
                     }
                 },
             )?;
-            if footer.bn.iter().flatten().any(|v| !v.is_finite()) {
-                return Err(not_finite());
-            }
-            postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(&footer.typed)
-                .map_err(|e| corrupt(&p, e.to_string()))?;
+            footer_sound(&p, &footer)?;
             let lossy = footer
                 .delta
                 .into_iter()
@@ -797,31 +777,8 @@ impl Store {
                 return Ok(None);
             };
             let ft = &file.footer;
-            if ft.delta.len() != lens.len() {
-                return Err(corrupt(
-                    &p,
-                    format!(
-                        "holds {} delta tensors where the model has {}",
-                        ft.delta.len(),
-                        lens.len()
-                    ),
-                ));
-            }
-            for (k, t) in ft.delta.iter().enumerate() {
-                if let Placed::InHead { count, .. } = *t
-                    && count != lens[k]
-                {
-                    return Err(corrupt(
-                        &p,
-                        format!("delta tensor {k} holds {count} values, not {}", lens[k]),
-                    ));
-                }
-            }
-            if ft.bn.iter().flatten().any(|v| !v.is_finite()) {
-                return Err(corrupt(&p, "holds a value that is not finite"));
-            }
-            postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(&ft.typed)
-                .map_err(|e| corrupt(&p, e.to_string()))?;
+            footer_fits(&p, ft, lens)?;
+            footer_sound(&p, ft)?;
             let w = weight(ft.samples);
             total += w;
             weights.push(w);
@@ -939,6 +896,43 @@ impl Store {
 }
 
 /// The versions N of the files `v{N}{suffix}` in `dir`, ascending (none if `dir` is absent).
+/// Checks that the footer of the spool file `p` describes a delta of tensors of `lens` values
+/// (its lossy tensors are sized when decoded), naming the misfit.
+fn footer_fits(p: &Path, ft: &spoolfile::Footer, lens: &[usize]) -> Result<(), StoreError> {
+    if ft.delta.len() != lens.len() {
+        return Err(corrupt(
+            p,
+            format!(
+                "holds {} delta tensors where the model has {}",
+                ft.delta.len(),
+                lens.len()
+            ),
+        ));
+    }
+    for (k, t) in ft.delta.iter().enumerate() {
+        if let Placed::InHead { count, .. } = *t
+            && count != lens[k]
+        {
+            return Err(corrupt(
+                p,
+                format!("delta tensor {k} holds {count} values, not {}", lens[k]),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the rest of a spool file's footer: finite shared BN values, a report and extras that
+/// decode.
+fn footer_sound(p: &Path, ft: &spoolfile::Footer) -> Result<(), StoreError> {
+    if ft.bn.iter().flatten().any(|v| !v.is_finite()) {
+        return Err(corrupt(p, "holds a value that is not finite"));
+    }
+    postcard::from_bytes::<(unifed_protocol::LocalReport, Extras)>(&ft.typed)
+        .map_err(|e| corrupt(p, e.to_string()))?;
+    Ok(())
+}
+
 fn versions_in(dir: &Path, suffix: &str) -> Result<Vec<u64>, StoreError> {
     if !dir.exists() {
         return Ok(Vec::new());
