@@ -304,7 +304,6 @@ pub(crate) fn read<T>(
     mut values: impl FnMut(&mut T, usize, usize, &[u8]) -> Result<(), StoreError>,
 ) -> Result<(Footer, T), StoreError> {
     let (body, trailer) = trailer_of(path, &f)?;
-    let len = body + CHECKSUM_LEN as u64;
     let footer = footer_of(path, &f, body, round);
     let footer = footer.and_then(|ft| check(&ft).map(|state| (ft, state)));
     // Then the whole body in order, summed; exact tensors' values handed on as they pass.
@@ -312,13 +311,7 @@ pub(crate) fn read<T>(
         Ok((ft, _)) => in_head_order(&ft.delta),
         Err(_) => Vec::new(),
     };
-    let mut b = Body {
-        f,
-        buf: vec![0u8; READ_BLOCK],
-        sum: Sum::for_trailer(&trailer),
-        pos: 0,
-        path,
-    };
+    let mut b = Body::new(f, READ_BLOCK, &trailer, path.to_path_buf());
     let mut failed = None;
     let mut footer = footer;
     for &(k, offset, count) in &ranges {
@@ -333,14 +326,7 @@ pub(crate) fn read<T>(
         })?;
     }
     b.read_to(body, |_, _| {})?;
-    // A file that grew since it was measured is not the file that was sealed.
-    let grew = b.f.metadata().map_err(|e| io(path, e))?.len() != len;
-    if grew || b.sum.trailer() != trailer {
-        return Err(corrupt(
-            path,
-            "checksum mismatch: the file was damaged or changed outside the aggregator",
-        ));
-    }
+    b.check(body, &trailer)?;
     let footer = footer?;
     match failed {
         Some(e) => Err(e),
@@ -384,85 +370,52 @@ pub(crate) struct Exact {
     pub footer: Footer,
     /// The delta's tensors as (index, offset, count), in the order they lie in the file.
     pub ranges: Vec<(usize, u64, usize)>,
-    f: File,
-    sum: Sum,
-    pos: u64,
-    body: u64,
+    body: Body,
+    len: u64,
     trailer: [u8; CHECKSUM_LEN],
-    path: std::path::PathBuf,
 }
 
 impl Exact {
-    /// Opens the spool file `f` at `path` of round `round` by its footer; `None` when a delta
-    /// tensor is lossy (in its wire form).
+    /// Opens the spool file `f` at `path` of round `round` by its footer, to be read at most
+    /// `block` bytes at a time; `None` when a delta tensor is lossy (in its wire form).
     pub(crate) fn open(
         path: std::path::PathBuf,
         f: File,
         round: u64,
+        block: usize,
     ) -> Result<Option<Exact>, StoreError> {
-        let (body, trailer) = trailer_of(&path, &f)?;
-        let footer = footer_of(&path, &f, body, round)?;
+        let (len, trailer) = trailer_of(&path, &f)?;
+        let footer = footer_of(&path, &f, len, round)?;
         if footer.delta.iter().any(|t| matches!(t, Placed::Wire(_))) {
             return Ok(None);
         }
         Ok(Some(Exact {
             ranges: in_head_order(&footer.delta),
             footer,
-            sum: Sum::for_trailer(&trailer),
-            f,
-            pos: 0,
-            body,
+            body: Body::new(f, block, &trailer, path),
+            len,
             trailer,
-            path,
         }))
     }
 
     /// The file's path.
     pub(crate) fn path(&self) -> &Path {
-        &self.path
+        &self.body.path
     }
 
-    /// Reads and sums the file up to byte `to` (nothing when it is there already).
-    fn skip_to(&mut self, to: u64, buf: &mut [u8]) -> Result<(), StoreError> {
-        while self.pos < to {
-            let n = ((to - self.pos) as usize).min(buf.len());
-            self.read(n, buf)?;
-        }
-        Ok(())
-    }
-
-    /// The `n` bytes (at most `buf`'s length) from byte `at` on, read and summed; `at` is not
-    /// before what was read already.
-    pub(crate) fn read_at<'b>(
-        &mut self,
-        at: u64,
-        n: usize,
-        buf: &'b mut [u8],
-    ) -> Result<&'b [u8], StoreError> {
-        self.skip_to(at, buf)?;
-        self.read(n, buf)
-    }
-
-    fn read<'b>(&mut self, n: usize, buf: &'b mut [u8]) -> Result<&'b [u8], StoreError> {
-        let b = &mut buf[..n];
-        self.f.read_exact(b).map_err(|e| io(&self.path, e))?;
-        self.sum.update(b);
-        self.pos += n as u64;
-        Ok(b)
+    /// The `n` bytes (at most a block) from byte `at` on, read and summed; `at` is not before
+    /// what was read already.
+    pub(crate) fn read_at(&mut self, at: u64, n: usize) -> Result<&[u8], StoreError> {
+        assert!(n <= self.body.buf.len(), "a read of at most a block");
+        self.body.read_to(at, |_, _| {})?;
+        self.body.read_to(at + n as u64, |_, _| {})?;
+        Ok(&self.body.buf[..n])
     }
 
     /// Reads and sums the rest of the body and checks it against the trailer.
-    pub(crate) fn finish(mut self, buf: &mut [u8]) -> Result<(), StoreError> {
-        self.skip_to(self.body, buf)?;
-        // A file that grew since it was measured is not the file that was sealed.
-        let len = self.f.metadata().map_err(|e| io(&self.path, e))?.len();
-        if len != self.body + CHECKSUM_LEN as u64 || self.sum.trailer() != self.trailer {
-            return Err(corrupt(
-                &self.path,
-                "checksum mismatch: the file was damaged or changed outside the aggregator",
-            ));
-        }
-        Ok(())
+    pub(crate) fn finish(mut self) -> Result<(), StoreError> {
+        self.body.read_to(self.len, |_, _| {})?;
+        self.body.check(self.len, &self.trailer)
     }
 }
 
@@ -470,16 +423,40 @@ impl Exact {
 const READ_BLOCK: usize = 1 << 20;
 
 /// A file's body read in order and summed.
-struct Body<'a> {
+struct Body {
     f: File,
     buf: Vec<u8>,
     sum: Sum,
     /// Bytes read so far.
     pos: u64,
-    path: &'a Path,
+    path: std::path::PathBuf,
 }
 
-impl Body<'_> {
+impl Body {
+    /// The body of `f` (at `path`), read `block` bytes at a time into the sum `trailer` names.
+    fn new(f: File, block: usize, trailer: &[u8; CHECKSUM_LEN], path: std::path::PathBuf) -> Body {
+        Body {
+            f,
+            buf: vec![0u8; block],
+            sum: Sum::for_trailer(trailer),
+            pos: 0,
+            path,
+        }
+    }
+
+    /// Checks the body read up to `len` against `trailer`, and that the file has not grown
+    /// since it was measured (a file that grew is not the file that was sealed).
+    fn check(&self, len: u64, trailer: &[u8; CHECKSUM_LEN]) -> Result<(), StoreError> {
+        let now = self.f.metadata().map_err(|e| io(&self.path, e))?.len();
+        if now != len + CHECKSUM_LEN as u64 || self.sum.trailer() != *trailer {
+            return Err(corrupt(
+                &self.path,
+                "checksum mismatch: the file was damaged or changed outside the aggregator",
+            ));
+        }
+        Ok(())
+    }
+
     /// Reads and sums the body up to byte `to`, handing `each` every block read with the index
     /// of its first value counted from where this call started.
     fn read_to(&mut self, to: u64, mut each: impl FnMut(usize, &[u8])) -> Result<(), StoreError> {
@@ -488,7 +465,7 @@ impl Body<'_> {
             let n = ((to - self.pos) as usize).min(self.buf.len());
             self.f
                 .read_exact(&mut self.buf[..n])
-                .map_err(|e| io(self.path, e))?;
+                .map_err(|e| io(&self.path, e))?;
             self.sum.update(&self.buf[..n]);
             each(at, &self.buf[..n]);
             at += n / 4;

@@ -773,7 +773,7 @@ impl Store {
             if spoolfile::starts_with_magic(&p, &f)? {
                 return Ok(None);
             }
-            let Some(file) = spoolfile::Exact::open(p.clone(), f, round)? else {
+            let Some(file) = spoolfile::Exact::open(p.clone(), f, round, ROUND_BLOCK * 4)? else {
                 return Ok(None);
             };
             let ft = &file.footer;
@@ -795,7 +795,6 @@ impl Store {
         }
         let folded = total > 0.0;
         let mut sums = vec![0.0f64; ROUND_BLOCK];
-        let mut buf = vec![0u8; ROUND_BLOCK * 4];
         for (i, &(k, count)) in first.iter().enumerate() {
             let mut at = 0;
             while at < count {
@@ -804,7 +803,7 @@ impl Store {
                 sums.fill(0.0);
                 for (f, &w) in files.iter_mut().zip(&weights) {
                     let from = f.ranges[i].1 + at as u64 * 4;
-                    let bytes = f.read_at(from, n * 4, &mut buf)?;
+                    let bytes = f.read_at(from, n * 4)?;
                     let mut finite = true;
                     for (s, b) in sums.iter_mut().zip(bytes.chunks_exact(4)) {
                         let y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -823,7 +822,7 @@ impl Store {
             }
         }
         for f in files {
-            f.finish(&mut buf)?;
+            f.finish()?;
         }
         Ok(Some(folded))
     }
