@@ -36,6 +36,19 @@ fn cut_of(len: usize, max_chunk_bytes: usize) -> (usize, u32) {
     (size, len.div_ceil(size).max(1) as u32)
 }
 
+/// Chunk `index` of `payload` cut into `count` chunks of `size` bytes (the last shorter).
+fn chunk_of(payload: &[u8], hash: [u8; 32], size: usize, count: u32, index: u32) -> ChunkRef<'_> {
+    let len = payload.len();
+    let at = (index as usize).saturating_mul(size).min(len);
+    Chunk {
+        payload_hash: hash,
+        index,
+        count,
+        total_len: len as u64,
+        data: &payload[at..at.saturating_add(size).min(len)],
+    }
+}
+
 /// A payload held once with its hash, handed out as the chunks [`split`] would make, each
 /// borrowed from it ([`ChunkRef`]): a sender that signs every chunk holds no copy of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,18 +88,8 @@ impl Cut {
 
     /// Chunk `index`, or `None` past the last.
     pub fn chunk(&self, index: u32) -> Option<ChunkRef<'_>> {
-        if index >= self.count {
-            return None;
-        }
-        let len = self.payload.len();
-        let at = (index as usize).saturating_mul(self.size).min(len);
-        Some(Chunk {
-            payload_hash: self.hash,
-            index,
-            count: self.count,
-            total_len: len as u64,
-            data: &self.payload[at..at.saturating_add(self.size).min(len)],
-        })
+        (index < self.count)
+            .then(|| chunk_of(&self.payload, self.hash, self.size, self.count, index))
     }
 
     /// Every chunk in order.
@@ -127,15 +130,15 @@ impl Iterator for Chunks<'_> {
         if self.next >= self.count {
             return None;
         }
-        let (i, len) = (self.next, self.payload.len());
+        let i = self.next;
         self.next += 1;
-        let at = (i as usize).saturating_mul(self.size);
+        let c = chunk_of(self.payload, self.hash, self.size, self.count, i);
         Some(Chunk {
-            payload_hash: self.hash,
-            index: i,
-            count: self.count,
-            total_len: len as u64,
-            data: self.payload[at.min(len)..at.saturating_add(self.size).min(len)].to_vec(),
+            payload_hash: c.payload_hash,
+            index: c.index,
+            count: c.count,
+            total_len: c.total_len,
+            data: c.data.to_vec(),
         })
     }
 
