@@ -547,6 +547,11 @@ pub async fn run(
     // The round the next checkpoint belongs to in the timeline, and when each upload started.
     let mut checkpoint_round = 0u64;
     let mut upload_started: Option<(u64, Instant)> = None;
+    // While a model comes in the agent allocates as a relay (see `Allocation::Relay`): each
+    // chunk's packet reuses the heap instead of faulting in fresh pages. The payload itself is
+    // one block, written in place, so the heap grows by a few packets only.
+    let chunk_requests = topics.chunk_request(&site_id);
+    let mut relaying = false;
     loop {
         let event = match queue.pop_front() {
             Some(e) => e,
@@ -571,6 +576,10 @@ pub async fn run(
         for action in engine.handle(event, now()) {
             match action {
                 SiteAction::Publish { topic, payload } => {
+                    if !relaying && topic == chunk_requests {
+                        unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Relay);
+                        relaying = true;
+                    }
                     client
                         .publish(topic, Qos::AtLeastOnce, false, payload)
                         .await?;
@@ -582,6 +591,9 @@ pub async fn run(
                     fetch_ms,
                     bytes,
                 } => {
+                    if std::mem::take(&mut relaying) {
+                        unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
+                    }
                     // The model of version v is what round v + 1 trains from.
                     let for_round = m.model_version + 1;
                     report::phase_seconds(for_round, Phase::Download, fetch_ms as f64 / 1000.0);

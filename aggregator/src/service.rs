@@ -387,7 +387,8 @@ pub async fn serve(
     let mut package: Option<Package> = None;
     // Registry entries arrive in chunks too (small: one model's BN layers).
     let mut entries =
-        unifed_protocol::chunking::Reassembler::new(120_000, 16 * core.max_entry_bytes());
+        unifed_protocol::chunking::Reassembler::new(120_000, 16 * core.max_entry_bytes())
+            .with_max_payload(core.max_entry_bytes());
     // Chunked uploads spooled to disk as they arrive: bounded per site and in all, incomplete
     // sets dropped after 10 minutes. Their chunks are taken, and receipted, by a task of their
     // own; the model version its receipts name and its keys follow this loop's.

@@ -17,7 +17,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use unifed_net::memory::MappedFile;
-use unifed_protocol::chunking::{ChunkError, check_set, payload_hash};
+use unifed_protocol::chunking::{Arrivals, ChunkError, check_set, cut_size, payload_hash};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{Chunk, ChunkRef};
 
@@ -55,18 +55,12 @@ struct Set {
     /// Length of every chunk but the last.
     size: u64,
     first_ms: u64,
-    /// One bit per chunk: received.
-    received: Vec<u64>,
-    got: u32,
+    arrived: Arrivals,
     file: File,
     path: PathBuf,
 }
 
 impl Set {
-    fn has(&self, index: u32) -> bool {
-        self.received[index as usize / 64] & (1 << (index % 64)) != 0
-    }
-
     /// The length chunk `index` must have.
     fn chunk_len(&self, index: u32) -> u64 {
         if index + 1 == self.count {
@@ -194,7 +188,7 @@ impl SpooledUploads {
                     }
                     .into());
                 }
-                if s.has(index) {
+                if s.arrived.has(index) {
                     return Ok(None);
                 }
                 if len != s.chunk_len(index) {
@@ -226,8 +220,7 @@ impl SpooledUploads {
                     total_len,
                     size,
                     first_ms: now_ms,
-                    received: vec![0; (count as usize).div_ceil(64)],
-                    got: 0,
+                    arrived: Arrivals::new(count),
                     file,
                     path,
                 });
@@ -241,9 +234,8 @@ impl SpooledUploads {
                 path: s.path.clone(),
                 source,
             })?;
-        s.received[index as usize / 64] |= 1 << (index % 64);
-        s.got += 1;
-        if s.got < count {
+        s.arrived.mark(index);
+        if s.arrived.got() < count {
             return Ok(None);
         }
         let s = sets.remove(k);
@@ -303,22 +295,10 @@ impl SpooledUploads {
 }
 
 /// The length of every chunk but the last in a set of `count` chunks and `total_len` bytes
-/// whose chunk `index` has `len` bytes, or `None` if no such cut exists.
+/// whose chunk `index` has `len` bytes ([`cut_size`]), or `None` if no such cut exists or its
+/// chunks are shorter than [`MIN_CHUNK`].
 fn geometry(index: u32, count: u32, total_len: u64, len: u64) -> Option<u64> {
-    if count == 1 {
-        return (len == total_len).then_some(len);
-    }
-    let others = u64::from(count - 1);
-    let size = if index + 1 == count {
-        // The last chunk: the others share what it leaves, equally.
-        let rest = total_len.checked_sub(len)?;
-        (rest % others == 0).then_some(rest / others)?
-    } else {
-        len
-    };
-    // Every chunk but the last is full and not short, the last one is not empty and not larger.
-    let last = total_len.checked_sub(size.checked_mul(others)?)?;
-    (size >= MIN_CHUNK && last > 0 && last <= size).then_some(size)
+    cut_size(index, count, total_len, len).filter(|&size| count == 1 || size >= MIN_CHUNK)
 }
 
 fn hex(b: &[u8]) -> String {

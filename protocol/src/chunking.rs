@@ -183,26 +183,19 @@ pub enum ChunkError {
         /// Payload length of the set.
         set_total_len: u64,
     },
-    /// The chunk carries more bytes than the rest of its payload can hold, or none at all.
+    /// The chunk's length does not fit its set's cut: every chunk but the last as long as the
+    /// set's first full one, the last no longer and not empty (unless the payload is).
     #[error(
-        "chunk {index} carries {len} bytes, but its set has room for {room} more (chunks of a non-empty payload cannot be empty)"
+        "chunk {index} carries {len} bytes, but its set's cut has room for {room} there (0: no \
+         cut of the set has a chunk of that length there)"
     )]
     BadChunkLength {
         /// The chunk's index.
         index: u32,
         /// Bytes in the chunk.
         len: usize,
-        /// Bytes the set can still take.
+        /// Bytes the chunk must carry, or 0 when no cut fits it.
         room: u64,
-    },
-    /// All chunks arrived but their lengths do not add up to the payload length; the set is
-    /// dropped.
-    #[error("reassembled payload has {got} bytes, its chunks announced {expected}")]
-    LengthMismatch {
-        /// Announced payload length.
-        expected: u64,
-        /// Bytes received.
-        got: u64,
     },
     /// All chunks arrived but the payload's hash differs from the set's hash; the set is
     /// dropped and should be requested again.
@@ -228,39 +221,110 @@ pub enum ChunkError {
     },
 }
 
-/// One incomplete chunk set.
+/// The length of every chunk but the last in a set of `count` chunks carrying `total_len`
+/// bytes whose chunk `index` has `len` bytes, cut as [`split`] cuts (every chunk full but the
+/// last, which is not empty unless the payload is), or `None` if no such cut exists.
+pub fn cut_size(index: u32, count: u32, total_len: u64, len: u64) -> Option<u64> {
+    if count <= 1 {
+        return (count == 1 && len == total_len).then_some(len);
+    }
+    let others = u64::from(count - 1);
+    let size = if index + 1 == count {
+        // The last chunk: the others share what it leaves, equally.
+        let rest = total_len.checked_sub(len)?;
+        (rest % others == 0).then_some(rest / others)?
+    } else {
+        len
+    };
+    let last = total_len.checked_sub(size.checked_mul(others)?)?;
+    (last > 0 && last <= size).then_some(size)
+}
+
+/// Which chunks of a set have arrived: one bit per chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Arrivals {
+    bits: Vec<u64>,
+    got: u32,
+}
+
+impl Arrivals {
+    /// None of `count` chunks yet.
+    pub fn new(count: u32) -> Arrivals {
+        Arrivals {
+            bits: alloc::vec![0; (count as usize).div_ceil(64)],
+            got: 0,
+        }
+    }
+
+    /// Whether chunk `index` has arrived.
+    pub fn has(&self, index: u32) -> bool {
+        self.bits
+            .get(index as usize / 64)
+            .is_some_and(|w| w & (1 << (index % 64)) != 0)
+    }
+
+    /// Records chunk `index` (below the count); false if it had already arrived.
+    pub fn mark(&mut self, index: u32) -> bool {
+        let had = self.has(index);
+        if !had {
+            self.bits[index as usize / 64] |= 1 << (index % 64);
+            self.got += 1;
+        }
+        !had
+    }
+
+    /// How many chunks have arrived.
+    pub fn got(&self) -> u32 {
+        self.got
+    }
+
+    /// Bytes the bitmap of `count` chunks takes: what a set's bookkeeping costs.
+    pub fn bytes_for(count: u32) -> usize {
+        (count as usize).div_ceil(64) * 8
+    }
+}
+
+/// One incomplete chunk set, written in place into its payload as chunks arrive.
 #[derive(Debug)]
 struct PendingSet {
     count: u32,
     total_len: u64,
+    /// Length of every chunk but the last.
+    size: u64,
     /// When the set's first chunk arrived.
     first_ms: u64,
-    /// Received chunks by index. A map rather than a dense `Vec<Option<_>>` so memory follows
-    /// what arrived, not what a (possibly hostile) `count` claims.
-    chunks: BTreeMap<u32, Vec<u8>>,
-    /// Bytes received so far.
-    bytes: usize,
+    /// The payload, zeroed where no chunk has arrived yet. Allocated zeroed, so its pages are
+    /// the system's until a chunk is written into them.
+    payload: Vec<u8>,
+    arrived: Arrivals,
 }
 
 impl PendingSet {
-    /// Memory the set holds, as the reassembler counts it.
+    /// Memory the set holds, as the reassembler counts it: all of it from its first chunk.
     fn held(&self) -> usize {
-        SET_OVERHEAD + self.bytes + CHUNK_OVERHEAD * self.chunks.len()
+        held_for(self.total_len, self.count)
+    }
+
+    /// The length chunk `index` must have.
+    fn len_of(&self, index: u32) -> u64 {
+        if index + 1 == self.count {
+            self.total_len - self.size * u64::from(self.count - 1)
+        } else {
+            self.size
+        }
     }
 }
 
-/// Memory a held chunk costs beyond its data: its map entry and vector header.
-pub const CHUNK_OVERHEAD: usize = 64;
-/// Memory an incomplete set costs beyond its chunks: its entries in the set map and the
-/// expiry order.
+/// Memory an incomplete set costs beyond its payload and bitmap: its entries in the set map
+/// and the expiry order.
 pub const SET_OVERHEAD: usize = 192;
 
-/// The most memory a [`Reassembler`] holds for one set of `count` chunks carrying
-/// `total_len` bytes: what to allow for one payload in flight.
+/// The memory a [`Reassembler`] holds for one set of `count` chunks carrying `total_len`
+/// bytes, counted from its first chunk: what to allow for one payload in flight.
 pub fn held_for(total_len: u64, count: u32) -> usize {
     usize::try_from(total_len)
         .unwrap_or(usize::MAX)
-        .saturating_add(CHUNK_OVERHEAD.saturating_mul(count as usize))
+        .saturating_add(Arrivals::bytes_for(count))
         .saturating_add(SET_OVERHEAD)
 }
 
@@ -308,14 +372,18 @@ pub fn fetch_window(total_len: u64, count: u32) -> usize {
 }
 
 /// Collects chunks of many payloads at once and hands each payload back once it is complete
-/// and its hash checks out. Memory is bounded by `max_pending_bytes`, counted as what is really
-/// held: chunk data plus [`CHUNK_OVERHEAD`] per chunk and [`SET_OVERHEAD`] per set, so a flood
-/// of tiny chunks is bounded as tightly as one of large ones. Expiry is amortised O(1) per
-/// set, and at most `max_sets` sets are held (the oldest is dropped for a new one).
+/// and its hash checks out. Each chunk is written in place into its payload, so a payload is
+/// held once and never copied after its chunks arrive. Chunks must be cut as [`split`] cuts
+/// (every chunk as long as the first full one, the last no longer). Memory is bounded by
+/// `max_pending_bytes`, each set counted in full ([`held_for`]) from its first chunk, so a
+/// flood of tiny chunks or sets is bounded as tightly as one of large ones. Expiry is
+/// amortised O(1) per set, and at most `max_sets` sets are held (the oldest is dropped for a
+/// new one).
 #[derive(Debug)]
 pub struct Reassembler {
     timeout_ms: u64,
     max_pending_bytes: usize,
+    max_payload: usize,
     max_sets: usize,
     sets: BTreeMap<[u8; 32], PendingSet>,
     /// Incomplete sets by arrival of their first chunk, oldest first.
@@ -330,6 +398,7 @@ impl Reassembler {
         Reassembler {
             timeout_ms,
             max_pending_bytes,
+            max_payload: max_pending_bytes,
             max_sets: usize::MAX,
             sets: BTreeMap::new(),
             order: BTreeSet::new(),
@@ -344,6 +413,13 @@ impl Reassembler {
         self
     }
 
+    /// The same, refusing a payload of more than `max_payload` bytes (by default the whole
+    /// memory limit): one sender's set cannot claim the room of many.
+    pub fn with_max_payload(mut self, max_payload: usize) -> Self {
+        self.max_payload = max_payload.min(self.max_pending_bytes);
+        self
+    }
+
     /// Removes the set `hash`, freeing what it held.
     fn drop_set(&mut self, hash: &[u8; 32]) -> Option<PendingSet> {
         let set = self.sets.remove(hash)?;
@@ -352,11 +428,10 @@ impl Reassembler {
         Some(set)
     }
 
-    /// Adds a chunk received at `now_ms`; returns the payload when this chunk completes its set.
+    /// Adds a chunk received at `now_ms`; returns the payload when this chunk completes it.
     ///
     /// Chunks may come in any order; a repeated index is ignored. A refused chunk leaves its set
-    /// as it was, except on [`ChunkError::HashMismatch`] and [`ChunkError::LengthMismatch`],
-    /// which drop the whole set.
+    /// as it was, except on [`ChunkError::HashMismatch`], which drops the whole set.
     pub fn insert(
         &mut self,
         chunk: ChunkRef<'_>,
@@ -369,9 +444,15 @@ impl Reassembler {
             total_len,
             data,
         } = chunk;
-        check_set((index, count, total_len), self.max_pending_bytes)?;
+        check_set((index, count, total_len), self.max_payload)?;
+        let len = data.len() as u64;
+        let bad_len = |room: u64| ChunkError::BadChunkLength {
+            index,
+            len: data.len(),
+            room,
+        };
 
-        let (received, got) = match self.sets.get(&hash) {
+        match self.sets.get(&hash) {
             Some(set) => {
                 if set.count != count || set.total_len != total_len {
                     return Err(ChunkError::SetMismatch {
@@ -381,75 +462,63 @@ impl Reassembler {
                         set_total_len: set.total_len,
                     });
                 }
-                if set.chunks.contains_key(&index) {
+                if set.arrived.has(index) {
                     return Ok(None);
                 }
-                (set.bytes, set.chunks.len())
-            }
-            None => (0, 0),
-        };
-        let room = total_len - received as u64;
-        if data.len() as u64 > room || (data.is_empty() && total_len > 0) {
-            return Err(ChunkError::BadChunkLength {
-                index,
-                len: data.len(),
-                room,
-            });
-        }
-
-        if got + 1 == count as usize {
-            // This chunk completes the set: assemble without holding it as pending.
-            let set = self.drop_set(&hash);
-            let mut payload = Vec::with_capacity(received + data.len());
-            let mut data = Some(data);
-            let mut parts = set.map(|s| s.chunks).unwrap_or_default();
-            for i in 0..count {
-                match parts.remove(&i) {
-                    Some(part) => payload.extend_from_slice(&part),
-                    None => payload.extend_from_slice(data.take().unwrap_or_default()),
+                if len != set.len_of(index) {
+                    return Err(bad_len(set.len_of(index)));
                 }
             }
-            if payload.len() as u64 != total_len {
-                return Err(ChunkError::LengthMismatch {
-                    expected: total_len,
-                    got: payload.len() as u64,
-                });
+            None => {
+                let size = cut_size(index, count, total_len, len).ok_or_else(|| bad_len(0))?;
+                if count == 1 {
+                    // A whole payload in one chunk: nothing is held.
+                    return match payload_hash(data) == hash {
+                        true => Ok(Some(data.to_vec())),
+                        false => Err(ChunkError::HashMismatch),
+                    };
+                }
+                if self.sets.len() >= self.max_sets
+                    && let Some(&(_, oldest)) = self.order.first()
+                {
+                    self.drop_set(&oldest);
+                }
+                let cost = held_for(total_len, count);
+                if self.pending_bytes + cost > self.max_pending_bytes {
+                    return Err(ChunkError::TooMuchPending {
+                        pending: self.pending_bytes,
+                        incoming: cost,
+                        limit: self.max_pending_bytes,
+                    });
+                }
+                self.pending_bytes += cost;
+                self.order.insert((now_ms, hash));
+                self.sets.insert(
+                    hash,
+                    PendingSet {
+                        count,
+                        total_len,
+                        size,
+                        first_ms: now_ms,
+                        // Checked against the limit above, so it fits a usize.
+                        payload: alloc::vec![0; total_len as usize],
+                        arrived: Arrivals::new(count),
+                    },
+                );
             }
-            if payload_hash(&payload) != hash {
-                return Err(ChunkError::HashMismatch);
-            }
-            return Ok(Some(payload));
         }
-
-        let new_set = got == 0;
-        if new_set
-            && self.sets.len() >= self.max_sets
-            && let Some(&(_, oldest)) = self.order.first()
-        {
-            self.drop_set(&oldest);
+        let set = self.sets.get_mut(&hash).expect("present or just inserted");
+        let at = (set.size * u64::from(index)) as usize;
+        set.payload[at..at + data.len()].copy_from_slice(data);
+        set.arrived.mark(index);
+        if set.arrived.got() < count {
+            return Ok(None);
         }
-        let cost = data.len() + CHUNK_OVERHEAD + if new_set { SET_OVERHEAD } else { 0 };
-        if self.pending_bytes + cost > self.max_pending_bytes {
-            return Err(ChunkError::TooMuchPending {
-                pending: self.pending_bytes,
-                incoming: cost,
-                limit: self.max_pending_bytes,
-            });
+        let set = self.drop_set(&hash).expect("present");
+        if payload_hash(&set.payload) != hash {
+            return Err(ChunkError::HashMismatch);
         }
-        self.pending_bytes += cost;
-        if new_set {
-            self.order.insert((now_ms, hash));
-        }
-        let set = self.sets.entry(hash).or_insert_with(|| PendingSet {
-            count,
-            total_len,
-            first_ms: now_ms,
-            chunks: BTreeMap::new(),
-            bytes: 0,
-        });
-        set.bytes += data.len();
-        set.chunks.insert(index, data.to_vec());
-        Ok(None)
+        Ok(Some(set.payload))
     }
 
     /// Drops every set whose first chunk arrived more than the timeout before `now_ms`, frees
@@ -466,7 +535,7 @@ impl Reassembler {
         expired
     }
 
-    /// Memory held for incomplete sets: chunk data plus the per-chunk and per-set overheads.
+    /// Memory held for incomplete sets: each set's payload, bitmap and overhead.
     pub fn pending_bytes(&self) -> usize {
         self.pending_bytes
     }
@@ -479,11 +548,7 @@ impl Reassembler {
     /// Indices not yet received for the set `payload_hash`, or `None` if no such set is pending.
     pub fn missing(&self, payload_hash: &[u8; 32]) -> Option<Vec<u32>> {
         let set = self.sets.get(payload_hash)?;
-        Some(
-            (0..set.count)
-                .filter(|i| !set.chunks.contains_key(i))
-                .collect(),
-        )
+        Some((0..set.count).filter(|&i| !set.arrived.has(i)).collect())
     }
 }
 
@@ -609,7 +674,9 @@ mod tests {
         let mut r = Reassembler::new(500, 1000);
         r.insert(chunks[0].as_ref(), 1000).unwrap();
         r.insert(chunks[2].as_ref(), 1400).unwrap();
-        assert_eq!(r.pending_bytes(), 60 + 2 * CHUNK_OVERHEAD + SET_OVERHEAD);
+        // The whole set is counted from its first chunk: its payload is allocated then.
+        assert_eq!(r.pending_bytes(), 100 + 8 + SET_OVERHEAD);
+        assert_eq!(r.pending_bytes(), held_for(100, 4));
         assert_eq!(r.missing(&payload_hash(&p)), Some(vec![1, 3]));
         // The timeout counts from the first chunk, not the latest.
         assert!(r.expire(1500).is_empty());
@@ -673,7 +740,7 @@ mod tests {
             r.insert(with(|c| c.data = vec![0; 11]).as_ref(), 0),
             Err(ChunkError::BadChunkLength {
                 len: 11,
-                room: 10,
+                room: 0,
                 ..
             })
         ));
@@ -710,47 +777,160 @@ mod tests {
     }
 
     #[test]
-    fn chunks_short_of_the_announced_length_are_a_length_mismatch() {
+    fn a_chunk_of_another_length_than_its_cut_is_refused_and_the_set_kept() {
         let p = payload(100);
-        let mut chunks = split(&p, 30);
-        chunks[3].data.pop();
+        let chunks = split(&p, 30);
         let mut r = Reassembler::new(500, 1000);
-        for c in &chunks[..3] {
+        for c in &chunks[..2] {
             r.insert(c.as_ref(), 0).unwrap();
         }
+        let with = |i: usize, f: fn(&mut Chunk)| {
+            let mut c = chunks[i].clone();
+            f(&mut c);
+            c
+        };
+        // The last chunk one byte short, a middle one one byte long.
         assert_eq!(
-            r.insert(chunks[3].as_ref(), 0),
-            Err(ChunkError::LengthMismatch {
-                expected: 100,
-                got: 99
+            r.insert(with(3, |c| c.data.truncate(9)).as_ref(), 0),
+            Err(ChunkError::BadChunkLength {
+                index: 3,
+                len: 9,
+                room: 10
             })
         );
+        assert_eq!(
+            r.insert(with(2, |c| c.data.push(0)).as_ref(), 0),
+            Err(ChunkError::BadChunkLength {
+                index: 2,
+                len: 31,
+                room: 30
+            })
+        );
+        assert_eq!(r.missing(&payload_hash(&p)), Some(vec![2, 3]));
+        assert_eq!(r.insert(chunks[2].as_ref(), 0), Ok(None));
+        assert_eq!(r.insert(chunks[3].as_ref(), 0), Ok(Some(p)));
         assert_eq!(r.pending_bytes(), 0);
     }
 
     #[test]
-    fn memory_past_the_limit_is_refused_counting_what_is_really_held() {
+    fn a_set_begun_with_its_last_chunk_takes_its_cut_from_it() {
+        let p = payload(100);
+        let chunks = split(&p, 30);
+        let mut r = Reassembler::new(500, 1000);
+        // 10 bytes last of 4 chunks: the others carry 30 each.
+        assert_eq!(r.insert(chunks[3].as_ref(), 0), Ok(None));
+        let mut long = chunks[0].clone();
+        long.data.extend_from_slice(&[0; 5]);
+        assert_eq!(
+            r.insert(long.as_ref(), 0),
+            Err(ChunkError::BadChunkLength {
+                index: 0,
+                len: 35,
+                room: 30
+            })
+        );
+        for c in &chunks[..2] {
+            assert_eq!(r.insert(c.as_ref(), 0), Ok(None));
+        }
+        assert_eq!(r.insert(chunks[2].as_ref(), 0), Ok(Some(p)));
+        // A last chunk no cut of the set can end with: 100 - 11 is not shared by 3 equally.
+        let mut odd = chunks[3].clone();
+        odd.data.push(0);
+        assert_eq!(
+            r.insert(odd.as_ref(), 0),
+            Err(ChunkError::BadChunkLength {
+                index: 3,
+                len: 11,
+                room: 0
+            })
+        );
+        assert_eq!(r.pending_sets(), 0);
+    }
+
+    #[test]
+    fn a_payload_in_one_chunk_is_handed_back_without_being_held() {
+        let p = payload(50);
+        let one = split(&p, 64).remove(0);
+        let mut r = Reassembler::new(500, 60);
+        assert_eq!(r.insert(one.as_ref(), 0), Ok(Some(p)));
+        let mut bad = one.clone();
+        bad.data[0] ^= 1;
+        assert_eq!(r.insert(bad.as_ref(), 0), Err(ChunkError::HashMismatch));
+        assert_eq!(r.pending_bytes(), 0);
+    }
+
+    #[test]
+    fn a_payload_over_the_per_set_limit_is_refused() {
+        let chunks = split(&payload(100), 30);
+        let mut r = Reassembler::new(500, 10_000).with_max_payload(99);
+        assert_eq!(
+            r.insert(chunks[0].as_ref(), 0),
+            Err(ChunkError::PayloadTooLarge {
+                total_len: 100,
+                limit: 99
+            })
+        );
+        let mut r = Reassembler::new(500, 10_000).with_max_payload(100);
+        assert_eq!(r.insert(chunks[0].as_ref(), 0), Ok(None));
+    }
+
+    #[test]
+    fn cut_size_accepts_exactly_the_cuts_of_split() {
+        for (total, size) in [
+            (10_000u64, 3_000u64),
+            (9_000, 3_000),
+            (1, 1),
+            (1_025, 512),
+            (7, 1),
+        ] {
+            let count = total.div_ceil(size) as u32;
+            let cut = split(&payload(total as usize), size as usize);
+            for (index, c) in (0..count).zip(&cut) {
+                assert_eq!(
+                    cut_size(index, count, total, c.data.len() as u64),
+                    Some(if count == 1 { total } else { size }),
+                    "{total}/{size}"
+                );
+            }
+        }
+        assert_eq!(cut_size(0, 2, 10_000, 4_000), None); // 2 x 4,000 cannot carry 10,000 bytes
+        assert_eq!(cut_size(1, 2, 10_000, 0), None); // an empty last chunk
+        assert_eq!(cut_size(2, 3, 1_000, 500), None); // 500 + 2 x 250: a last chunk too long
+        assert_eq!(cut_size(0, 1, 10, 9), None); // one chunk short of its payload
+        assert_eq!(cut_size(0, 1, 0, 0), Some(0)); // the empty payload
+        assert_eq!(cut_size(0, 0, 0, 0), None);
+    }
+
+    #[test]
+    fn arrivals_count_each_chunk_once() {
+        let mut a = Arrivals::new(130);
+        assert_eq!(Arrivals::bytes_for(130), 24);
+        assert!(a.mark(129) && a.mark(0) && a.mark(64));
+        assert!(!a.mark(64));
+        assert!(a.has(129) && a.has(64) && !a.has(1) && !a.has(130));
+        assert_eq!(a.got(), 3);
+    }
+
+    #[test]
+    fn memory_past_the_limit_is_refused_counting_whole_sets() {
         let (p, q) = (payload(100), payload(90));
-        let held = |data: usize, chunks: usize, sets: usize| {
-            data + chunks * CHUNK_OVERHEAD + sets * SET_OVERHEAD
-        };
-        let limit = held(95, 2, 2) + 39;
+        let limit = held_for(100, 2) + held_for(90, 2) + 39;
         let mut r = Reassembler::new(500, limit);
         r.insert(split(&p, 50)[0].as_ref(), 0).unwrap();
         let qs = split(&q, 45);
         r.insert(qs[0].as_ref(), 0).unwrap();
-        assert_eq!(r.pending_bytes(), held(95, 2, 2));
+        assert_eq!(r.pending_bytes(), held_for(100, 2) + held_for(90, 2));
         assert_eq!(
             r.insert(split(&payload(80), 40)[0].as_ref(), 0),
             Err(ChunkError::TooMuchPending {
-                pending: held(95, 2, 2),
-                incoming: held(40, 1, 1),
+                pending: held_for(100, 2) + held_for(90, 2),
+                incoming: held_for(80, 2),
                 limit
             })
         );
         // Completing a set needs no extra room and frees what it held.
         assert_eq!(r.insert(qs[1].as_ref(), 0), Ok(Some(q)));
-        assert_eq!(r.pending_bytes(), held(50, 1, 1));
+        assert_eq!(r.pending_bytes(), held_for(100, 2));
     }
 
     #[test]
@@ -769,7 +949,8 @@ mod tests {
                 taken += 1;
             }
         }
-        assert_eq!(taken, 100_000 / (1 + CHUNK_OVERHEAD + SET_OVERHEAD));
+        assert_eq!(taken, 100_000 / held_for(2, 2));
+        assert_eq!(held_for(2, 2), 2 + 8 + SET_OVERHEAD);
         assert!(r.pending_bytes() <= 100_000);
     }
 
