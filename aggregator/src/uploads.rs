@@ -17,7 +17,9 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use unifed_net::memory::MappedFile;
-use unifed_protocol::chunking::{Arrivals, ChunkError, check_set, cut_size, payload_hash};
+use unifed_protocol::chunking::{
+    Arrivals, ChunkError, PayloadHasher, check_set, cut_size, payload_hash,
+};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{Chunk, ChunkRef};
 
@@ -56,6 +58,10 @@ struct Set {
     size: u64,
     first_ms: u64,
     arrived: Arrivals,
+    /// While every chunk has come in order: the next index and the hash of those before it.
+    /// Sites send in order, so the payload is hashed as it arrives (beside the core, which
+    /// checks complete updates one after another) rather than read back at the end.
+    in_order: Option<(u32, PayloadHasher)>,
     file: File,
     path: PathBuf,
 }
@@ -81,6 +87,8 @@ pub struct Received {
     path: PathBuf,
     len: u64,
     hash: [u8; 32],
+    /// Whether the chunks' hash was checked as they came in order (see `Set::in_order`).
+    verified: bool,
 }
 
 impl Drop for Received {
@@ -100,8 +108,9 @@ impl Received {
         &self.path
     }
 
-    /// The payload, checked against the set's hash: the file's pages mapped, not copied into
-    /// a fresh buffer (see [`MappedFile`]; the file is this aggregator's own).
+    /// The payload, checked against the set's hash (hashed here unless its chunks were as they
+    /// came in order): the file's pages mapped, not copied into a fresh buffer (see
+    /// [`MappedFile`]; the file is this aggregator's own).
     pub fn read(&self) -> Result<Bytes, UploadError> {
         let io = |source| UploadError::Io {
             path: self.path.clone(),
@@ -110,7 +119,7 @@ impl Received {
         let len =
             usize::try_from(self.len).map_err(|_| io(std::io::ErrorKind::FileTooLarge.into()))?;
         let payload = MappedFile::map(&self.file, len).map_err(io)?;
-        if payload_hash(&payload) != self.hash {
+        if !self.verified && payload_hash(&payload) != self.hash {
             return Err(ChunkError::HashMismatch.into());
         }
         Ok(Bytes::from_owner(payload))
@@ -221,6 +230,7 @@ impl SpooledUploads {
                     size,
                     first_ms: now_ms,
                     arrived: Arrivals::new(count),
+                    in_order: Some((0, PayloadHasher::new())),
                     file,
                     path,
                 });
@@ -235,6 +245,13 @@ impl SpooledUploads {
                 source,
             })?;
         s.arrived.mark(index);
+        s.in_order = match s.in_order.take() {
+            Some((next, mut h)) if next == index => {
+                h.update(data);
+                Some((next + 1, h))
+            }
+            _ => None,
+        };
         if s.arrived.got() < count {
             return Ok(None);
         }
@@ -242,6 +259,13 @@ impl SpooledUploads {
         if sets.is_empty() {
             self.sites.remove(site);
         }
+        let verified = match &s.in_order {
+            Some((_, h)) if h.finalize() != hash => {
+                let _ = std::fs::remove_file(&s.path);
+                return Err(ChunkError::HashMismatch.into());
+            }
+            in_order => in_order.is_some(),
+        };
         // Renamed now: the set's name is free for a new set (a re-send of the same update),
         // and the complete one's is never reused, so removing it never removes another's.
         self.completed += 1;
@@ -262,6 +286,7 @@ impl SpooledUploads {
             path,
             len: total_len,
             hash,
+            verified,
         }))
     }
 
@@ -369,12 +394,38 @@ mod tests {
         assert_eq!(done.map(|d| d.read().unwrap().to_vec()), Some(p));
     }
 
+    fn names(d: &Path) -> Vec<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
     #[test]
-    fn tampered_chunks_fail_the_hash_when_the_set_is_read() {
+    fn tampered_chunks_in_order_fail_the_hash_as_the_last_arrives_and_leave_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
         let mut cs: Vec<Chunk> = chunks(&payload(5_000), 1_000).collect();
         cs[2].data[7] ^= 1;
+        let last = cs.pop().unwrap();
+        for c in cs {
+            assert!(u.insert(&site("a"), c.as_ref(), 0).unwrap().is_none());
+        }
+        assert!(matches!(
+            u.insert(&site("a"), last.as_ref(), 0),
+            Err(UploadError::Chunk(ChunkError::HashMismatch))
+        ));
+        assert_eq!(u.pending_sets(), 0);
+        assert!(names(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn tampered_chunks_out_of_order_fail_the_hash_when_the_set_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
+        let mut cs: Vec<Chunk> = chunks(&payload(5_000), 1_000).collect();
+        cs[2].data[7] ^= 1;
+        cs.swap(0, 1);
         let mut last = None;
         for c in cs {
             last = u.insert(&site("a"), c.as_ref(), 0).unwrap();
@@ -382,12 +433,6 @@ mod tests {
         // Complete, and no longer pending; its file has a name of its own until the set is
         // dropped, and its bytes fail the hash.
         assert_eq!(u.pending_sets(), 0);
-        let names = |d: &Path| -> Vec<String> {
-            std::fs::read_dir(d)
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect()
-        };
         let set = last.unwrap();
         assert_eq!(
             names(dir.path()),

@@ -521,7 +521,7 @@ pub fn checked<'a, B: AsRef<[u8]>>(
             None => Checked::Decoded(decode(t).map_err(malformed)?),
         };
         let finite = match &c {
-            Checked::Exact(b) => b.chunks_exact(4).all(|b| le_f32(b).is_finite()),
+            Checked::Exact(b) => all_finite_le(b),
             Checked::Decoded(v) => v.iter().all(|x| x.is_finite()),
         };
         if !finite {
@@ -603,6 +603,19 @@ fn le_f32(b: &[u8]) -> f32 {
     f32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
+/// Whether every little-endian `f32` in `bytes` is finite: its exponent bits not all set. A
+/// block at a time without stopping at each value, which the compiler turns into vector code
+/// (a 57 MB update took 18 ms value by value, on the aggregator's path to answering it).
+fn all_finite_le(bytes: &[u8]) -> bool {
+    const EXPONENT: u32 = 0x7f80_0000;
+    bytes.chunks(16 << 10).all(|block| {
+        block.chunks_exact(4).fold(0u32, |bad, b| {
+            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            bad | u32::from(bits & EXPONENT == EXPONENT)
+        }) == 0
+    })
+}
+
 /// `x <- x + eta d` in f64, rounded once to f32 (with `eta = 1` exactly FedAvg's step).
 pub(crate) fn step_by(x: &mut [f32], d: &[f64], eta: f64) {
     for (x, d) in x.iter_mut().zip(d) {
@@ -617,4 +630,36 @@ pub(crate) fn exact<'a>(
     tensors
         .map(|(t, v)| t.encode(v, Encoding::F32, None))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_finite_le_agrees_with_is_finite_on_every_kind_of_value() {
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.5,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xff80_0000 | 12345),
+        ];
+        for &x in &specials {
+            // At the start, inside the first block, and past it.
+            for at in [0usize, 17, (16 << 10) / 4 + 3] {
+                let mut v = vec![1.0f32; at + 5];
+                v[at] = x;
+                let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+                assert_eq!(all_finite_le(&bytes), x.is_finite(), "{x:?} at {at}");
+            }
+        }
+        assert!(all_finite_le(&[]));
+    }
 }
