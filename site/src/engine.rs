@@ -208,7 +208,11 @@ impl SiteEngine {
             resumed: progress.is_some(),
             progress: progress.unwrap_or_default(),
             manifest: None,
-            reasm: Reassembler::new(FETCH_TIMEOUT_MS, usize::try_from(max).unwrap_or(usize::MAX)),
+            // Every chunk is opened with the pinned aggregator's key before it is handed in
+            // (`on_message`), and its payload hash is the one its signed manifest names: the
+            // complete model is not hashed a second time (13 ms of a 57 MB download).
+            reasm: Reassembler::new(FETCH_TIMEOUT_MS, usize::try_from(max).unwrap_or(usize::MAX))
+                .of_signed_chunks(),
             outstanding: BTreeSet::new(),
             last_request_ms: None,
             fetch_started_ms: None,
@@ -453,8 +457,8 @@ impl SiteEngine {
             return;
         }
         self.outstanding.remove(&chunk.index);
-        // The reassembler hands back only a payload whose hash is its set's, and the set's is
-        // the manifest's (checked above): the 57 MB are not hashed a second time.
+        // Every chunk of the set was signed by the aggregator with the manifest's hash (checked
+        // above), so the payload is the one the manifest names without hashing its 57 MB.
         let bytes = match self.reasm.insert(chunk, now_ms) {
             Ok(Some(b)) => b,
             Ok(None) => return,
