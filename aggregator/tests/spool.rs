@@ -519,3 +519,33 @@ fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time()
     let err = round_mean(&store, 6, &["n".to_string()], &lens).unwrap_err();
     assert!(err.contains("not finite") && err.contains("n.upd"), "{err}");
 }
+
+#[test]
+fn closed_rounds_and_pruned_models_leave_the_store_at_once_and_are_deleted_beside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let hash = [7u8; 32];
+    let models: Vec<Vec<Vec<f32>>> = (1..=4).map(|v| vec![values(10, v as f32)]).collect();
+    for (v, m) in (1..).zip(&models) {
+        store.save_model(v, &hash, m).unwrap();
+    }
+    for round in 1..=3 {
+        spool_exact(&store, round, "a", 5, &[values(10, 1.0)]);
+    }
+    store.spool_clear_before(3).unwrap();
+    store.prune_models(4, 2).unwrap();
+    // Gone from where the aggregator reads at once (the deleting happens on a thread).
+    assert_eq!(store.model_versions().unwrap(), vec![3, 4]);
+    assert!(store.spool_sites(1).unwrap().is_empty());
+    assert!(store.spool_sites(2).unwrap().is_empty());
+    assert_eq!(store.spool_sites(3).unwrap(), vec!["a".to_string()]);
+    assert_eq!(store.load_model(4, &hash).unwrap(), models[3]);
+    // Whatever is still waiting in the trash is gone once the store is opened again.
+    drop(store);
+    let again = Store::open(dir.path()).unwrap();
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("trash")).unwrap().count(),
+        0
+    );
+    assert_eq!(again.model_versions().unwrap(), vec![3, 4]);
+}
