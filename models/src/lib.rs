@@ -41,4 +41,5 @@ mod park;
 pub mod site;
 pub mod state;
 pub mod train;
+mod update;
 pub mod zoo;

@@ -1,7 +1,7 @@
 //! A site's starting model parked in a file while it trains: training then holds one copy of the
 //! model, and the update's delta reads the starting tensors back a block at a time.
 
-use crate::state::{NamedTensor, StateDict};
+use crate::state::{NamedTensor, Select, StateDict};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Write};
@@ -21,22 +21,41 @@ pub(crate) struct Parked {
 }
 
 impl Parked {
-    /// Writes `state` to `path` (replacing what is there) and keeps its layout.
-    pub(crate) fn write(path: &Path, state: &StateDict) -> io::Result<Parked> {
-        write_f32s(path, state.tensors.iter().map(|t| t.data.as_slice()))?;
+    /// Parks every tensor of `net`, read from the model a block at a time in [`export`]'s order
+    /// (no model-sized copy of it is made), and keeps its layout.
+    ///
+    /// [`export`]: crate::state::export
+    pub(crate) fn write_net<N: crate::zoo::Net>(
+        path: &Path,
+        net: &N,
+        spec: &unifed_protocol::ModelSpec,
+    ) -> io::Result<Parked> {
+        let mut w = BufWriter::with_capacity(BLOCK, File::create(path)?);
+        let mut bytes = Vec::with_capacity(BLOCK);
+        crate::state::export_blocks_in_order(net, Select::All, BLOCK / 4, |_, values| {
+            for block in values.chunks(BLOCK / 4) {
+                bytes.clear();
+                bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
+                w.write_all(&bytes)?;
+            }
+            Ok(())
+        })?;
+        w.into_inner().map_err(|e| e.into_error())?;
+        let layout = crate::state::export_layout(net, spec, Select::All);
         Ok(Parked {
             path: path.to_path_buf(),
-            spec_hash: state.spec_hash,
-            layout: state
-                .tensors
-                .iter()
-                .map(|t| NamedTensor {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    kind: t.kind,
-                    data: Vec::new(),
-                })
-                .collect(),
+            spec_hash: layout.spec_hash,
+            layout: layout.tensors,
+        })
+    }
+
+    /// The parked values in order, a tensor and a block at a time ([`Base`]).
+    pub(crate) fn base(&self) -> io::Result<Base<'_>> {
+        Ok(Base {
+            layout: self.layout.iter(),
+            r: self.open()?,
+            bytes: Vec::new(),
+            left: 0,
         })
     }
 
@@ -100,6 +119,53 @@ impl Parked {
     /// Where the model is parked.
     pub(crate) fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// The parked values read in order: [`Base::start`] moves to a tensor (past those before it),
+/// [`Base::subtract_from`] takes its values a block at a time.
+pub(crate) struct Base<'a> {
+    layout: std::slice::Iter<'a, NamedTensor>,
+    r: BufReader<File>,
+    bytes: Vec<u8>,
+    /// Values of the current tensor not read yet.
+    left: usize,
+}
+
+impl Base<'_> {
+    /// Moves to the parked tensor `name` with `n` values, past the rest of the current one and
+    /// any other before it.
+    pub(crate) fn start(&mut self, name: &str, n: usize) -> io::Result<()> {
+        self.r.seek_relative(4 * self.left as i64)?;
+        self.left = 0;
+        for t in self.layout.by_ref() {
+            if t.name == name {
+                if numel(t) != n {
+                    return Err(mismatch(name));
+                }
+                self.left = n;
+                return Ok(());
+            }
+            self.r.seek_relative(4 * numel(t) as i64)?;
+        }
+        Err(mismatch(name))
+    }
+
+    /// Subtracts the current tensor's next `block.len()` parked values from `block`.
+    pub(crate) fn subtract_from(&mut self, block: &mut [f32]) -> io::Result<()> {
+        if block.len() > self.left {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "more values than the parked tensor holds",
+            ));
+        }
+        self.left -= block.len();
+        self.bytes.resize(4 * block.len(), 0);
+        self.r.read_exact(&mut self.bytes)?;
+        for (x, c) in block.iter_mut().zip(self.bytes.chunks_exact(4)) {
+            *x -= f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        Ok(())
     }
 }
 

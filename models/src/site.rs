@@ -9,16 +9,17 @@ pub use crate::memory::Memory;
 use crate::objective::{SiteState, Term};
 use crate::park::{Kept, KeptWriter, Parked, Spilled, Stash};
 use crate::state::{
-    NamedTensor, Select, StateDict, export, import, import_into, stand_in, subtract,
+    NamedTensor, Select, StateDict, export, export_layout, import, import_into, stand_in, subtract,
 };
 use crate::train::{
     EVAL_BATCH, EvalReport, TrainConfig, TrainEvent, evaluate, personalise, train_objective,
     train_owned,
 };
+use crate::update::UpdateError;
 use crate::zoo::Net;
 use serde::Serialize;
 use std::collections::BTreeMap;
-use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, decode};
+use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, Values, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -26,6 +27,14 @@ use unifed_protocol::messages::{
     SiteExtras, SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, TensorKind};
+
+/// What a round's training reports to the aggregator: its local steps and last epoch's loss.
+fn local_report(rep: &crate::train::TrainReport) -> LocalReport {
+    LocalReport {
+        local_steps: rep.steps as u64,
+        train_loss: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
+    }
+}
 
 /// Errors of a site's federated work.
 #[derive(Debug, thiserror::Error)]
@@ -536,15 +545,13 @@ impl<N: Net> Site<N> {
         // A term that holds the starting weights itself (FedProx, MOON) gains nothing from
         // parking them.
         let parked = match self.park.clone() {
-            Some(p) if !term.holds_start() => {
-                match Parked::write(&p, &export(&self.net, spec, Select::All)) {
-                    Ok(parked) => Some(parked),
-                    Err(e) => {
-                        self.unspill(spilled)?;
-                        return Err(park_error(&p, e));
-                    }
+            Some(p) if !term.holds_start() => match Parked::write_net(&p, &self.net, spec) {
+                Ok(parked) => Some(parked),
+                Err(e) => {
+                    self.unspill(spilled)?;
+                    return Err(park_error(&p, e));
                 }
-            }
+            },
             _ => None,
         };
         let classes = spec.classes.len();
@@ -585,19 +592,46 @@ impl<N: Net> Site<N> {
         self.unspill(spilled)?;
         let (net, rep) = trained?;
         let encoding = std::time::Instant::now();
-        // The delta is made in the trained tensors' own buffers, and the base exported (or read
-        // back from its file) only now and dropped as soon as it is subtracted: training never
-        // has a copy of the base beside the optimiser's state.
-        let mut d = export(&net, spec, select);
-        match &parked {
-            None => subtract(&mut d, &export(&self.net, spec, select))?,
-            Some(p) => {
+        // An update whose every tensor goes as exact f32 with no residual to add, from a parked
+        // base, and with nothing else made of its delta, is written into its envelope from the
+        // trained model and the parked file a block at a time (`update::exact_update`): the
+        // delta below then only lists the tensors, with no values.
+        let exact = !drifting
+            && !contrastive
+            && server_c.is_none()
+            && self.sends_exact(&net, spec, m, select);
+        let streamed = match parked.as_ref().filter(|_| exact) {
+            Some(p) => match self.exact_envelope(&net, p, spec, federation, m, select, &rep) {
+                Ok(bytes) => Some(bytes),
+                Err(e) => {
+                    self.unpark(p, net, spec)?;
+                    return Err(match e {
+                        UpdateError::NonFinite(name) => SiteError::NonFinite(name),
+                        UpdateError::Park(e) => park_error(p.path(), e),
+                    });
+                }
+            },
+            None => None,
+        };
+        // Otherwise the delta is made in the trained tensors' own buffers, and the base exported
+        // (or read back from its file) only now and dropped as soon as it is subtracted:
+        // training never has a copy of the base beside the optimiser's state.
+        let mut d = match (&streamed, &parked) {
+            (Some(_), _) => export_layout(&net, spec, select),
+            (None, None) => {
+                let mut d = export(&net, spec, select);
+                subtract(&mut d, &export(&self.net, spec, select))?;
+                d
+            }
+            (None, Some(p)) => {
+                let mut d = export(&net, spec, select);
                 if let Err(e) = p.subtract_from(&mut d) {
                     self.unpark(p, net, spec)?;
                     return Err(park_error(p.path(), e));
                 }
+                d
             }
-        }
+        };
         if let Some(t) = d
             .tensors
             .iter()
@@ -720,22 +754,14 @@ impl<N: Net> Site<N> {
                 h.iter_mut().zip(&back).for_each(|(h, d)| *h += d);
             }
         }
-        let shared: Vec<EncodedTensor> = if m.bn_policy == BnPolicy::Local {
-            export(&self.net, spec, Select::Bn)
-                .tensors
-                .into_iter()
-                .filter(|t| m.bn_sharing.shares(t.kind))
-                .map(|t| t.encode(Encoding::F32, None))
-                .collect()
-        } else {
-            Vec::new()
-        };
         self.pending = Some((m.round, next));
-        let report = LocalReport {
-            local_steps: rep.steps as u64,
-            train_loss: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
-        };
+        let report = local_report(&rep);
         self.report = Some((m.round, report));
+        if let Some(bytes) = streamed {
+            self.encode_seconds = encoding.elapsed().as_secs_f64();
+            return Ok(bytes);
+        }
+        let shared = self.shared_bn(&self.net, spec, m);
         let upd = SiteUpdate {
             round: m.round,
             base_version: m.model_version,
@@ -755,6 +781,67 @@ impl<N: Net> Site<N> {
         );
         self.encode_seconds = encoding.elapsed().as_secs_f64();
         Ok(bytes)
+    }
+
+    /// Whether every tensor `select` keeps of `net` goes as exact f32 under `m` with no residual
+    /// of an earlier update to add (on a little-endian machine, whose `f32` bytes are the
+    /// wire's).
+    fn sends_exact(&self, net: &N, spec: &ModelSpec, m: &RoundManifest, select: Select) -> bool {
+        cfg!(target_endian = "little")
+            && export_layout(net, spec, select).tensors.iter().all(|t| {
+                encoding_for(t.kind, m.encoding) == Encoding::F32
+                    && self.memory.residual.len_of(&t.name).unwrap_or(0) == 0
+            })
+    }
+
+    /// The unsigned envelope of the exact update of round `m` trained into `net` from the
+    /// model parked in `base`, written from both a block at a time
+    /// ([`crate::update::exact_update`]).
+    #[allow(clippy::too_many_arguments)]
+    fn exact_envelope(
+        &self,
+        net: &N,
+        base: &Parked,
+        spec: &ModelSpec,
+        federation: &Id,
+        m: &RoundManifest,
+        select: Select,
+        rep: &crate::train::TrainReport,
+    ) -> Result<Vec<u8>, UpdateError> {
+        let delta: Vec<EncodedTensorRef> = export_layout(net, spec, select)
+            .tensors
+            .into_iter()
+            .map(|t| EncodedTensorRef {
+                name: t.name,
+                shape: t.shape.iter().map(|&d| d as u32).collect(),
+                values: Values::F32(&[][..]),
+            })
+            .collect();
+        let shared = self.shared_bn(net, spec, m);
+        let upd = SiteUpdate {
+            round: m.round,
+            base_version: m.model_version,
+            samples: self.train.len() as u64,
+            delta,
+            bn: shared.iter().map(EncodedTensor::as_ref).collect(),
+            report: local_report(rep),
+            extras: SiteExtras::None,
+        };
+        crate::update::exact_update(net, select, base, (federation, &self.id, spec.hash()), &upd)
+    }
+
+    /// The BN tensors of `net` the manifest's policy shares, as exact f32 values (none unless BN
+    /// is local).
+    fn shared_bn(&self, net: &N, spec: &ModelSpec, m: &RoundManifest) -> Vec<EncodedTensor> {
+        if m.bn_policy != BnPolicy::Local {
+            return Vec::new();
+        }
+        export(net, spec, Select::Bn)
+            .tensors
+            .into_iter()
+            .filter(|t| m.bn_sharing.shares(t.kind))
+            .map(|t| t.encode(Encoding::F32, None))
+            .collect()
     }
 
     /// Puts the parked starting model back after a round that sends nothing, written into

@@ -260,7 +260,8 @@ struct Blocks<'a, N: Net> {
     net: &'a N,
     walk: Walker,
     select: Select,
-    out: BTreeMap<String, BlockWriter>,
+    /// In visiting order.
+    out: Vec<(String, BlockWriter)>,
 }
 
 impl<N: Net> ModuleVisitor for Blocks<'_, N> {
@@ -277,7 +278,7 @@ impl<N: Net> ModuleVisitor for Blocks<'_, N> {
             return;
         };
         let t = param.val();
-        self.out.insert(
+        self.out.push((
             name,
             Box::new(move |block, emit| {
                 // The values as `export` reads them (a linear weight in PyTorch's `[out, in]`),
@@ -305,7 +306,7 @@ impl<N: Net> ModuleVisitor for Blocks<'_, N> {
                 }
                 Ok(())
             }),
-        );
+        ));
     }
 }
 
@@ -317,6 +318,26 @@ pub fn export_blocks<N: Net>(
     net: &N,
     select: Select,
     block: usize,
+    f: impl FnMut(&str, &[f32]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    blocks_of(net, select, block, true, f)
+}
+
+/// [`export_blocks`] in visiting order, the order of [`export`]'s tensors.
+pub fn export_blocks_in_order<N: Net>(
+    net: &N,
+    select: Select,
+    block: usize,
+    f: impl FnMut(&str, &[f32]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    blocks_of(net, select, block, false, f)
+}
+
+fn blocks_of<N: Net>(
+    net: &N,
+    select: Select,
+    block: usize,
+    by_name: bool,
     mut f: impl FnMut(&str, &[f32]) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
     let synced = net.valid();
@@ -324,13 +345,33 @@ pub fn export_blocks<N: Net>(
         net: &synced,
         walk: Walker::default(),
         select,
-        out: BTreeMap::new(),
+        out: Vec::new(),
     };
     synced.visit(&mut b);
+    if by_name {
+        b.out.sort_by(|x, y| x.0.cmp(&y.0));
+    }
     for (name, write) in b.out {
         write(block, &mut |values| f(&name, values))?;
     }
     Ok(())
+}
+
+/// The selected tensors of `net` as [`export`] lists them (names, PyTorch shapes, kinds), with
+/// no values read.
+pub fn export_layout<N: Net>(net: &N, spec: &ModelSpec, select: Select) -> StateDict {
+    let mut r = Reader {
+        net,
+        walk: Walker::default(),
+        with_data: false,
+        select,
+        out: Vec::new(),
+    };
+    net.visit(&mut r);
+    StateDict {
+        spec_hash: spec.hash(),
+        tensors: r.out,
+    }
 }
 
 /// Every tensor of `net` (name, PyTorch shape, kind) in visiting order, without reading values.

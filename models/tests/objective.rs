@@ -831,3 +831,81 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
     assert_eq!(export(&site.net, &spec, Select::All), before);
     assert_eq!(site.memory().unwrap(), memory);
 }
+
+/// An exact update from a parked base is written into its envelope from the trained model and
+/// the parked file a block at a time; its bytes are those of the update made from a delta in
+/// memory (the base held), whatever BN policy and sharing, round after round.
+#[test]
+fn an_exact_update_written_from_the_parked_base_is_the_one_made_in_memory_byte_for_byte() {
+    use unifed_protocol::messages::BnSharing;
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let tc = TrainConfig {
+        batch_size: 8,
+        ..TrainConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (bn, sharing) in [
+        (BnPolicy::Local, BnSharing::None),
+        (BnPolicy::Local, BnSharing::Affine),
+        (BnPolicy::Global, BnSharing::None),
+    ] {
+        let mut held = site_parked_in(&net, None);
+        let mut parked = site_parked_in(&net, Some(dir.path()));
+        for round in 1..=2 {
+            let m = RoundManifest {
+                bn_sharing: sharing,
+                ..manifest(round, Encoding::F32, bn)
+            };
+            let a = held
+                .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                .unwrap();
+            let b = parked
+                .train_round(&spec, &fed, &m, &tc, &device(), |_| {})
+                .unwrap();
+            assert_eq!(a, b, "{bn:?} {sharing:?} round {round}");
+            let u = update(&b);
+            assert_eq!(u.round, round);
+            assert_eq!(u.bn.is_empty(), sharing == BnSharing::None, "{sharing:?}");
+            held.answered(round, true);
+            parked.answered(round, true);
+        }
+        assert_eq!(
+            export(&held.net, &spec, Select::All),
+            export(&parked.net, &spec, Select::All)
+        );
+    }
+}
+
+/// A parked round whose delta is not finite sends nothing and leaves the starting model.
+#[test]
+fn a_parked_exact_round_that_diverges_leaves_the_starting_model() {
+    let (net, spec) = tiny();
+    let fed = Id::new("fed").unwrap();
+    let wild = TrainConfig {
+        batch_size: 8,
+        lr: 1e30,
+        ..TrainConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut site = site_parked_in(&net, Some(dir.path()));
+    let before = export(&site.net, &spec, Select::All);
+    let err = site
+        .train_round(
+            &spec,
+            &fed,
+            &manifest(1, Encoding::F32, BnPolicy::Local),
+            &wild,
+            &device(),
+            |_| {},
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            unifed_models::site::SiteError::NonFinite(_) | unifed_models::site::SiteError::Train(_)
+        ),
+        "{err}"
+    );
+    assert_eq!(export(&site.net, &spec, Select::All), before);
+}

@@ -262,16 +262,57 @@ impl Envelope {
     ) {
         const PLAIN: &str = "postcard cannot fail on a derived Serialize of plain data";
         let len = postcard::experimental::serialized_size(payload).expect(PLAIN);
+        let written: Result<(), core::convert::Infallible> = Self::append_new_with(
+            out,
+            kind,
+            federation,
+            sender,
+            (round, model_version),
+            spec_hash,
+            len,
+            |out| {
+                *out = postcard::to_extend(payload, core::mem::take(out)).expect(PLAIN);
+                Ok(())
+            },
+        );
+        let Ok(()) = written;
+    }
+
+    /// [`Envelope::append_new`] of a payload of `len` bytes that `write` appends itself (for
+    /// one written from its sources as it goes rather than serialised from one value). `write`
+    /// must append exactly `len` bytes; if it fails, `out` is left as it was.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_new_with<E>(
+        out: &mut Vec<u8>,
+        kind: MessageKind,
+        federation: &FederationId,
+        sender: &SiteId,
+        (round, model_version): (u64, u64),
+        spec_hash: SpecHash,
+        len: usize,
+        write: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        const PLAIN: &str = "postcard cannot fail on a derived Serialize of plain data";
+        let start = out.len();
         out.reserve(HEADER_LEN + 160 + len);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
         out.extend_from_slice(&kind.as_u16().to_le_bytes());
         // The fields of `BodyRef` in order; the payload as its byte string: length, then bytes.
         let head = (federation, sender, round, model_version, &spec_hash, len);
-        let taken = core::mem::take(out);
-        let taken = postcard::to_extend(&head, taken).expect(PLAIN);
-        let taken = postcard::to_extend(payload, taken).expect(PLAIN);
-        *out = postcard::to_extend(&None::<&[u8]>, taken).expect(PLAIN);
+        *out = postcard::to_extend(&head, core::mem::take(out)).expect(PLAIN);
+        let at = out.len();
+        if let Err(e) = write(out) {
+            out.truncate(start);
+            return Err(e);
+        }
+        assert_eq!(
+            out.len() - at,
+            len,
+            "the payload's writer wrote another length"
+        );
+        *out = postcard::to_extend(&None::<&[u8]>, core::mem::take(out)).expect(PLAIN);
+        Ok(())
     }
 
     /// The wire bytes: [`MAGIC`], version and kind as little-endian `u16`, then the postcard
