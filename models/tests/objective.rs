@@ -156,6 +156,15 @@ fn update(bytes: &[u8]) -> SiteUpdate {
     Envelope::decode(bytes).unwrap().payload_as().unwrap()
 }
 
+/// Asserts that `err` says training or its delta went non-finite.
+fn assert_diverged(err: &unifed_models::site::SiteError) {
+    use unifed_models::site::SiteError;
+    assert!(
+        matches!(err, SiteError::NonFinite(_) | SiteError::Train(_)),
+        "{err}"
+    );
+}
+
 /// Site `a` on 16 training and 8 test samples, parking its starting model in `dir` when asked.
 fn site_parked_in(net: &Mlp, dir: Option<&std::path::Path>) -> Site<Mlp> {
     let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
@@ -803,13 +812,7 @@ fn a_site_that_parks_its_starting_model_and_memory_on_disk_sends_the_same_bytes_
             |_| {},
         )
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            unifed_models::site::SiteError::NonFinite(_) | unifed_models::site::SiteError::Train(_)
-        ),
-        "{err}"
-    );
+    assert_diverged(&err);
     assert_eq!(export(&site.net, &spec, Select::All), before);
     assert_eq!(site.memory().unwrap(), memory);
 
@@ -900,12 +903,6 @@ fn a_parked_exact_round_that_diverges_leaves_the_starting_model() {
             |_| {},
         )
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            unifed_models::site::SiteError::NonFinite(_) | unifed_models::site::SiteError::Train(_)
-        ),
-        "{err}"
-    );
+    assert_diverged(&err);
     assert_eq!(export(&site.net, &spec, Select::All), before);
 }
