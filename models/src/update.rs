@@ -92,15 +92,21 @@ pub(crate) fn exact_update<N: Net>(
                     {
                         return Err(unexpected(format!("`{at}` ended {left} values short")));
                     }
-                    let Some((t, (h, n))) = next.next() else {
-                        return Err(unexpected(format!("`{name}` is not in the update")));
+                    // A tensor with no values is its head alone: the model hands none of it.
+                    let (t, n) = loop {
+                        let Some((t, (h, n))) = next.next() else {
+                            return Err(unexpected(format!("`{name}` is not in the update")));
+                        };
+                        out.extend_from_slice(h);
+                        if t.name == name {
+                            break (t, *n);
+                        }
+                        if *n > 0 {
+                            return Err(unexpected(format!("`{name}` where `{}` was due", t.name)));
+                        }
                     };
-                    if t.name != name {
-                        return Err(unexpected(format!("`{name}` where `{}` was due", t.name)));
-                    }
-                    base.start(name, *n)?;
-                    out.extend_from_slice(h);
-                    current = Some((t.name.as_str(), *n));
+                    base.start(name, n)?;
+                    current = Some((t.name.as_str(), n));
                 }
                 let (at, left) = current.as_mut().expect("set above");
                 if values.len() > *left {
@@ -119,16 +125,19 @@ pub(crate) fn exact_update<N: Net>(
                 out.extend_from_slice(bytemuck::cast_slice(&scratch));
                 Ok(())
             })?;
-            match (current, next.next()) {
-                (Some((at, left)), _) if left > 0 => {
-                    Err(unexpected(format!("`{at}` ended {left} values short")))
-                }
-                (_, Some((t, _))) => Err(unexpected(format!("`{}` was not in the model", t.name))),
-                _ => {
-                    out.extend_from_slice(&tail);
-                    Ok(())
-                }
+            if let Some((at, left)) = current
+                && left > 0
+            {
+                return Err(unexpected(format!("`{at}` ended {left} values short")));
             }
+            for (t, (h, n)) in next {
+                if *n > 0 {
+                    return Err(unexpected(format!("`{}` was not in the model", t.name)));
+                }
+                out.extend_from_slice(h);
+            }
+            out.extend_from_slice(&tail);
+            Ok(())
         },
     )
     .map_err(|e| match non_finite.take() {
