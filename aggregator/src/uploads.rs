@@ -69,11 +69,7 @@ struct Set {
 impl Set {
     /// The length chunk `index` must have.
     fn chunk_len(&self, index: u32) -> u64 {
-        if index + 1 == self.count {
-            self.total_len - self.size * u64::from(self.count - 1)
-        } else {
-            self.size
-        }
+        unifed_protocol::chunking::chunk_len(index, self.count, self.total_len, self.size)
     }
 }
 

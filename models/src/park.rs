@@ -33,12 +33,7 @@ impl Parked {
         let mut w = BufWriter::with_capacity(BLOCK, File::create(path)?);
         let mut bytes = Vec::with_capacity(BLOCK);
         crate::state::export_blocks_in_order(net, Select::All, BLOCK / 4, |_, values| {
-            for block in values.chunks(BLOCK / 4) {
-                bytes.clear();
-                bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
-                w.write_all(&bytes)?;
-            }
-            Ok(())
+            put_f32s(&mut w, &mut bytes, values)
         })?;
         w.into_inner().map_err(|e| e.into_error())?;
         let layout = crate::state::export_layout(net, spec, Select::All);
@@ -62,29 +57,14 @@ impl Parked {
     /// Subtracts the parked values from the tensors of `d` of the same names; `d` must hold a
     /// subset of the parked tensors in the same order.
     pub(crate) fn subtract_from(&self, d: &mut StateDict) -> io::Result<()> {
-        let mut r = self.open()?;
-        let mut bytes = vec![0u8; BLOCK];
-        let mut wanted = d.tensors.iter_mut().peekable();
-        for t in &self.layout {
-            let n = numel(t);
-            match wanted.next_if(|w| w.name == t.name) {
-                Some(w) if w.data.len() == n => {
-                    for block in w.data.chunks_mut(BLOCK / 4) {
-                        let b = &mut bytes[..4 * block.len()];
-                        r.read_exact(b)?;
-                        for (x, c) in block.iter_mut().zip(b.chunks_exact(4)) {
-                            *x -= f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                        }
-                    }
-                }
-                Some(w) => return Err(mismatch(&w.name)),
-                None => r.seek_relative(4 * n as i64)?,
+        let mut base = self.base()?;
+        for w in &mut d.tensors {
+            base.start(&w.name, w.data.len())?;
+            for block in w.data.chunks_mut(BLOCK / 4) {
+                base.subtract_from(block)?;
             }
         }
-        match wanted.next() {
-            Some(w) => Err(mismatch(&w.name)),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
     /// The parked tensors, whole.
@@ -175,13 +155,19 @@ fn write_f32s<'a>(path: &Path, slices: impl Iterator<Item = &'a [f32]>) -> io::R
     let mut w = BufWriter::with_capacity(BLOCK, File::create(path)?);
     let mut bytes = Vec::with_capacity(BLOCK);
     for s in slices {
-        for block in s.chunks(BLOCK / 4) {
-            bytes.clear();
-            bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
-            w.write_all(&bytes)?;
-        }
+        put_f32s(&mut w, &mut bytes, s)?;
     }
     w.into_inner().map_err(|e| e.into_error())?;
+    Ok(())
+}
+
+/// Writes `values` to `w` as raw little-endian `f32`, a block at a time through `bytes`.
+fn put_f32s(w: &mut impl Write, bytes: &mut Vec<u8>, values: &[f32]) -> io::Result<()> {
+    for block in values.chunks(BLOCK / 4) {
+        bytes.clear();
+        bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
+        w.write_all(bytes)?;
+    }
     Ok(())
 }
 

@@ -596,12 +596,10 @@ impl<N: Net> Site<N> {
         // base, and with nothing else made of its delta, is written into its envelope from the
         // trained model and the parked file a block at a time (`update::exact_update`): the
         // delta below then only lists the tensors, with no values.
-        let exact = !drifting
-            && !contrastive
-            && server_c.is_none()
-            && self.sends_exact(&net, spec, m, select);
+        let layout = export_layout(&net, spec, select);
+        let exact = !drifting && !contrastive && server_c.is_none() && self.sends_exact(&layout, m);
         let streamed = match parked.as_ref().filter(|_| exact) {
-            Some(p) => match self.exact_envelope(&net, p, spec, federation, m, select, &rep) {
+            Some(p) => match self.exact_envelope(&net, &layout, p, spec, federation, m, &rep) {
                 Ok(bytes) => Some(bytes),
                 Err(e) => {
                     self.unpark(p, net, spec)?;
@@ -617,7 +615,7 @@ impl<N: Net> Site<N> {
         // (or read back from its file) only now and dropped as soon as it is subtracted:
         // training never has a copy of the base beside the optimiser's state.
         let mut d = match (&streamed, &parked) {
-            (Some(_), _) => export_layout(&net, spec, select),
+            (Some(_), _) => layout,
             (None, None) => {
                 let mut d = export(&net, spec, select);
                 subtract(&mut d, &export(&self.net, spec, select))?;
@@ -783,36 +781,36 @@ impl<N: Net> Site<N> {
         Ok(bytes)
     }
 
-    /// Whether every tensor `select` keeps of `net` goes as exact f32 under `m` with no residual
-    /// of an earlier update to add (on a little-endian machine, whose `f32` bytes are the
-    /// wire's).
-    fn sends_exact(&self, net: &N, spec: &ModelSpec, m: &RoundManifest, select: Select) -> bool {
+    /// Whether every tensor of the update's `layout` goes as exact f32 under `m` with no
+    /// residual of an earlier update to add (on a little-endian machine, whose `f32` bytes are
+    /// the wire's).
+    fn sends_exact(&self, layout: &StateDict, m: &RoundManifest) -> bool {
         cfg!(target_endian = "little")
-            && export_layout(net, spec, select).tensors.iter().all(|t| {
+            && layout.tensors.iter().all(|t| {
                 encoding_for(t.kind, m.encoding) == Encoding::F32
                     && self.memory.residual.len_of(&t.name).unwrap_or(0) == 0
             })
     }
 
-    /// The unsigned envelope of the exact update of round `m` trained into `net` from the
-    /// model parked in `base`, written from both a block at a time
+    /// The unsigned envelope of the exact update of round `m` (its tensors: `layout`) trained
+    /// into `net` from the model parked in `base`, written from both a block at a time
     /// ([`crate::update::exact_update`]).
     #[allow(clippy::too_many_arguments)]
     fn exact_envelope(
         &self,
         net: &N,
+        layout: &StateDict,
         base: &Parked,
         spec: &ModelSpec,
         federation: &Id,
         m: &RoundManifest,
-        select: Select,
         rep: &crate::train::TrainReport,
     ) -> Result<Vec<u8>, UpdateError> {
-        let delta: Vec<EncodedTensorRef> = export_layout(net, spec, select)
+        let delta: Vec<EncodedTensorRef> = layout
             .tensors
-            .into_iter()
+            .iter()
             .map(|t| EncodedTensorRef {
-                name: t.name,
+                name: t.name.clone(),
                 shape: t.shape.iter().map(|&d| d as u32).collect(),
                 values: Values::F32(&[][..]),
             })
@@ -827,6 +825,7 @@ impl<N: Net> Site<N> {
             report: local_report(rep),
             extras: SiteExtras::None,
         };
+        let select = select_for(m.bn_policy);
         crate::update::exact_update(net, select, base, (federation, &self.id, spec.hash()), &upd)
     }
 

@@ -262,6 +262,16 @@ pub fn cut_size(index: u32, count: u32, total_len: u64, len: u64) -> Option<u64>
     (last > 0 && last <= size).then_some(size)
 }
 
+/// The length chunk `index` of a set of `count` chunks carrying `total_len` bytes must have,
+/// when every chunk but the last has `size` bytes (see [`cut_size`]).
+pub fn chunk_len(index: u32, count: u32, total_len: u64, size: u64) -> u64 {
+    if index + 1 == count {
+        total_len - size * u64::from(count - 1)
+    } else {
+        size
+    }
+}
+
 /// Which chunks of a set have arrived: one bit per chunk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Arrivals {
@@ -329,11 +339,7 @@ impl PendingSet {
 
     /// The length chunk `index` must have.
     fn len_of(&self, index: u32) -> u64 {
-        if index + 1 == self.count {
-            self.total_len - self.size * u64::from(self.count - 1)
-        } else {
-            self.size
-        }
+        chunk_len(index, self.count, self.total_len, self.size)
     }
 }
 
