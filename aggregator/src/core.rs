@@ -4,6 +4,7 @@
 //! spooled and fsynced; a new model is published only after the state that names it is saved).
 
 use crate::bnshare;
+use crate::broadcast::ModelBroadcast;
 use crate::config::FederationConfig;
 use crate::store::{
     AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, SpoolTensor, State, Store, StoreError,
@@ -14,6 +15,7 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::Arc;
 use unifed_protocol::auth::Keyring;
 use unifed_protocol::chunking::{Cut, payload_hash};
 use unifed_protocol::encoding::{
@@ -175,12 +177,14 @@ pub struct Aggregator {
     pub(crate) hash: SpecHash,
     pub(crate) store: Store,
     pub(crate) state: State,
-    pub(crate) model: Vec<Vec<f32>>,
+    /// The global model, every tensor in spec order; shared with the broadcast of it being
+    /// sealed (see [`ModelBroadcast`]), and copied on write only if that is still held.
+    pub(crate) model: Arc<Vec<Vec<f32>>>,
     /// Under a lossy encoding, the model the sites hold (every tensor in spec order): the
     /// previous one plus each decoded delta sent, so what the encoding dropped is still in
     /// `model - held` and goes out with the next delta. `None` under `f32`, where sites hold
     /// `model` itself.
-    held: Option<Vec<Vec<f32>>>,
+    held: Option<Arc<Vec<Vec<f32>>>>,
     /// The postcard [`ModelDelta`] giving the current version from the previous one.
     delta: Option<Vec<u8>>,
     /// Spec indices of the tensors updates carry and the mean changes.
@@ -350,8 +354,8 @@ impl Aggregator {
             hash,
             store,
             state,
-            model,
-            held,
+            model: Arc::new(model),
+            held: held.map(Arc::new),
             delta,
             update_idx,
             share_idx,
@@ -546,16 +550,40 @@ impl Aggregator {
 
     /// The postcard [`ServerBroadcast`] of the model the sites hold: every tensor under
     /// `global` BN, the non-BN ones under `local`, always as exact f32 (a site that fetches the
-    /// whole model holds exactly what the sites following the deltas hold).
-    pub fn broadcast_payload(&self) -> Vec<u8> {
-        let held = self.held_model();
-        self.exact_broadcast(
+    /// whole model holds exactly what the sites following the deltas hold), in chunks of the
+    /// federation's size. On a little-endian machine it is written from the model each time
+    /// its bytes are needed ([`ModelBroadcast`]) rather than held.
+    pub fn broadcast(&self) -> Cut {
+        let held = self.held.as_ref().unwrap_or(&self.model);
+        if cfg!(target_endian = "big") {
+            let payload = self.exact_broadcast(
+                self.state.model_version,
+                self.update_idx
+                    .iter()
+                    .map(|&i| (&self.spec.tensors[i], held[i].as_slice())),
+                self.strategy.extras(),
+            );
+            return Cut::new(payload, self.chunk_bytes);
+        }
+        let tensors = self
+            .update_idx
+            .iter()
+            .map(|&i| {
+                let t = &self.spec.tensors[i];
+                (
+                    t.name.clone(),
+                    t.shape.iter().map(|&d| d as u32).collect(),
+                    i,
+                )
+            })
+            .collect();
+        let source = ModelBroadcast::new(
             self.state.model_version,
-            self.update_idx
-                .iter()
-                .map(|&i| (&self.spec.tensors[i], held[i].as_slice())),
+            tensors,
+            Arc::clone(held),
             self.strategy.extras(),
-        )
+        );
+        Cut::streamed(Arc::new(source), self.chunk_bytes)
     }
 
     /// Under a lossy encoding, sends the new model `version` as a delta from the held one:
@@ -566,6 +594,7 @@ impl Aggregator {
         let Some(held) = &mut self.held else {
             return Ok(());
         };
+        let held = Arc::make_mut(held);
         let mut delta = Vec::new();
         for &i in &self.update_idx {
             let t = &self.spec.tensors[i];
@@ -642,15 +671,16 @@ impl Aggregator {
     }
 
     fn publish(&self) -> Action {
-        // Each payload is held once; the service signs its chunks as slices of it.
-        let model = Box::new(Cut::new(self.broadcast_payload(), self.chunk_bytes));
+        // The model is written into its chunks as the service seals them; the delta (small,
+        // under a lossy encoding) is held once and its chunks signed as slices of it.
+        let model = Box::new(self.broadcast());
         let (delta, delta_cut) = match &self.delta {
             Some(d) if self.state.model_version > 0 => {
                 let c = Cut::new(d.clone(), self.chunk_bytes);
                 let info = DeltaInfo {
                     from_version: self.state.model_version - 1,
                     chunk_count: c.count(),
-                    payload_len: c.payload().len() as u64,
+                    payload_len: c.len() as u64,
                     payload_hash: c.payload_hash(),
                 };
                 (Some(info), Some(Box::new(c)))
@@ -662,7 +692,7 @@ impl Aggregator {
             model_version: self.state.model_version,
             spec_hash: self.hash,
             chunk_count: model.count(),
-            payload_len: model.payload().len() as u64,
+            payload_len: model.len() as u64,
             payload_hash: model.payload_hash(),
             delta,
             encoding: self.cfg.encoding,
@@ -1137,9 +1167,10 @@ impl Aggregator {
     /// Puts the committed model and strategy state of the current version back in place of
     /// whatever a fold made of them.
     fn restore_committed(&mut self) -> Result<(), CoreError> {
-        self.model = self
-            .store
-            .load_model(self.state.model_version, &self.hash.0)?;
+        self.model = Arc::new(
+            self.store
+                .load_model(self.state.model_version, &self.hash.0)?,
+        );
         self.strategy =
             Self::committed_strategy(&self.store, &self.cfg, &self.setup, &self.state, &self.hash)
                 .map_err(CoreError::Model)?;
@@ -1187,8 +1218,7 @@ impl Aggregator {
         let reader = RoundReader::new(&self.store, round, sites.clone(), self.cfg.weighting);
         {
             let idx = &self.update_idx;
-            let mut targets: Vec<&mut Vec<f32>> = self
-                .model
+            let mut targets: Vec<&mut Vec<f32>> = Arc::make_mut(&mut self.model)
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| idx.contains(i))
@@ -1263,7 +1293,7 @@ impl Aggregator {
     /// Checks the model before it is committed: every value finite, every BN running variance
     /// non-negative. Names the first problem.
     fn check_model(&self) -> Result<(), String> {
-        for (t, v) in self.spec.tensors.iter().zip(&self.model) {
+        for (t, v) in self.spec.tensors.iter().zip(self.model.iter()) {
             if let Some(x) = v.iter().find(|x| !x.is_finite()) {
                 return Err(format!("`{}` holds {x}", t.name));
             }

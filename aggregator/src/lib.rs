@@ -26,6 +26,7 @@
 //! The core never needs burn or a network; the service adds MQTT.
 
 pub mod bnshare;
+mod broadcast;
 pub mod config;
 pub mod core;
 pub mod fold;

@@ -215,14 +215,14 @@ impl Wire {
     }
 
     /// Every chunk of `cut` as a signed `ModelChunk` envelope, written one after another into
-    /// one buffer that they share: no buffer per chunk, and no copy of a chunk before its
-    /// envelope.
+    /// one buffer that they share: no buffer per chunk, and a streamed model written straight
+    /// from its tensors, through one chunk-sized buffer, into its envelopes.
     fn seal_chunks(&self, at: (u64, u64), cut: &Cut) -> Vec<bytes::Bytes> {
         // Room for every envelope around its chunk (a chunk's packet fits 256 KiB with its
         // data 1 KiB below it: see `CHUNK_BYTES`), so the buffer never moves.
-        let mut buf = Vec::with_capacity(cut.payload().len() + cut.count() as usize * 1024);
+        let mut buf = Vec::with_capacity(cut.len() + cut.count() as usize * 1024);
         let mut ends = Vec::with_capacity(cut.count() as usize);
-        for c in cut.iter() {
+        cut.for_each_chunk(|c| {
             let start = buf.len();
             Envelope::append_new(
                 &mut buf,
@@ -237,7 +237,7 @@ impl Wire {
                 .sign_tail(&mut buf, start)
                 .expect("append_new writes an unsigned envelope");
             ends.push(buf.len());
-        }
+        });
         let all = bytes::Bytes::from(buf);
         let mut start = 0;
         ends.into_iter()

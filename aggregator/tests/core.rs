@@ -1199,8 +1199,14 @@ fn broadcast_of(actions: &[Action]) -> unifed_protocol::ServerBroadcast {
             _ => None,
         })
         .expect("a publish");
-    let payload: Vec<u8> = model.iter().flat_map(|c| c.data.to_vec()).collect();
-    assert_eq!(payload, model.payload());
+    let mut payload: Vec<u8> = Vec::new();
+    model.for_each_chunk(|c| payload.extend_from_slice(c.data));
+    assert_eq!(payload, &model.bytes()[..]);
+    assert_eq!(payload.len(), model.len());
+    assert_eq!(
+        unifed_protocol::payload_hash(&payload),
+        model.payload_hash()
+    );
     let broadcast: unifed_protocol::ServerBroadcast = postcard::from_bytes(&payload).unwrap();
     // Written from the model in place, the payload is the owned broadcast's serialisation.
     assert_eq!(postcard::to_allocvec(&broadcast).unwrap(), payload);
@@ -1827,7 +1833,8 @@ fn delta_of(
             let info = manifest.delta?;
             let delta = delta.as_ref().expect("a delta announced is published");
             assert_eq!(delta.count(), info.chunk_count);
-            let payload: Vec<u8> = delta.iter().flat_map(|c| c.data.to_vec()).collect();
+            let mut payload: Vec<u8> = Vec::new();
+            delta.for_each_chunk(|c| payload.extend_from_slice(c.data));
             assert_eq!(payload.len() as u64, info.payload_len);
             assert_eq!(unifed_protocol::payload_hash(&payload), info.payload_hash);
             Some((info, postcard::from_bytes(&payload).unwrap()))

@@ -2,7 +2,9 @@
 //! together on the other side with bounded memory and a timeout for sets that never complete.
 
 use crate::messages::{Chunk, ChunkRef};
+use alloc::borrow::Cow;
 use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 /// BLAKE3 of `payload`: the id of its chunk set and the check on reassembly.
 pub fn payload_hash(payload: &[u8]) -> [u8; 32] {
@@ -71,11 +73,31 @@ fn chunk_of(payload: &[u8], hash: [u8; 32], size: usize, count: u32, index: u32)
     }
 }
 
-/// A payload held once with its hash, handed out as the chunks [`split`] would make, each
-/// borrowed from it ([`ChunkRef`]): a sender that signs every chunk holds no copy of them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A payload written in order by whatever holds its values, each time it is needed, instead of
+/// being held as bytes (a [`Cut::streamed`] payload: a model serialised from its tensors).
+pub trait PayloadSource: Send + Sync {
+    /// Hands the payload's bytes to `out` in order, in pieces of any length: the same bytes on
+    /// every call.
+    fn write_payload(&self, out: &mut dyn FnMut(&[u8]));
+}
+
+/// Where a [`Cut`]'s bytes are.
+#[derive(Clone)]
+enum Source {
+    /// Held as bytes.
+    Held(Vec<u8>),
+    /// Written by its source when asked.
+    Streamed(Arc<dyn PayloadSource>),
+}
+
+/// A payload with its hash, handed out as the chunks [`split`] would make: borrowed from it
+/// when it is held ([`ChunkRef`]: a sender that signs every chunk holds no copy of them), or
+/// written by its [`PayloadSource`] through one chunk-sized buffer when it is streamed (no
+/// payload-sized buffer at all).
+#[derive(Clone)]
 pub struct Cut {
-    payload: Vec<u8>,
+    payload: Source,
+    len: usize,
     hash: [u8; 32],
     size: usize,
     count: u32,
@@ -87,15 +109,65 @@ impl Cut {
         let (size, count) = cut_of(payload.len(), max_chunk_bytes);
         Cut {
             hash: payload_hash(&payload),
-            payload,
+            len: payload.len(),
+            payload: Source::Held(payload),
             size,
             count,
         }
     }
 
-    /// The whole payload.
-    pub fn payload(&self) -> &[u8] {
-        &self.payload
+    /// The payload `source` writes, in chunks of at most `max_chunk_bytes` bytes as [`split`]
+    /// cuts it. Its length and hash are taken now, in one pass over it; its bytes are written
+    /// again whenever chunks are asked for.
+    pub fn streamed(source: Arc<dyn PayloadSource>, max_chunk_bytes: usize) -> Cut {
+        let mut hasher = PayloadHasher::new();
+        let mut len = 0usize;
+        source.write_payload(&mut |piece| {
+            hasher.update(piece);
+            len += piece.len();
+        });
+        let (size, count) = cut_of(len, max_chunk_bytes);
+        Cut {
+            payload: Source::Streamed(source),
+            len,
+            hash: hasher.finalize(),
+            size,
+            count,
+        }
+    }
+
+    /// The same cut with its payload held as bytes (written once if it was streamed): for a
+    /// sender that hands out single chunks ([`Cut::chunk`]) over time.
+    pub fn into_held(self) -> Cut {
+        match self.payload {
+            Source::Held(_) => self,
+            Source::Streamed(_) => Cut {
+                payload: Source::Held(self.bytes().into_owned()),
+                ..self
+            },
+        }
+    }
+
+    /// The payload's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the payload is empty (it is still one empty chunk).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole payload: borrowed when held, written into a new buffer when streamed.
+    pub fn bytes(&self) -> Cow<'_, [u8]> {
+        match &self.payload {
+            Source::Held(p) => Cow::Borrowed(p),
+            Source::Streamed(s) => {
+                let mut out = Vec::with_capacity(self.len);
+                s.write_payload(&mut |piece| out.extend_from_slice(piece));
+                Cow::Owned(out)
+            }
+        }
     }
 
     /// The payload's hash ([`payload_hash`]), which every chunk carries.
@@ -108,15 +180,86 @@ impl Cut {
         self.count
     }
 
-    /// Chunk `index`, or `None` past the last.
+    /// Chunk `index` of a held payload; `None` past the last, and for a streamed one (see
+    /// [`Cut::into_held`]).
     pub fn chunk(&self, index: u32) -> Option<ChunkRef<'_>> {
-        (index < self.count)
-            .then(|| chunk_of(&self.payload, self.hash, self.size, self.count, index))
+        match &self.payload {
+            Source::Held(p) if index < self.count => {
+                Some(chunk_of(p, self.hash, self.size, self.count, index))
+            }
+            _ => None,
+        }
     }
 
-    /// Every chunk in order.
-    pub fn iter(&self) -> impl ExactSizeIterator<Item = ChunkRef<'_>> + '_ {
-        (0..self.count).map(|i| self.chunk(i).expect("below the count"))
+    /// Hands every chunk to `each` in order. A streamed payload is written once, through one
+    /// buffer of a chunk's length.
+    pub fn for_each_chunk(&self, mut each: impl FnMut(ChunkRef<'_>)) {
+        let source = match &self.payload {
+            Source::Held(p) => {
+                for i in 0..self.count {
+                    each(chunk_of(p, self.hash, self.size, self.count, i));
+                }
+                return;
+            }
+            Source::Streamed(s) => s,
+        };
+        fn chunk<'a>(cut: &Cut, index: u32, data: &'a [u8]) -> ChunkRef<'a> {
+            Chunk {
+                payload_hash: cut.hash,
+                index,
+                count: cut.count,
+                total_len: cut.len as u64,
+                data,
+            }
+        }
+        let mut buf = Vec::with_capacity(self.size.min(self.len));
+        let mut index = 0u32;
+        let mut written = 0usize;
+        source.write_payload(&mut |mut piece| {
+            written += piece.len();
+            while !piece.is_empty() {
+                let take = (self.size - buf.len()).min(piece.len());
+                buf.extend_from_slice(&piece[..take]);
+                piece = &piece[take..];
+                if buf.len() == self.size {
+                    each(chunk(self, index, &buf));
+                    index += 1;
+                    buf.clear();
+                }
+            }
+        });
+        assert_eq!(
+            written, self.len,
+            "a payload source wrote another length than it first did"
+        );
+        // The last chunk when it is shorter than the others, or the one empty chunk of an
+        // empty payload.
+        if index < self.count {
+            each(chunk(self, index, &buf));
+        }
+    }
+}
+
+impl PartialEq for Cut {
+    /// Cuts are equal when they cut payloads of the same length and hash alike, held or
+    /// streamed.
+    fn eq(&self, other: &Cut) -> bool {
+        (self.len, self.hash, self.size, self.count)
+            == (other.len, other.hash, other.size, other.count)
+    }
+}
+
+impl Eq for Cut {}
+
+impl core::fmt::Debug for Cut {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Cut")
+            .field("held", &matches!(self.payload, Source::Held(_)))
+            .field("len", &self.len)
+            .field("hash", &self.hash)
+            .field("size", &self.size)
+            .field("count", &self.count)
+            .finish()
     }
 }
 
@@ -605,19 +748,81 @@ mod tests {
             let owned = split(&payload, max);
             let cut = Cut::new(payload.clone(), max);
             assert_eq!(cut.count() as usize, owned.len(), "{len} bytes by {max}");
-            assert_eq!(cut.payload(), &payload[..]);
+            assert_eq!(&cut.bytes()[..], &payload[..]);
+            assert_eq!(cut.len(), payload.len());
             assert_eq!(cut.payload_hash(), payload_hash(&payload));
-            let borrowed: Vec<ChunkRef> = cut.iter().collect();
-            let expected: Vec<ChunkRef> = owned.iter().map(Chunk::as_ref).collect();
-            assert_eq!(borrowed, expected, "{len} bytes by {max}");
+            let mut borrowed = Vec::new();
+            cut.for_each_chunk(|c| borrowed.push(owned_chunk(c)));
+            assert_eq!(borrowed, owned, "{len} bytes by {max}");
+            let by_index: Vec<Chunk> = (0..cut.count())
+                .map(|i| owned_chunk(cut.chunk(i).unwrap()))
+                .collect();
+            assert_eq!(by_index, owned, "{len} bytes by {max}");
             assert_eq!(cut.chunk(cut.count()), None);
             // Both forms encode alike.
-            for (c, o) in cut.iter().zip(&owned) {
+            for (i, o) in owned.iter().enumerate() {
                 assert_eq!(
-                    postcard::to_allocvec(&c).unwrap(),
+                    postcard::to_allocvec(&cut.chunk(i as u32).unwrap()).unwrap(),
                     postcard::to_allocvec(o).unwrap()
                 );
             }
+        }
+    }
+
+    fn owned_chunk(c: ChunkRef<'_>) -> Chunk {
+        Chunk {
+            payload_hash: c.payload_hash,
+            index: c.index,
+            count: c.count,
+            total_len: c.total_len,
+            data: c.data.to_vec(),
+        }
+    }
+
+    /// A payload written in pieces of every length from 1 to 13 bytes, in turn.
+    struct Pieces(Vec<u8>);
+
+    impl PayloadSource for Pieces {
+        fn write_payload(&self, out: &mut dyn FnMut(&[u8])) {
+            let mut rest = &self.0[..];
+            for n in (1..=13).cycle() {
+                if rest.is_empty() {
+                    break;
+                }
+                let (piece, tail) = rest.split_at(n.min(rest.len()));
+                out(piece);
+                rest = tail;
+            }
+        }
+    }
+
+    #[test]
+    fn a_streamed_cut_hands_out_the_chunks_split_makes() {
+        for (len, max) in [
+            (0, 4),
+            (1, 4),
+            (8, 4),
+            (9, 4),
+            (10_000, 333),
+            (4096, 1024),
+            (5, 0),
+        ] {
+            let payload: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let owned = split(&payload, max);
+            let cut = Cut::streamed(Arc::new(Pieces(payload.clone())), max);
+            assert_eq!(cut, Cut::new(payload.clone(), max), "{len} bytes by {max}");
+            assert_eq!(cut.count() as usize, owned.len(), "{len} bytes by {max}");
+            assert_eq!(cut.len(), len);
+            assert_eq!(cut.payload_hash(), payload_hash(&payload));
+            assert_eq!(&cut.bytes()[..], &payload[..]);
+            let mut streamed = Vec::new();
+            cut.for_each_chunk(|c| streamed.push(owned_chunk(c)));
+            assert_eq!(streamed, owned, "{len} bytes by {max}");
+            // Single chunks come from a held payload only.
+            assert_eq!(cut.chunk(0), None);
+            let held = cut.into_held();
+            assert_eq!(held.chunk(0), Some(owned[0].as_ref()));
+            assert_eq!(&held.bytes()[..], &payload[..]);
         }
     }
 

@@ -61,7 +61,7 @@ pub mod topics;
 
 #[cfg(feature = "std")]
 pub use auth::{AuthError, KeyFileError, Keyring, PublicKey, SigningKey};
-pub use chunking::{ChunkError, Cut, Reassembler, payload_hash, split};
+pub use chunking::{ChunkError, Cut, PayloadSource, Reassembler, payload_hash, split};
 pub use encoding::{
     EncodedTensor, EncodedTensorRef, Encoding, TensorError, Values, check, decode, decode_add,
     encode, encode_leaving_error,

@@ -200,11 +200,13 @@ pub fn run_federation<N: Net>(
                     model,
                     delta,
                 } => {
+                    // Chunks are served one at a time over the round: the payload is held.
+                    let model = model.into_held();
                     observe(Observed::Model {
                         version: manifest.model_version,
-                        payload: model.payload(),
+                        payload: &model.bytes(),
                     });
-                    model_bytes = model.payload().len();
+                    model_bytes = model.len();
                     let bytes = wire.envelope(
                         MessageKind::RoundManifest,
                         manifest.round,
@@ -220,7 +222,7 @@ pub fn run_federation<N: Net>(
                             },
                         ));
                     }
-                    served = Some((manifest, *model, delta.map(|d| *d)));
+                    served = Some((manifest, model, delta.map(|d| *d)));
                 }
                 Action::RoundClosed { .. } | Action::Finished { .. } => {}
             }
