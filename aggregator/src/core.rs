@@ -212,11 +212,50 @@ pub struct Aggregator {
 pub const AUDITED_REJECTS: u32 = 32;
 
 /// The L2 norm of `values`, summed in f64 in their order.
-fn l2(values: impl Iterator<Item = f32>) -> f64 {
-    values
-        .map(|x| f64::from(x) * f64::from(x))
+/// The L2 norm of tensors given as little-endian `f32` bytes or as values, in f64.
+fn l2<'a>(tensors: impl Iterator<Item = Values32<'a>>) -> f64 {
+    tensors
+        .map(|t| match t {
+            Values32::Le(b) => sum_squares(
+                b.chunks_exact(4)
+                    .map(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]])),
+            ),
+            Values32::Slice(v) => sum_squares(v.iter().copied()),
+        })
         .sum::<f64>()
         .sqrt()
+}
+
+/// One tensor's values for [`l2`].
+enum Values32<'a> {
+    /// Little-endian bytes.
+    Le(&'a [u8]),
+    /// Values.
+    Slice(&'a [f32]),
+}
+
+impl<'a> From<&'a Checked<'a>> for Values32<'a> {
+    fn from(c: &'a Checked<'a>) -> Self {
+        match c {
+            Checked::Exact(b) => Values32::Le(b),
+            Checked::Decoded(v) => Values32::Slice(v),
+        }
+    }
+}
+
+/// The sum of squares of `values` in f64, in eight interleaved sums: one chain of additions
+/// took a value per addition's latency (about 20 ms for a 57 MB update, on the aggregator's
+/// path to answering it); eight run side by side in vector registers.
+fn sum_squares(values: impl Iterator<Item = f32>) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let mut values = values.peekable();
+    while values.peek().is_some() {
+        for lane in &mut lanes {
+            let Some(x) = values.next() else { break };
+            *lane += f64::from(x) * f64::from(x);
+        }
+    }
+    lanes.iter().sum()
 }
 
 fn hex(h: &SpecHash) -> String {
@@ -1051,7 +1090,7 @@ impl Aggregator {
                 let n = l2(self
                     .update_idx
                     .iter()
-                    .flat_map(|&i| self.model[i].iter().copied()));
+                    .map(|&i| Values32::Slice(&self.model[i])));
                 self.model_norm.set(Some((v, n)));
                 n
             }
@@ -1095,7 +1134,7 @@ impl Aggregator {
                 return Err(RejectReason::NegativeVariance(spec.name.clone()));
             }
         }
-        let norm = l2(delta.iter().flat_map(Checked::values));
+        let norm = l2(delta.iter().map(Values32::from));
         let model_norm = self.model_norm();
         // A model of all zeros still lets updates of norm up to the ratio through.
         let relative = self.cfg.max_relative_norm * model_norm.max(1.0);
@@ -1331,5 +1370,42 @@ impl Aggregator {
         self.store
             .save_bn_share(version, &self.hash.0, &share_sites, &pooled)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_norm_in_eight_sums_is_the_norm_of_one_sum_to_rounding() {
+        for n in [0usize, 1, 7, 8, 9, 63, 1000, 100_003] {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 2_654_435_761) % 2001) as f32 * 1e-3 - 1.0)
+                .collect();
+            let le: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let one: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+            let one = one.sqrt();
+            for norm in [
+                l2([Values32::Slice(&v)].into_iter()),
+                l2([Values32::Le(&le)].into_iter()),
+            ] {
+                assert!(
+                    (norm - one).abs() <= 1e-12 * one.max(1.0),
+                    "{n}: {norm} against {one}"
+                );
+            }
+            // Split across tensors, the same norm.
+            let (a, b) = v.split_at(n / 3);
+            let split = l2([Values32::Slice(a), Values32::Slice(b)].into_iter());
+            assert!((split - one).abs() <= 1e-12 * one.max(1.0), "{n}");
+        }
+        // Values near f32's largest square without overflow in f64.
+        let big = [3.0e38f32, 3.0e38];
+        let x = f64::from(big[0]);
+        assert_eq!(
+            l2([Values32::Slice(&big)].into_iter()),
+            (2.0 * x * x).sqrt()
+        );
     }
 }
