@@ -387,16 +387,20 @@ impl SiteFiles {
         // checkpoint's (progress, memory, model). The memory (under a lossy encoding two
         // model-sized maps) streams to the file from the files where it waits, never through a
         // buffer or a copy in memory.
+        // Both files go to the disk as they are written (`WritingBack`), so their fsyncs wait
+        // for little: the last site to upload checkpoints while the round folds, and fetches
+        // the next model only after.
         checkpoint::write_atomic_with(&self.checkpoint, |w| {
+            let mut w = unifed_net::disk::WritingBack::new(w);
             w.write_all(CHECKPOINT_MAGIC)?;
             w.write_all(&CHECKPOINT_VERSION.to_le_bytes())?;
             postcard::to_io(
                 &(progress, site.stored_memory(), layout.len() as usize),
-                &mut *w,
+                &mut w,
             )
             .map_err(std::io::Error::other)?;
-            model_at = w.stream_position()?;
-            layout.write_net(&site.net, w)
+            model_at = w.position();
+            layout.write_net(&site.net, &mut w)
         })?;
         // The model file is those bytes, copied from the checkpoint just written (file to file,
         // in the kernel where it can): laying the model out again (its linear weights read
@@ -405,12 +409,20 @@ impl SiteFiles {
             let mut f = std::fs::File::open(&self.checkpoint)?;
             f.seek(std::io::SeekFrom::Start(model_at))?;
             let want = layout.len();
-            let copied = std::io::copy(&mut f.take(want), w)?;
-            if copied != want {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!("the checkpoint holds {copied} bytes of the model, not {want}"),
-                ));
+            let mut copied = 0;
+            let mut writeback = unifed_net::disk::Writeback::default();
+            while copied < want {
+                let piece = (want - copied).min(unifed_net::disk::WRITEBACK_BYTES);
+                let n = std::io::copy(&mut (&f).take(piece), w)?;
+                copied += n;
+                if n < piece {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("the checkpoint holds {copied} bytes of the model, not {want}"),
+                    ));
+                }
+                w.flush()?;
+                writeback.wrote(w.get_ref(), copied);
             }
             Ok(())
         })?;

@@ -127,12 +127,14 @@ const BLOCK_VALUES: usize = 16 << 10;
 
 /// A sealed binary file written as it goes: atomically and durably (temporary file, fsync,
 /// rename, fsync of the folder), its sum computed on the way and appended by
-/// [`SealedFile::finish`].
+/// [`SealedFile::finish`]; its writeback to the disk starts as it goes.
 pub(crate) struct SealedFile {
     w: std::io::BufWriter<File>,
     h: Sum,
     /// Body bytes so far.
     len: u64,
+    /// The file's writeback, started as it is written.
+    writeback: unifed_net::disk::Writeback,
     tmp: PathBuf,
     path: PathBuf,
 }
@@ -146,6 +148,7 @@ impl SealedFile {
             w: std::io::BufWriter::with_capacity(1 << 20, f),
             h: Sum::xxh3(),
             len: 0,
+            writeback: Default::default(),
             tmp,
             path: path.to_path_buf(),
         })
@@ -173,6 +176,7 @@ impl SealedFile {
             w: std::io::BufWriter::with_capacity(1 << 20, f),
             h,
             len: head.len() as u64,
+            writeback: Default::default(),
             tmp: staged.to_path_buf(),
             path: path.to_path_buf(),
         }))
@@ -187,7 +191,11 @@ impl SealedFile {
     pub(crate) fn put(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
         self.h.update(bytes);
         self.len += bytes.len() as u64;
-        self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))
+        self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))?;
+        // What the buffer has handed to the file so far (a body is the file from its start).
+        let in_file = self.len - self.w.buffer().len() as u64;
+        self.writeback.wrote(self.w.get_ref(), in_file);
+        Ok(())
     }
 
     /// Tensors as the store keeps them: their count, then each one's length and its
