@@ -152,25 +152,30 @@ impl Layout {
         let mut buf = Vec::with_capacity(64 << 10);
         // The entry being written and the values it still needs.
         let (mut at, mut left): (Option<usize>, usize) = (None, 0);
-        crate::state::export_blocks(net, crate::state::Select::All, 16 << 10, |name, values| {
-            if at.is_none_or(|i| self.entries[i].0 != name) {
-                if left != 0 {
-                    return Err(misfit(name));
+        crate::state::export_blocks(
+            net,
+            crate::state::Select::All,
+            crate::state::READ_BLOCK,
+            |name, values| {
+                if at.is_none_or(|i| self.entries[i].0 != name) {
+                    if left != 0 {
+                        return Err(misfit(name));
+                    }
+                    let next = at.map_or(0, |i| i + 1);
+                    match self.entries.get(next) {
+                        Some((n, len)) if n == name => (at, left) = (Some(next), *len),
+                        _ => return Err(misfit(name)),
+                    }
                 }
-                let next = at.map_or(0, |i| i + 1);
-                match self.entries.get(next) {
-                    Some((n, len)) if n == name => (at, left) = (Some(next), *len),
-                    _ => return Err(misfit(name)),
+                left = left.checked_sub(values.len()).ok_or_else(|| misfit(name))?;
+                for part in values.chunks(16 << 10) {
+                    buf.clear();
+                    buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
+                    w.write_all(&buf)?;
                 }
-            }
-            left = left.checked_sub(values.len()).ok_or_else(|| misfit(name))?;
-            for part in values.chunks(16 << 10) {
-                buf.clear();
-                buf.extend(part.iter().flat_map(|v| v.to_le_bytes()));
-                w.write_all(&buf)?;
-            }
-            Ok(())
-        })?;
+                Ok(())
+            },
+        )?;
         let written = at.map_or(0, |i| i + 1);
         match self.entries.get(written) {
             Some((n, _)) => Err(misfit(n)),

@@ -32,9 +32,12 @@ impl Parked {
     ) -> io::Result<Parked> {
         let mut w = BufWriter::with_capacity(BLOCK, File::create(path)?);
         let mut bytes = Vec::with_capacity(BLOCK);
-        crate::state::export_blocks_in_order(net, Select::All, BLOCK / 4, |_, values| {
-            put_f32s(&mut w, &mut bytes, values)
-        })?;
+        crate::state::export_blocks_in_order(
+            net,
+            Select::All,
+            crate::state::READ_BLOCK,
+            |_, values| put_f32s(&mut w, &mut bytes, values),
+        )?;
         w.into_inner().map_err(|e| e.into_error())?;
         let layout = crate::state::export_layout(net, spec, Select::All);
         Ok(Parked {

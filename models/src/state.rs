@@ -310,6 +310,13 @@ impl<N: Net> ModuleVisitor for Blocks<'_, N> {
     }
 }
 
+/// Values a model is best read in by [`export_blocks`] and [`export_blocks_in_order`]: a block
+/// of the digits CNN's `fc1` weight read in PyTorch's order (transposed) is 2 rows, 50 KiB,
+/// which comes from the heap and reuses it. Larger blocks are mapped fresh for each read under
+/// the agents' lean allocation, and a model of 57 MB took 52-57 ms to read in blocks of 256 Ki
+/// values or more, against 39-40 ms in blocks of 16-32 Ki (one row, 4-8 Ki: 80 ms).
+pub const READ_BLOCK: usize = 16 << 10;
+
 /// Calls `f(name, values)` for every tensor of `net` that `select` keeps, in name order (the
 /// data order of a [`crate::checkpoint::Layout`]), with the values [`export`] gives a block of
 /// whole rows (about `block` values) at a time, each read from the model as it goes: the model

@@ -4,16 +4,13 @@
 //! pages of that delta and of the envelope, and a quarter reading the trained model out.
 
 use crate::park::Parked;
-use crate::state::{Select, export_blocks_in_order};
+use crate::state::{READ_BLOCK, Select, export_blocks_in_order};
 use crate::zoo::Net;
 use unifed_protocol::SpecHash;
 use unifed_protocol::encoding::{EncodedTensorRef, Values};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::SiteUpdate;
-
-/// Values read from the model at a time.
-const BLOCK: usize = 1 << 18;
 
 /// Why [`exact_update`] wrote no envelope.
 #[derive(Debug)]
@@ -82,10 +79,10 @@ pub(crate) fn exact_update<N: Net>(
             // The tensor being written, and how many of its values are still to come.
             let mut next = upd.delta.iter().zip(&tensors);
             let mut current: Option<(&str, usize)> = None;
-            let mut scratch: Vec<f32> = Vec::with_capacity(BLOCK);
+            let mut scratch: Vec<f32> = Vec::with_capacity(READ_BLOCK);
             let unexpected =
                 |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
-            export_blocks_in_order(net, select, BLOCK, |name, values| {
+            export_blocks_in_order(net, select, READ_BLOCK, |name, values| {
                 if current.is_none_or(|(at, _)| at != name) {
                     if let Some((at, left)) = current
                         && left > 0
