@@ -211,7 +211,6 @@ pub struct Aggregator {
 /// the rest only logged, so a misbehaving site cannot fill the disk with its rejects.
 pub const AUDITED_REJECTS: u32 = 32;
 
-/// The L2 norm of `values`, summed in f64 in their order.
 /// The L2 norm of tensors given as little-endian `f32` bytes or as values, in f64.
 fn l2<'a>(tensors: impl Iterator<Item = Values32<'a>>) -> f64 {
     tensors
