@@ -234,16 +234,12 @@ impl SpooledUploads {
             }
         };
         let s = &mut sets[k];
-        let at = s.size * u64::from(index);
         s.file
-            .write_all_at(data, at)
+            .write_all_at(data, s.size * u64::from(index))
             .map_err(|source| UploadError::Io {
                 path: s.path.clone(),
                 source,
             })?;
-        // On its way to the disk now, so the spool's fsync of the complete update waits for
-        // little of it.
-        unifed_net::disk::start_writeback(&s.file, at, data.len() as u64);
         s.arrived.mark(index);
         s.in_order = match s.in_order.take() {
             Some((next, mut h)) if next == index => {
