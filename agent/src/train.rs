@@ -421,8 +421,7 @@ impl SiteFiles {
                         format!("the checkpoint holds {copied} bytes of the model, not {want}"),
                     ));
                 }
-                w.flush()?;
-                writeback.wrote(w.get_ref(), copied);
+                writeback.wrote_through(w, copied);
             }
             Ok(())
         })?;

@@ -9,7 +9,7 @@ use crate::config::FederationConfig;
 use crate::store::{
     AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, SpoolTensor, State, Store, StoreError,
 };
-use crate::strategy::{self, Checked, RoundReader, Setup, Strategy};
+use crate::strategy::{self, Checked, RoundReader, Setup, Strategy, sum_squares};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -211,50 +211,10 @@ pub struct Aggregator {
 /// the rest only logged, so a misbehaving site cannot fill the disk with its rejects.
 pub const AUDITED_REJECTS: u32 = 32;
 
-/// The L2 norm of tensors given as little-endian `f32` bytes or as values, in f64.
-fn l2<'a>(tensors: impl Iterator<Item = Values32<'a>>) -> f64 {
-    tensors
-        .map(|t| match t {
-            Values32::Le(b) => sum_squares(
-                b.chunks_exact(4)
-                    .map(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]])),
-            ),
-            Values32::Slice(v) => sum_squares(v.iter().copied()),
-        })
-        .sum::<f64>()
-        .sqrt()
-}
-
-/// One tensor's values for [`l2`].
-enum Values32<'a> {
-    /// Little-endian bytes.
-    Le(&'a [u8]),
-    /// Values.
-    Slice(&'a [f32]),
-}
-
-impl<'a> From<&'a Checked<'a>> for Values32<'a> {
-    fn from(c: &'a Checked<'a>) -> Self {
-        match c {
-            Checked::Exact(b) => Values32::Le(b),
-            Checked::Decoded(v) => Values32::Slice(v),
-        }
-    }
-}
-
-/// The sum of squares of `values` in f64, in eight interleaved sums: one chain of additions
-/// took a value per addition's latency (about 20 ms for a 57 MB update, on the aggregator's
-/// path to answering it); eight run side by side in vector registers.
-fn sum_squares(values: impl Iterator<Item = f32>) -> f64 {
-    let mut lanes = [0.0f64; 8];
-    let mut values = values.peekable();
-    while values.peek().is_some() {
-        for lane in &mut lanes {
-            let Some(x) = values.next() else { break };
-            *lane += f64::from(x) * f64::from(x);
-        }
-    }
-    lanes.iter().sum()
+/// The L2 norm of tensors given as their sums of squares ([`sum_squares`],
+/// [`Checked::sum_squares`]).
+fn l2(sums: impl Iterator<Item = f64>) -> f64 {
+    sums.sum::<f64>().sqrt()
 }
 
 fn hex(h: &SpecHash) -> String {
@@ -1089,7 +1049,7 @@ impl Aggregator {
                 let n = l2(self
                     .update_idx
                     .iter()
-                    .map(|&i| Values32::Slice(&self.model[i])));
+                    .map(|&i| sum_squares(self.model[i].iter().copied())));
                 self.model_norm.set(Some((v, n)));
                 n
             }
@@ -1133,7 +1093,7 @@ impl Aggregator {
                 return Err(RejectReason::NegativeVariance(spec.name.clone()));
             }
         }
-        let norm = l2(delta.iter().map(Values32::from));
+        let norm = l2(delta.iter().map(Checked::sum_squares));
         let model_norm = self.model_norm();
         // A model of all zeros still lets updates of norm up to the ratio through.
         let relative = self.cfg.max_relative_norm * model_norm.max(1.0);
@@ -1386,8 +1346,8 @@ mod tests {
             let one: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
             let one = one.sqrt();
             for norm in [
-                l2([Values32::Slice(&v)].into_iter()),
-                l2([Values32::Le(&le)].into_iter()),
+                l2([Checked::Decoded(v.clone()).sum_squares()].into_iter()),
+                l2([Checked::Exact(&le).sum_squares()].into_iter()),
             ] {
                 assert!(
                     (norm - one).abs() <= 1e-12 * one.max(1.0),
@@ -1396,14 +1356,14 @@ mod tests {
             }
             // Split across tensors, the same norm.
             let (a, b) = v.split_at(n / 3);
-            let split = l2([Values32::Slice(a), Values32::Slice(b)].into_iter());
+            let split = l2([a, b].into_iter().map(|t| sum_squares(t.iter().copied())));
             assert!((split - one).abs() <= 1e-12 * one.max(1.0), "{n}");
         }
         // Values near f32's largest square without overflow in f64.
         let big = [3.0e38f32, 3.0e38];
         let x = f64::from(big[0]);
         assert_eq!(
-            l2([Values32::Slice(&big)].into_iter()),
+            l2([sum_squares(big.into_iter())].into_iter()),
             (2.0 * x * x).sqrt()
         );
     }

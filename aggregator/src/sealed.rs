@@ -192,9 +192,8 @@ impl SealedFile {
         self.h.update(bytes);
         self.len += bytes.len() as u64;
         self.w.write_all(bytes).map_err(|e| io(&self.tmp, e))?;
-        // What the buffer has handed to the file so far (a body is the file from its start).
-        let in_file = self.len - self.w.buffer().len() as u64;
-        self.writeback.wrote(self.w.get_ref(), in_file);
+        // A body is the file from its start.
+        self.writeback.wrote_through(&self.w, self.len);
         Ok(())
     }
 

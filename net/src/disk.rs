@@ -9,7 +9,7 @@ use std::fs::File;
 /// whose latency matters should not call it for every small write. Best effort: an error here
 /// is left for the fsync to report.
 #[allow(unsafe_code)]
-pub fn start_writeback(f: &File, from: u64, len: u64) {
+fn start_writeback(f: &File, from: u64, len: u64) {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
@@ -44,6 +44,12 @@ impl Writeback {
             self.from = end;
         }
     }
+
+    /// [`Writeback::wrote`] for a file written from its start through `w`, `written` bytes so
+    /// far: the file holds them less what `w` still buffers.
+    pub fn wrote_through(&mut self, w: &std::io::BufWriter<File>, written: u64) {
+        self.wrote(w.get_ref(), written - w.buffer().len() as u64);
+    }
 }
 
 /// A buffered writer to a file written from its start, which starts the writeback of what it
@@ -76,8 +82,7 @@ impl std::io::Write for WritingBack<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let n = self.w.write(buf)?;
         self.len += n as u64;
-        let in_file = self.len - self.w.buffer().len() as u64;
-        self.mark.wrote(self.w.get_ref(), in_file);
+        self.mark.wrote_through(self.w, self.len);
         Ok(n)
     }
 

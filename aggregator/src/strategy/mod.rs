@@ -554,6 +554,14 @@ impl Checked<'_> {
         }
     }
 
+    /// The sum of the values' squares in f64 ([`sum_squares`]).
+    pub fn sum_squares(&self) -> f64 {
+        match self {
+            Checked::Exact(b) => sum_squares(b.chunks_exact(4).map(le_f32)),
+            Checked::Decoded(v) => sum_squares(v.iter().copied()),
+        }
+    }
+
     /// The values as a vector (a copy for an exact tensor).
     pub fn into_vec(self) -> Vec<f32> {
         match self {
@@ -589,14 +597,29 @@ impl Iterator for CheckedValues<'_> {
         }
     }
 
-    // One dispatch per tensor rather than per value, in the same order: sums over the values
-    // (the update's norm) are the very sums over a decoded vector.
+    // One dispatch per tensor rather than per value, in the same order (collecting an exact
+    // tensor's values goes through here).
     fn fold<B, F: FnMut(B, f32) -> B>(self, init: B, mut f: F) -> B {
         match self {
             CheckedValues::Exact(c) => c.fold(init, |acc, b| f(acc, le_f32(b))),
             CheckedValues::Decoded(v) => v.fold(init, |acc, &x| f(acc, x)),
         }
     }
+}
+
+/// The sum of squares of `values` in f64, in eight interleaved sums: one chain of additions
+/// took a value per addition's latency (about 14 ms for a 57 MB update, on the aggregator's
+/// path to answering it); eight run side by side in vector registers.
+pub(crate) fn sum_squares(values: impl Iterator<Item = f32>) -> f64 {
+    let mut lanes = [0.0f64; 8];
+    let mut values = values.peekable();
+    while values.peek().is_some() {
+        for lane in &mut lanes {
+            let Some(x) = values.next() else { break };
+            *lane += f64::from(x) * f64::from(x);
+        }
+    }
+    lanes.iter().sum()
 }
 
 fn le_f32(b: &[u8]) -> f32 {
