@@ -8,11 +8,12 @@ use crate::core::Admission;
 use crate::uploads::{Received, SpooledUploads};
 use tokio::sync::{mpsc, watch};
 use unifed_net::NetEvent;
+use unifed_protocol::envelope::MessageKind;
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{ChunkRef, UpdateReceipt};
 
 /// A site's update whose chunks have all arrived, still on disk: the core's loop reads it
-/// (and checks its hash) when it takes it, so updates waiting for the core cost no memory.
+/// when it takes it, so updates waiting for the core cost no memory.
 #[derive(Debug)]
 pub struct Complete {
     /// The site whose topic it came on.
@@ -65,6 +66,14 @@ impl Ingest {
                 })
             };
             let taken = opened.and_then(|(id, env)| {
+                // Only a chunk's bytes are its update's: the core takes a complete set as
+                // signed in its chunks (`Arrival::SignedChunks`).
+                if env.kind != MessageKind::UpdateChunk {
+                    return Err(format!(
+                        "a {:?} message where an update chunk was expected",
+                        env.kind
+                    ));
+                }
                 let c = env.payload_as::<ChunkRef>().map_err(|e| e.to_string())?;
                 let r = UpdateReceipt {
                     round: env.round,
@@ -100,5 +109,85 @@ impl Ingest {
                 Err(e) => tracing::warn!(site, error = %e, "update chunk dropped"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unifed_protocol::SpecHash;
+    use unifed_protocol::auth::{Keyring, SigningKey};
+    use unifed_protocol::chunking::{chunks, payload_hash};
+    use unifed_protocol::envelope::Envelope;
+
+    fn id(s: &str) -> Id {
+        Id::new(s).unwrap()
+    }
+
+    /// Only update chunks signed by the site of their topic are kept and receipted, whatever
+    /// else the site signed: a set completes from them alone and goes to the core.
+    #[test]
+    fn only_the_topic_sites_update_chunks_are_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = SigningKey::from_seed([5; 32]);
+        let mut ring = Keyring::default();
+        ring.enrol(id("a"), key.public());
+        let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
+        let (complete, mut completed) = mpsc::channel(4);
+        let ingest = Ingest {
+            uploads: SpooledUploads::open(&dir.path().join("in"), 1 << 20, 60_000).unwrap(),
+            admission,
+            limit: 1 << 20,
+            prefix: "u/".into(),
+            complete,
+        };
+        fn sign<T: serde::Serialize>(kind: MessageKind, k: &SigningKey, body: &T) -> Vec<u8> {
+            let fed = Id::new("fed").unwrap();
+            let a = Id::new("a").unwrap();
+            k.sign(&Envelope::new(kind, fed, a, 1, 0, SpecHash([3; 32]), body))
+        }
+        let payload: Vec<u8> = (0..3_000).map(|i| (i % 251) as u8).collect();
+        let other = SigningKey::from_seed([6; 32]);
+        // A chunk of other bytes in a message of another kind the site signed, sent on its
+        // update topic: not an update chunk.
+        let mut first = chunks(&payload, 1_000).next().unwrap();
+        first.data[0] ^= 1;
+        let mut input = vec![("u/a", sign(MessageKind::ModelChunk, &key, &first))];
+        for c in chunks(&payload, 1_000) {
+            // Signed by another key, and on another site's topic: refused.
+            input.push(("u/a", sign(MessageKind::UpdateChunk, &other, &c)));
+            input.push(("u/b", sign(MessageKind::UpdateChunk, &key, &c)));
+            input.push(("u/a", sign(MessageKind::UpdateChunk, &key, &c)));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        for (topic, payload) in input {
+            tx.send(NetEvent::Message {
+                topic: topic.into(),
+                payload: payload.into(),
+            })
+            .unwrap();
+        }
+        drop(tx);
+        let receipts = std::sync::Mutex::new(Vec::new());
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(ingest.run(rx, |(site, r)| {
+                receipts.lock().unwrap().push((site.to_string(), r.index));
+                async { Ok(()) }
+            }));
+        assert_eq!(
+            receipts.into_inner().unwrap(),
+            vec![
+                ("a".to_string(), 0),
+                ("a".to_string(), 1),
+                ("a".to_string(), 2)
+            ]
+        );
+        let done = completed.try_recv().unwrap();
+        assert_eq!(done.site, "a");
+        assert_eq!(done.set.hash(), payload_hash(&payload));
+        assert_eq!(done.set.read().unwrap(), payload);
+        assert!(completed.try_recv().is_err());
     }
 }

@@ -3,7 +3,7 @@
 //! manifest, serves model chunks on request and answers every update on the site's ack topic.
 
 use crate::config::FederationConfig;
-use crate::core::{Action, Aggregator, Event, GlobalModel};
+use crate::core::{Action, Aggregator, Arrival, Event, GlobalModel};
 use crate::uploads::SpooledUploads;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -555,13 +555,13 @@ pub async fn serve(
                 None => bail!("the task taking update chunks stopped"),
                 Some(c) => {
                     let (hash, t) = (c.set.hash(), Instant::now());
-                    // Read (and checked against its hash) only now: one update in memory.
+                    // Read only now: one update in memory.
                     // Its file becomes the spool file if the core accepts it; dropping the set
                     // removes it otherwise.
                     match tokio::task::block_in_place(|| c.set.read()) {
                         Ok(bytes) => {
                             let staged = Some(c.set.path().to_path_buf());
-                            pending = step(&mut core, Event::Update { site: c.site, bytes, hash: Some(hash), staged }, t)?;
+                            pending = step(&mut core, Event::Update { site: c.site, bytes, arrival: Arrival::SignedChunks { hash }, staged }, t)?;
                         }
                         Err(e) => tracing::warn!(site = c.site, error = %e, "update dropped"),
                     }
@@ -583,7 +583,7 @@ pub async fn serve(
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
                         // Whole updates (chunks go to the ingest task): the core opens them
                         // (once) and refuses what is not an update.
-                        let update = Event::Update { site: site.to_string(), bytes: payload, hash: None, staged: None };
+                        let update = Event::Update { site: site.to_string(), bytes: payload, arrival: Arrival::Message, staged: None };
                         pending = step(&mut core, update, Instant::now())?;
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
                         serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, &mut serves).await?;

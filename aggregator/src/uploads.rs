@@ -1,8 +1,14 @@
 //! Sites' chunked uploads, spooled to disk as their chunks arrive: an incomplete update costs
 //! the aggregator a file and a set of received indices, not its bytes in memory, however many
-//! sites upload at once. A complete update is read back once, checked against its hash and
-//! handed to the core with its file, which the core makes its spool file when it accepts the
-//! update (so the update is not written again); the file is removed otherwise.
+//! sites upload at once. A complete update is read back once and handed to the core with its
+//! file, which the core makes its spool file when it accepts the update (so the update is not
+//! written again); the file is removed otherwise.
+//!
+//! Every chunk handed in was opened with its site's key by the caller (the ingest task), so a
+//! set is not hashed: each byte was signed by the site with its index and the set's hash and
+//! length, and only a site that cut its own update wrong could make the set differ from the
+//! hash it names (as a site takes the aggregator's signed chunks,
+//! `Reassembler::of_signed_chunks`).
 //!
 //! Chunks are written where they belong in the payload: every chunk but the last has the same
 //! length (as `unifed_protocol::chunking::chunks` cuts them), which the set's first chunk fixes;
@@ -17,9 +23,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use unifed_net::memory::MappedFile;
-use unifed_protocol::chunking::{
-    Arrivals, ChunkError, PayloadHasher, check_set, cut_size, payload_hash,
-};
+use unifed_protocol::chunking::{Arrivals, ChunkError, check_set, cut_size};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{Chunk, ChunkRef};
 
@@ -58,10 +62,6 @@ struct Set {
     size: u64,
     first_ms: u64,
     arrived: Arrivals,
-    /// While every chunk has come in order: the next index and the hash of those before it.
-    /// Sites send in order, so the payload is hashed as it arrives (beside the core, which
-    /// checks complete updates one after another) rather than read back at the end.
-    in_order: Option<(u32, PayloadHasher)>,
     file: File,
     path: PathBuf,
 }
@@ -83,8 +83,6 @@ pub struct Received {
     path: PathBuf,
     len: u64,
     hash: [u8; 32],
-    /// Whether the chunks' hash was checked as they came in order (see `Set::in_order`).
-    verified: bool,
 }
 
 impl Drop for Received {
@@ -104,8 +102,7 @@ impl Received {
         &self.path
     }
 
-    /// The payload, checked against the set's hash (hashed here unless its chunks were as they
-    /// came in order): the file's pages mapped, not copied into a fresh buffer (see
+    /// The payload: the file's pages mapped, not copied into a fresh buffer (see
     /// [`MappedFile`]; the file is this aggregator's own).
     pub fn read(&self) -> Result<Bytes, UploadError> {
         let io = |source| UploadError::Io {
@@ -115,9 +112,6 @@ impl Received {
         let len =
             usize::try_from(self.len).map_err(|_| io(std::io::ErrorKind::FileTooLarge.into()))?;
         let payload = MappedFile::map(&self.file, len).map_err(io)?;
-        if !self.verified && payload_hash(&payload) != self.hash {
-            return Err(ChunkError::HashMismatch.into());
-        }
         Ok(Bytes::from_owner(payload))
     }
 }
@@ -157,8 +151,8 @@ impl SpooledUploads {
         })
     }
 
-    /// Adds `site`'s chunk, received at `now_ms`; returns the set when this chunk completes it
-    /// (its payload is read, and checked against its hash, by [`Received::read`]). A repeated
+    /// Adds `site`'s chunk, received at `now_ms` and opened with `site`'s key; returns the set
+    /// when this chunk completes it (its payload is read by [`Received::read`]). A repeated
     /// chunk is ignored.
     pub fn insert(
         &mut self,
@@ -226,7 +220,6 @@ impl SpooledUploads {
                     size,
                     first_ms: now_ms,
                     arrived: Arrivals::new(count),
-                    in_order: Some((0, PayloadHasher::new())),
                     file,
                     path,
                 });
@@ -241,13 +234,6 @@ impl SpooledUploads {
                 source,
             })?;
         s.arrived.mark(index);
-        s.in_order = match s.in_order.take() {
-            Some((next, mut h)) if next == index => {
-                h.update(data);
-                Some((next + 1, h))
-            }
-            _ => None,
-        };
         if s.arrived.got() < count {
             return Ok(None);
         }
@@ -255,13 +241,6 @@ impl SpooledUploads {
         if sets.is_empty() {
             self.sites.remove(site);
         }
-        let verified = match &s.in_order {
-            Some((_, h)) if h.finalize() != hash => {
-                let _ = std::fs::remove_file(&s.path);
-                return Err(ChunkError::HashMismatch.into());
-            }
-            in_order => in_order.is_some(),
-        };
         // Renamed now: the set's name is free for a new set (a re-send of the same update),
         // and the complete one's is never reused, so removing it never removes another's.
         self.completed += 1;
@@ -282,7 +261,6 @@ impl SpooledUploads {
             path,
             len: total_len,
             hash,
-            verified,
         }))
     }
 
@@ -329,7 +307,7 @@ fn hex(b: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use unifed_protocol::chunking::chunks;
+    use unifed_protocol::chunking::{chunks, payload_hash};
 
     fn payload(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 31 % 251) as u8).collect()
@@ -397,49 +375,37 @@ mod tests {
             .collect()
     }
 
+    /// Chunks come opened with their site's key: a set is handed on as they wrote it, in order
+    /// or not, without being hashed (a tampered byte stands for a site that cut its own update
+    /// wrong), and its file is the only one left until it is dropped.
     #[test]
-    fn tampered_chunks_in_order_fail_the_hash_as_the_last_arrives_and_leave_no_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
-        let mut cs: Vec<Chunk> = chunks(&payload(5_000), 1_000).collect();
-        cs[2].data[7] ^= 1;
-        let last = cs.pop().unwrap();
-        for c in cs {
-            assert!(u.insert(&site("a"), c.as_ref(), 0).unwrap().is_none());
+    fn a_set_is_what_its_chunks_wrote_in_any_order_and_is_not_hashed() {
+        for swap in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
+            let p = payload(5_000);
+            let mut cs: Vec<Chunk> = chunks(&p, 1_000).collect();
+            cs[2].data[7] ^= 1;
+            if swap {
+                cs.swap(0, 1);
+            }
+            let mut last = None;
+            for c in cs {
+                last = u.insert(&site("a"), c.as_ref(), 0).unwrap();
+            }
+            assert_eq!(u.pending_sets(), 0);
+            let set = last.unwrap();
+            assert_eq!(set.hash(), payload_hash(&p));
+            let mut tampered = p.clone();
+            tampered[2_007] ^= 1;
+            assert_eq!(set.read().unwrap(), tampered);
+            assert_eq!(
+                names(dir.path()),
+                [set.path().file_name().unwrap().to_string_lossy()]
+            );
+            drop(set);
+            assert!(names(dir.path()).is_empty());
         }
-        assert!(matches!(
-            u.insert(&site("a"), last.as_ref(), 0),
-            Err(UploadError::Chunk(ChunkError::HashMismatch))
-        ));
-        assert_eq!(u.pending_sets(), 0);
-        assert!(names(dir.path()).is_empty());
-    }
-
-    #[test]
-    fn tampered_chunks_out_of_order_fail_the_hash_when_the_set_is_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
-        let mut cs: Vec<Chunk> = chunks(&payload(5_000), 1_000).collect();
-        cs[2].data[7] ^= 1;
-        cs.swap(0, 1);
-        let mut last = None;
-        for c in cs {
-            last = u.insert(&site("a"), c.as_ref(), 0).unwrap();
-        }
-        // Complete, and no longer pending; its file has a name of its own until the set is
-        // dropped, and its bytes fail the hash.
-        assert_eq!(u.pending_sets(), 0);
-        let set = last.unwrap();
-        assert_eq!(
-            names(dir.path()),
-            [set.path().file_name().unwrap().to_string_lossy()]
-        );
-        assert!(matches!(
-            set.read(),
-            Err(UploadError::Chunk(ChunkError::HashMismatch))
-        ));
-        drop(set);
-        assert!(names(dir.path()).is_empty());
     }
 
     /// The same update sent again while the first copy waits for the core is another file:

@@ -2,7 +2,9 @@
 
 use std::path::Path;
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
-use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel, Weighting};
+use unifed_aggregator::{
+    Action, Aggregator, Arrival, Event, FederationConfig, GlobalModel, Weighting,
+};
 use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
 use unifed_protocol::ids::Id;
@@ -165,7 +167,7 @@ fn send(agg: &mut Aggregator, site: &str, bytes: Vec<u8>) -> Vec<Action> {
             Event::Update {
                 site: site.into(),
                 bytes: bytes.into(),
-                hash: None,
+                arrival: Arrival::Message,
                 staged: None,
             },
             1_000,
@@ -282,7 +284,7 @@ fn the_last_update_is_answered_before_the_fold_it_asks_for() {
             Event::Update {
                 site: site.into(),
                 bytes: good(site, 1, 0, 10, BnPolicy::Local).into(),
-                hash: None,
+                arrival: Arrival::Message,
                 staged: None,
             },
             1_000,
@@ -372,9 +374,8 @@ fn an_answer_names_the_transports_hash_of_a_reassembled_update_or_the_bytes_own(
     let a = good("a", 1, 0, 10, BnPolicy::Local);
     let own = unifed_protocol::chunking::payload_hash(&a);
     assert_eq!(hashes(&send(&mut agg, "a", a)), vec![own]);
-    // A chunked update's bytes were checked against its set hash by the transport, which
-    // hands that hash on: the core answers with it instead of hashing the bytes again (a
-    // stand-in value makes that visible; the service passes the checked set hash).
+    // A chunked update's set hash is what its signed chunks named: the core answers with it
+    // instead of hashing the bytes (a stand-in value makes that visible).
     let b = good("b", 1, 0, 10, BnPolicy::Local);
     let set = [7u8; 32];
     assert_ne!(set, unifed_protocol::chunking::payload_hash(&b));
@@ -383,7 +384,7 @@ fn an_answer_names_the_transports_hash_of_a_reassembled_update_or_the_bytes_own(
             Event::Update {
                 site: "b".into(),
                 bytes: b.into(),
-                hash: Some(set),
+                arrival: Arrival::SignedChunks { hash: set },
                 staged: None,
             },
             1_000,
@@ -391,6 +392,65 @@ fn an_answer_names_the_transports_hash_of_a_reassembled_update_or_the_bytes_own(
         .unwrap();
     assert_eq!(hashes(&acts), vec![set]);
     assert_eq!(answers(&acts), vec![("b".into(), Answer::Accepted)]);
+}
+
+/// An update that came as signed chunks is not checked against its envelope's own signature
+/// (every byte of it was signed in its chunk); everything else about the envelope still is.
+/// One message is checked in full.
+#[test]
+fn signed_chunks_spare_the_envelopes_signature_and_nothing_else() {
+    let update = |agg: &mut Aggregator, site: &str, bytes: Vec<u8>, arrival| {
+        let acts = agg
+            .handle(
+                Event::Update {
+                    site: site.into(),
+                    bytes: bytes.into(),
+                    arrival,
+                    staged: None,
+                },
+                1_000,
+            )
+            .unwrap();
+        answers(&acts)
+    };
+    let chunks = Arrival::SignedChunks { hash: [1; 32] };
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(3, 3, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    // The signature's last byte flipped: refused as a message, taken from chunks.
+    let mut forged = good("a", 1, 0, 10, BnPolicy::Local);
+    *forged.last_mut().unwrap() ^= 1;
+    assert_eq!(
+        update(&mut agg, "a", forged.clone(), Arrival::Message),
+        vec![]
+    );
+    assert_eq!(
+        update(&mut agg, "a", forged, chunks),
+        vec![("a".into(), Answer::Accepted)]
+    );
+    // On another site's topic, unsigned, of another federation, from a site not enrolled:
+    // refused and not answered, whichever way they came.
+    let mut unsigned = Envelope::decode(&good("b", 1, 0, 10, BnPolicy::Local)).unwrap();
+    unsigned.signature = None;
+    let stranger = {
+        let mut e = Envelope::decode(&good("b", 1, 0, 10, BnPolicy::Local)).unwrap();
+        e.sender = Id::new("zed").unwrap();
+        key("zed").sign(&e)
+    };
+    for arrival in [Arrival::Message, chunks] {
+        for (topic, bytes) in [
+            ("c", good("b", 1, 0, 10, BnPolicy::Local)),
+            ("b", unsigned.encode()),
+            ("a", elsewhere_signed()),
+            ("zed", stranger.clone()),
+        ] {
+            assert_eq!(update(&mut agg, topic, bytes, arrival), vec![], "{topic}");
+        }
+    }
+    assert_eq!(
+        update(&mut agg, "b", good("b", 1, 0, 10, BnPolicy::Local), chunks),
+        vec![("b".into(), Answer::Accepted)]
+    );
 }
 
 /// An accepted update's staged file (the service's reassembled upload) becomes its spool
@@ -415,7 +475,7 @@ fn an_accepted_update_adopts_its_staged_file_as_the_spool_and_a_refused_one_leav
                     Event::Update {
                         site: site.into(),
                         bytes: bytes.clone().into(),
-                        hash: None,
+                        arrival: Arrival::Message,
                         staged: stage.then(|| staged.clone()),
                     },
                     1_000,

@@ -140,7 +140,7 @@ fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
             Event::Update {
                 site: s.into(),
                 bytes: bytes.into(),
-                hash: None,
+                arrival: unifed_aggregator::Arrival::Message,
                 staged: None,
             },
             1_000,

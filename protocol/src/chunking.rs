@@ -11,8 +11,8 @@ pub fn payload_hash(payload: &[u8]) -> [u8; 32] {
     blake3::hash(payload).into()
 }
 
-/// [`payload_hash`] of a payload fed to it in order, piece by piece: a receiver whose chunks
-/// arrive in order hashes each as it comes instead of the whole payload at the end.
+/// [`payload_hash`] of a payload fed to it in order, piece by piece (a streamed [`Cut`]'s
+/// pieces as they are written), instead of the whole payload at once.
 #[derive(Debug, Clone, Default)]
 pub struct PayloadHasher(blake3::Hasher);
 

@@ -12,7 +12,9 @@ pub mod memory;
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::VecDeque;
 use std::time::Instant;
-use unifed_aggregator::{Action, Aggregator, EnrolledSite, Event, FederationConfig, GlobalModel};
+use unifed_aggregator::{
+    Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, GlobalModel,
+};
 use unifed_models::backend::Device;
 pub use unifed_models::site::{Site, select_for};
 use unifed_models::train::TrainConfig;
@@ -282,7 +284,7 @@ pub fn run_federation<N: Net>(
                             Event::Update {
                                 site: site.to_string(),
                                 bytes: payload.into(),
-                                hash: None,
+                                arrival: Arrival::Message,
                                 staged: None,
                             },
                             now,

@@ -7,7 +7,7 @@ use crate::sim_key;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
-use unifed_aggregator::{Action, Aggregator, EnrolledSite, Event, FederationConfig};
+use unifed_aggregator::{Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig};
 use unifed_models::backend::Backend;
 use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_protocol::encoding::Encoding;
@@ -141,7 +141,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
             Event::Update {
                 site: id.clone(),
                 bytes: bytes::Bytes::from_owner(mapped),
-                hash: None,
+                arrival: Arrival::Message,
                 staged: Some(staged.clone()),
             },
             1,
