@@ -192,16 +192,13 @@ mod huge {
                 }
                 p
             }
-            None => map(size),
+            None => map(len),
         }
     }
 
-    /// Maps `size` bytes (zeroed, as every fresh mapping is) and asks for huge pages; null if
-    /// the system refuses.
-    fn map(size: usize) -> *mut u8 {
-        let Some(len) = mapping_len(size) else {
-            return std::ptr::null_mut();
-        };
+    /// A new mapping of `len` bytes (zeroed, as every fresh mapping is) that asks for huge
+    /// pages; null if the system refuses.
+    fn map(len: usize) -> *mut u8 {
         // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches
         // no memory of ours.
         let p = unsafe {
