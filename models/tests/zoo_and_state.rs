@@ -447,6 +447,17 @@ fn safetensors_are_streamed_byte_for_byte_as_the_safetensors_crate_writes_them()
     streamed_is_exported(&small, &spec(&small, 10, image_input(3, 28, 28)));
     streamed_is_exported(&resnet, &spec(&resnet, 3, image_input(3, 32, 32)));
     streamed_is_exported(&full, &spec(&full, 10, image_input(3, 28, 28)));
+    // burn's own initialisation stores a linear weight `[in, out]`, as training leaves it (a
+    // seeded or imported model holds a transposed view of PyTorch's `[out, in]`): read
+    // transposed, a tile of rows at a time, and edges that are not whole blocks of 8.
+    let odd = DigitsCnnConfig {
+        conv: [4, 6, 8],
+        fc: [37, 13],
+        ..Default::default()
+    };
+    for net in [odd.init(&d), DigitsCnnConfig::default().init(&d)] {
+        streamed_is_exported(&net, &spec(&net, 10, image_input(3, 28, 28)));
+    }
 }
 
 /// `Layout::of_spec(spec).write_net(net)` writes what `Layout::new(export).write(export)`
