@@ -41,13 +41,13 @@ struct Outcome {
     sites: Vec<(Vec<Vec<u32>>, Memory)>,
 }
 
-/// The memory (residuals, control variates) in a site's `checkpoint.bin`: magic and version,
-/// then the postcard of (progress, memory, model bytes).
+/// The memory (residuals, control variates) in a site's `checkpoint.bin`: magic and version 4,
+/// then the postcard of (progress, memory, (model file's number, its length)).
 fn memory(dir: &std::path::Path) -> Memory {
     let bytes = std::fs::read(dir.join("checkpoint.bin")).unwrap();
-    assert_eq!(&bytes[..4], b"UFSC");
-    let (_progress, memory, _model): ((Option<u64>, Vec<u64>), Memory, Vec<u8>) =
-        postcard::from_bytes(&bytes[8..]).unwrap();
+    assert_eq!(&bytes[..8], b"UFSC\x04\0\0\0");
+    type Progress = (Option<u64>, Vec<u64>);
+    let (_, memory, _): (Progress, Memory, (u64, u64)) = postcard::from_bytes(&bytes[8..]).unwrap();
     memory
 }
 

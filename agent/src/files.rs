@@ -1,0 +1,459 @@
+//! A site's files in its state folder: the checkpoint the agent resumes from, and the copies of
+//! its model and progress for people and tools.
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use std::cell::Cell;
+use std::path::{Path, PathBuf};
+use unifed_models::checkpoint;
+use unifed_models::site::{Memory, Site};
+use unifed_models::state::{Select, import_into};
+use unifed_protocol::ModelSpec;
+use unifed_site::Progress;
+
+/// A site's files in its state folder. `checkpoint.bin` is the one the agent resumes from:
+/// progress, memory (error-feedback residuals, control variates) and the number of the model
+/// file, in one file replaced atomically, so a crash never leaves a model of one step beside
+/// the memory of another. The model is `checkpoint.{n}.safetensors`, a new file for each
+/// checkpoint, made durable before the checkpoint names it and never written again: so
+/// `model.safetensors` (the site's full model, for tools and people) is a hard link to it, not
+/// a copy, and `progress.json` a copy of the progress, both replaced after the checkpoint.
+pub(crate) struct SiteFiles {
+    dir: PathBuf,
+    checkpoint: PathBuf,
+    model: PathBuf,
+    progress: PathBuf,
+    /// Scratch: the starting model while a round trains ([`Site::park_base_in`]).
+    pub(crate) parked: PathBuf,
+    /// The number of the next model file: one more than the checkpoint's.
+    next: Cell<u64>,
+}
+
+/// `checkpoint.bin` is this magic, the format version (u32, little-endian), then in postcard the
+/// site's progress ([`Progress`]), its memory ([`Memory`]) and the model file's number and
+/// length in bytes (two u64).
+const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
+/// 4 moved the model out to a file of its own (3 held its safetensors bytes at the end, and
+/// 2 a memory without MOON's previous local model and FedDC's drift); both are still read.
+const CHECKPOINT_VERSION: u32 = 4;
+
+/// The memory of a version 2 checkpoint: [`Memory`] before MOON's previous local model and
+/// FedDC's drift.
+#[derive(Deserialize)]
+struct MemoryV2 {
+    residual: std::collections::BTreeMap<String, Vec<f32>>,
+    control: std::collections::BTreeMap<String, Vec<f32>>,
+    server_control: Option<(u64, std::collections::BTreeMap<String, Vec<f32>>)>,
+    held: Option<(u64, std::collections::BTreeMap<String, Vec<f32>>)>,
+}
+
+impl SiteFiles {
+    /// The files of the state folder `dir`.
+    pub(crate) fn new(dir: &Path) -> Self {
+        SiteFiles {
+            dir: dir.to_path_buf(),
+            checkpoint: dir.join("checkpoint.bin"),
+            model: dir.join("model.safetensors"),
+            progress: dir.join("progress.json"),
+            parked: dir.join("training-base.f32"),
+            next: Cell::new(0),
+        }
+    }
+
+    /// The model file numbered `n`.
+    fn model_file(&self, n: u64) -> PathBuf {
+        self.dir.join(format!("checkpoint.{n}.safetensors"))
+    }
+
+    /// Restores `site` from the checkpoint, its model and memory, and gives the progress it
+    /// holds; `None` for a new site (nothing changes). The file is read as it goes: the memory
+    /// (under a lossy encoding two model-sized maps) goes from the file to the site's own files
+    /// a block at a time, and the model is read once, then moved into the site's.
+    pub(crate) fn restore<N: unifed_models::zoo::Net>(
+        &self,
+        spec: &ModelSpec,
+        site: &mut Site<N>,
+    ) -> Result<Option<Progress>> {
+        use std::io::Read;
+        let p = &self.checkpoint;
+        let f = match std::fs::File::open(p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
+        };
+        let len = f
+            .metadata()
+            .with_context(|| format!("reading {}", p.display()))?
+            .len();
+        let mut r = std::io::BufReader::with_capacity(1 << 20, f);
+        let mut head = [0u8; 8];
+        if r.read_exact(&mut head).is_err() || &head[..4] != CHECKPOINT_MAGIC {
+            bail!("{}: not a site checkpoint", p.display());
+        }
+        let v = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
+        let (progress, model) = match v {
+            CHECKPOINT_VERSION | 3 => {
+                // The progress, the memory, then the model's file (see `CHECKPOINT_MAGIC`), or
+                // in version 3 its bytes.
+                let mut scratch = vec![0u8; 1 << 12];
+                let (progress, (r, _)) = postcard::from_io::<Progress, _>((r, &mut scratch))
+                    .with_context(|| format!("reading {}", p.display()))?;
+                let mut r = site
+                    .restore_memory_from(r, spec)
+                    .with_context(|| format!("{}", p.display()))?;
+                let model = if v == 3 {
+                    let n =
+                        read_varint(&mut r).with_context(|| format!("reading {}", p.display()))?;
+                    if n > len {
+                        bail!("{}: a model of {n} bytes in a file of {len}", p.display());
+                    }
+                    let mut model = vec![0u8; n as usize];
+                    r.read_exact(&mut model)
+                        .with_context(|| format!("reading {}", p.display()))?;
+                    model
+                } else {
+                    let (number, want) = read_varint(&mut r)
+                        .and_then(|n| Ok((n, read_varint(&mut r)?)))
+                        .with_context(|| format!("reading {}", p.display()))?;
+                    let m = self.model_file(number);
+                    let model = std::fs::read(&m).with_context(|| {
+                        format!("reading {}, the model {} names", m.display(), p.display())
+                    })?;
+                    if model.len() as u64 != want {
+                        bail!(
+                            "{}: {} bytes, where {} names a model of {want}",
+                            m.display(),
+                            model.len(),
+                            p.display()
+                        );
+                    }
+                    self.next.set(number + 1);
+                    model
+                };
+                (progress, model)
+            }
+            2 => {
+                let mut bytes = Vec::new();
+                r.read_to_end(&mut bytes)
+                    .with_context(|| format!("reading {}", p.display()))?;
+                let (progress, m, model) =
+                    postcard::from_bytes::<(Progress, MemoryV2, Vec<u8>)>(&bytes)
+                        .with_context(|| format!("reading {}", p.display()))?;
+                let memory = Memory {
+                    residual: m.residual,
+                    control: m.control,
+                    server_control: m.server_control,
+                    held: m.held,
+                    previous: None,
+                    drift: Default::default(),
+                };
+                site.restore_memory(memory, spec)
+                    .with_context(|| format!("{}", p.display()))?;
+                (progress, model)
+            }
+            v => bail!(
+                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 3 or 2, which it reads)",
+                p.display()
+            ),
+        };
+        let state = checkpoint::from_bytes(&model, spec)
+            .with_context(|| format!("the model in {}", p.display()))?;
+        drop(model);
+        // The tensors move into the model, each old one freed as its new one goes in.
+        import_into(&mut site.net, spec, state, Select::All)
+            .with_context(|| format!("the model in {}", p.display()))?;
+        Ok(Some(progress))
+    }
+
+    /// Writes the model to a new file, then replaces the checkpoint atomically, then its copies,
+    /// and removes the model files no checkpoint names. The model is written from its tensors a
+    /// block at a time: it is never exported or serialised whole.
+    pub(crate) fn write<N: unifed_models::zoo::Net>(
+        &self,
+        spec: &ModelSpec,
+        site: &Site<N>,
+        progress: &Progress,
+    ) -> Result<()> {
+        use std::io::Write;
+        let layout = checkpoint::Layout::of_spec(spec);
+        let number = self.next.get();
+        let model = self.model_file(number);
+        // Both files go to the disk as they are written (`WritingBack`), so their fsyncs wait
+        // for little: the last site to upload checkpoints while the round folds, and fetches
+        // the next model only after. The model file needs no rename: nothing names it until
+        // the checkpoint does, whose rename and folder sync make both lasting.
+        (|| -> std::io::Result<()> {
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&model)?);
+            layout.write_net(&site.net, &mut unifed_net::disk::WritingBack::new(&mut w))?;
+            w.flush()?;
+            w.get_ref().sync_all()
+        })()
+        .with_context(|| format!("writing {}", model.display()))?;
+        // The memory (under a lossy encoding two model-sized maps) streams to the file from the
+        // files where it waits, never through a buffer or a copy in memory.
+        checkpoint::write_atomic_with(&self.checkpoint, |w| {
+            let mut w = unifed_net::disk::WritingBack::new(w);
+            w.write_all(CHECKPOINT_MAGIC)?;
+            w.write_all(&CHECKPOINT_VERSION.to_le_bytes())?;
+            postcard::to_io(
+                &(progress, site.stored_memory(), (number, layout.len())),
+                &mut w,
+            )
+            .map_err(std::io::Error::other)?;
+            Ok(())
+        })?;
+        self.next.set(number + 1);
+        self.link_model(&model)?;
+        checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
+            .with_context(|| format!("writing {}", self.progress.display()))?;
+        self.remove_models_but(number);
+        Ok(())
+    }
+
+    /// Replaces `model.safetensors` with a hard link to `model` (a copy where the file system
+    /// has no hard links).
+    fn link_model(&self, model: &Path) -> Result<()> {
+        let tmp = self.dir.join("model.safetensors.tmp");
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing {}", tmp.display()));
+            }
+            _ => {}
+        }
+        if std::fs::hard_link(model, &tmp).is_err() {
+            std::fs::copy(model, &tmp)
+                .with_context(|| format!("copying {} to {}", model.display(), tmp.display()))?;
+        }
+        std::fs::rename(&tmp, &self.model)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), self.model.display()))
+    }
+
+    /// Removes every model file but number `keep`: the checkpoint's last, and any a crash left
+    /// before its checkpoint named it. A file that will not go is reported and left.
+    fn remove_models_but(&self, keep: u64) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let number = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("checkpoint."))
+                .and_then(|n| n.strip_suffix(".safetensors"))
+                .and_then(|n| n.parse::<u64>().ok());
+            if number.is_some_and(|n| n != keep)
+                && let Err(err) = std::fs::remove_file(e.path())
+            {
+                eprintln!("could not remove {}: {err}", e.path().display());
+            }
+        }
+    }
+}
+
+/// A postcard varint (LEB128, at most ten bytes) read from `r`.
+fn read_varint(r: &mut impl std::io::Read) -> std::io::Result<u64> {
+    let mut v = 0u64;
+    for i in 0..10 {
+        let mut b = [0u8; 1];
+        r.read_exact(&mut b)?;
+        v |= u64::from(b[0] & 0x7f) << (7 * i);
+        if b[0] & 0x80 == 0 {
+            return Ok(v);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        "a length longer than ten bytes",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unifed_models::state::export;
+
+    #[test]
+    fn a_checkpoint_restores_model_memory_and_progress_and_versions_2_and_3_too() {
+        use unifed_models::data::Dataset;
+        use unifed_models::zoo::{MlpConfig, seeded, spec_of};
+        let device = unifed_models::backend::Backend::Flex.device().unwrap();
+        let mlp = |seed| {
+            seeded(&device, seed, |d| {
+                MlpConfig {
+                    inputs: 4,
+                    hidden: [3, 3],
+                    classes: 2,
+                }
+                .init(d)
+            })
+        };
+        let net = mlp(1);
+        let spec = spec_of(
+            &net,
+            &["a".into(), "b".into()],
+            &unifed_protocol::Input::Features { len: 4 },
+        );
+        let empty = || Dataset {
+            name: "none".into(),
+            features: 4,
+            x: Vec::new(),
+            y: Vec::new(),
+        };
+        // A site with another model, parking in `dir`, as the agent starts one.
+        let fresh = |dir: &std::path::Path| {
+            let mut s = Site::new("a", mlp(2), empty(), empty()).unwrap();
+            s.park_base_in(dir.join("training-base.f32")).unwrap();
+            s
+        };
+        let state = export(&net, &spec, Select::All);
+        let model = checkpoint::to_bytes(&state, &spec).unwrap();
+        let name = spec.tensors[0].name.clone();
+        let residual: std::collections::BTreeMap<String, Vec<f32>> =
+            [(name.clone(), vec![0.5; spec.tensors[0].numel()])].into();
+        let progress = Progress {
+            applied_version: Some(4),
+            answered_rounds: vec![3, 4],
+        };
+        // Version 2's layout: the memory's four maps, then the model.
+        let old = (
+            &progress,
+            (&residual, &residual, None::<(u64, ())>, None::<(u64, ())>),
+            &model,
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let files = SiteFiles::new(dir.path());
+        let mut bytes = CHECKPOINT_MAGIC.to_vec();
+        bytes.extend_from_slice(&2u32.to_le_bytes());
+        std::fs::write(&files.checkpoint, postcard::to_extend(&old, bytes).unwrap()).unwrap();
+        let mut site = fresh(dir.path());
+        assert_eq!(
+            files.restore(&spec, &mut site).unwrap(),
+            Some(progress.clone())
+        );
+        assert_eq!(export(&site.net, &spec, Select::All).tensors, state.tensors);
+        let memory = site.memory().unwrap();
+        assert_eq!((&memory.residual, &memory.control), (&residual, &residual));
+        assert!(memory.previous.is_none() && memory.held.is_none());
+
+        // Version 3: the model's safetensors bytes at the end of the checkpoint.
+        let lossy = Memory {
+            held: Some((
+                4,
+                spec.tensors
+                    .iter()
+                    .map(|t| (t.name.clone(), vec![-1.25; t.numel()]))
+                    .collect(),
+            )),
+            ..memory
+        };
+        site.restore_memory(lossy.clone(), &spec).unwrap();
+        let mut bytes = CHECKPOINT_MAGIC.to_vec();
+        bytes.extend_from_slice(&3u32.to_le_bytes());
+        let v3 = postcard::to_extend(&(&progress, site.stored_memory(), &model), bytes).unwrap();
+        std::fs::write(&files.checkpoint, v3).unwrap();
+        let other = tempfile::tempdir().unwrap();
+        let mut again = fresh(other.path());
+        assert_eq!(
+            files.restore(&spec, &mut again).unwrap(),
+            Some(progress.clone())
+        );
+        assert_eq!(again.memory().unwrap(), lossy);
+        assert_eq!(
+            export(&again.net, &spec, Select::All).tensors,
+            state.tensors
+        );
+
+        // Version 4, as `write` writes it from a site whose residual and held broadcast wait in
+        // files: read back into a fresh site, they go to its own files, bit for bit. A model
+        // file a crash left before its checkpoint named it goes too.
+        let orphan = files.model_file(7);
+        std::fs::write(&orphan, b"half a model").unwrap();
+        files.write(&spec, &site, &progress).unwrap();
+        let mut expected = Vec::new();
+        checkpoint::Layout::of_spec(&spec)
+            .write_net(&site.net, &mut expected)
+            .unwrap();
+        let first = files.model_file(0);
+        assert_eq!(std::fs::read(&first).unwrap(), expected);
+        // `model.safetensors` is that file, not a copy.
+        let inode = |p: &std::path::Path| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p).unwrap().ino()
+        };
+        assert_eq!(inode(&files.model), inode(&first));
+        assert!(!orphan.exists());
+        // What a fresh site restores, and the files it keeps its memory in meanwhile.
+        let restored = |dir: &std::path::Path| {
+            let mut s = fresh(dir);
+            let p = files.restore(&spec, &mut s).unwrap();
+            let mut kept: Vec<String> = std::fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            kept.sort();
+            let m = s.memory().unwrap();
+            (p, m, export(&s.net, &spec, Select::All).tensors, kept)
+        };
+        let (p, m, tensors, kept) = restored(other.path());
+        assert_eq!(
+            (p, m, tensors),
+            (Some(progress.clone()), lossy.clone(), state.tensors.clone())
+        );
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        assert!(
+            kept[0].starts_with("training-base.held.")
+                && kept[1].starts_with("training-base.residual.")
+        );
+
+        // The next checkpoint is a new file; the one before goes, and the link follows.
+        let later = Progress {
+            applied_version: Some(5),
+            answered_rounds: vec![3, 4, 5],
+        };
+        files.write(&spec, &site, &later).unwrap();
+        let second = files.model_file(1);
+        assert!(!first.exists());
+        assert_eq!(inode(&files.model), inode(&second));
+        assert_eq!(restored(other.path()).0, Some(later));
+        let progress_json: Progress =
+            serde_json::from_slice(&std::fs::read(&files.progress).unwrap()).unwrap();
+        assert_eq!(progress_json.applied_version, Some(5));
+
+        // A checkpoint cut inside the memory or the model file's number, a model file of
+        // another length or none, and a future version are errors; no checkpoint is a new site.
+        let whole = std::fs::read(&files.checkpoint).unwrap();
+        for cut in [20, whole.len() - 1] {
+            std::fs::write(&files.checkpoint, &whole[..cut]).unwrap();
+            assert!(
+                files.restore(&spec, &mut fresh(other.path())).is_err(),
+                "cut at {cut}"
+            );
+        }
+        std::fs::write(&files.checkpoint, &whole).unwrap();
+        let err = |files: &SiteFiles| {
+            format!(
+                "{:#}",
+                files.restore(&spec, &mut fresh(other.path())).unwrap_err()
+            )
+        };
+        std::fs::write(&second, &expected[..expected.len() - 1]).unwrap();
+        let e = err(&files);
+        assert!(
+            e.contains("checkpoint.1.safetensors")
+                && e.contains(&format!("names a model of {}", expected.len())),
+            "{e}"
+        );
+        std::fs::remove_file(&second).unwrap();
+        let e = err(&files);
+        assert!(e.contains("checkpoint.1.safetensors"), "{e}");
+        let mut bytes = whole.clone();
+        bytes[4..8].copy_from_slice(&9u32.to_le_bytes());
+        std::fs::write(&files.checkpoint, bytes).unwrap();
+        assert!(err(&files).contains("format version 9 is not 4"));
+        std::fs::remove_file(&files.checkpoint).unwrap();
+        assert_eq!(
+            files.restore(&spec, &mut fresh(other.path())).unwrap(),
+            None
+        );
+    }
+}
