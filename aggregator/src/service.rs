@@ -281,11 +281,11 @@ pub fn read_config(path: &Path) -> Result<ServiceConfig> {
 /// Reads the service config at `path`, validates it, and serves on a runtime of its own until
 /// the federation has finished and lingered, or Ctrl-C; returns the final model version.
 /// While it serves, the file's `revoked` list is re-read whenever the file changes. The process
-/// allocates lean (`unifed_net::memory::Allocation::Lean`): chunks and models go back to the
-/// system when freed instead of staying in malloc's heap. (As a relay, reusing chunk buffers
-/// from the heap, it spends about 28 % less CPU but peaks 30-40 MiB higher: see ARCHITECTURE.md.)
+/// allocates as a relay (`unifed_net::memory::Allocation::Relay`): chunk buffers reuse malloc's
+/// heap instead of being mapped, faulted in and unmapped one by one; larger blocks are mapped
+/// per use (see ARCHITECTURE.md).
 pub fn serve_from_file(path: &Path) -> Result<u64> {
-    unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
+    unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Relay);
     let cfg = read_config(path)?;
     unifed_net::block_on(serve(cfg, Some(path), async {
         unifed_net::stop_signal().await;
