@@ -127,7 +127,7 @@ impl SiteFiles {
                             p.display()
                         );
                     }
-                    self.next.set(number + 1);
+                    self.next.set(number.wrapping_add(1));
                     model
                 };
                 (progress, model)
@@ -202,7 +202,7 @@ impl SiteFiles {
             .map_err(std::io::Error::other)?;
             Ok(())
         })?;
-        self.next.set(number + 1);
+        self.next.set(number.wrapping_add(1));
         self.link_model(&model)?;
         checkpoint::write_atomic(&self.progress, &serde_json::to_vec_pretty(progress)?)
             .with_context(|| format!("writing {}", self.progress.display()))?;

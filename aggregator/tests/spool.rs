@@ -440,6 +440,31 @@ fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time()
     assert!(folded);
     assert_eq!(mean, whole);
 
+    // Many sites: each file is read a shorter stretch at a time, not a whole block.
+    let many: Vec<String> = (0..40).map(|i| format!("s{i}")).collect();
+    let mut whole = Fold::new(&lens);
+    for (i, s) in many.iter().enumerate() {
+        let delta: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| values(n, (i * 5 + k) as f32 * 0.25))
+            .collect();
+        spool_exact(&store, 7, s, 3 + i as u64, &delta);
+        store
+            .spool_fold(7, s, |n| n as f64 * 0.5, &mut whole)
+            .unwrap();
+    }
+    let whole: Vec<Vec<u64>> = whole
+        .mean()
+        .unwrap()
+        .into_iter()
+        .map(|t| t.into_iter().map(f64::to_bits).collect())
+        .collect();
+    assert_eq!(
+        round_mean(&store, 7, &many, &lens).unwrap().unwrap().1,
+        whole
+    );
+
     // No site, or no weight: nothing folded, nothing handed on.
     assert_eq!(
         round_mean(&store, 4, &[], &lens).unwrap().map(|m| m.0),
@@ -517,6 +542,17 @@ fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time()
         &[vec![f32::NAN; lens[0]], vec![0.0; 7], vec![0.0]],
     );
     let err = round_mean(&store, 6, &["n".to_string()], &lens).unwrap_err();
+    assert!(err.contains("not finite") && err.contains("n.upd"), "{err}");
+    // The file named is the one holding it, after one that is sound.
+    spool_exact(
+        &store,
+        6,
+        "m",
+        1,
+        &[values(lens[0], 1.0), vec![0.0; 7], vec![0.0]],
+    );
+    let two = ["m".to_string(), "n".to_string()];
+    let err = round_mean(&store, 6, &two, &lens).unwrap_err();
     assert!(err.contains("not finite") && err.contains("n.upd"), "{err}");
 }
 

@@ -323,9 +323,9 @@ const TRANSPOSE_VALUES: usize = 1 << 20;
 /// tensor is handed on as slices of it (no copy), and a transposed view of a contiguous matrix
 /// (a trained linear weight read in PyTorch's order) is laid out by [`transpose_into`], a tile
 /// of rows at a time (at most [`TRANSPOSE_VALUES`]). Through burn's strided copy, in blocks of 2
-/// rows that used an eighth of each cache line they read, reading the digits CNN (57 MB)
-/// took 38-45 ms; this way 9-12 ms. `None` for any other tensor (another backend or dtype,
-/// other strides): the caller reads it through burn.
+/// rows that used an eighth of each cache line they read, reading the trained digits CNN
+/// (57 MB) took 37-41 ms; this way 16-18 ms. `None` for any other tensor (another backend or
+/// dtype, other strides): the caller reads it through burn.
 #[cfg(feature = "flex")]
 fn flex_blocks<const D: usize>(
     t: &Tensor<D>,
@@ -337,10 +337,10 @@ fn flex_blocks<const D: usize>(
     if t.dtype() != burn::tensor::DType::F32 {
         return None;
     }
-    let t = if transpose && D == 2 {
-        t.transpose(0, 1)
-    } else {
-        t
+    let t = match (transpose, D) {
+        (false, _) => t,
+        (true, 2) => t.transpose(0, 1),
+        (true, _) => return None,
     };
     let layout = t.layout();
     let storage: &[f32] = t.storage();
