@@ -408,6 +408,37 @@ fn round_mean(
     }))
 }
 
+/// Spools an exact update of `round` for each of `sites` (tensor `k` of site `i` filled from
+/// `value(i, k)`, `samples(i)` samples) and gives the bits of their mean folded one update at a
+/// time, each weighted by half its samples.
+fn spool_and_fold(
+    store: &Store,
+    round: u64,
+    sites: &[String],
+    lens: &[usize],
+    value: impl Fn(usize, usize) -> f32,
+    samples: impl Fn(usize) -> u64,
+) -> Vec<Vec<u64>> {
+    let mut whole = Fold::new(lens);
+    for (i, s) in sites.iter().enumerate() {
+        let delta: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| values(n, value(i, k)))
+            .collect();
+        spool_exact(store, round, s, samples(i), &delta);
+        store
+            .spool_fold(round, s, |n| n as f64 * 0.5, &mut whole)
+            .unwrap();
+    }
+    whole
+        .mean()
+        .unwrap()
+        .into_iter()
+        .map(|t| t.into_iter().map(f64::to_bits).collect())
+        .collect()
+}
+
 #[test]
 fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time() {
     let dir = tempfile::tempdir().unwrap();
@@ -416,50 +447,27 @@ fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time()
     // One tensor over two blocks and a half, a small one, and one of a single value.
     let lens = [2 * block + block / 2, 7, 1];
     let sites: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
-    for (i, s) in sites.iter().enumerate() {
-        let delta: Vec<Vec<f32>> = lens
-            .iter()
-            .enumerate()
-            .map(|(k, &n)| values(n, (i * 3 + k) as f32))
-            .collect();
-        spool_exact(&store, 4, s, 10 + 7 * i as u64, &delta);
-    }
-    let mut whole = Fold::new(&lens);
-    for s in &sites {
-        store
-            .spool_fold(4, s, |n| n as f64 * 0.5, &mut whole)
-            .unwrap();
-    }
-    let whole: Vec<Vec<u64>> = whole
-        .mean()
-        .unwrap()
-        .into_iter()
-        .map(|t| t.into_iter().map(f64::to_bits).collect())
-        .collect();
+    let whole = spool_and_fold(
+        &store,
+        4,
+        &sites,
+        &lens,
+        |i, k| (i * 3 + k) as f32,
+        |i| 10 + 7 * i as u64,
+    );
     let (folded, mean) = round_mean(&store, 4, &sites, &lens).unwrap().unwrap();
     assert!(folded);
     assert_eq!(mean, whole);
-
-    // Many sites: each file is read a shorter stretch at a time, not a whole block.
+    // A round of 40 sites too.
     let many: Vec<String> = (0..40).map(|i| format!("s{i}")).collect();
-    let mut whole = Fold::new(&lens);
-    for (i, s) in many.iter().enumerate() {
-        let delta: Vec<Vec<f32>> = lens
-            .iter()
-            .enumerate()
-            .map(|(k, &n)| values(n, (i * 5 + k) as f32 * 0.25))
-            .collect();
-        spool_exact(&store, 7, s, 3 + i as u64, &delta);
-        store
-            .spool_fold(7, s, |n| n as f64 * 0.5, &mut whole)
-            .unwrap();
-    }
-    let whole: Vec<Vec<u64>> = whole
-        .mean()
-        .unwrap()
-        .into_iter()
-        .map(|t| t.into_iter().map(f64::to_bits).collect())
-        .collect();
+    let whole = spool_and_fold(
+        &store,
+        7,
+        &many,
+        &lens,
+        |i, k| (i * 5 + k) as f32 * 0.25,
+        |i| 3 + i as u64,
+    );
     assert_eq!(
         round_mean(&store, 7, &many, &lens).unwrap().unwrap().1,
         whole
