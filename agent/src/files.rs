@@ -181,12 +181,23 @@ impl SiteFiles {
         // Both files go to the disk as they are written (`WritingBack`), so their fsyncs wait
         // for little: the last site to upload checkpoints while the round folds, and fetches
         // the next model only after. The model file needs no rename: nothing names it until
-        // the checkpoint does, whose rename and folder sync make both lasting.
+        // the checkpoint does, whose rename and folder sync make both lasting. It is made
+        // read-only, as `model.safetensors` is the same file: a tool that opened that for
+        // writing would change what the agent resumes from. (A file of this number a crash
+        // left, read-only too, is removed first.)
         (|| -> std::io::Result<()> {
+            match std::fs::remove_file(&model) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
             let mut w = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&model)?);
             layout.write_net(&site.net, &mut unifed_net::disk::WritingBack::new(&mut w))?;
             w.flush()?;
-            w.get_ref().sync_all()
+            let f = w.get_ref();
+            let mut read_only = f.metadata()?.permissions();
+            read_only.set_readonly(true);
+            f.set_permissions(read_only)?;
+            f.sync_all()
         })()
         .with_context(|| format!("writing {}", model.display()))?;
         // The memory (under a lossy encoding two model-sized maps) streams to the file from the
@@ -364,17 +375,28 @@ mod tests {
         );
 
         // Version 4, as `write` writes it from a site whose residual and held broadcast wait in
-        // files: read back into a fresh site, they go to its own files, bit for bit. A model
-        // file a crash left before its checkpoint named it goes too.
+        // files: read back into a fresh site, they go to its own files, bit for bit. Model
+        // files a crash left before a checkpoint named them go too, or are written over, even
+        // read-only (as the agent leaves its model files).
         let orphan = files.model_file(7);
         std::fs::write(&orphan, b"half a model").unwrap();
+        let first = files.model_file(0);
+        std::fs::write(&first, b"half a model").unwrap();
+        let mut read_only = std::fs::metadata(&first).unwrap().permissions();
+        read_only.set_readonly(true);
+        std::fs::set_permissions(&first, read_only).unwrap();
         files.write(&spec, &site, &progress).unwrap();
         let mut expected = Vec::new();
         checkpoint::Layout::of_spec(&spec)
             .write_net(&site.net, &mut expected)
             .unwrap();
-        let first = files.model_file(0);
         assert_eq!(std::fs::read(&first).unwrap(), expected);
+        assert!(
+            std::fs::metadata(&files.model)
+                .unwrap()
+                .permissions()
+                .readonly()
+        );
         // `model.safetensors` is that file, not a copy.
         let inode = |p: &std::path::Path| {
             use std::os::unix::fs::MetadataExt;
@@ -436,6 +458,7 @@ mod tests {
                 files.restore(&spec, &mut fresh(other.path())).unwrap_err()
             )
         };
+        std::fs::remove_file(&second).unwrap();
         std::fs::write(&second, &expected[..expected.len() - 1]).unwrap();
         let e = err(&files);
         assert!(
