@@ -101,35 +101,11 @@ impl SiteFiles {
                 let mut r = site
                     .restore_memory_from(r, spec)
                     .with_context(|| format!("{}", p.display()))?;
-                let model = if v == 3 {
-                    let n =
-                        read_varint(&mut r).with_context(|| format!("reading {}", p.display()))?;
-                    if n > len {
-                        bail!("{}: a model of {n} bytes in a file of {len}", p.display());
-                    }
-                    let mut model = vec![0u8; n as usize];
-                    r.read_exact(&mut model)
-                        .with_context(|| format!("reading {}", p.display()))?;
-                    model
-                } else {
-                    let (number, want) = read_varint(&mut r)
-                        .and_then(|n| Ok((n, read_varint(&mut r)?)))
-                        .with_context(|| format!("reading {}", p.display()))?;
-                    let m = self.model_file(number);
-                    let model = std::fs::read(&m).with_context(|| {
-                        format!("reading {}, the model {} names", m.display(), p.display())
-                    })?;
-                    if model.len() as u64 != want {
-                        bail!(
-                            "{}: {} bytes, where {} names a model of {want}",
-                            m.display(),
-                            model.len(),
-                            p.display()
-                        );
-                    }
-                    self.next.set(number.wrapping_add(1));
-                    model
-                };
+                let model = match v {
+                    3 => read_embedded_model(&mut r, len),
+                    _ => self.read_model_file(&mut r),
+                }
+                .with_context(|| format!("reading {}", p.display()))?;
                 (progress, model)
             }
             2 => {
@@ -165,6 +141,25 @@ impl SiteFiles {
         Ok(Some(progress))
     }
 
+    /// The model of a version 4 checkpoint, whose number and length `r` reads next: its
+    /// file's bytes, then one more than its number is the next file's.
+    fn read_model_file(&self, r: &mut impl std::io::Read) -> Result<Vec<u8>> {
+        let number = read_varint(r)?;
+        let want = read_varint(r)?;
+        let m = self.model_file(number);
+        let model = std::fs::read(&m)
+            .with_context(|| format!("reading {}, the model the checkpoint names", m.display()))?;
+        if model.len() as u64 != want {
+            bail!(
+                "{}: {} bytes, but the checkpoint names a model of {want}",
+                m.display(),
+                model.len()
+            );
+        }
+        self.next.set(number.wrapping_add(1));
+        Ok(model)
+    }
+
     /// Writes the model to a new file, then replaces the checkpoint atomically, then its copies,
     /// and removes the model files no checkpoint names. The model is written from its tensors a
     /// block at a time: it is never exported or serialised whole.
@@ -186,10 +181,7 @@ impl SiteFiles {
         // writing would change what the agent resumes from. (A file of this number a crash
         // left, read-only too, is removed first.)
         (|| -> std::io::Result<()> {
-            match std::fs::remove_file(&model) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-                _ => {}
-            }
+            remove_if_present(&model)?;
             let mut w = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&model)?);
             layout.write_net(&site.net, &mut unifed_net::disk::WritingBack::new(&mut w))?;
             w.flush()?;
@@ -225,12 +217,7 @@ impl SiteFiles {
     /// has no hard links).
     fn link_model(&self, model: &Path) -> Result<()> {
         let tmp = self.dir.join("model.safetensors.tmp");
-        match std::fs::remove_file(&tmp) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("removing {}", tmp.display()));
-            }
-            _ => {}
-        }
+        remove_if_present(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
         if std::fs::hard_link(model, &tmp).is_err() {
             std::fs::copy(model, &tmp)
                 .with_context(|| format!("copying {} to {}", model.display(), tmp.display()))?;
@@ -258,6 +245,26 @@ impl SiteFiles {
                 eprintln!("could not remove {}: {err}", e.path().display());
             }
         }
+    }
+}
+
+/// The model's safetensors bytes at the end of a version 3 checkpoint of `len` bytes, which
+/// `r` reads next (a byte string: its length, then the bytes).
+fn read_embedded_model(r: &mut impl std::io::Read, len: u64) -> Result<Vec<u8>> {
+    let n = read_varint(r)?;
+    if n > len {
+        bail!("a model of {n} bytes in a file of {len}");
+    }
+    let mut model = vec![0u8; n as usize];
+    r.read_exact(&mut model)?;
+    Ok(model)
+}
+
+/// Removes the file at `path`, if there is one.
+fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
     }
 }
 
