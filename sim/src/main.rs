@@ -5,8 +5,8 @@
 //!   `global`) for R rounds and S seeds; a per-site accuracy table (mean and std over seeds),
 //!   the gain of `local` over `global` per algorithm, JSON and a convergence chart
 //!   (results/algorithms.{json,svg}).
-//! - `aggregator-memory`: the aggregator's peak memory for one round of 10, 30 and 100 sites
-//!   (results/aggregator-memory.json).
+//! - `aggregator-memory`: the aggregator's peak memory for one round of 10, 30 and 100 sites,
+//!   under f32 and under ternary-q8 (results/aggregator-memory.json).
 //! - `encodings`: FedBN with each encoding over several seeds; bytes per site per round up and
 //!   down, and accuracy against f32 (results/encodings.{json,md}).
 
@@ -102,6 +102,10 @@ enum Cmd {
         /// Site counts.
         #[arg(long, value_delimiter = ',', default_value = "10,30,100")]
         sites: Vec<usize>,
+        /// Encodings of the updates and model deltas, each measured at every site count (a
+        /// lossy one keeps the model the sites hold and decodes every update in the fold).
+        #[arg(long, value_delimiter = ',', default_value = "f32,ternaryq8")]
+        encodings: Vec<String>,
         /// Output folder.
         #[arg(long, default_value = "results")]
         out: PathBuf,
@@ -520,17 +524,25 @@ fn main() -> Result<()> {
                 write_compare(&common, seeds, &encoding, mu, &runs)?;
             }
         }
-        Cmd::AggregatorMemory { one: Some(n), .. } => {
+        Cmd::AggregatorMemory {
+            one: Some(n),
+            encodings,
+            ..
+        } => {
+            let [e] = encodings.as_slice() else {
+                anyhow::bail!("--one measures one encoding, not {}", encodings.len());
+            };
             println!(
                 "{}",
-                serde_json::to_string(&unifed_sim::memory::measure(n)?)?
+                serde_json::to_string(&unifed_sim::memory::measure(n, parse_encoding(e)?)?)?
             );
         }
         Cmd::AggregatorMemory {
             sites,
+            encodings,
             out,
             one: None,
-        } => aggregator_memory(&sites, &out)?,
+        } => aggregator_memory(&sites, &encodings, &out)?,
         Cmd::Encodings {
             common,
             encodings,
@@ -730,28 +742,40 @@ fn write_encodings(
 }
 
 /// Measures each site count in a child process and writes results/aggregator-memory.{json,md}.
-fn aggregator_memory(counts: &[usize], out: &std::path::Path) -> Result<()> {
+fn aggregator_memory(counts: &[usize], encodings: &[String], out: &std::path::Path) -> Result<()> {
     use unifed_sim::memory::MemoryRow;
+    // Every name is checked before the first (long) measurement.
+    for e in encodings {
+        parse_encoding(e)?;
+    }
     std::fs::create_dir_all(out)?;
     let exe = std::env::current_exe()?;
     let mut rows: Vec<MemoryRow> = Vec::new();
-    for &n in counts {
-        let o = std::process::Command::new(&exe)
-            .args(["aggregator-memory", "--one", &n.to_string()])
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .with_context(|| format!("running {}", exe.display()))?;
-        if !o.status.success() {
-            anyhow::bail!("measuring {n} sites failed ({})", o.status);
+    for e in encodings {
+        for &n in counts {
+            let o = std::process::Command::new(&exe)
+                .args([
+                    "aggregator-memory",
+                    "--encodings",
+                    e,
+                    "--one",
+                    &n.to_string(),
+                ])
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .with_context(|| format!("running {}", exe.display()))?;
+            if !o.status.success() {
+                anyhow::bail!("measuring {n} sites under {e} failed ({})", o.status);
+            }
+            let row: MemoryRow = serde_json::from_slice(&o.stdout)
+                .with_context(|| format!("the measurement of {n} sites under {e}"))?;
+            eprintln!(
+                "{e}, {n} sites: aggregator heap peak {:.0} MiB (process peak {:.0} MiB)",
+                row.aggregator_heap_peak_bytes as f64 / (1 << 20) as f64,
+                row.peak_bytes as f64 / (1 << 20) as f64
+            );
+            rows.push(row);
         }
-        let row: MemoryRow = serde_json::from_slice(&o.stdout)
-            .with_context(|| format!("the measurement of {n} sites"))?;
-        eprintln!(
-            "{n} sites: aggregator heap peak {:.0} MiB (process peak {:.0} MiB)",
-            row.aggregator_heap_peak_bytes as f64 / (1 << 20) as f64,
-            row.peak_bytes as f64 / (1 << 20) as f64
-        );
-        rows.push(row);
     }
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let mut md = format!(
@@ -759,13 +783,14 @@ fn aggregator_memory(counts: &[usize], out: &std::path::Path) -> Result<()> {
          The aggregator's heap peak counts every byte it has allocated and not freed at once \
          (the model, the update handed to it, the fold); the process peak is resident memory, \
          the measuring program's own buffers included.\n\n\
-         | sites | update MB | model MB | aggregator heap peak MiB | x model | process peak MiB | spool s/update | fold s |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | encoding | sites | update MB | model MB | aggregator heap peak MiB | x model | process peak MiB | spool s/update | fold s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         std::env::args().collect::<Vec<_>>().join(" ")
     );
     for r in &rows {
         md.push_str(&format!(
-            "| {} | {:.1} | {:.1} | {:.0} | {:.2} | {:.0} | {:.3} | {:.2} |\n",
+            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.2} | {:.0} | {:.3} | {:.2} |\n",
+            r.encoding,
             r.sites,
             r.update_bytes as f64 / 1e6,
             (r.model_values * 4) as f64 / 1e6,

@@ -1,6 +1,6 @@
 //! The aggregator's memory against the number of sites: one round of the full-size digits CNN
-//! with `n` enrolled sites, each sending a full f32 update, driven through the aggregator core
-//! in this process. Run once per process (peak resident memory only grows), so the
+//! with `n` enrolled sites, each sending a full update in the federation's encoding, driven
+//! through the aggregator core in this process. Run once per process (peak resident memory only grows), so the
 //! `aggregator-memory` command starts one child per site count.
 
 use crate::sim_key;
@@ -18,6 +18,10 @@ use unifed_protocol::messages::{Answer, LocalReport, SiteExtras, SiteUpdate};
 /// What one site count measured.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MemoryRow {
+    /// The federation's encoding of updates and model deltas (rows written before it was
+    /// recorded were f32).
+    #[serde(default = "f32_name")]
+    pub encoding: String,
     /// Enrolled sites, all sending an update in the round.
     pub sites: usize,
     /// Values of the model.
@@ -39,6 +43,10 @@ pub struct MemoryRow {
     pub fold_seconds: f64,
 }
 
+fn f32_name() -> String {
+    Encoding::F32.to_string()
+}
+
 /// The process's peak resident memory (`VmHWM`), bytes.
 pub fn peak_rss() -> Result<u64> {
     let s = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
@@ -50,8 +58,9 @@ pub fn peak_rss() -> Result<u64> {
     Ok(kb * 1024)
 }
 
-/// One round of `n` sites through the aggregator core, in a temporary data directory.
-pub fn measure(n: usize) -> Result<MemoryRow> {
+/// One round of `n` sites through the aggregator core, in a temporary data directory, every
+/// update and the model delta sent back in `encoding`.
+pub fn measure(n: usize, encoding: Encoding) -> Result<MemoryRow> {
     if n == 0 {
         bail!("at least one site");
     }
@@ -62,7 +71,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
     let initial = crate::initial_model(&net, &spec);
     drop(net);
     let ids: Vec<String> = (0..n).map(|i| format!("site-{i:03}")).collect();
-    let cfg = FederationConfig::new(
+    let mut cfg = FederationConfig::new(
         "memory",
         1,
         n,
@@ -70,6 +79,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
             .map(|s| EnrolledSite::new(s, sim_key(s).public()))
             .collect(),
     );
+    cfg.encoding = encoding;
     let federation = Id::new("memory").map_err(|e| anyhow::anyhow!("{e}"))?;
     let hash = spec.hash();
     // Every site sends the same delta scaled by its index, made when it is sent (so the
@@ -83,7 +93,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
                 let scaled: Vec<f32> = (0..t.numel())
                     .map(|k| 1e-3 * ((k % 997) as f32 * 0.37).sin() * scale)
                     .collect();
-                t.encode(&scaled, Encoding::F32, None)
+                t.encode(&scaled, encoding, None)
             })
             .collect();
         let u = SiteUpdate {
@@ -180,6 +190,7 @@ pub fn measure(n: usize) -> Result<MemoryRow> {
     }
     let peak = peak_rss()?;
     Ok(MemoryRow {
+        encoding: encoding.to_string(),
         sites: n,
         model_values: spec.tensors.iter().map(|t| t.numel()).sum(),
         update_bytes,
