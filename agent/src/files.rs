@@ -30,12 +30,57 @@ pub(crate) struct SiteFiles {
 }
 
 /// `checkpoint.bin` is this magic, the format version (u32, little-endian), then in postcard the
-/// site's progress ([`Progress`]), its memory ([`Memory`]) and the model file's number and
-/// length in bytes (two u64).
+/// site's progress ([`Progress`]), its memory ([`Memory`]) and the model file's number, length
+/// in bytes (two u64) and XXH3-128 (16 bytes, little-endian), then the XXH3-128 of everything
+/// before it (16 bytes).
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
-/// 4 moved the model out to a file of its own (3 held its safetensors bytes at the end, and
-/// 2 a memory without MOON's previous local model and FedDC's drift); both are still read.
-const CHECKPOINT_VERSION: u32 = 4;
+/// 5 added the two sums: of the model file, and of the checkpoint itself. 4 moved the model
+/// out to a file of its own, 3 held its safetensors bytes at the end, and 2 a memory without
+/// MOON's previous local model and FedDC's drift; all three are still read.
+const CHECKPOINT_VERSION: u32 = 5;
+
+/// Bytes of an XXH3-128 sum.
+const SUM_LEN: usize = 16;
+
+/// A writer or reader that sums (XXH3-128) the bytes that pass through it.
+struct Summing<T> {
+    inner: T,
+    sum: xxhash_rust::xxh3::Xxh3Default,
+}
+
+impl<T> Summing<T> {
+    /// `inner`, with `first` summed already (bytes that went by before).
+    fn new(inner: T, first: &[u8]) -> Self {
+        let mut sum = xxhash_rust::xxh3::Xxh3Default::new();
+        sum.update(first);
+        Summing { inner, sum }
+    }
+
+    /// The sum of everything so far.
+    fn sum(&self) -> [u8; SUM_LEN] {
+        self.sum.digest128().to_le_bytes()
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for Summing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.sum.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<R: std::io::Read> std::io::Read for Summing<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.sum.update(&buf[..n]);
+        Ok(n)
+    }
+}
 
 /// The memory of a version 2 checkpoint: [`Memory`] before MOON's previous local model and
 /// FedDC's drift.
@@ -92,9 +137,10 @@ impl SiteFiles {
         }
         let v = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
         let (progress, model) = match v {
-            CHECKPOINT_VERSION | 3 => {
+            CHECKPOINT_VERSION | 4 | 3 => {
                 // The progress, the memory, then the model's file (see `CHECKPOINT_MAGIC`), or
                 // in version 3 its bytes.
+                let r = Summing::new(r, &head);
                 let mut scratch = vec![0u8; 1 << 12];
                 let (progress, (r, _)) = postcard::from_io::<Progress, _>((r, &mut scratch))
                     .with_context(|| format!("reading {}", p.display()))?;
@@ -103,9 +149,12 @@ impl SiteFiles {
                     .with_context(|| format!("{}", p.display()))?;
                 let model = match v {
                     3 => read_embedded_model(&mut r, len),
-                    _ => self.read_model_file(&mut r),
+                    _ => self.read_model_file(&mut r, v >= 5),
                 }
                 .with_context(|| format!("reading {}", p.display()))?;
+                if v >= 5 {
+                    check_trailer(r).with_context(|| format!("reading {}", p.display()))?;
+                }
                 (progress, model)
             }
             2 => {
@@ -128,7 +177,7 @@ impl SiteFiles {
                 (progress, model)
             }
             v => bail!(
-                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 3 or 2, which it reads)",
+                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 4, 3 or 2, which it reads)",
                 p.display()
             ),
         };
@@ -141,11 +190,15 @@ impl SiteFiles {
         Ok(Some(progress))
     }
 
-    /// The model of a version 4 checkpoint, whose number and length `r` reads next: its
-    /// file's bytes, then one more than its number is the next file's.
-    fn read_model_file(&self, r: &mut impl std::io::Read) -> Result<Vec<u8>> {
+    /// The model of a version 4 or 5 checkpoint, whose number and length (and `summed`, its
+    /// sum) `r` reads next: its file's bytes, then one more than its number is the next file's.
+    fn read_model_file(&self, r: &mut impl std::io::Read, summed: bool) -> Result<Vec<u8>> {
         let number = read_varint(r)?;
         let want = read_varint(r)?;
+        let mut sum = [0u8; SUM_LEN];
+        if summed {
+            r.read_exact(&mut sum)?;
+        }
         let m = self.model_file(number);
         let model = std::fs::read(&m)
             .with_context(|| format!("reading {}, the model the checkpoint names", m.display()))?;
@@ -154,6 +207,13 @@ impl SiteFiles {
                 "{}: {} bytes, but the checkpoint names a model of {want}",
                 m.display(),
                 model.len()
+            );
+        }
+        if summed && xxhash_rust::xxh3::xxh3_128(&model).to_le_bytes() != sum {
+            bail!(
+                "{}: its bytes are not the model the checkpoint names (their sum differs): the \
+                 file was damaged or written by another program",
+                m.display()
             );
         }
         self.next.set(number.wrapping_add(1));
@@ -180,30 +240,38 @@ impl SiteFiles {
         // read-only, as `model.safetensors` is the same file: a tool that opened that for
         // writing would change what the agent resumes from. (A file of this number a crash
         // left, read-only too, is removed first.)
-        (|| -> std::io::Result<()> {
+        let model_sum = (|| -> std::io::Result<[u8; SUM_LEN]> {
             remove_if_present(&model)?;
             let mut w = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&model)?);
-            layout.write_net(&site.net, &mut unifed_net::disk::WritingBack::new(&mut w))?;
+            let mut summed = Summing::new(unifed_net::disk::WritingBack::new(&mut w), &[]);
+            layout.write_net(&site.net, &mut summed)?;
+            let sum = summed.sum();
             w.flush()?;
             let f = w.get_ref();
             let mut read_only = f.metadata()?.permissions();
             read_only.set_readonly(true);
             f.set_permissions(read_only)?;
-            f.sync_all()
+            f.sync_all()?;
+            Ok(sum)
         })()
         .with_context(|| format!("writing {}", model.display()))?;
         // The memory (under a lossy encoding two model-sized maps) streams to the file from the
         // files where it waits, never through a buffer or a copy in memory.
         checkpoint::write_atomic_with(&self.checkpoint, |w| {
-            let mut w = unifed_net::disk::WritingBack::new(w);
+            let mut w = Summing::new(unifed_net::disk::WritingBack::new(w), &[]);
             w.write_all(CHECKPOINT_MAGIC)?;
             w.write_all(&CHECKPOINT_VERSION.to_le_bytes())?;
             postcard::to_io(
-                &(progress, site.stored_memory(), (number, layout.len())),
+                &(
+                    progress,
+                    site.stored_memory(),
+                    (number, layout.len(), model_sum),
+                ),
                 &mut w,
             )
             .map_err(std::io::Error::other)?;
-            Ok(())
+            let sum = w.sum();
+            w.inner.write_all(&sum)
         })?;
         self.next.set(number.wrapping_add(1));
         self.link_model(&model)?;
@@ -260,6 +328,24 @@ fn read_embedded_model(r: &mut impl std::io::Read, len: u64) -> Result<Vec<u8>> 
     Ok(model)
 }
 
+/// Checks the sum that ends a version 5 checkpoint against the sum of what `r` has read, and
+/// that nothing follows it.
+fn check_trailer<R: std::io::Read>(mut r: Summing<R>) -> Result<()> {
+    let read = r.sum();
+    let mut trailer = [0u8; SUM_LEN];
+    r.inner
+        .read_exact(&mut trailer)
+        .context("the checkpoint ends before its sum")?;
+    if trailer != read {
+        bail!("its sum differs from its bytes: the file was damaged");
+    }
+    let mut more = [0u8; 1];
+    if r.inner.read(&mut more)? != 0 {
+        bail!("bytes after its sum");
+    }
+    Ok(())
+}
+
 /// Removes the file at `path`, if there is one.
 fn remove_if_present(path: &Path) -> std::io::Result<()> {
     match std::fs::remove_file(path) {
@@ -291,7 +377,7 @@ mod tests {
     use unifed_models::state::export;
 
     #[test]
-    fn a_checkpoint_restores_model_memory_and_progress_and_versions_2_and_3_too() {
+    fn a_checkpoint_restores_model_memory_and_progress_and_versions_2_3_and_4_too() {
         use unifed_models::data::Dataset;
         use unifed_models::zoo::{MlpConfig, seeded, spec_of};
         let device = unifed_models::backend::Backend::Flex.device().unwrap();
@@ -381,7 +467,28 @@ mod tests {
             state.tensors
         );
 
-        // Version 4, as `write` writes it from a site whose residual and held broadcast wait in
+        // Version 4: no sums, the model in the file the checkpoint names.
+        std::fs::write(files.model_file(3), &model).unwrap();
+        let mut bytes = CHECKPOINT_MAGIC.to_vec();
+        bytes.extend_from_slice(&4u32.to_le_bytes());
+        let record = (3u64, model.len() as u64);
+        let v4 = postcard::to_extend(&(&progress, site.stored_memory(), record), bytes).unwrap();
+        std::fs::write(&files.checkpoint, v4).unwrap();
+        let v4_dir = tempfile::tempdir().unwrap();
+        let mut from_v4 = fresh(v4_dir.path());
+        assert_eq!(
+            files.restore(&spec, &mut from_v4).unwrap(),
+            Some(progress.clone())
+        );
+        assert_eq!(from_v4.memory().unwrap(), lossy);
+        assert_eq!(
+            export(&from_v4.net, &spec, Select::All).tensors,
+            state.tensors
+        );
+        std::fs::remove_file(files.model_file(3)).unwrap();
+        files.next.set(0);
+
+        // Version 5, as `write` writes it from a site whose residual and held broadcast wait in
         // files: read back into a fresh site, they go to its own files, bit for bit. Model
         // files a crash left before a checkpoint named them go too, or are written over, even
         // read-only (as the agent leaves its model files).
@@ -443,7 +550,7 @@ mod tests {
         let second = files.model_file(1);
         assert!(!first.exists());
         assert_eq!(inode(&files.model), inode(&second));
-        assert_eq!(restored(other.path()).0, Some(later));
+        assert_eq!(restored(other.path()).0, Some(later.clone()));
         let progress_json: Progress =
             serde_json::from_slice(&std::fs::read(&files.progress).unwrap()).unwrap();
         assert_eq!(progress_json.applied_version, Some(5));
@@ -476,10 +583,42 @@ mod tests {
         std::fs::remove_file(&second).unwrap();
         let e = err(&files);
         assert!(e.contains("checkpoint.1.safetensors"), "{e}");
+        // A model file of the right length whose bytes changed (a root process writing into
+        // `model.safetensors`, a damaged disk) is an error naming it.
+        let mut changed = expected.clone();
+        let last = changed.len() - 1;
+        changed[last] ^= 1;
+        std::fs::write(&second, &changed).unwrap();
+        let e = err(&files);
+        assert!(
+            e.contains("checkpoint.1.safetensors") && e.contains("sum differs"),
+            "{e}"
+        );
+        std::fs::remove_file(&second).unwrap();
+        std::fs::write(&second, &expected).unwrap();
+        assert_eq!(
+            files.restore(&spec, &mut fresh(other.path())).unwrap(),
+            Some(later.clone())
+        );
+        // So is a checkpoint whose bytes changed (here a value of the memory: its own sum is
+        // the only check that sees it), or that has bytes after its sum.
+        let mut bytes = whole.clone();
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x10;
+        std::fs::write(&files.checkpoint, bytes).unwrap();
+        let e = err(&files);
+        assert!(
+            e.contains("checkpoint.bin") && e.contains("sum differs"),
+            "{e}"
+        );
+        let mut bytes = whole.clone();
+        bytes.push(0);
+        std::fs::write(&files.checkpoint, bytes).unwrap();
+        assert!(err(&files).contains("bytes after its sum"));
         let mut bytes = whole.clone();
         bytes[4..8].copy_from_slice(&9u32.to_le_bytes());
         std::fs::write(&files.checkpoint, bytes).unwrap();
-        assert!(err(&files).contains("format version 9 is not 4"));
+        assert!(err(&files).contains("format version 9 is not 5"));
         std::fs::remove_file(&files.checkpoint).unwrap();
         assert_eq!(
             files.restore(&spec, &mut fresh(other.path())).unwrap(),

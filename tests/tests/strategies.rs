@@ -41,14 +41,18 @@ struct Outcome {
     sites: Vec<(Vec<Vec<u32>>, Memory)>,
 }
 
-/// The memory (residuals, control variates) in a site's `checkpoint.bin`: magic and version 4,
-/// then the postcard of (progress, memory, (model file's number, its length)).
+/// The memory (residuals, control variates) in a site's `checkpoint.bin`: magic and version 5,
+/// then the postcard of (progress, memory, (model file's number, its length, its sum)), then
+/// the file's sum.
 fn memory(dir: &std::path::Path) -> Memory {
     let bytes = std::fs::read(dir.join("checkpoint.bin")).unwrap();
-    assert_eq!(&bytes[..8], b"UFSC\x04\0\0\0");
+    assert_eq!(&bytes[..8], b"UFSC\x05\0\0\0");
     type Progress = (Option<u64>, Vec<u64>);
-    let (_, memory, _): (Progress, Memory, (u64, u64)) = postcard::from_bytes(&bytes[8..]).unwrap();
-    memory
+    type ModelFile = (u64, u64, [u8; 16]);
+    let body = &bytes[8..bytes.len() - 16];
+    let (memory, rest) = postcard::take_from_bytes::<(Progress, Memory, ModelFile)>(body).unwrap();
+    assert!(rest.is_empty(), "{} bytes after the record", rest.len());
+    memory.1
 }
 
 fn outcome(fed: &Fed) -> Outcome {
