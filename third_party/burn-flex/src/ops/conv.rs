@@ -369,11 +369,14 @@ fn conv3d_impl<
                         let in_c_start = g * channels_per_group;
                         let out_c_start = g * out_channels_per_group;
 
-                        // Build im2col for this tile and group
-                        let mut col_tile = vec![zero; col_len * tile_size];
+                        // Build im2col for this tile and group, in this thread's scratch
+                        // (UniFed Edge patch: it was a fresh zeroed buffer of up to a few MiB
+                        // for every tile, faulted in and zeroed each time).
+                        let mut scratch = ScratchTile::take::<T>(col_len * tile_size);
+                        let col_tile = scratch.as_mut_slice::<T>(col_len * tile_size);
 
                         im2col_3d_tile(
-                            &mut col_tile,
+                            col_tile,
                             &x_nhwc,
                             tile_start,
                             tile_end,
@@ -409,25 +412,32 @@ fn conv3d_impl<
                         // GEMM: w_group[out_c_per_group, col_len] @ col_tile[tile_size, col_len]^T
                         let result = gemm_fn(
                             w_group,
-                            &col_tile,
+                            col_tile,
                             out_channels_per_group,
                             col_len,
                             tile_size,
                         );
+                        scratch.give_back();
 
-                        // Write results to output for this group's output channels
-                        for (local_idx, global_idx) in (tile_start..tile_end).enumerate() {
-                            for c_out in 0..out_channels_per_group {
-                                let dst_idx = b * channels_out * spatial_out
-                                    + (out_c_start + c_out) * spatial_out
-                                    + global_idx;
-                                let res_idx = c_out * tile_size + local_idx;
-                                unsafe {
-                                    debug_assert!(
-                                        dst_idx < batch_size * channels_out * spatial_out
-                                    );
-                                    dst_ptr.write(dst_idx, result[res_idx]);
-                                }
+                        // Write results to output for this group's output channels: each
+                        // channel's row of the tile is contiguous in both (UniFed Edge patch:
+                        // it was written a value at a time, channels innermost).
+                        for c_out in 0..out_channels_per_group {
+                            let dst_idx = b * channels_out * spatial_out
+                                + (out_c_start + c_out) * spatial_out
+                                + tile_start;
+                            let row = &result[c_out * tile_size..(c_out + 1) * tile_size];
+                            debug_assert!(
+                                dst_idx + tile_size <= batch_size * channels_out * spatial_out
+                            );
+                            // SAFETY: the rows of distinct (b, channel, tile) never overlap,
+                            // and each lies inside `dst` (its length is the bound above).
+                            unsafe {
+                                core::ptr::copy_nonoverlapping(
+                                    row.as_ptr(),
+                                    dst_ptr.ptr_add(dst_idx),
+                                    tile_size,
+                                );
                             }
                         }
                     }
@@ -534,6 +544,45 @@ fn conv3d_impl<
     )
 }
 
+/// UniFed Edge patch: a thread's reusable im2col scratch, taken out of a thread-local slot and
+/// put back after use. A nested use on the same thread (rayon runs another tile while this
+/// one's GEMM waits) finds the slot empty and allocates its own, so nothing is shared.
+#[cfg(feature = "rayon")]
+struct ScratchTile(Vec<u64>);
+
+#[cfg(all(feature = "rayon", feature = "std"))]
+std::thread_local! {
+    static SCRATCH_TILE: core::cell::Cell<Vec<u64>> = const { core::cell::Cell::new(Vec::new()) };
+}
+
+#[cfg(feature = "rayon")]
+impl ScratchTile {
+    /// This thread's scratch (or a new one), grown to hold at least `len` values of `T`.
+    fn take<T>(len: usize) -> Self {
+        let values = (len * core::mem::size_of::<T>()).div_ceil(8);
+        #[cfg(feature = "std")]
+        let mut v = SCRATCH_TILE.with(|c| c.take());
+        #[cfg(not(feature = "std"))]
+        let mut v = Vec::new();
+        if v.len() < values {
+            v = vec![0; values];
+        }
+        ScratchTile(v)
+    }
+
+    /// The first `len` values as `T` (whose size is at most 8 bytes); their content is
+    /// whatever the last use left.
+    fn as_mut_slice<T: bytemuck::Pod>(&mut self, len: usize) -> &mut [T] {
+        &mut bytemuck::cast_slice_mut::<u64, T>(&mut self.0)[..len]
+    }
+
+    /// Puts the buffer back for the thread's next tile.
+    fn give_back(self) {
+        #[cfg(feature = "std")]
+        SCRATCH_TILE.with(|c| c.set(self.0));
+    }
+}
+
 /// Build im2col tile for a range of output positions.
 ///
 /// Fills `col_tile` with shape [tile_size, col_len] where each row is a flattened
@@ -573,6 +622,10 @@ fn im2col_3d_tile<T: bytemuck::Pod + Copy>(
         let out_h_idx = rem / out_w;
         let out_w_idx = rem % out_w;
 
+        // UniFed Edge patch: each run of channels is copied as one slice (it was copied a value
+        // at a time, with two bounds checks each), and padding is written as zeros rather than
+        // left as the zeros of a fresh buffer, so the tile can be a reused scratch buffer.
+        let row = &mut col_tile[local_idx * col_len..(local_idx + 1) * col_len];
         let mut col_offset = 0;
         for kd in 0..kernel_d {
             let id = (out_d_idx * stride_d + kd * dilation_d) as isize - pad_d as isize;
@@ -580,7 +633,7 @@ fn im2col_3d_tile<T: bytemuck::Pod + Copy>(
                 let ih = (out_h_idx * stride_h + kh * dilation_h) as isize - pad_h as isize;
                 for kw in 0..kernel_w {
                     let iw = (out_w_idx * stride_w + kw * dilation_w) as isize - pad_w as isize;
-
+                    let dst = &mut row[col_offset..col_offset + channels_per_group];
                     if id >= 0
                         && id < in_d as isize
                         && ih >= 0
@@ -596,14 +649,11 @@ fn im2col_3d_tile<T: bytemuck::Pod + Copy>(
                             + ih * nhwc_stride.2
                             + iw * nhwc_stride.3
                             + in_c_start;
-                        for c in 0..channels_per_group {
-                            col_tile[local_idx * col_len + col_offset] = x_nhwc[inp_base + c];
-                            col_offset += 1;
-                        }
+                        dst.copy_from_slice(&x_nhwc[inp_base..inp_base + channels_per_group]);
                     } else {
-                        // Padding: skip channels_per_group positions (already zero)
-                        col_offset += channels_per_group;
+                        dst.fill(T::zeroed());
                     }
+                    col_offset += channels_per_group;
                 }
             }
         }
