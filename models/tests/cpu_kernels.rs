@@ -1,7 +1,8 @@
-//! The CPU backend's convolution and max pooling against plain loops. `third_party/burn-flex`
-//! patches both (im2col through reused scratch, a 2x2 pooling fast path), so these check the
-//! patched kernels on every shape class they take: full and partial windows, padding, strides,
-//! dilation, groups, ties and NaN.
+//! The CPU backend's convolution, max pooling and strided copies against plain loops.
+//! `third_party/burn-flex` patches the first two (im2col through reused scratch, a 2x2 pooling
+//! fast path) and its tensor allocation, so these check the patched kernels on every shape
+//! class they take: full and partial windows, padding, strides, dilation, groups, ties, NaN,
+//! and transposed views read whole, in windows and in batches.
 
 mod common;
 
@@ -207,4 +208,44 @@ fn convolution_gives_the_sums_of_plain_loops_with_padding_strides_dilation_and_g
             );
         }
     }
+}
+
+#[test]
+fn transposed_views_are_laid_out_as_plain_loops_lay_them_out() {
+    let dev = device();
+    // (rows, cols) of the stored matrix: edges that are not whole blocks of 8, and one over a
+    // million values (split across threads).
+    for (case, &(r, c)) in [(1, 1), (3, 17), (8, 8), (19, 33), (1100, 1001)]
+        .iter()
+        .enumerate()
+    {
+        let x = values(r * c, 300 + case as u64, None);
+        let t = Tensor::<2>::from_data(TensorData::new(x.clone(), [r, c]), &dev);
+        let want: Vec<f32> = (0..c)
+            .flat_map(|j| (0..r).map(move |i| (i, j)))
+            .map(|(i, j)| x[i * c + j])
+            .collect();
+        let got: Vec<f32> = t.clone().transpose().into_data().try_to_vec().unwrap();
+        assert_eq!(got, want, "case {case}");
+        // A window of the transposed view: the same values from an offset.
+        if r > 4 && c > 6 {
+            let window = t.transpose().slice([2..c - 3, 1..r - 2]);
+            let got: Vec<f32> = window.into_data().try_to_vec().unwrap();
+            let want: Vec<f32> = (2..c - 3)
+                .flat_map(|j| (1..r - 2).map(move |i| (i, j)))
+                .map(|(i, j)| x[i * c + j])
+                .collect();
+            assert_eq!(got, want, "case {case}, window");
+        }
+    }
+    // A batch of matrices, each transposed.
+    let (b, r, c) = (3, 70, 50);
+    let x = values(b * r * c, 400, None);
+    let t = Tensor::<3>::from_data(TensorData::new(x.clone(), [b, r, c]), &dev);
+    let got: Vec<f32> = t.swap_dims(1, 2).into_data().try_to_vec().unwrap();
+    let want: Vec<f32> = (0..b)
+        .flat_map(|k| (0..c).flat_map(move |j| (0..r).map(move |i| (k, i, j))))
+        .map(|(k, i, j)| x[(k * r + i) * c + j])
+        .collect();
+    assert_eq!(got, want);
 }
