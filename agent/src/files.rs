@@ -439,7 +439,7 @@ mod tests {
         assert_eq!((&memory.residual, &memory.control), (&residual, &residual));
         assert!(memory.previous.is_none() && memory.held.is_none());
 
-        // Version 3: the model's safetensors bytes at the end of the checkpoint.
+        // Versions 3 and 4, from a site with a lossy encoding's memory.
         let lossy = Memory {
             held: Some((
                 4,
@@ -451,42 +451,35 @@ mod tests {
             ..memory
         };
         site.restore_memory(lossy.clone(), &spec).unwrap();
-        let mut bytes = CHECKPOINT_MAGIC.to_vec();
-        bytes.extend_from_slice(&3u32.to_le_bytes());
-        let v3 = postcard::to_extend(&(&progress, site.stored_memory(), &model), bytes).unwrap();
-        std::fs::write(&files.checkpoint, v3).unwrap();
-        let other = tempfile::tempdir().unwrap();
-        let mut again = fresh(other.path());
-        assert_eq!(
-            files.restore(&spec, &mut again).unwrap(),
-            Some(progress.clone())
-        );
-        assert_eq!(again.memory().unwrap(), lossy);
-        assert_eq!(
-            export(&again.net, &spec, Select::All).tensors,
-            state.tensors
-        );
-
+        // A checkpoint of `version` holding `record` after the progress and memory, restored
+        // into a fresh site: the progress, the lossy memory and the model, bit for bit.
+        // (postcard writes a tuple as its fields one after the other.)
+        let restores_old = |version: u32, record: Vec<u8>| {
+            let mut bytes = CHECKPOINT_MAGIC.to_vec();
+            bytes.extend_from_slice(&version.to_le_bytes());
+            let mut bytes = postcard::to_extend(&(&progress, site.stored_memory()), bytes).unwrap();
+            bytes.extend_from_slice(&record);
+            std::fs::write(&files.checkpoint, bytes).unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let mut s = fresh(dir.path());
+            assert_eq!(
+                files.restore(&spec, &mut s).unwrap(),
+                Some(progress.clone())
+            );
+            assert_eq!(s.memory().unwrap(), lossy);
+            assert_eq!(export(&s.net, &spec, Select::All).tensors, state.tensors);
+        };
+        // Version 3: the model's safetensors bytes at the end of the checkpoint.
+        restores_old(3, postcard::to_allocvec(&model).unwrap());
         // Version 4: no sums, the model in the file the checkpoint names.
         std::fs::write(files.model_file(3), &model).unwrap();
-        let mut bytes = CHECKPOINT_MAGIC.to_vec();
-        bytes.extend_from_slice(&4u32.to_le_bytes());
-        let record = (3u64, model.len() as u64);
-        let v4 = postcard::to_extend(&(&progress, site.stored_memory(), record), bytes).unwrap();
-        std::fs::write(&files.checkpoint, v4).unwrap();
-        let v4_dir = tempfile::tempdir().unwrap();
-        let mut from_v4 = fresh(v4_dir.path());
-        assert_eq!(
-            files.restore(&spec, &mut from_v4).unwrap(),
-            Some(progress.clone())
-        );
-        assert_eq!(from_v4.memory().unwrap(), lossy);
-        assert_eq!(
-            export(&from_v4.net, &spec, Select::All).tensors,
-            state.tensors
+        restores_old(
+            4,
+            postcard::to_allocvec(&(3u64, model.len() as u64)).unwrap(),
         );
         std::fs::remove_file(files.model_file(3)).unwrap();
         files.next.set(0);
+        let other = tempfile::tempdir().unwrap();
 
         // Version 5, as `write` writes it from a site whose residual and held broadcast wait in
         // files: read back into a fresh site, they go to its own files, bit for bit. Model

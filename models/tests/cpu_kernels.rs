@@ -9,23 +9,19 @@ mod common;
 use burn::tensor::module::{conv2d, max_pool2d_with_indices};
 use burn::tensor::ops::{ConvOptions, MaxPoolOptions};
 use burn::tensor::{Tensor, TensorData};
-use common::device;
+use common::{device, noise};
 
-/// Deterministic values in [-1, 1): `levels` distinct values when given (so windows hold ties).
+/// Deterministic values in [-1, 1) ([`common::noise`]); with `levels`, rounded to steps of
+/// 1 / `levels` (so windows hold ties).
 fn values(n: usize, seed: u64, levels: Option<u32>) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let u = (s >> 40) as f32 / (1u64 << 24) as f32;
-            match levels {
-                Some(l) => (u * l as f32).floor() / l as f32 * 2.0 - 1.0,
-                None => u * 2.0 - 1.0,
-            }
-        })
-        .collect()
+    let v = noise(n, seed);
+    match levels {
+        Some(l) => v
+            .into_iter()
+            .map(|x| (x * l as f32).round() / l as f32)
+            .collect(),
+        None => v,
+    }
 }
 
 /// Max pooling of `x` ([n, c, h, w]) by the backend's rule, in loops: each window's valid
