@@ -232,7 +232,6 @@ fn valid_range_maxpool(
 /// rule exactly: the first value of a window (row-major) is taken, then each later one that is
 /// larger or NaN, so ties keep the first index and the last NaN wins. Each output row reads two
 /// input rows as slices, without a bounds check or a branch on the data per value.
-#[cfg_attr(not(feature = "rayon"), allow(dead_code))]
 fn max_pool_2x2_plane<T: Copy + PartialOrd + num_traits::Float>(
     plane: &[T],
     out: &mut [T],
@@ -341,17 +340,11 @@ where
                     let val = x_data[x_idx];
 
                     // NaN always wins, so it propagates like in PyTorch, which also
-                    // reports the index of the last NaN in the window. (UniFed Edge patch:
-                    // the test is evaluated whole and both values selected, without a branch
-                    // on data: which value of a window is largest is a coin toss, and the
-                    // mispredicted branch was most of the pool's time.)
-                    let take = (max_idx < 0) | (val > max_val) | val.is_nan();
-                    max_val = if take { val } else { max_val };
-                    max_idx = if take {
-                        (id_base + ih_base + iw) as i64
-                    } else {
-                        max_idx
-                    };
+                    // reports the index of the last NaN in the window.
+                    if max_idx < 0 || val > max_val || val.is_nan() {
+                        max_val = val;
+                        max_idx = (id_base + ih_base + iw) as i64;
+                    }
                 }
             }
         }
@@ -362,7 +355,6 @@ where
     // Every window a whole 2x2 square inside the input, in one depth slice: no padding, no
     // dilation, and the last window ends inside the input (true for ceil mode too when the
     // input divides evenly).
-    #[cfg(feature = "rayon")]
     let full_2x2 = kernel_size == [1, 2, 2]
         && stride_d == 1
         && padding == [0, 0, 0]
@@ -445,6 +437,19 @@ where
                 for c in 0..channels {
                     let x_offset = b * channels * in_d * in_h * in_w + c * in_d * in_h * in_w;
                     let out_offset = b * channels * spatial_out + c * spatial_out;
+
+                    if full_2x2 {
+                        let out = out_offset..out_offset + spatial_out;
+                        max_pool_2x2_plane(
+                            &x_data[x_offset..x_offset + in_d * in_h * in_w],
+                            &mut output[out.clone()],
+                            &mut indices[out],
+                            [in_h, in_w],
+                            [out_d, out_h, out_w],
+                            [stride_h, stride_w],
+                        );
+                        continue;
+                    }
 
                     for od in 0..out_d {
                         for oh in 0..out_h {
