@@ -2,7 +2,8 @@
 //! `third_party/burn-flex` patches the first two (im2col through reused scratch, a 2x2 pooling
 //! fast path) and its tensor allocation, so these check the patched kernels on every shape
 //! class they take: full and partial windows, padding, strides, dilation, groups, ties, NaN,
-//! and transposed views read whole, in windows and in batches.
+//! and transposed views read whole, in windows and in batches. Batch normalisation, which the
+//! patched backend runs in two passes, is checked bit for bit against burn's composition.
 
 mod common;
 
@@ -244,4 +245,179 @@ fn transposed_views_are_laid_out_as_plain_loops_lay_them_out() {
         .map(|(k, i, j)| x[(k * r + i) * c + j])
         .collect();
     assert_eq!(got, want);
+}
+
+/// A `[1, c, 1, ...]` shape of rank `D`, for per-channel values broadcast over `x`.
+fn per_channel_shape<const D: usize>(c: usize) -> [usize; D] {
+    let mut s = [1; D];
+    s[1] = c;
+    s
+}
+
+/// burn's composition of `batch_norm_train` (burn-backend 0.22.1's default, which the patched
+/// backend replaces with two passes), out of tensor operations: output, mean, variance.
+fn composed_train<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    beta: Tensor<1>,
+    eps: f64,
+) -> (Tensor<D>, Tensor<1>, Tensor<1>) {
+    let c = x.dims()[1];
+    let m = x.shape().num_elements() / c;
+    let pc = per_channel_shape::<D>(c);
+    let mean = x
+        .clone()
+        .swap_dims(0, 1)
+        .reshape([c, m])
+        .mean_dim(1)
+        .reshape(pc);
+    let centered = x.clone() - mean.clone();
+    let var = (centered.clone() * centered)
+        .swap_dims(0, 1)
+        .reshape([c, m])
+        .mean_dim(1);
+    let (mean, var): (Tensor<1>, Tensor<1>) = (mean.reshape([c]), var.reshape([c]));
+    let std = (var.clone().reshape(pc) + eps).sqrt();
+    let out = (x - mean.clone().reshape(pc)) / std * gamma.reshape(pc) + beta.reshape(pc);
+    (out, mean, var)
+}
+
+/// burn's composition of `batch_norm_train_backward`: the gradients of x, gamma and beta.
+fn composed_backward<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    mean: Tensor<1>,
+    var: Tensor<1>,
+    eps: f64,
+    dy: Tensor<D>,
+) -> (Tensor<D>, Tensor<1>, Tensor<1>) {
+    let c = x.dims()[1];
+    let m = x.shape().num_elements() / c;
+    let pc = per_channel_shape::<D>(c);
+    let inv_std = (var + eps).sqrt().recip().reshape(pc);
+    let normalized = (x - mean.reshape(pc)) * inv_std.clone();
+    let og: Tensor<2> = dy.clone().swap_dims(0, 1).reshape([c, m]);
+    let ng: Tensor<2> = (dy.clone() * normalized.clone())
+        .swap_dims(0, 1)
+        .reshape([c, m]);
+    let beta_grad = og.clone().sum_dim(1).reshape([c]);
+    let gamma_grad = ng.clone().sum_dim(1).reshape([c]);
+    let mean_grad = og.mean_dim(1).reshape(pc);
+    let mean_norm_grad = ng.mean_dim(1).reshape(pc);
+    let scale = gamma.reshape(pc) * inv_std;
+    let x_grad = scale * ((dy - mean_grad) - normalized * mean_norm_grad);
+    (x_grad, gamma_grad, beta_grad)
+}
+
+/// Asserts that two tensors hold the same f32 values bit for bit, naming the first that
+/// differs.
+fn assert_same_bits<const D: usize>(got: Tensor<D>, want: Tensor<D>, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let (g, w) = (got.into_data(), want.into_data());
+    let (g, w) = (
+        g.try_to_vec::<f32>().expect("f32"),
+        w.try_to_vec::<f32>().expect("f32"),
+    );
+    let differ = g
+        .iter()
+        .zip(&w)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
+        panic!(
+            "{what}: {differ} of {} values differ, the first at {i}: {} against {}",
+            g.len(),
+            g[i],
+            w[i]
+        );
+    }
+}
+
+/// Checks the backend's batch norm (training forward through autodiff, its backward, and
+/// inference with given statistics) bit for bit against burn's compositions on `shape`.
+fn check_batch_norm<const D: usize>(shape: [usize; D], seed: u64) {
+    let dev = device();
+    let ad = dev.clone().autodiff();
+    let numel: usize = shape.iter().product();
+    let c = shape[1];
+    // Values off zero and of uneven scale, so the mean and variance matter.
+    let xs: Vec<f32> = noise(numel, seed).iter().map(|v| 3.0 * v + 0.7).collect();
+    let gs = noise(c, seed + 1);
+    let bs = noise(c, seed + 2);
+    let dys = noise(numel, seed + 3);
+    let eps = 1e-5;
+    let t = |v: &[f32], dev: &burn::tensor::Device| -> Tensor<D> {
+        Tensor::from_data(TensorData::new(v.to_vec(), shape), dev)
+    };
+    let t1 = |v: &[f32], dev: &burn::tensor::Device| -> Tensor<1> {
+        Tensor::from_data(TensorData::new(v.to_vec(), [c]), dev)
+    };
+    let what = format!("batch norm on {shape:?}");
+
+    let (out, mean, var) = composed_train(t(&xs, &dev), t1(&gs, &dev), t1(&bs, &dev), eps);
+    let (x_grad, gamma_grad, beta_grad) = composed_backward(
+        t(&xs, &dev),
+        t1(&gs, &dev),
+        mean.clone(),
+        var.clone(),
+        eps,
+        t(&dys, &dev),
+    );
+
+    let x = t(&xs, &ad).require_grad();
+    let gamma = t1(&gs, &ad).require_grad();
+    let beta = t1(&bs, &ad).require_grad();
+    let r = burn::tensor::module::batch_norm_train(x.clone(), gamma.clone(), beta.clone(), eps);
+    assert_same_bits(r.mean.inner(), mean.clone(), &format!("{what}: mean"));
+    assert_same_bits(
+        r.variance.inner(),
+        var.clone(),
+        &format!("{what}: variance"),
+    );
+    assert_same_bits(r.output.clone().inner(), out, &format!("{what}: output"));
+    // The backward of `sum(output * dy)` hands the layer exactly `dy`.
+    let grads = (r.output * t(&dys, &ad)).sum().backward();
+    let grad = |g: Option<Tensor<1>>| g.expect("a gradient");
+    let x_got = x.grad(&grads).expect("a gradient of x");
+    assert_same_bits(x_got, x_grad, &format!("{what}: x grad"));
+    assert_same_bits(
+        grad(gamma.grad(&grads)),
+        gamma_grad,
+        &format!("{what}: gamma grad"),
+    );
+    assert_same_bits(
+        grad(beta.grad(&grads)),
+        beta_grad,
+        &format!("{what}: beta grad"),
+    );
+
+    // Inference with given statistics, against `((x - mean) / sqrt(var + eps)) * gamma + beta`.
+    let pc = per_channel_shape::<D>(c);
+    let want = (t(&xs, &dev) - mean.clone().reshape(pc)) / (var.clone().reshape(pc) + eps).sqrt()
+        * t1(&gs, &dev).reshape(pc)
+        + t1(&bs, &dev).reshape(pc);
+    let got = burn::tensor::module::batch_norm(
+        t(&xs, &dev),
+        t1(&gs, &dev),
+        t1(&bs, &dev),
+        mean,
+        var,
+        eps,
+    );
+    assert_same_bits(got, want, &format!("{what}: inference"));
+}
+
+#[test]
+fn batch_norm_is_bit_identical_to_burns_composition_on_every_layout() {
+    // A digits-CNN layer (large enough for the threaded passes), small ones, one sample, one
+    // channel, two values per channel and sample, rank 3 and 5.
+    check_batch_norm([32, 64, 28, 28], 1);
+    check_batch_norm([4, 3, 5, 7], 2);
+    check_batch_norm([1, 3, 4, 4], 3);
+    check_batch_norm([4, 1, 3, 3], 4);
+    check_batch_norm([3, 2, 2], 5);
+    check_batch_norm([2, 3, 2, 2, 3], 6);
+    // Where the fused kernels leave it to the composition: rank 2, one value per sample.
+    check_batch_norm([6, 5], 7);
+    check_batch_norm([4, 3, 1, 1], 8);
 }

@@ -2,12 +2,12 @@
 //!
 //! These operations power neural network modules like convolutions and pooling.
 
-use crate::ops::{conv, conv_transpose, deform_conv, interpolate, pool};
+use crate::ops::{batch_norm, conv, conv_transpose, deform_conv, interpolate, pool};
 use crate::{Flex, FlexTensor, Layout};
 use burn_backend::{
     DType, Element, TensorMetadata,
     ops::{
-        AttentionModuleOptions, ConvOptions, ConvTransposeOptions, DeformConv2dBackward,
+        AttentionModuleOptions, BatchNormTrain, BatchNormTrainBackward, ConvOptions, ConvTransposeOptions, DeformConv2dBackward,
         DeformConvOptions, FloatTensorOps, IntTensorOps, InterpolateMode, InterpolateOptions,
         MaxPool2dBackward, MaxPool2dWithIndices, ModuleOps, conv::pad_asymmetric_conv_input,
     },
@@ -43,6 +43,61 @@ pub(crate) fn cast_from_f32<E: Element + Pod + Copy>(
 }
 
 impl ModuleOps<Flex> for Flex {
+    // UniFed Edge patch: batch normalisation in two passes (`ops/batch_norm.rs`), bit-identical
+    // to burn's compositions, which run where the fused kernels do not apply.
+    fn batch_norm(
+        x: FloatTensor<Flex>,
+        gamma: FloatTensor<Flex>,
+        beta: FloatTensor<Flex>,
+        mean: FloatTensor<Flex>,
+        variance: FloatTensor<Flex>,
+        epsilon: f64,
+    ) -> FloatTensor<Flex> {
+        if batch_norm::applies(&x, false) {
+            batch_norm::batch_norm(x, gamma, beta, mean, variance, epsilon)
+        } else {
+            batch_norm::composed_batch_norm(x, gamma, beta, mean, variance, epsilon)
+        }
+    }
+
+    fn batch_norm_train(
+        x: FloatTensor<Flex>,
+        gamma: FloatTensor<Flex>,
+        beta: FloatTensor<Flex>,
+        epsilon: f64,
+    ) -> BatchNormTrain<Flex> {
+        if batch_norm::applies(&x, true) {
+            batch_norm::batch_norm_train(x, gamma, beta, epsilon)
+        } else {
+            batch_norm::composed_batch_norm_train(x, gamma, beta, epsilon)
+        }
+    }
+
+    fn batch_norm_train_backward(
+        x: FloatTensor<Flex>,
+        gamma: FloatTensor<Flex>,
+        mean: FloatTensor<Flex>,
+        variance: FloatTensor<Flex>,
+        epsilon: f64,
+        output_grad: FloatTensor<Flex>,
+    ) -> BatchNormTrainBackward<Flex> {
+        if batch_norm::applies(&x, true)
+            && output_grad.dtype() == DType::F32
+            && output_grad.shape() == x.shape()
+        {
+            batch_norm::batch_norm_train_backward(x, gamma, mean, variance, epsilon, output_grad)
+        } else {
+            batch_norm::composed_batch_norm_train_backward(
+                x,
+                gamma,
+                mean,
+                variance,
+                epsilon,
+                output_grad,
+            )
+        }
+    }
+
     fn conv1d(
         x: FloatTensor<Flex>,
         weight: FloatTensor<Flex>,
