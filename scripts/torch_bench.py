@@ -18,6 +18,10 @@ Usage:
 already set; setting it in the shell makes it explicit. Passive waiting keeps idle
 OpenMP threads from spinning, which matters when the machine is shared.)
 
+With --layers JSON (a list of layers, as `unifed-agent bench --layers` passes it), each layer
+is also timed alone on an input of its shape: forward (ending in a sum of the output) and
+forward plus backward, --warmup untimed and --steps timed passes each, as burn's side does.
+
 The last line of stdout is a JSON object with the results.
 """
 
@@ -50,6 +54,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=50, help="timed training steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (timings synchronise with the GPU)")
+    p.add_argument("--layers", help="JSON list of layers to time one by one (from unifed-agent bench)")
     return p.parse_args()
 
 
@@ -107,6 +112,57 @@ def bench_infer(model, batch, warmup, iters, gen):
     return iters * batch / dt, dt
 
 
+def make_layer(layer):
+    """The torch module a layer of `unifed-agent bench --layers` describes."""
+    kind, shape = layer["kind"], layer["input"]
+    if kind == "conv":
+        return nn.Conv2d(shape[1], layer["out_channels"], layer["kernel"], 1, layer["padding"])
+    if kind == "batch_norm":
+        return nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1])
+    if kind == "relu":
+        return nn.ReLU()
+    if kind == "max_pool2":
+        return nn.MaxPool2d(2)
+    if kind == "linear":
+        return nn.Linear(shape[1], layer["out_features"])
+    raise ValueError(f"layer {layer.get('name')!r}: unknown kind {kind!r}")
+
+
+def bench_layers(spec, gen, warmup, iters):
+    """Milliseconds per forward and per forward+backward pass of each layer alone."""
+
+    def ms(f):
+        for _ in range(warmup):
+            f()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            f()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / iters
+
+    out = []
+    for layer in spec:
+        m = make_layer(layer).to(args.device).train()
+        x = torch.randn(*layer["input"], generator=gen).to(args.device)
+        x.requires_grad_(bool(layer["grad_input"]))
+
+        def fwd():
+            return m(x).sum()
+
+        def fwd_bwd():
+            # Fresh gradients each pass, as an optimizer's zero_grad(set_to_none=True) leaves them.
+            for p in m.parameters():
+                p.grad = None
+            x.grad = None
+            fwd().backward()
+
+        out.append({"name": layer["name"], "fwd_ms": ms(fwd), "fwd_bwd_ms": ms(fwd_bwd)})
+    return out
+
+
 def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -137,6 +193,8 @@ def main():
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
         "rss_after_import_mib": round(rss_after_import_mib, 1),
     }
+    if args.layers:
+        result["layers"] = bench_layers(json.loads(args.layers), gen, args.warmup, args.steps)
     print(json.dumps(result))
 
 

@@ -10,6 +10,8 @@ use unifed_models::backend::{Backend, Device, cpu_threads};
 use unifed_models::bn::BnPass;
 use unifed_models::zoo::{DigitsCnnConfig, Net, seeded};
 
+mod layers;
+
 /// Options of the benchmark.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -45,6 +47,11 @@ pub struct Args {
     /// start), PyTorch with the same count. Default: the threads of this process only.
     #[arg(long, value_delimiter = ',')]
     thread_counts: Vec<String>,
+    /// Also time each layer of the model alone, forward and forward plus backward (`--steps`
+    /// passes each after `--warmup`), in burn and in PyTorch on the same threads (CPU backend
+    /// only), to show where the time goes.
+    #[arg(long)]
+    layers: bool,
 }
 
 /// The thread counts `--thread-counts` names, in order, duplicates dropped (`all` is every
@@ -82,6 +89,7 @@ fn cpu_row_in_child(backend: Backend, threads: usize, args: &Args) -> Result<Val
         .args(["--backends", &backend.to_string()])
         .args(["--steps", &args.steps.to_string()])
         .args(["--warmup", &args.warmup.to_string()])
+        .args(args.layers.then_some("--layers"))
         .arg("--out")
         .arg(&out)
         .stdout(std::process::Stdio::null())
@@ -139,7 +147,9 @@ fn input(
     )
 }
 
-fn bench_backend(backend: Backend, warmup: usize, steps: usize) -> Result<Value> {
+/// burn's figures on `backend`: whole-model training and inference, and each layer alone when
+/// `layers` (CPU only).
+fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) -> Result<Value> {
     use burn::module::Module;
     use burn::nn::loss::CrossEntropyLossConfig;
     use burn::optim::{GradientsParams, SgdConfig};
@@ -182,6 +192,20 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize) -> Result<Value>
     };
     let b32 = infer(32, warmup.max(5), 50);
     let b256 = infer(256, warmup.max(2), 10);
+    let peak_rss_mib = peak_rss_mib();
+    let layers = if layers {
+        if backend.is_gpu() {
+            anyhow::bail!("--layers times the CPU backend only (a GPU's work is asynchronous)");
+        }
+        let times = layers::digits_layers(&DigitsCnnConfig::default(), 32)
+            .iter()
+            .map(|l| layers::time_layer(l, &ad, warmup, steps))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(anyhow::Error::msg)?;
+        Some(times)
+    } else {
+        None
+    };
     Ok(json!({
         "framework": "burn 0.22.1",
         "backend": backend.to_string(),
@@ -189,12 +213,54 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize) -> Result<Value>
         "train_samples_per_s": train,
         "infer_b32_samples_per_s": b32,
         "infer_b256_samples_per_s": b256,
-        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_mib": peak_rss_mib,
+        "layers": layers,
     }))
 }
 
 mod burn_model {
     pub type M = unifed_models::zoo::DigitsCnn;
+}
+
+/// Prints each CPU row's layer times beside PyTorch's on the same threads.
+fn print_layers(rows: &[Value], torch: &[Value]) {
+    let times = |v: &Value| -> Vec<layers::LayerTime> {
+        serde_json::from_value(v["layers"].clone()).unwrap_or_default()
+    };
+    for r in rows.iter().filter(|r| r["layers"].is_array()) {
+        let ours = times(r);
+        let theirs = torch
+            .iter()
+            .find(|t| t["threads"] == r["threads"])
+            .map(times)
+            .unwrap_or_default();
+        println!(
+            "\nLayers on {} thread(s), ms per pass (batch 32; each ends in a sum of its output):",
+            r["threads"]
+        );
+        println!(
+            "| layer | burn fwd | burn fwd+bwd | PyTorch fwd | PyTorch fwd+bwd | fwd+bwd burn - PyTorch |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|");
+        let (mut sum_ours, mut sum_theirs) = (0.0, 0.0);
+        for l in &ours {
+            let t = theirs.iter().find(|t| t.name == l.name);
+            let (tf, tb) = t.map_or((f64::NAN, f64::NAN), |t| (t.fwd_ms, t.fwd_bwd_ms));
+            sum_ours += l.fwd_bwd_ms;
+            sum_theirs += tb;
+            println!(
+                "| {} | {:.2} | {:.2} | {tf:.2} | {tb:.2} | {:+.2} |",
+                l.name,
+                l.fwd_ms,
+                l.fwd_bwd_ms,
+                l.fwd_bwd_ms - tb
+            );
+        }
+        println!(
+            "| all | | {sum_ours:.1} | | {sum_theirs:.1} | {:+.1} |",
+            sum_ours - sum_theirs
+        );
+    }
 }
 
 /// The first of the candidate interpreters that imports torch: `explicit` alone when given,
@@ -236,9 +302,14 @@ fn last_line(out: &[u8]) -> String {
         .to_string()
 }
 
-/// Runs the PyTorch reference with `py` on `threads` threads; its JSON line, or why there is
-/// none.
-fn torch_reference(py: &Path, args: &Args, threads: usize) -> Result<Value, String> {
+/// Runs the PyTorch reference with `py` on `threads` threads, timing the `layers` too when
+/// given (their JSON list); its JSON line, or why there is none.
+fn torch_reference(
+    py: &Path,
+    args: &Args,
+    threads: usize,
+    layers: Option<&str>,
+) -> Result<Value, String> {
     println!(
         "benchmarking PyTorch with {} on {threads} thread(s) ...",
         py.display()
@@ -258,6 +329,7 @@ fn torch_reference(py: &Path, args: &Args, threads: usize) -> Result<Value, Stri
             "--device",
             &args.torch_device,
         ])
+        .args(layers.into_iter().flat_map(|l| ["--layers", l]))
         .env("OMP_WAIT_POLICY", "PASSIVE")
         .output()
         .map_err(|e| format!("running {} {}: {e}", py.display(), script.display()))?;
@@ -301,7 +373,7 @@ pub fn run(args: &Args) -> Result<()> {
         } else {
             println!("benchmarking burn on {backend} ...");
             rows.push(
-                bench_backend(backend, args.warmup, args.steps)
+                bench_backend(backend, args.warmup, args.steps, args.layers)
                     .with_context(|| format!("backend {backend}"))?,
             );
         }
@@ -317,10 +389,14 @@ pub fn run(args: &Args) -> Result<()> {
     if args.no_torch {
         torch_error = Some("skipped (--no-torch)".to_string());
     } else {
+        let spec = args.layers.then(|| {
+            serde_json::to_string(&layers::digits_layers(&DigitsCnnConfig::default(), 32))
+                .expect("a list of layers serialises")
+        });
         match find_python(&args.python) {
             Ok(py) => {
                 for &n in &torch_counts {
-                    match torch_reference(&py, args, n) {
+                    match torch_reference(&py, args, n, spec.as_deref()) {
                         Ok(v) => torch.push(v),
                         Err(why) => {
                             torch_error = Some(why);
@@ -381,6 +457,9 @@ pub fn run(args: &Args) -> Result<()> {
             f(&ratio, "infer_b256")
         );
         ratios.push(ratio);
+    }
+    if args.layers {
+        print_layers(&rows, &torch);
     }
     if let Some(parent) = args.out.parent() {
         std::fs::create_dir_all(parent)?;

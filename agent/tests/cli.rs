@@ -392,6 +392,43 @@ fn bench_measures_each_thread_count_in_one_run_and_names_a_bad_count() {
 }
 
 #[test]
+fn bench_layers_times_every_layer_of_the_model_in_the_child_of_a_thread_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_file = dir.path().join("bench.json");
+    let out = agent()
+        .args([
+            "bench",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--no-torch",
+            "--layers",
+        ])
+        .args(["--thread-counts", "1", "--out"])
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    succeeded(&out);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_file).unwrap()).unwrap();
+    let layers = v["burn"][0]["layers"].as_array().expect("layer times");
+    let names: Vec<&str> = layers.iter().map(|l| l["name"].as_str().unwrap()).collect();
+    assert_eq!(names.first(), Some(&"conv1"));
+    assert_eq!(names.last(), Some(&"fc3"));
+    assert_eq!(names.len(), 18, "{names:?}");
+    for l in layers {
+        assert!(l["fwd_ms"].as_f64().unwrap() > 0.0, "{l}");
+        assert!(l["fwd_bwd_ms"].as_f64().unwrap() > 0.0, "{l}");
+    }
+    // The table names each layer.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("| conv2 |") && stdout.contains("| all |"),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn warmup_runs_the_sites_training_and_evaluation_and_leaves_its_state_alone() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
