@@ -118,7 +118,10 @@ def make_layer(layer):
     if kind == "conv":
         return nn.Conv2d(shape[1], layer["out_channels"], layer["kernel"], 1, layer["padding"])
     if kind == "batch_norm":
-        return nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1])
+        norms = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+        if len(shape) not in norms:
+            raise ValueError(f"layer {layer.get('name')!r}: no BatchNorm takes a {len(shape)}-D input")
+        return norms[len(shape)](shape[1])
     if kind == "relu":
         return nn.ReLU()
     if kind == "max_pool2":
@@ -141,7 +144,7 @@ def bench_layers(spec, gen, warmup, iters):
             f()
         if args.device == "cuda":
             torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3 / iters
+        return (time.perf_counter() - t0) * 1e3 / max(iters, 1)
 
     out = []
     for layer in spec:
