@@ -192,7 +192,7 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) ->
     };
     let b32 = infer(32, warmup.max(5), 50);
     let b256 = infer(256, warmup.max(2), 10);
-    let peak_rss_mib = peak_rss_mib();
+    let peak = peak_rss_mib();
     // A GPU's work is asynchronous, so its layers are not timed one by one.
     let layers = if layers && !backend.is_gpu() {
         let times = layers::digits_layers(&DigitsCnnConfig::default(), 32)
@@ -211,7 +211,7 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) ->
         "train_samples_per_s": train,
         "infer_b32_samples_per_s": b32,
         "infer_b256_samples_per_s": b256,
-        "peak_rss_mib": peak_rss_mib,
+        "peak_rss_mib": peak,
         "layers": layers,
     }))
 }

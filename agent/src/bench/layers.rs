@@ -155,7 +155,17 @@ pub fn time_layer(
     let g = layer.grad_input;
     let s = &layer.input;
     // The forward pass, ending in the sum of the output.
-    let fwd: Box<dyn Fn() -> Tensor<1>> = match (&layer.op, s.len()) {
+    // The forward pass on a fixed input of the layer's shape, ending in the sum of the output.
+    fn summed<const D: usize>(
+        s: &[usize],
+        device: &Device,
+        grad: bool,
+        layer: impl Fn(Tensor<D>) -> Tensor<D> + 'static,
+    ) -> Result<Box<dyn Fn() -> Tensor<1>>, String> {
+        let x = input::<D>(s, device, grad)?;
+        Ok(Box::new(move || layer(x.clone()).sum()))
+    }
+    let fwd = match (&layer.op, s.len()) {
         (
             Op::Conv {
                 out_channels,
@@ -168,36 +178,25 @@ pub fn time_layer(
             let m = Conv2dConfig::new([s[1], *out_channels], [*kernel, *kernel])
                 .with_padding(PaddingConfig2d::Explicit(p, p, p, p))
                 .init(device);
-            let x = input::<4>(s, device, g)?;
-            Box::new(move || m.forward(x.clone()).sum())
+            summed::<4>(s, device, g, move |x| m.forward(x))?
         }
         (Op::BatchNorm, 4) => {
             let m = BatchNormConfig::new(s[1]).init(device);
-            let x = input::<4>(s, device, g)?;
-            Box::new(move || m.forward(x.clone()).sum())
+            summed::<4>(s, device, g, move |x| m.forward(x))?
         }
         (Op::BatchNorm, 2) => {
             let m = BatchNormConfig::new(s[1]).init(device);
-            let x = input::<2>(s, device, g)?;
-            Box::new(move || m.forward(x.clone()).sum())
+            summed::<2>(s, device, g, move |x| m.forward(x))?
         }
-        (Op::Relu, 4) => {
-            let x = input::<4>(s, device, g)?;
-            Box::new(move || relu(x.clone()).sum())
-        }
-        (Op::Relu, 2) => {
-            let x = input::<2>(s, device, g)?;
-            Box::new(move || relu(x.clone()).sum())
-        }
+        (Op::Relu, 4) => summed::<4>(s, device, g, relu)?,
+        (Op::Relu, 2) => summed::<2>(s, device, g, relu)?,
         (Op::MaxPool2, 4) => {
             let m = MaxPool2dConfig::new([2, 2]).init();
-            let x = input::<4>(s, device, g)?;
-            Box::new(move || m.forward(x.clone()).sum())
+            summed::<4>(s, device, g, move |x| m.forward(x))?
         }
         (Op::Linear { out_features }, 2) => {
             let m = LinearConfig::new(s[1], *out_features).init(device);
-            let x = input::<2>(s, device, g)?;
-            Box::new(move || m.forward(x.clone()).sum())
+            summed::<2>(s, device, g, move |x| m.forward(x))?
         }
         (op, d) => {
             return Err(format!(
