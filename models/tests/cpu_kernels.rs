@@ -3,7 +3,9 @@
 //! fast path) and its tensor allocation, so these check the patched kernels on every shape
 //! class they take: full and partial windows, padding, strides, dilation, groups, ties, NaN,
 //! and transposed views read whole, in windows and in batches. Batch normalisation, which the
-//! patched backend runs in two passes, is checked bit for bit against burn's composition.
+//! patched backend runs in two passes, and a convolution's weight gradient, whose operands it
+//! lays out without burn's copies, are checked bit for bit against burn's compositions; the
+//! input gradient (its batch items in parallel on reused buffers) against plain loops.
 
 mod common;
 
@@ -420,4 +422,148 @@ fn batch_norm_is_bit_identical_to_burns_composition_on_every_layout() {
     // Where the fused kernels leave it to the composition: rank 2, one value per sample.
     check_batch_norm([6, 5], 7);
     check_batch_norm([4, 3, 1, 1], 8);
+}
+
+/// The input gradient of a convolution in plain loops (f64): each output gradient value times
+/// each weight it was multiplied by, added where its input came from.
+fn naive_input_grad(
+    dy: &[f32],
+    [n, o, oh, ow]: [usize; 4],
+    weight: &[f32],
+    [_, cg, kh, kw]: [usize; 4],
+    [h, w]: [usize; 2],
+    [s, p, d]: [[usize; 2]; 3],
+    groups: usize,
+) -> Vec<f64> {
+    let c = cg * groups;
+    let og = o / groups;
+    let mut dx = vec![0.0f64; n * c * h * w];
+    for b in 0..n {
+        for oc in 0..o {
+            let g = oc / og;
+            for yy in 0..oh {
+                for xx in 0..ow {
+                    let v = f64::from(dy[((b * o + oc) * oh + yy) * ow + xx]);
+                    for ci in 0..cg {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let iy = (yy * s[0] + ky * d[0]) as isize - p[0] as isize;
+                                let ix = (xx * s[1] + kx * d[1]) as isize - p[1] as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                    continue;
+                                }
+                                let wv = weight[((oc * cg + ci) * kh + ky) * kw + kx];
+                                let at =
+                                    ((b * c + g * cg + ci) * h + iy as usize) * w + ix as usize;
+                                dx[at] += v * f64::from(wv);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    dx
+}
+
+/// burn's composition for a convolution's weight gradient (`conv2d_weight_backward`'s
+/// default): per group, the input with batch and channels swapped, convolved by the swapped
+/// output gradient with stride and dilation swapped, swapped back and cut to the kernel.
+fn composed_weight_grad(
+    x: Tensor<4>,
+    dy: Tensor<4>,
+    [co, cig, kh, kw]: [usize; 4],
+    [s, p, d]: [[usize; 2]; 3],
+    groups: usize,
+) -> Tensor<4> {
+    let cog = co / groups;
+    let parts: Vec<Tensor<4>> = (0..groups)
+        .map(|g| {
+            let xg = x.clone().swap_dims(0, 1).narrow(0, g * cig, cig);
+            let dg = dy.clone().swap_dims(0, 1).narrow(0, g * cog, cog);
+            conv2d(xg, dg, None, ConvOptions::new(d, p, s, 1))
+                .swap_dims(0, 1)
+                .slice([0..cog, 0..cig, 0..kh, 0..kw])
+        })
+        .collect();
+    Tensor::cat(parts, 0)
+}
+
+#[test]
+fn a_convolutions_weight_gradient_is_bit_identical_to_burns_composition_and_its_input_gradient_right()
+ {
+    let dev = device();
+    let ad = dev.clone().autodiff();
+    // (input, weight, stride, padding, dilation, groups). The digits CNN's three layers; a
+    // stride, where the composition's output is larger than the kernel and is cut; dilation;
+    // a rectangular kernel and input; a kernel so large the composition takes two tiles of
+    // positions. Then three the backend leaves to the composition: few samples and output
+    // channels, groups, and a 1x1 output.
+    type Case = ([usize; 4], [usize; 4], [[usize; 2]; 3], usize);
+    let cases: [Case; 10] = [
+        ([32, 3, 28, 28], [64, 3, 5, 5], [[1, 1], [2, 2], [1, 1]], 1),
+        (
+            [32, 64, 14, 14],
+            [64, 64, 5, 5],
+            [[1, 1], [2, 2], [1, 1]],
+            1,
+        ),
+        ([32, 64, 7, 7], [128, 64, 5, 5], [[1, 1], [2, 2], [1, 1]], 1),
+        ([5, 6, 11, 9], [20, 6, 3, 3], [[2, 2], [1, 1], [1, 1]], 1),
+        ([6, 5, 10, 10], [18, 5, 3, 3], [[1, 1], [2, 2], [2, 2]], 1),
+        ([7, 4, 9, 13], [17, 4, 2, 4], [[1, 2], [1, 0], [1, 1]], 1),
+        ([5, 2, 30, 30], [17, 2, 23, 23], [[1, 1], [0, 0], [1, 1]], 1),
+        ([2, 3, 8, 8], [8, 3, 3, 3], [[1, 1], [1, 1], [1, 1]], 1),
+        ([6, 8, 10, 10], [24, 4, 3, 3], [[1, 1], [1, 1], [1, 1]], 2),
+        ([6, 5, 3, 3], [20, 5, 3, 3], [[1, 1], [0, 0], [1, 1]], 1),
+    ];
+    for (case, &(xs, ws, [s, p, d], groups)) in cases.iter().enumerate() {
+        let seed = 300 + 10 * case as u64;
+        let x = values(xs.iter().product(), seed, None);
+        let w = values(ws.iter().product(), seed + 1, None);
+        let out = conv2d(
+            Tensor::<4>::from_data(TensorData::new(x.clone(), xs), &dev),
+            Tensor::<4>::from_data(TensorData::new(w.clone(), ws), &dev),
+            None,
+            ConvOptions::new(s, p, d, groups),
+        )
+        .dims();
+        let dy = values(out.iter().product(), seed + 2, None);
+        let t = |v: &[f32], shape: [usize; 4], dev: &burn::tensor::Device| {
+            Tensor::<4>::from_data(TensorData::new(v.to_vec(), shape), dev)
+        };
+        let want = composed_weight_grad(t(&x, xs, &dev), t(&dy, out, &dev), ws, [s, p, d], groups);
+        // Through autodiff: the backward of `sum(out * dy)` hands the layer exactly `dy`.
+        let weight = t(&w, ws, &ad).require_grad();
+        let input = t(&x, xs, &ad).require_grad();
+        let y = conv2d(
+            input.clone(),
+            weight.clone(),
+            None,
+            ConvOptions::new(s, p, d, groups),
+        );
+        let grads = (y * t(&dy, out, &ad)).sum().backward();
+        let got = weight.grad(&grads).expect("a gradient of the weight");
+        assert_same_bits(
+            got,
+            want,
+            &format!("case {case}: weight gradient of {xs:?} by {ws:?}"),
+        );
+        // The input gradient (a transposed convolution, whose groups the backend runs in
+        // parallel on reused buffers) against plain loops.
+        let dx: Vec<f32> = input
+            .grad(&grads)
+            .expect("a gradient of the input")
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let want = naive_input_grad(&dy, out, &w, ws, [xs[2], xs[3]], [s, p, d], groups);
+        let bound = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in dx.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(*g) - w).abs() <= 1e-5 * bound,
+                "case {case}, input gradient {i}: {g} against {w}"
+            );
+        }
+    }
 }

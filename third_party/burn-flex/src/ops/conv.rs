@@ -544,11 +544,155 @@ fn conv3d_impl<
     )
 }
 
-/// UniFed Edge patch: a thread's reusable im2col scratch, taken out of a thread-local slot and
-/// put back after use. A nested use on the same thread (rayon runs another tile while this
+/// UniFed Edge patch: whether `conv3d` takes `conv3d_impl`'s im2col path for these shapes
+/// (none of its 1x1, depthwise, few-channel or direct paths).
+pub(crate) fn takes_im2col_path(
+    x_shape: &[usize],
+    w_shape: &[usize],
+    options: &ConvOptions<3>,
+) -> bool {
+    !is_1x1_conv(w_shape[2], w_shape[3], w_shape[4], options)
+        && !should_use_depthwise_conv(x_shape, w_shape, options)
+        && !should_use_small_channel_conv(x_shape, w_shape, options)
+        && !should_use_direct_conv(x_shape, w_shape, options)
+}
+
+/// UniFed Edge patch: the sizes of a 2-D convolution's weight gradient taken as burn's
+/// composition takes it (see `conv_weight_grad`): a convolution of the input, with the batch as
+/// channels, by the output gradient as the kernel.
+pub(crate) struct WeightGradShape {
+    /// Batch size.
+    pub batch: usize,
+    /// Input channels.
+    pub c_in: usize,
+    /// Input height.
+    pub in_h: usize,
+    /// Input width.
+    pub in_w: usize,
+    /// Output channels.
+    pub c_out: usize,
+    /// Output height (the composition's kernel height).
+    pub out_h: usize,
+    /// Output width (the composition's kernel width).
+    pub out_w: usize,
+    /// The weight's kernel height.
+    pub kernel_h: usize,
+    /// The weight's kernel width.
+    pub kernel_w: usize,
+    /// The composition's output height (at least `kernel_h`; rows past it are dropped).
+    pub rows: usize,
+    /// The composition's output width (at least `kernel_w`).
+    pub cols: usize,
+    /// The composition's stride (the convolution's dilation).
+    pub stride: [usize; 2],
+    /// The composition's dilation (the convolution's stride).
+    pub dilation: [usize; 2],
+    /// The padding, both sides alike.
+    pub pad: [usize; 2],
+}
+
+/// UniFed Edge patch: the weight gradient `[c_out, c_in, kernel_h, kernel_w]` by the same
+/// im2col tiles and `gemm_f32` calls as `conv3d_impl` runs for burn's composition, with the
+/// GEMM's operands laid out straight from `x` and `output_grad` (the composition copies both
+/// swapped tensors first, and lays each out again in a fresh buffer). The values and the order
+/// of every sum are the composition's, so the result is bit-identical to it.
+#[cfg(feature = "rayon")]
+pub(crate) fn weight_grad_im2col(
+    x: &FlexTensor,
+    output_grad: &FlexTensor,
+    s: WeightGradShape,
+) -> Option<FlexTensor> {
+    use rayon::prelude::*;
+    // `conv3d_impl`'s flattened kernel, [c_out, out_h * out_w, batch]: here the gradient.
+    let w_flat = output_grad.permute(&[1, 2, 3, 0]).to_contiguous();
+    // Its channels-last input, [c_in, in_h, in_w, batch] (the batch as channels).
+    let x_nhwc = x.permute(&[1, 2, 3, 0]).to_contiguous();
+    let w_flat: &[f32] = w_flat.storage();
+    let x_nhwc: &[f32] = x_nhwc.storage();
+    let col_len = s.batch * s.out_h * s.out_w;
+    let spatial_out = s.rows * s.cols;
+    // `conv3d_impl`'s tile size: the tiles, and so the GEMMs, are the same.
+    const TILE_SIZE: usize = 512;
+    let num_tiles = spatial_out.div_ceil(TILE_SIZE);
+    let plane = s.in_h * s.in_w * s.batch;
+    let nhwc_stride = (plane, plane, s.in_w * s.batch, s.batch, 1);
+    let kernel = s.kernel_h * s.kernel_w;
+    let mut dst = vec![0.0f32; s.c_out * s.c_in * kernel];
+    let dst_ptr = crate::ops::SendMutPtr::new(dst.as_mut_ptr());
+    (0..s.c_in).into_par_iter().for_each(|b| {
+        (0..num_tiles).into_par_iter().for_each(|tile_idx| {
+            let tile_start = tile_idx * TILE_SIZE;
+            let tile_end = (tile_start + TILE_SIZE).min(spatial_out);
+            let tile_size = tile_end - tile_start;
+            let mut scratch = ScratchTile::take::<f32>(col_len * tile_size);
+            let col_tile = scratch.as_mut_slice::<f32>(col_len * tile_size);
+            im2col_3d_tile(
+                col_tile,
+                x_nhwc,
+                tile_start,
+                tile_end,
+                s.rows,
+                s.cols,
+                1,
+                s.out_h,
+                s.out_w,
+                1,
+                s.stride[0],
+                s.stride[1],
+                1,
+                s.dilation[0],
+                s.dilation[1],
+                0,
+                s.pad[0],
+                s.pad[1],
+                1,
+                s.in_h,
+                s.in_w,
+                s.batch,
+                col_len,
+                b,
+                0,
+                nhwc_stride,
+            );
+            let result = gemm_f32(w_flat, col_tile, s.c_out, col_len, tile_size);
+            scratch.give_back();
+            for (local, pos) in (tile_start..tile_end).enumerate() {
+                let (r, c) = (pos / s.cols, pos % s.cols);
+                if r >= s.kernel_h || c >= s.kernel_w {
+                    continue;
+                }
+                for c_out in 0..s.c_out {
+                    let at = (c_out * s.c_in + b) * kernel + r * s.kernel_w + c;
+                    // SAFETY: each (input channel, position) belongs to one task, so no two
+                    // tasks write the same value, and `at` is inside `dst`.
+                    unsafe { dst_ptr.write(at, result[c_out * tile_size + local]) };
+                }
+            }
+        });
+    });
+    let shape = Shape::from(vec![s.c_out, s.c_in, s.kernel_h, s.kernel_w]);
+    Some(FlexTensor::new(
+        Bytes::from_elems(dst),
+        Layout::contiguous(shape),
+        DType::F32,
+    ))
+}
+
+/// Without rayon the composition runs (`conv3d_impl`'s sequential path).
+#[cfg(not(feature = "rayon"))]
+pub(crate) fn weight_grad_im2col(
+    _x: &FlexTensor,
+    _output_grad: &FlexTensor,
+    _s: WeightGradShape,
+) -> Option<FlexTensor> {
+    None
+}
+
+/// UniFed Edge patch: a thread's reusable scratch (im2col tiles; a transposed convolution's
+/// columns), taken out of a thread-local slot and put back after use. A nested use on the same thread (rayon runs another tile while this
 /// one's GEMM waits) finds the slot empty and allocates its own, so nothing is shared.
 #[cfg(feature = "rayon")]
-struct ScratchTile(Vec<u64>);
+pub(crate) struct ScratchTile(Vec<u64>);
 
 #[cfg(all(feature = "rayon", feature = "std"))]
 std::thread_local! {
@@ -558,7 +702,7 @@ std::thread_local! {
 #[cfg(feature = "rayon")]
 impl ScratchTile {
     /// This thread's scratch (or a new one), grown to hold at least `len` values of `T`.
-    fn take<T>(len: usize) -> Self {
+    pub(crate) fn take<T>(len: usize) -> Self {
         let values = (len * core::mem::size_of::<T>()).div_ceil(8);
         #[cfg(feature = "std")]
         let mut v = SCRATCH_TILE.with(|c| c.take());
@@ -572,12 +716,12 @@ impl ScratchTile {
 
     /// The first `len` values as `T` (whose size is at most 8 bytes); their content is
     /// whatever the last use left.
-    fn as_mut_slice<T: bytemuck::Pod>(&mut self, len: usize) -> &mut [T] {
+    pub(crate) fn as_mut_slice<T: bytemuck::Pod>(&mut self, len: usize) -> &mut [T] {
         &mut bytemuck::cast_slice_mut::<u64, T>(&mut self.0)[..len]
     }
 
     /// Puts the buffer back for the thread's next tile.
-    fn give_back(self) {
+    pub(crate) fn give_back(self) {
         #[cfg(feature = "std")]
         SCRATCH_TILE.with(|c| c.set(self.0));
     }

@@ -487,9 +487,19 @@ fn conv_transpose3d_impl<
         }
     };
 
+    // UniFed Edge patch: the groups run in parallel when their GEMMs together are worth it,
+    // not only when the output is large (the digits CNN's last convolution's input gradient,
+    // [32, 64, 7, 7], ran a group at a time and took as long on two threads as on one). Each
+    // group's sums are the same either way. Its columns are a thread's reused scratch, zeroed,
+    // instead of a fresh zeroed buffer per group.
+    #[cfg(feature = "rayon")]
+    let group_work = col_ch
+        .saturating_mul(in_channels_per_group)
+        .saturating_mul(in_spatial);
     #[cfg(feature = "rayon")]
     if total_groups > 1
-        && (total_groups * out_channels_per_group * out_spatial) >= super::PARALLEL_THRESHOLD
+        && ((total_groups * out_channels_per_group * out_spatial) >= super::PARALLEL_THRESHOLD
+            || total_groups.saturating_mul(group_work) >= GEMM_PARALLEL_WORK)
     {
         use rayon::prelude::*;
         output
@@ -498,8 +508,11 @@ fn conv_transpose3d_impl<
             .for_each(|(bg, group_output)| {
                 let b = bg / groups;
                 let g = bg % groups;
-                let mut columns = vec![zero; columns_len];
-                process_group(b, g, group_output, &mut columns);
+                let mut scratch = super::conv::ScratchTile::take::<T>(columns_len);
+                let columns = scratch.as_mut_slice::<T>(columns_len);
+                columns.fill(zero);
+                process_group(b, g, group_output, columns);
+                scratch.give_back();
             });
     } else {
         let mut columns = vec![zero; columns_len];

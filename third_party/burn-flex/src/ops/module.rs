@@ -2,7 +2,9 @@
 //!
 //! These operations power neural network modules like convolutions and pooling.
 
-use crate::ops::{batch_norm, conv, conv_transpose, deform_conv, interpolate, pool};
+use crate::ops::{
+    batch_norm, conv, conv_transpose, conv_weight_grad, deform_conv, interpolate, pool,
+};
 use crate::{Flex, FlexTensor, Layout};
 use burn_backend::{
     DType, Element, TensorMetadata,
@@ -128,6 +130,24 @@ impl ModuleOps<Flex> for Flex {
             DType::BF16 => conv::conv2d_bf16(x, weight, bias, &options),
             dtype => panic!("conv2d: unsupported dtype {:?}", dtype),
         }
+    }
+
+    fn conv2d_weight_backward(
+        x: FloatTensor<Flex>,
+        weight: FloatTensor<Flex>,
+        output_grad: FloatTensor<Flex>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Flex> {
+        // UniFed Edge patch: the same GEMMs as burn's composition, without its copies.
+        if let Some(grad) = conv_weight_grad::conv2d_weight_backward_f32(
+            &x,
+            &weight.shape(),
+            &output_grad,
+            &options,
+        ) {
+            return grad;
+        }
+        conv_weight_grad::composed_conv2d_weight_backward(x, weight, output_grad, options)
     }
 
     fn deform_conv2d(
