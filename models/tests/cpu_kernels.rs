@@ -115,50 +115,75 @@ fn max_pooling_gives_the_values_and_indices_of_plain_loops_on_every_window_shape
     }
 }
 
-/// 2-D convolution of `x` ([n, c, h, w]) by `weight` ([o, c / groups, kh, kw]) in loops, in
-/// f64.
-#[allow(clippy::too_many_arguments)]
-fn naive_conv(
-    x: &[f32],
-    [n, c, h, w]: [usize; 4],
-    weight: &[f32],
-    [o, cg, kh, kw]: [usize; 4],
+/// A convolution's geometry: input [n, c, h, w], weight [o, c / groups, kh, kw], stride,
+/// padding, dilation and groups.
+#[derive(Clone, Copy)]
+struct Geometry {
+    x: [usize; 4],
+    w: [usize; 4],
     s: [usize; 2],
     p: [usize; 2],
     d: [usize; 2],
     groups: usize,
-) -> ([usize; 4], Vec<f64>) {
-    let out = |i: usize, k: usize, a: usize| (i + 2 * p[a] - d[a] * (k - 1) - 1) / s[a] + 1;
-    let (oh, ow) = (out(h, kh, 0), out(w, kw, 1));
-    let og = o / groups;
-    let mut y = vec![0.0f64; n * o * oh * ow];
-    for b in 0..n {
-        for oc in 0..o {
-            let g = oc / og;
-            for yy in 0..oh {
-                for xx in 0..ow {
-                    let mut acc = 0.0f64;
-                    for ci in 0..cg {
-                        let ic = g * cg + ci;
-                        for ky in 0..kh {
-                            for kx in 0..kw {
-                                let iy = (yy * s[0] + ky * d[0]) as isize - p[0] as isize;
-                                let ix = (xx * s[1] + kx * d[1]) as isize - p[1] as isize;
-                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
-                                    continue;
+}
+
+impl Geometry {
+    /// The output's shape.
+    fn out(&self) -> [usize; 4] {
+        let [n, _, h, w] = self.x;
+        let [o, _, kh, kw] = self.w;
+        let (s, p, d) = (self.s, self.p, self.d);
+        let out = |i: usize, k: usize, a: usize| (i + 2 * p[a] - d[a] * (k - 1) - 1) / s[a] + 1;
+        [n, o, out(h, kh, 0), out(w, kw, 1)]
+    }
+
+    /// Every product of the convolution, in loops: `tap(output, input, weight)` with the flat
+    /// indices of an output value, the input value it multiplies (padding skipped) and the
+    /// weight.
+    fn each_tap(&self, mut tap: impl FnMut(usize, usize, usize)) {
+        let ([n, c, h, w], [o, cg, kh, kw], (s, p, d)) = (self.x, self.w, (self.s, self.p, self.d));
+        let [_, _, oh, ow] = self.out();
+        let og = o / self.groups;
+        for b in 0..n {
+            for oc in 0..o {
+                let ic0 = oc / og * cg;
+                for yy in 0..oh {
+                    for xx in 0..ow {
+                        let at = ((b * o + oc) * oh + yy) * ow + xx;
+                        for ci in 0..cg {
+                            for ky in 0..kh {
+                                for kx in 0..kw {
+                                    let iy = (yy * s[0] + ky * d[0]) as isize - p[0] as isize;
+                                    let ix = (xx * s[1] + kx * d[1]) as isize - p[1] as isize;
+                                    if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                        continue;
+                                    }
+                                    let input =
+                                        ((b * c + ic0 + ci) * h + iy as usize) * w + ix as usize;
+                                    tap(at, input, ((oc * cg + ci) * kh + ky) * kw + kx);
                                 }
-                                let xv = x[((b * c + ic) * h + iy as usize) * w + ix as usize];
-                                let wv = weight[((oc * cg + ci) * kh + ky) * kw + kx];
-                                acc += f64::from(xv) * f64::from(wv);
                             }
                         }
                     }
-                    y[((b * o + oc) * oh + yy) * ow + xx] = acc;
                 }
             }
         }
     }
-    ([n, o, oh, ow], y)
+
+    /// The convolution of `x` by `weight` in loops, in f64.
+    fn conv(&self, x: &[f32], weight: &[f32]) -> Vec<f64> {
+        let mut y = vec![0.0f64; self.out().iter().product()];
+        self.each_tap(|o, i, k| y[o] += f64::from(x[i]) * f64::from(weight[k]));
+        y
+    }
+
+    /// The input gradient in loops, in f64: each output gradient value times each weight it
+    /// was multiplied by, added where its input came from.
+    fn input_grad(&self, dy: &[f32], weight: &[f32]) -> Vec<f64> {
+        let mut dx = vec![0.0f64; self.x.iter().product()];
+        self.each_tap(|o, i, k| dx[i] += f64::from(dy[o]) * f64::from(weight[k]));
+        dx
+    }
 }
 
 #[test]
@@ -190,7 +215,15 @@ fn convolution_gives_the_sums_of_plain_loops_with_padding_strides_dilation_and_g
             .map(|v| v * scale)
             .collect();
         let w = values(ws.iter().product(), 200 + case as u64, None);
-        let (want_shape, want) = naive_conv(&x, xs, &w, ws, s, p, d, groups);
+        let geometry = Geometry {
+            x: xs,
+            w: ws,
+            s,
+            p,
+            d,
+            groups,
+        };
+        let (want_shape, want) = (geometry.out(), geometry.conv(&x, &w));
         let y = conv2d(
             Tensor::<4>::from_data(TensorData::new(x, xs), &dev),
             Tensor::<4>::from_data(TensorData::new(w, ws), &dev),
@@ -424,48 +457,6 @@ fn batch_norm_is_bit_identical_to_burns_composition_on_every_layout() {
     check_batch_norm([4, 3, 1, 1], 8);
 }
 
-/// The input gradient of a convolution in plain loops (f64): each output gradient value times
-/// each weight it was multiplied by, added where its input came from.
-fn naive_input_grad(
-    dy: &[f32],
-    [n, o, oh, ow]: [usize; 4],
-    weight: &[f32],
-    [_, cg, kh, kw]: [usize; 4],
-    [h, w]: [usize; 2],
-    [s, p, d]: [[usize; 2]; 3],
-    groups: usize,
-) -> Vec<f64> {
-    let c = cg * groups;
-    let og = o / groups;
-    let mut dx = vec![0.0f64; n * c * h * w];
-    for b in 0..n {
-        for oc in 0..o {
-            let g = oc / og;
-            for yy in 0..oh {
-                for xx in 0..ow {
-                    let v = f64::from(dy[((b * o + oc) * oh + yy) * ow + xx]);
-                    for ci in 0..cg {
-                        for ky in 0..kh {
-                            for kx in 0..kw {
-                                let iy = (yy * s[0] + ky * d[0]) as isize - p[0] as isize;
-                                let ix = (xx * s[1] + kx * d[1]) as isize - p[1] as isize;
-                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
-                                    continue;
-                                }
-                                let wv = weight[((oc * cg + ci) * kh + ky) * kw + kx];
-                                let at =
-                                    ((b * c + g * cg + ci) * h + iy as usize) * w + ix as usize;
-                                dx[at] += v * f64::from(wv);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    dx
-}
-
 /// burn's composition for a convolution's weight gradient (`conv2d_weight_backward`'s
 /// default): per group, the input with batch and channels swapped, convolved by the swapped
 /// output gradient with stride and dilation swapped, swapped back and cut to the kernel.
@@ -521,13 +512,15 @@ fn a_convolutions_weight_gradient_is_bit_identical_to_burns_composition_and_its_
         let seed = 300 + 10 * case as u64;
         let x = values(xs.iter().product(), seed, None);
         let w = values(ws.iter().product(), seed + 1, None);
-        let out = conv2d(
-            Tensor::<4>::from_data(TensorData::new(x.clone(), xs), &dev),
-            Tensor::<4>::from_data(TensorData::new(w.clone(), ws), &dev),
-            None,
-            ConvOptions::new(s, p, d, groups),
-        )
-        .dims();
+        let geometry = Geometry {
+            x: xs,
+            w: ws,
+            s,
+            p,
+            d,
+            groups,
+        };
+        let out = geometry.out();
         let dy = values(out.iter().product(), seed + 2, None);
         let t = |v: &[f32], shape: [usize; 4], dev: &burn::tensor::Device| {
             Tensor::<4>::from_data(TensorData::new(v.to_vec(), shape), dev)
@@ -557,7 +550,7 @@ fn a_convolutions_weight_gradient_is_bit_identical_to_burns_composition_and_its_
             .into_data()
             .try_to_vec::<f32>()
             .unwrap();
-        let want = naive_input_grad(&dy, out, &w, ws, [xs[2], xs[3]], [s, p, d], groups);
+        let want = geometry.input_grad(&dy, &w);
         let bound = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
         for (i, (g, w)) in dx.iter().zip(&want).enumerate() {
             assert!(
