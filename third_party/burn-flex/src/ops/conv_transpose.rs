@@ -446,6 +446,24 @@ fn conv_transpose3d_impl<
                                         } else {
                                             (iw_start, iw_end)
                                         };
+                                        if stride_w == 1 {
+                                            // UniFed Edge patch: a row of unit stride is added
+                                            // as two slices, which vectorises (the same adds
+                                            // of the same values as the loop below).
+                                            if iw_start >= iw_end {
+                                                continue;
+                                            }
+                                            let len = iw_end - iw_start;
+                                            let ow = iw_start + kw * dilation_w - pad_w;
+                                            let out_at = out_ch_base + out_h_base + ow;
+                                            let at = col_base + in_h_base + iw_start - tile_start;
+                                            let out = &mut channel_output[out_at..out_at + len];
+                                            for (o, &v) in out.iter_mut().zip(&columns[at..at + len])
+                                            {
+                                                *o = T::add(*o, v);
+                                            }
+                                            continue;
+                                        }
                                         for iw in iw_start..iw_end {
                                             let ow = iw * stride_w + kw * dilation_w - pad_w;
                                             let s = in_h_base + iw - tile_start;
