@@ -291,10 +291,8 @@ fn conv3d_impl<
 
     let [dilation_d, dilation_h, dilation_w] = options.dilation;
 
-    // Tile size for processing output pixels. Larger = better GEMM utilization,
-    // smaller = more parallelism and better cache usage. 512 is a good balance.
-    const TILE_SIZE: usize = 512;
-    let num_tiles = spatial_out.div_ceil(TILE_SIZE);
+    #[cfg(not(feature = "rayon"))]
+    let num_tiles = spatial_out.div_ceil(IM2COL_TILE);
 
     // Flatten kernel [c_out, c_in, kd, kh, kw] -> [c_out, kd, kh, kw, c_in]
     // for GEMM. Expressed as a 2D transpose of (c_in, k_spatial) per c_out
@@ -352,97 +350,47 @@ fn conv3d_impl<
     let output = {
         #[cfg(feature = "rayon")]
         {
-            use rayon::prelude::*;
-
             let mut dst = vec![zero; batch_size * channels_out * spatial_out];
             let dst_ptr = crate::ops::SendMutPtr::new(dst.as_mut_ptr());
-
-            // Process batches and tiles in parallel (nested parallelism)
-            (0..batch_size).into_par_iter().for_each(|b| {
-                (0..num_tiles).into_par_iter().for_each(|tile_idx| {
-                    let tile_start = tile_idx * TILE_SIZE;
-                    let tile_end = (tile_start + TILE_SIZE).min(spatial_out);
-                    let tile_size = tile_end - tile_start;
-
-                    // Process each group separately
-                    for g in 0..groups {
-                        let in_c_start = g * channels_per_group;
-                        let out_c_start = g * out_channels_per_group;
-
-                        // Build im2col for this tile and group, in this thread's scratch
-                        // (UniFed Edge patch: it was a fresh zeroed buffer of up to a few MiB
-                        // for every tile, faulted in and zeroed each time).
-                        let mut scratch = ScratchTile::take::<T>(col_len * tile_size);
-                        let col_tile = scratch.as_mut_slice::<T>(col_len * tile_size);
-
-                        im2col_3d_tile(
-                            col_tile,
-                            &x_nhwc,
-                            tile_start,
-                            tile_end,
-                            out_h,
-                            out_w,
-                            kernel_d,
-                            kernel_h,
-                            kernel_w,
-                            stride_d,
-                            stride_h,
-                            stride_w,
-                            dilation_d,
-                            dilation_h,
-                            dilation_w,
-                            pad_d,
-                            pad_h,
-                            pad_w,
-                            in_d,
-                            in_h,
-                            in_w,
-                            channels_per_group,
-                            col_len,
-                            b,
-                            in_c_start,
-                            nhwc_stride,
-                        );
-
-                        // Get weight slice for this group
-                        let w_start = out_c_start * col_len;
-                        let w_end = w_start + out_channels_per_group * col_len;
-                        let w_group = &w_flat[w_start..w_end];
-
-                        // GEMM: w_group[out_c_per_group, col_len] @ col_tile[tile_size, col_len]^T
-                        let result = gemm_fn(
-                            w_group,
-                            col_tile,
-                            out_channels_per_group,
-                            col_len,
-                            tile_size,
-                        );
-                        scratch.give_back();
-
-                        // Write results to output for this group's output channels: each
-                        // channel's row of the tile is contiguous in both (UniFed Edge patch:
-                        // it was written a value at a time, channels innermost).
-                        for c_out in 0..out_channels_per_group {
-                            let dst_idx = b * channels_out * spatial_out
-                                + (out_c_start + c_out) * spatial_out
-                                + tile_start;
-                            let row = &result[c_out * tile_size..(c_out + 1) * tile_size];
-                            debug_assert!(
-                                dst_idx + tile_size <= batch_size * channels_out * spatial_out
+            let geometry = Im2col {
+                out: [out_d, out_h, out_w],
+                kernel: [kernel_d, kernel_h, kernel_w],
+                stride: [stride_d, stride_h, stride_w],
+                dilation: [dilation_d, dilation_h, dilation_w],
+                pad: [pad_d, pad_h, pad_w],
+                input: [in_d, in_h, in_w],
+                channels: channels_in,
+                channels_per_group,
+                out_channels_per_group,
+            };
+            for_each_im2col_product(
+                &x_nhwc,
+                &w_flat,
+                &geometry,
+                batch_size,
+                groups,
+                gemm_fn,
+                |b, g, tile_start, tile_size, result| {
+                    // Each output channel's row of the tile is contiguous in both (UniFed Edge
+                    // patch: it was written a value at a time, channels innermost).
+                    for c_out in 0..out_channels_per_group {
+                        let dst_idx = b * channels_out * spatial_out
+                            + (g * out_channels_per_group + c_out) * spatial_out
+                            + tile_start;
+                        let row = &result[c_out * tile_size..(c_out + 1) * tile_size];
+                        debug_assert!(dst_idx + tile_size <= batch_size * channels_out * spatial_out);
+                        // SAFETY: the rows of distinct (b, channel, tile) never overlap, and
+                        // each lies inside `dst` (its length is the bound above).
+                        unsafe {
+                            core::ptr::copy_nonoverlapping(
+                                row.as_ptr(),
+                                dst_ptr.ptr_add(dst_idx),
+                                tile_size,
                             );
-                            // SAFETY: the rows of distinct (b, channel, tile) never overlap,
-                            // and each lies inside `dst` (its length is the bound above).
-                            unsafe {
-                                core::ptr::copy_nonoverlapping(
-                                    row.as_ptr(),
-                                    dst_ptr.ptr_add(dst_idx),
-                                    tile_size,
-                                );
-                            }
                         }
                     }
-                });
-            });
+                },
+            );
             dst
         }
         #[cfg(not(feature = "rayon"))]
@@ -452,8 +400,8 @@ fn conv3d_impl<
 
             for b in 0..batch_size {
                 for tile_idx in 0..num_tiles {
-                    let tile_start = tile_idx * TILE_SIZE;
-                    let tile_end = (tile_start + TILE_SIZE).min(spatial_out);
+                    let tile_start = tile_idx * IM2COL_TILE;
+                    let tile_end = (tile_start + IM2COL_TILE).min(spatial_out);
                     let tile_size = tile_end - tile_start;
 
                     // Process each group separately
@@ -544,6 +492,110 @@ fn conv3d_impl<
     )
 }
 
+/// Output positions per im2col tile: larger fills the GEMM better, smaller gives more
+/// parallelism and better cache use.
+const IM2COL_TILE: usize = 512;
+
+/// UniFed Edge patch: the geometry of a convolution's im2col tiles (depth, height, width per
+/// axis).
+pub(crate) struct Im2col {
+    /// Output size.
+    pub out: [usize; 3],
+    /// Kernel size.
+    pub kernel: [usize; 3],
+    /// Stride.
+    pub stride: [usize; 3],
+    /// Dilation.
+    pub dilation: [usize; 3],
+    /// Padding before each axis.
+    pub pad: [usize; 3],
+    /// Input size.
+    pub input: [usize; 3],
+    /// Input channels (the channels-last input's innermost axis).
+    pub channels: usize,
+    /// Input channels per group.
+    pub channels_per_group: usize,
+    /// Output channels per group.
+    pub out_channels_per_group: usize,
+}
+
+/// UniFed Edge patch: `conv3d_impl`'s tiled loop, shared with the weight gradient. For each
+/// batch item, tile of at most [`IM2COL_TILE`] output positions and group (in parallel over
+/// items and tiles), builds the tile's im2col rows from `x_nhwc` in the thread's scratch,
+/// multiplies the group's rows of `w_flat` by them with `gemm_fn`, and hands the product
+/// ([out channels of the group, tile positions]) to `emit(item, group, first position,
+/// positions, product)`.
+#[cfg(feature = "rayon")]
+fn for_each_im2col_product<T: bytemuck::Pod + Send + Sync>(
+    x_nhwc: &[T],
+    w_flat: &[T],
+    g: &Im2col,
+    batch_size: usize,
+    groups: usize,
+    gemm_fn: fn(&[T], &[T], usize, usize, usize) -> Vec<T>,
+    emit: impl Fn(usize, usize, usize, usize, &[T]) + Sync,
+) {
+    use rayon::prelude::*;
+    let spatial_out = g.out.iter().product::<usize>();
+    let num_tiles = spatial_out.div_ceil(IM2COL_TILE);
+    let col_len = g.channels_per_group * g.kernel.iter().product::<usize>();
+    let [in_d, in_h, in_w] = g.input;
+    let nhwc_stride = (
+        in_d * in_h * in_w * g.channels,
+        in_h * in_w * g.channels,
+        in_w * g.channels,
+        g.channels,
+        1,
+    );
+    (0..batch_size).into_par_iter().for_each(|b| {
+        (0..num_tiles).into_par_iter().for_each(|tile_idx| {
+            let tile_start = tile_idx * IM2COL_TILE;
+            let tile_end = (tile_start + IM2COL_TILE).min(spatial_out);
+            let tile_size = tile_end - tile_start;
+            for group in 0..groups {
+                // The tile's im2col rows, in this thread's scratch (UniFed Edge patch: it was
+                // a fresh zeroed buffer of up to a few MiB for every tile).
+                let mut scratch = ScratchTile::take::<T>(col_len * tile_size);
+                let col_tile = scratch.as_mut_slice::<T>(col_len * tile_size);
+                im2col_3d_tile(
+                    col_tile,
+                    x_nhwc,
+                    tile_start,
+                    tile_end,
+                    g.out[1],
+                    g.out[2],
+                    g.kernel[0],
+                    g.kernel[1],
+                    g.kernel[2],
+                    g.stride[0],
+                    g.stride[1],
+                    g.stride[2],
+                    g.dilation[0],
+                    g.dilation[1],
+                    g.dilation[2],
+                    g.pad[0],
+                    g.pad[1],
+                    g.pad[2],
+                    in_d,
+                    in_h,
+                    in_w,
+                    g.channels_per_group,
+                    col_len,
+                    b,
+                    group * g.channels_per_group,
+                    nhwc_stride,
+                );
+                // GEMM: w_group[out_c_per_group, col_len] @ col_tile[tile_size, col_len]^T
+                let w_start = group * g.out_channels_per_group * col_len;
+                let w_group = &w_flat[w_start..w_start + g.out_channels_per_group * col_len];
+                let result = gemm_fn(w_group, col_tile, g.out_channels_per_group, col_len, tile_size);
+                scratch.give_back();
+                emit(b, group, tile_start, tile_size, &result);
+            }
+        });
+    });
+}
+
 /// UniFed Edge patch: whether `conv3d` takes `conv3d_impl`'s im2col path for these shapes
 /// (none of its 1x1, depthwise, few-channel or direct paths).
 pub(crate) fn takes_im2col_path(
@@ -602,74 +654,48 @@ pub(crate) fn weight_grad_im2col(
     output_grad: &FlexTensor,
     s: WeightGradShape,
 ) -> Option<FlexTensor> {
-    use rayon::prelude::*;
     // `conv3d_impl`'s flattened kernel, [c_out, out_h * out_w, batch]: here the gradient.
     let w_flat = output_grad.permute(&[1, 2, 3, 0]).to_contiguous();
     // Its channels-last input, [c_in, in_h, in_w, batch] (the batch as channels).
     let x_nhwc = x.permute(&[1, 2, 3, 0]).to_contiguous();
     let w_flat: &[f32] = w_flat.storage();
     let x_nhwc: &[f32] = x_nhwc.storage();
-    let col_len = s.batch * s.out_h * s.out_w;
-    let spatial_out = s.rows * s.cols;
-    // `conv3d_impl`'s tile size: the tiles, and so the GEMMs, are the same.
-    const TILE_SIZE: usize = 512;
-    let num_tiles = spatial_out.div_ceil(TILE_SIZE);
-    let plane = s.in_h * s.in_w * s.batch;
-    let nhwc_stride = (plane, plane, s.in_w * s.batch, s.batch, 1);
     let kernel = s.kernel_h * s.kernel_w;
     let mut dst = vec![0.0f32; s.c_out * s.c_in * kernel];
     let dst_ptr = crate::ops::SendMutPtr::new(dst.as_mut_ptr());
-    (0..s.c_in).into_par_iter().for_each(|b| {
-        (0..num_tiles).into_par_iter().for_each(|tile_idx| {
-            let tile_start = tile_idx * TILE_SIZE;
-            let tile_end = (tile_start + TILE_SIZE).min(spatial_out);
-            let tile_size = tile_end - tile_start;
-            let mut scratch = ScratchTile::take::<f32>(col_len * tile_size);
-            let col_tile = scratch.as_mut_slice::<f32>(col_len * tile_size);
-            im2col_3d_tile(
-                col_tile,
-                x_nhwc,
-                tile_start,
-                tile_end,
-                s.rows,
-                s.cols,
-                1,
-                s.out_h,
-                s.out_w,
-                1,
-                s.stride[0],
-                s.stride[1],
-                1,
-                s.dilation[0],
-                s.dilation[1],
-                0,
-                s.pad[0],
-                s.pad[1],
-                1,
-                s.in_h,
-                s.in_w,
-                s.batch,
-                col_len,
-                b,
-                0,
-                nhwc_stride,
-            );
-            let result = gemm_f32(w_flat, col_tile, s.c_out, col_len, tile_size);
-            scratch.give_back();
-            for (local, pos) in (tile_start..tile_end).enumerate() {
+    let geometry = Im2col {
+        out: [1, s.rows, s.cols],
+        kernel: [1, s.out_h, s.out_w],
+        stride: [1, s.stride[0], s.stride[1]],
+        dilation: [1, s.dilation[0], s.dilation[1]],
+        pad: [0, s.pad[0], s.pad[1]],
+        input: [1, s.in_h, s.in_w],
+        channels: s.batch,
+        channels_per_group: s.batch,
+        out_channels_per_group: s.c_out,
+    };
+    for_each_im2col_product(
+        x_nhwc,
+        w_flat,
+        &geometry,
+        s.c_in,
+        1,
+        gemm_f32,
+        |b, _, tile_start, tile_size, result| {
+            for (local, pos) in (tile_start..tile_start + tile_size).enumerate() {
                 let (r, c) = (pos / s.cols, pos % s.cols);
                 if r >= s.kernel_h || c >= s.kernel_w {
                     continue;
                 }
                 for c_out in 0..s.c_out {
                     let at = (c_out * s.c_in + b) * kernel + r * s.kernel_w + c;
-                    // SAFETY: each (input channel, position) belongs to one task, so no two
-                    // tasks write the same value, and `at` is inside `dst`.
+                    // SAFETY: each (input channel, position) belongs to one tile, so no two
+                    // tiles write the same value, and `at` is inside `dst`.
                     unsafe { dst_ptr.write(at, result[c_out * tile_size + local]) };
                 }
             }
-        });
-    });
+        },
+    );
     let shape = Shape::from(vec![s.c_out, s.c_in, s.kernel_h, s.kernel_w]);
     Some(FlexTensor::new(
         Bytes::from_elems(dst),
