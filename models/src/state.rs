@@ -291,13 +291,17 @@ impl<N: Net> ModuleVisitor for Blocks<'_, N> {
     }
 }
 
+/// Values [`device_blocks`] reads back from a GPU at a time (8 MiB of f32).
+const DEVICE_READ: usize = 2 << 20;
+
 /// [`Blocks`]' writer for a tensor of any other backend (a GPU's) or layout: the values as
-/// `export` reads them (a linear weight in PyTorch's `[out, in]`), read back in one transfer and
-/// handed on a block of whole rows at a time. On a GPU each read is a transfer to the host after
-/// a copy on the device: in blocks of [`READ_BLOCK`] values the digits CNN's 57 MB took over
-/// a thousand reads (two rows of `fc1` each), and a site's checkpoint and its encode about a
-/// second each (H200, five agents).
-/// Reading a tensor whole holds its values once on the host (51 MB for `fc1`'s weight).
+/// `export` reads them (a linear weight in PyTorch's `[out, in]`), read back whole rows of about
+/// [`DEVICE_READ`] values at a time and handed on in blocks of whole rows. On a GPU each read is
+/// a copy on the device and a transfer to the host: in blocks of [`READ_BLOCK`] values the digits
+/// CNN's 57 MB took over a thousand reads (two rows of `fc1` each), and a site's checkpoint and
+/// its encode about a second each (H200, five agents). One read per tensor took 0.11-0.12 s, but
+/// the agents then peaked 50-100 MiB higher (590-644 against 536-548 MiB) in every phase after
+/// the first read, likely the GPU runtime keeping the host buffers of `fc1`'s 51 MB read.
 fn device_blocks<const D: usize>(
     t: &Tensor<D>,
     transpose: bool,
@@ -309,14 +313,28 @@ fn device_blocks<const D: usize>(
     } else {
         t.clone()
     };
-    let per_row = t.dims().iter().skip(1).product::<usize>().max(1);
-    let values = t
-        .into_data()
-        .try_into_vec_as::<f32>()
-        .expect("float parameter");
-    values
-        .chunks((block / per_row).max(1) * per_row)
-        .try_for_each(emit)
+    let dims = t.dims();
+    let rows = dims.first().copied().unwrap_or(1);
+    let per_row = dims.iter().skip(1).product::<usize>().max(1);
+    let step = (DEVICE_READ / per_row).max(1);
+    let mut r = 0;
+    while r < rows {
+        let k = step.min(rows - r);
+        let part = if D == 0 || k == rows {
+            t.clone()
+        } else {
+            t.clone().narrow(0, r, k)
+        };
+        let values = part
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .expect("float parameter");
+        values
+            .chunks((block / per_row).max(1) * per_row)
+            .try_for_each(&mut *emit)?;
+        r += k;
+    }
+    Ok(())
 }
 
 /// Values of a transposed weight [`flex_blocks`] lays out at once (4 MiB): about 160 rows of
@@ -979,12 +997,18 @@ mod tests {
     }
 
     /// A transposed view of a contiguous matrix (tiles of many rows: 70 x 20,000 spans several)
-    /// and a contiguous tensor are read from burn-flex's storage, and in one read as a GPU's are,
+    /// and a contiguous tensor are read from burn-flex's storage, and in reads as a GPU's are,
     /// with the values burn's own copy gives, in pieces of whole rows of at most `block` values.
     #[test]
     fn a_tensor_is_read_in_blocks_of_whole_rows_as_burn_reads_it() {
         let d = burn::tensor::Device::flex();
-        for (ins, outs, block) in [(19, 27, 64), (20_000, 70, 50_000), (5, 3, 1)] {
+        // 30,000 x 100 is more than one read of a GPU's (`DEVICE_READ`) either way round.
+        for (ins, outs, block) in [
+            (19, 27, 64),
+            (20_000, 70, 50_000),
+            (30_000, 100, 70_000),
+            (5, 3, 1),
+        ] {
             let values: Vec<f32> = (0..ins * outs).map(|i| (i as f32).sin()).collect();
             let w = Tensor::<2>::from_data(TensorData::new(values, [ins, outs]), &d);
             for transpose in [true, false] {
@@ -1009,7 +1033,7 @@ mod tests {
                         device_blocks(&w, transpose, block, &mut emit)
                     }
                     .unwrap();
-                    let how = if from_storage { "storage" } else { "one read" };
+                    let how = if from_storage { "storage" } else { "reads" };
                     assert!(got == want, "{ins} x {outs}, transposed {transpose}, {how}");
                     for n in pieces {
                         assert_eq!(n % per_row, 0, "{n} values are not whole rows of {per_row}");
