@@ -8,7 +8,17 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 use tokio::time::timeout;
 
-fn start(listen: &str) -> (Child, SocketAddr) {
+/// The broker's process, killed when the test ends, passed or failed.
+struct Broker(Child);
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(listen: &str) -> (Broker, SocketAddr) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_unifed-broker"))
         .args(["--listen", listen, "--max-packet-bytes", "1048576"])
         .stdout(Stdio::piped())
@@ -25,7 +35,7 @@ fn start(listen: &str) -> (Child, SocketAddr) {
         .unwrap()
         .parse()
         .unwrap_or_else(|_| panic!("unexpected first line `{line}`"));
-    (child, addr)
+    (Broker(child), addr)
 }
 
 fn client(id: &str, addr: SocketAddr) -> (AsyncClient, EventLoop) {
@@ -56,7 +66,7 @@ async fn next_publish(c: &AsyncClient, ev: &mut EventLoop, topic: &str) -> Vec<u
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_carries_large_packets_and_survives_a_restart_on_its_port() {
-    let (mut broker, addr) = start("127.0.0.1:0");
+    let (broker, addr) = start("127.0.0.1:0");
     assert!(addr.ip().is_loopback() && addr.port() != 0);
     let (sub, mut sub_ev) = client("sub", addr);
     let (publ, mut pub_ev) = client("pub", addr);
@@ -82,9 +92,8 @@ async fn the_broker_carries_large_packets_and_survives_a_restart_on_its_port() {
     assert_eq!(next_publish(&sub, &mut sub_ev, topic).await, payload);
     sender.abort();
 
-    broker.kill().unwrap();
-    broker.wait().unwrap();
-    let (mut broker, again) = start(&addr.to_string());
+    drop(broker);
+    let (broker, again) = start(&addr.to_string());
     assert_eq!(again, addr);
     let p3 = publ.clone();
     let sender = tokio::spawn(async move {
@@ -98,8 +107,68 @@ async fn the_broker_carries_large_packets_and_survives_a_restart_on_its_port() {
     let got = next_publish(&sub, &mut sub_ev, topic).await;
     assert_eq!(got.len(), 1000);
     sender.abort();
-    broker.kill().unwrap();
-    broker.wait().unwrap();
+    drop(broker);
+}
+
+/// Publishes of every size around the one from which the broker writes a payload from its own
+/// buffer (4 KiB), many sent at once so that the broker writes several in one call, reach a
+/// subscriber whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_of_every_size_arrive_whole_and_in_order_when_relayed_together() {
+    let (broker, addr) = start("127.0.0.1:0");
+    let (sub, mut sub_ev) = client("sub", addr);
+    let (publ, mut pub_ev) = client("pub", addr);
+    tokio::spawn(async move { while pub_ev.poll().await.is_ok() {} });
+    let topic = "unifed/v1/t/sizes";
+    let sizes = [
+        0, 1, 100, 4095, 4096, 4097, 5000, 261_000, 7, 300_000, 4096, 12,
+    ];
+    let sent: Vec<Vec<u8>> = (0..4)
+        .flat_map(|round| {
+            sizes.iter().enumerate().map(move |(k, &n)| {
+                (0..n)
+                    .map(|i| (i * 31 + k * 7 + round) as u8)
+                    .collect::<Vec<u8>>()
+            })
+        })
+        .collect();
+    let mut got = Vec::new();
+    timeout(Duration::from_secs(30), async {
+        loop {
+            match sub_ev.poll().await.unwrap() {
+                Event::Incoming(Packet::ConnAck(_)) => {
+                    sub.subscribe(topic, QoS::AtLeastOnce).await.unwrap()
+                }
+                // Subscribed: everything goes out at once.
+                Event::Incoming(Packet::SubAck(_)) => {
+                    for p in &sent {
+                        publ.publish(topic, QoS::AtLeastOnce, false, p.clone())
+                            .await
+                            .unwrap();
+                    }
+                }
+                Event::Incoming(Packet::Publish(p)) => {
+                    got.push(p.payload.to_vec());
+                    if got.len() == sent.len() {
+                        return;
+                    }
+                }
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("every publish within 30 s");
+    assert_eq!(got.len(), sent.len());
+    for (i, (g, s)) in got.iter().zip(&sent).enumerate() {
+        assert!(
+            g == s,
+            "publish {i}: {} bytes arrived for {}",
+            g.len(),
+            s.len()
+        );
+    }
+    drop(broker);
 }
 
 #[test]

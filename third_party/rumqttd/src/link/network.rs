@@ -1,4 +1,4 @@
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
     time::timeout,
@@ -6,7 +6,7 @@ use tokio::{
 
 use std::{
     collections::VecDeque,
-    io::{self, ErrorKind},
+    io::{self, ErrorKind, IoSlice},
 };
 use tokio::time::{error::Elapsed, Duration};
 
@@ -143,10 +143,36 @@ impl<P: Protocol> Network<P> {
     }
 
     pub async fn writev(&mut self, packets: VecDeque<Packet>) -> Result<(), Error> {
+        // UniFed Edge patch: large payloads are written from their own buffers, after the bytes
+        // of `write` before them, instead of being copied into `write` first (the copy was a
+        // sixth of the broker's CPU relaying 57 MB models and updates in 255 KiB chunks).
+        let mut payloads: Vec<(usize, Bytes)> = Vec::new();
         for packet in packets {
-            Protocol::write(&self.protocol, packet, &mut self.write)?;
+            if let Some(payload) = self.protocol.write_split(packet, &mut self.write)? {
+                payloads.push((self.write.len(), payload));
+            }
         }
-        self.socket.write_all(&self.write).await?;
+        if payloads.is_empty() {
+            self.socket.write_all(&self.write).await?;
+        } else {
+            let mut slices = Vec::with_capacity(2 * payloads.len() + 1);
+            let mut from = 0;
+            for (to, payload) in &payloads {
+                slices.push(IoSlice::new(&self.write[from..*to]));
+                slices.push(IoSlice::new(payload));
+                from = *to;
+            }
+            slices.push(IoSlice::new(&self.write[from..]));
+            slices.retain(|s| !s.is_empty());
+            let mut rest = &mut slices[..];
+            while !rest.is_empty() {
+                let n = self.socket.write_vectored(rest).await?;
+                if n == 0 {
+                    return Err(io::Error::from(ErrorKind::WriteZero).into());
+                }
+                IoSlice::advance_slices(&mut rest, n);
+            }
+        }
         self.write.clear();
         Ok(())
     }

@@ -748,4 +748,16 @@ pub enum Error {
 pub trait Protocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error>;
     fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error>;
+
+    // UniFed Edge patch: `write`, except that a publish's payload of at least `SPLIT_PAYLOAD`
+    // bytes is not copied into `write` but returned, for the caller to send right after what
+    // `write` holds (a vectored write).
+    fn write_split(&self, packet: Packet, write: &mut BytesMut) -> Result<Option<Bytes>, Error> {
+        self.write(packet, write)?;
+        Ok(None)
+    }
 }
+
+// UniFed Edge patch: payloads from this size on go to the socket from the buffer they were read
+// into, not through a copy into the connection's write buffer (see `Protocol::write_split`).
+pub const SPLIT_PAYLOAD: usize = 4096;

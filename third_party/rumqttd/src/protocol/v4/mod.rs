@@ -340,6 +340,17 @@ impl Protocol for V4 {
         Ok(packet)
     }
 
+    // UniFed Edge patch: see `Protocol::write_split`.
+    fn write_split(&self, packet: Packet, buffer: &mut BytesMut) -> Result<Option<Bytes>, Error> {
+        match packet {
+            Packet::Publish(publish, None) if publish.payload.len() >= SPLIT_PAYLOAD => {
+                publish::write_header(&publish, buffer)?;
+                Ok(Some(publish.payload))
+            }
+            packet => self.write(packet, buffer).map(|_| None),
+        }
+    }
+
     fn write(&self, packet: Packet, buffer: &mut BytesMut) -> Result<usize, Error> {
         let size = match packet {
             Packet::Connect(connect, None, last_will, None, login) => {

@@ -42,6 +42,14 @@ pub fn read(fixed_header: FixedHeader, mut bytes: Bytes) -> Result<Publish, Erro
 }
 
 pub fn write(publish: &Publish, buffer: &mut BytesMut) -> Result<usize, Error> {
+    let size = write_header(publish, buffer)?;
+    buffer.extend_from_slice(&publish.payload);
+    Ok(size)
+}
+
+// UniFed Edge patch: a publish without its payload, which the caller writes after it (see
+// `Protocol::write_split`). Returns the whole packet's size.
+pub fn write_header(publish: &Publish, buffer: &mut BytesMut) -> Result<usize, Error> {
     let len = publish.len();
 
     let dup = publish.dup as u8;
@@ -60,8 +68,6 @@ pub fn write(publish: &Publish, buffer: &mut BytesMut) -> Result<usize, Error> {
 
         buffer.put_u16(pkid);
     }
-
-    buffer.extend_from_slice(&publish.payload);
 
     Ok(1 + count + len)
 }
