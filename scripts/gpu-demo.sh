@@ -10,14 +10,16 @@
 #   target/gpu/kernels.tar.gz (optional): the kernel caches this script kept last time
 # Run from the repository root: bash scripts/gpu-demo.sh [ROUNDS] [SECONDS] [STEPS] [POLICIES].
 # STEPS (default "warmup demo flex-threads vulkan") picks the steps, POLICIES the demo's BN
-# policies (default both); a step starts with what is left of SECONDS (default 540). Everything it measures goes into one archive,
-# $OUT/gpu-demo.tar.gz (a device returns a limited count of files), with the tuned kernel caches
-# in $OUT/kernels.tar.gz, so that the next session's machine need not tune again.
+# policies (default both); a step starts with what is left of SECONDS (default 540). Everything
+# it measures goes into one archive, $OUT/gpu-demo.tar.gz (a device returns a limited count of
+# files), and the tuned kernel caches into $OUT/kernels.tar.gz, so that the next session's
+# machine need not tune again.
 #
 # Tuning happens once, in one process: `unifed-agent warmup` trains and evaluates the first
-# site on a throwaway model, filling its kernel cache and the driver's shader cache; the other
-# sites' caches are copies of it (every site runs the same model with the same batch shapes).
-# Five processes tuning at once took over four minutes on the H200 machine (results/gpu).
+# site on a throwaway model, filling its kernel cache (and the driver's shader cache, where the
+# driver keeps one: the H200 machine of 2026-11-27 did not); the other sites' caches are copies
+# of it (every site runs the same model with the same batch shapes). Five processes tuning at
+# once took over four minutes on the H200 machine (results/gpu).
 set -u
 ROUNDS=${1:-5}
 BUDGET=${2:-540}
@@ -43,6 +45,7 @@ SITES="grey texture lowres fonts noisy"
 
 if on warmup; then
 t "warmup: one site's training and evaluation, twice (the first tunes)"
+# The warm-up connects to nothing: the broker and the aggregator's key are any valid ones.
 sed -e "s#@W@#$W#g" > $W/warm.toml <<'EOF'
 site = "grey"
 federation = "warmup"
