@@ -320,7 +320,7 @@ fn device_blocks<const D: usize>(
     let mut r = 0;
     while r < rows {
         let k = step.min(rows - r);
-        let part = if D == 0 || k == rows {
+        let part = if k == rows {
             t.clone()
         } else {
             t.clone().narrow(0, r, k)

@@ -609,42 +609,11 @@ pub(crate) fn takes_im2col_path(
         && !should_use_direct_conv(x_shape, w_shape, options)
 }
 
-/// UniFed Edge patch: the sizes of a 2-D convolution's weight gradient taken as burn's
-/// composition takes it (see `conv_weight_grad`): a convolution of the input, with the batch as
-/// channels, by the output gradient as the kernel.
-pub(crate) struct WeightGradShape {
-    /// Batch size.
-    pub batch: usize,
-    /// Input channels.
-    pub c_in: usize,
-    /// Input height.
-    pub in_h: usize,
-    /// Input width.
-    pub in_w: usize,
-    /// Output channels.
-    pub c_out: usize,
-    /// Output height (the composition's kernel height).
-    pub out_h: usize,
-    /// Output width (the composition's kernel width).
-    pub out_w: usize,
-    /// The weight's kernel height.
-    pub kernel_h: usize,
-    /// The weight's kernel width.
-    pub kernel_w: usize,
-    /// The composition's output height (at least `kernel_h`; rows past it are dropped).
-    pub rows: usize,
-    /// The composition's output width (at least `kernel_w`).
-    pub cols: usize,
-    /// The composition's stride (the convolution's dilation).
-    pub stride: [usize; 2],
-    /// The composition's dilation (the convolution's stride).
-    pub dilation: [usize; 2],
-    /// The padding, both sides alike.
-    pub pad: [usize; 2],
-}
-
-/// UniFed Edge patch: the weight gradient `[c_out, c_in, kernel_h, kernel_w]` by the same
-/// im2col tiles and `gemm_f32` calls as `conv3d_impl` runs for burn's composition, with the
+/// UniFed Edge patch: the weight gradient `[c_out, c_in, kernel_h, kernel_w]` of a 2-D
+/// convolution taken as burn's composition takes it (see `conv_weight_grad`): `g` is the
+/// geometry of that composition's convolution, of the input with the batch as channels by the
+/// output gradient as the kernel, whose first `kernel` rows and columns of output are the
+/// gradient. The same im2col tiles and `gemm_f32` calls as `conv3d_impl` runs for it, with the
 /// GEMM's operands laid out straight from `x` and `output_grad` (the composition copies both
 /// swapped tensors first, and lays each out again in a fresh buffer). The values and the order
 /// of every sum are the composition's, so the result is bit-identical to it.
@@ -652,51 +621,42 @@ pub(crate) struct WeightGradShape {
 pub(crate) fn weight_grad_im2col(
     x: &FlexTensor,
     output_grad: &FlexTensor,
-    s: WeightGradShape,
+    g: &Im2col,
+    [kernel_h, kernel_w]: [usize; 2],
 ) -> Option<FlexTensor> {
+    let (c_in, c_out, cols) = (x.layout().shape()[1], g.out_channels_per_group, g.out[2]);
     // `conv3d_impl`'s flattened kernel, [c_out, out_h * out_w, batch]: here the gradient.
     let w_flat = output_grad.permute(&[1, 2, 3, 0]).to_contiguous();
     // Its channels-last input, [c_in, in_h, in_w, batch] (the batch as channels).
     let x_nhwc = x.permute(&[1, 2, 3, 0]).to_contiguous();
     let w_flat: &[f32] = w_flat.storage();
     let x_nhwc: &[f32] = x_nhwc.storage();
-    let kernel = s.kernel_h * s.kernel_w;
-    let mut dst = vec![0.0f32; s.c_out * s.c_in * kernel];
+    let kernel = kernel_h * kernel_w;
+    let mut dst = vec![0.0f32; c_out * c_in * kernel];
     let dst_ptr = crate::ops::SendMutPtr::new(dst.as_mut_ptr());
-    let geometry = Im2col {
-        out: [1, s.rows, s.cols],
-        kernel: [1, s.out_h, s.out_w],
-        stride: [1, s.stride[0], s.stride[1]],
-        dilation: [1, s.dilation[0], s.dilation[1]],
-        pad: [0, s.pad[0], s.pad[1]],
-        input: [1, s.in_h, s.in_w],
-        channels: s.batch,
-        channels_per_group: s.batch,
-        out_channels_per_group: s.c_out,
-    };
     for_each_im2col_product(
         x_nhwc,
         w_flat,
-        &geometry,
-        s.c_in,
+        g,
+        c_in,
         1,
         gemm_f32,
         |b, _, tile_start, tile_size, result| {
             for (local, pos) in (tile_start..tile_start + tile_size).enumerate() {
-                let (r, c) = (pos / s.cols, pos % s.cols);
-                if r >= s.kernel_h || c >= s.kernel_w {
+                let (r, c) = (pos / cols, pos % cols);
+                if r >= kernel_h || c >= kernel_w {
                     continue;
                 }
-                for c_out in 0..s.c_out {
-                    let at = (c_out * s.c_in + b) * kernel + r * s.kernel_w + c;
+                for co in 0..c_out {
+                    let at = (co * c_in + b) * kernel + r * kernel_w + c;
                     // SAFETY: each (input channel, position) belongs to one tile, so no two
                     // tiles write the same value, and `at` is inside `dst`.
-                    unsafe { dst_ptr.write(at, result[c_out * tile_size + local]) };
+                    unsafe { dst_ptr.write(at, result[co * tile_size + local]) };
                 }
             }
         },
     );
-    let shape = Shape::from(vec![s.c_out, s.c_in, s.kernel_h, s.kernel_w]);
+    let shape = Shape::from(vec![c_out, c_in, kernel_h, kernel_w]);
     Some(FlexTensor::new(
         Bytes::from_elems(dst),
         Layout::contiguous(shape),
@@ -709,7 +669,8 @@ pub(crate) fn weight_grad_im2col(
 pub(crate) fn weight_grad_im2col(
     _x: &FlexTensor,
     _output_grad: &FlexTensor,
-    _s: WeightGradShape,
+    _g: &Im2col,
+    _kernel: [usize; 2],
 ) -> Option<FlexTensor> {
     None
 }

@@ -57,47 +57,31 @@ pub fn conv2d_weight_backward_f32(
         return None;
     }
     // The composition's convolution as conv3d sees it: the input as [c_in, batch, 1, h, w],
-    // the gradient as its kernel [c_out, batch, 1, out_h, out_w], stride and dilation swapped.
+    // the gradient as its kernel [c_out, batch, 1, out_h, out_w], stride and dilation swapped;
+    // its output is [c_in, c_out, rows, cols], of which the first kernel_h x kernel_w positions
+    // are the gradient.
     let [pad_h, pad_w] = options.padding_begin();
     let (stride, dilation) = (options.dilation, options.stride);
-    let opts = ConvOptions::new(
-        [1, stride[0], stride[1]],
-        [0, pad_h, pad_w],
-        [1, dilation[0], dilation[1]],
-        1,
-    );
-    let x3 = [c_in, batch, 1, in_h, in_w];
-    let w3 = [c_out, batch, 1, out_h, out_w];
-    if !conv::takes_im2col_path(&x3, &w3, &opts) {
-        return None;
-    }
-    // Its output: [c_in, c_out, rows, cols], of which the first kernel_h x kernel_w positions
-    // are the gradient.
     let rows = calculate_conv_output_size(out_h, stride[0], pad_h, dilation[0], in_h);
     let cols = calculate_conv_output_size(out_w, stride[1], pad_w, dilation[1], in_w);
-    if rows < kernel_h || cols < kernel_w {
+    let geometry = conv::Im2col {
+        out: [1, rows, cols],
+        kernel: [1, out_h, out_w],
+        stride: [1, stride[0], stride[1]],
+        dilation: [1, dilation[0], dilation[1]],
+        pad: [0, pad_h, pad_w],
+        input: [1, in_h, in_w],
+        channels: batch,
+        channels_per_group: batch,
+        out_channels_per_group: c_out,
+    };
+    let opts = ConvOptions::new(geometry.stride, geometry.pad, geometry.dilation, 1);
+    let x3 = [c_in, batch, 1, in_h, in_w];
+    let w3 = [c_out, batch, 1, out_h, out_w];
+    if !conv::takes_im2col_path(&x3, &w3, &opts) || rows < kernel_h || cols < kernel_w {
         return None;
     }
-    conv::weight_grad_im2col(
-        x,
-        output_grad,
-        conv::WeightGradShape {
-            batch,
-            c_in,
-            in_h,
-            in_w,
-            c_out,
-            out_h,
-            out_w,
-            kernel_h,
-            kernel_w,
-            rows,
-            cols,
-            stride,
-            dilation,
-            pad: [pad_h, pad_w],
-        },
-    )
+    conv::weight_grad_im2col(x, output_grad, &geometry, [kernel_h, kernel_w])
 }
 
 /// burn-backend's default `conv2d_weight_backward` (an overridden default cannot be called):
