@@ -346,7 +346,9 @@ fn run_epochs<N: Net>(
             epoch,
             steps: steps.len(),
         });
-        let (mut loss_sum, mut counted) = (0.0f64, 0usize);
+        // Each step's loss and batch size, read once the epoch is done: a read is a host sync,
+        // which on a GPU would stall every step between its forward and backward passes.
+        let mut losses = Losses::default();
         for (k, (first, second)) in steps.iter().enumerate() {
             if report.steps == limit {
                 break;
@@ -356,8 +358,7 @@ fn run_epochs<N: Net>(
             let z = model.features(x.clone(), &mut pass);
             let loss = loss_fn.forward(model.head(z.clone()), y);
             // The reported loss is the cross-entropy alone, comparable across objectives.
-            loss_sum += loss.clone().into_scalar::<f32>() as f64 * first.len() as f64;
-            counted += first.len();
+            losses.push(&loss, first.len());
             let loss = match term.contrast() {
                 Some(c) => loss + c.loss(z, &x),
                 None => loss,
@@ -373,8 +374,7 @@ fn run_epochs<N: Net>(
                     let ahead = meta_optim.step(alpha, model, grads);
                     let (x, y) = batch_tensors(data, second, &ad);
                     let loss = loss_fn.forward(ahead.forward(x, &mut BnPass::standard()), y);
-                    loss_sum += loss.clone().into_scalar::<f32>() as f64 * second.len() as f64;
-                    counted += second.len();
+                    losses.push(&loss, second.len());
                     let grads = GradientsParams::from_grads(loss.backward(), &ahead);
                     drop(ahead);
                     meta_optim.step(beta, start, grads)
@@ -388,7 +388,7 @@ fn run_epochs<N: Net>(
             };
             progress(TrainEvent::Step { epoch, done: k + 1 });
         }
-        let loss = loss_sum / counted.max(1) as f64;
+        let loss = losses.mean();
         if !loss.is_finite() {
             return (model, Err(TrainError::Diverged(loss, epoch)));
         }
@@ -419,30 +419,88 @@ pub fn evaluate<N: Net>(
     let net = net.valid();
     let device = device.clone().without_autodiff();
     let idx: Vec<usize> = (0..data.len()).collect();
-    let mut rep = EvalReport {
-        samples: 0,
-        correct: 0,
-        loss: 0.0,
-    };
+    let mut scores = Scores::default();
     for chunk in idx.chunks(batch_size.max(1)) {
         let (x, y) = batch_tensors(data, chunk, &device);
         let logits = net.forward(x, &mut BnPass::standard());
-        accumulate(&mut rep, logits, y, chunk.len());
+        scores.push(logits, y, chunk.len());
     }
-    rep.loss /= rep.samples as f64;
-    Ok(rep)
+    Ok(scores.report())
 }
 
-fn accumulate(rep: &mut EvalReport, logits: Tensor<2>, y: Tensor<1, Int>, n: usize) {
-    let device = logits.device();
-    let loss = CrossEntropyLossConfig::new()
-        .init(&device)
-        .forward(logits.clone(), y.clone());
-    let pred = logits.argmax(1).reshape([n]);
-    let correct = pred.equal(y).int().sum().into_scalar::<i64>();
-    rep.loss += loss.into_scalar::<f32>() as f64 * n as f64;
-    rep.correct += correct as usize;
-    rep.samples += n;
+/// Steps' losses and batch sizes, kept on the device until read together: one host sync for
+/// them all instead of one per step.
+#[derive(Default)]
+struct Losses {
+    losses: Vec<Tensor<1>>,
+    sizes: Vec<usize>,
+}
+
+impl Losses {
+    /// Keeps `loss` (a mean over `n` samples), without its autodiff graph.
+    fn push(&mut self, loss: &Tensor<1>, n: usize) {
+        self.losses.push(loss.clone().without_autodiff());
+        self.sizes.push(n);
+    }
+
+    /// The losses read back in one go: their sum over samples (each mean times its batch size,
+    /// added in f64 in the order pushed) and the number of samples.
+    fn total(self) -> (f64, usize) {
+        if self.losses.is_empty() {
+            return (0.0, 0);
+        }
+        let values = Tensor::cat(self.losses, 0).into_data();
+        let mut sum = 0.0f64;
+        for (l, &n) in values.iter::<f32>().zip(&self.sizes) {
+            sum += l as f64 * n as f64;
+        }
+        (sum, self.sizes.iter().sum())
+    }
+
+    /// The mean loss over every sample (0 when nothing was pushed).
+    fn mean(self) -> f64 {
+        let (sum, samples) = self.total();
+        sum / samples.max(1) as f64
+    }
+}
+
+/// An evaluation's batches: their losses and counts of correct predictions, read together.
+#[derive(Default)]
+struct Scores {
+    losses: Losses,
+    correct: Vec<Tensor<1, Int>>,
+}
+
+impl Scores {
+    /// Scores one batch of `n` samples.
+    fn push(&mut self, logits: Tensor<2>, y: Tensor<1, Int>, n: usize) {
+        let device = logits.device();
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits.clone(), y.clone());
+        let pred = logits.argmax(1).reshape([n]);
+        self.correct.push(pred.equal(y).int().sum());
+        self.losses.push(&loss, n);
+    }
+
+    /// The report: the mean loss over all samples and the number predicted right.
+    fn report(self) -> EvalReport {
+        let correct: usize = if self.correct.is_empty() {
+            0
+        } else {
+            Tensor::cat(self.correct, 0)
+                .into_data()
+                .iter::<i64>()
+                .map(|c| c as usize)
+                .sum()
+        };
+        let (loss, samples) = self.losses.total();
+        EvalReport {
+            samples,
+            correct,
+            loss: loss / samples as f64,
+        }
+    }
 }
 
 /// Evaluates `net` under `stream` BN re-estimation (UniFed Algorithm 1): the test samples, in
@@ -464,19 +522,14 @@ pub fn evaluate_stream<N: Net>(
     let net = net.valid();
     let device = device.clone().without_autodiff();
     let mut est = StreamEstimator::new(cfg.tau, cfg.start)?;
-    let mut rep = EvalReport {
-        samples: 0,
-        correct: 0,
-        loss: 0.0,
-    };
+    let mut scores = Scores::default();
     for r in ranges {
         let chunk = &order[r];
         let (x, y) = batch_tensors(data, chunk, &device);
         let logits = est.forward(&net, x)?;
-        accumulate(&mut rep, logits, y, chunk.len());
+        scores.push(logits, y, chunk.len());
     }
-    rep.loss /= rep.samples as f64;
-    Ok(rep)
+    Ok(scores.report())
 }
 
 #[cfg(test)]

@@ -91,3 +91,59 @@ fn singleset_on_the_grey_domain_reaches_90_percent() {
         ev.accuracy()
     );
 }
+
+#[test]
+fn evaluation_sums_each_batchs_mean_loss_by_its_size_and_counts_right_predictions() {
+    // Evaluation reads its batches' losses and counts back together at the end; the figures
+    // must be those of reading each batch as it ends: its mean loss times its size, added in
+    // f64 in batch order, over every sample.
+    use burn::module::Module;
+    use burn::nn::loss::CrossEntropyLossConfig;
+    use unifed_models::bn::BnPass;
+    use unifed_models::train::batch_tensors;
+    use unifed_models::zoo::Net;
+    let d = device();
+    let data = BuiltinData::load().unwrap();
+    let dd = data
+        .domain(
+            Domain::Fonts,
+            &SplitSizes {
+                train: 10,
+                test: 70,
+                ..SplitSizes::default()
+            },
+            0,
+        )
+        .unwrap();
+    let cfg = DigitsCnnConfig {
+        conv: [8, 8, 16],
+        fc: [64, 32],
+        ..Default::default()
+    };
+    let net = seeded(&d, 3, |d| cfg.init(d));
+    let spec = spec_of(&net, &classes(10), &image_input(3, 28, 28));
+    let test = dd.test.dataset("fonts/test", &spec).unwrap();
+    let ev = evaluate(&net, &test, 10, 32, &d).unwrap();
+
+    let plain = d.clone().without_autodiff();
+    let valid = net.valid();
+    let idx: Vec<usize> = (0..test.len()).collect();
+    let (mut loss, mut correct) = (0.0f64, 0usize);
+    for chunk in idx.chunks(32) {
+        let (x, y) = batch_tensors(&test, chunk, &plain);
+        let logits = valid.forward(x, &mut BnPass::standard());
+        let l = CrossEntropyLossConfig::new()
+            .init(&plain)
+            .forward(logits.clone(), y.clone())
+            .into_scalar::<f32>();
+        loss += l as f64 * chunk.len() as f64;
+        let pred = logits.argmax(1).reshape([chunk.len()]);
+        correct += pred.equal(y).int().sum().into_scalar::<i64>() as usize;
+    }
+    assert_eq!((ev.samples, ev.correct), (70, correct));
+    assert!(
+        correct > 0 && correct < 70,
+        "{correct} of 70: a count, not 0 or all"
+    );
+    assert_eq!(ev.loss.to_bits(), (loss / 70.0).to_bits());
+}
