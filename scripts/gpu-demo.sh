@@ -9,7 +9,7 @@
 #   target/gpu/debs/*.deb: Debian's libvulkan1 and the libglvnd set (results/gpu/README.md)
 #   target/gpu/kernels.tar.gz (optional): the kernel caches this script kept last time
 # Run from the repository root: bash scripts/gpu-demo.sh [ROUNDS] [SECONDS] [STEPS] [POLICIES].
-# STEPS (default "warmup demo flex-threads vulkan") picks the steps, POLICIES the demo's BN
+# STEPS (default "warmup restart demo flex-threads vulkan") picks the steps, POLICIES the demo's BN
 # policies (default both); a step starts with what is left of SECONDS (default 540). Everything
 # it measures goes into one archive, $OUT/gpu-demo.tar.gz (a device returns a limited count of
 # files), and the tuned kernel caches into $OUT/kernels.tar.gz, so that the next session's
@@ -23,7 +23,7 @@
 set -u
 ROUNDS=${1:-5}
 BUDGET=${2:-540}
-STEPS=${3:-warmup demo flex-threads vulkan}
+STEPS=${3:-warmup restart demo flex-threads vulkan}
 POLICIES=${4:-local,global}
 on() { [[ " $STEPS " == *" $1 "* ]]; }
 G=target/gpu
@@ -72,7 +72,19 @@ timeout $(( $(left) - 60 )) /tmp/uagent warmup --config $W/warm.toml --passes 2 
 echo "rc $?"; cat $R/warmup.json; tail -5 $R/warmup.err
 for s in $SITES; do [ $s = grey ] || { rm -rf $W/kernels/$s; cp -r $W/kernels/grey $W/kernels/$s; }; done
 fi
-du -sh $W/kernels/* ~/.cache/nvidia 2>&1 | tee $R/kernels-size.txt
+du -sh $W/kernels/* $W/kernels/grey/* ~/.cache/nvidia 2>&1 | tee $R/kernels-size.txt
+
+if on restart; then
+# What a restart pays with every kernel tuned: its first pass with the compiled kernels (cubecl's
+# SPIR-V and the driver's pipelines, `UNIFED_KERNEL_COMPILE_CACHE`) off, then on; the driver's
+# own disk cache off in both, as a service without a home folder has it.
+t "restart: one pass in a fresh process, compiled kernels off then on"
+for mode in off on; do
+  __GL_SHADER_DISK_CACHE=0 UNIFED_KERNEL_COMPILE_CACHE=$mode timeout 150 /tmp/uagent warmup \
+    --config $W/warm.toml --passes 1 > $R/restart-$mode.json 2> $R/restart-$mode.err
+  echo "$mode: rc $?"; cat $R/restart-$mode.json
+done
+fi
 
 run() { # name, timeout, command...
   local name=$1 limit=$2; shift 2

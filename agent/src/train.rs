@@ -546,6 +546,9 @@ pub async fn run(
                         }
                         // Training's buffers and the update's pieces are freed now.
                         unifed_net::release_free_memory();
+                        // A GPU's pipelines compiled for this round (its first, mostly) are kept
+                        // for the next start.
+                        unifed_models::backend::save_compiled_kernels();
                         (s, r)
                     });
                     let (s, update) = tokio::select! {

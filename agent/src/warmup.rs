@@ -53,6 +53,7 @@ pub fn run(path: &Path, passes: usize) -> Result<Warmup> {
             evaluate_s: t.elapsed().as_secs_f64(),
         });
     }
+    unifed_models::backend::save_compiled_kernels();
     Ok(Warmup {
         backend: backend.to_string(),
         kernel_cache: backend.is_gpu().then(|| cfg.kernel_cache()),

@@ -143,14 +143,36 @@ pub fn cap_cpu_threads(threads: usize) -> Result<(), String> {
         .map_err(|e| format!("cannot cap CPU threads at {threads}: {e}"))
 }
 
+/// Writes the wgpu backend's compiled pipelines into the kernel cache now, where it holds
+/// pipelines not yet there (it also writes them by itself a few seconds after it compiles). A
+/// program calls it once it has run what it needs, as `warmup` does before it exits; nothing
+/// happens in other builds.
+pub fn save_compiled_kernels() {
+    #[cfg(any(feature = "wgpu", feature = "vulkan"))]
+    cubecl_wgpu::save_pipeline_caches();
+}
+
+/// Whether a GPU backend keeps its compiled kernels, from `UNIFED_KERNEL_COMPILE_CACHE` (unset:
+/// on).
+#[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+fn compile_cache_on(var: Option<&str>) -> Result<bool, String> {
+    match var {
+        None | Some("on") => Ok(true),
+        Some("off") => Ok(false),
+        Some(other) => Err(format!(
+            "UNIFED_KERNEL_COMPILE_CACHE is `{other}`: it takes `on` or `off`"
+        )),
+    }
+}
+
 /// Number of worker threads the CPU backend uses now.
 pub fn cpu_threads() -> usize {
     rayon::current_num_threads()
 }
 
 /// Keeps the GPU backends' autotune results and compiled kernels in `dir` (created if missing),
-/// so that only the first start of a device pays for tuning; a site passes a folder of its
-/// state directory. Call it before the first GPU tensor operation. Returns `Ok(false)` in a
+/// so that only the first start of a device pays for tuning and compiling; a site passes a
+/// folder of its state directory. Call it before the first GPU tensor operation. Returns `Ok(false)` in a
 /// build without a GPU backend, where there is nothing to cache.
 ///
 /// Settings a `cubecl.toml` or `CUBECL_*` variables give are kept; only the cache's place is
@@ -163,6 +185,12 @@ pub fn use_kernel_cache(dir: &std::path::Path) -> Result<bool, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("kernel cache {}: {e}", dir.display()))?;
         let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
         config.environment.path = CacheConfig::Directory(dir.to_path_buf());
+        // Compiled kernels too: the SPIR-V cubecl makes of each kernel, and (a patch of ours,
+        // `third_party/cubecl-wgpu`) the driver's pipelines, which a driver without a disk cache
+        // of its own otherwise compiles again at every start. Off in cubecl by default;
+        // `UNIFED_KERNEL_COMPILE_CACHE=off` keeps it off (tuning results are kept either way).
+        config.compilation.cache =
+            compile_cache_on(std::env::var("UNIFED_KERNEL_COMPILE_CACHE").ok().as_deref())?;
         if CubeClRuntimeConfig::try_set(config) {
             return Ok(true);
         }
@@ -184,5 +212,22 @@ pub fn use_kernel_cache(dir: &std::path::Path) -> Result<bool, String> {
     {
         let _ = dir;
         Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compile_cache_on;
+
+    #[test]
+    fn the_compile_cache_switch_takes_on_or_off_and_names_anything_else() {
+        assert_eq!(compile_cache_on(None), Ok(true));
+        assert_eq!(compile_cache_on(Some("on")), Ok(true));
+        assert_eq!(compile_cache_on(Some("off")), Ok(false));
+        let e = compile_cache_on(Some("0")).unwrap_err();
+        assert!(
+            e.contains("UNIFED_KERNEL_COMPILE_CACHE") && e.contains("`0`"),
+            "{e}"
+        );
     }
 }
