@@ -172,8 +172,8 @@ pub fn cpu_threads() -> usize {
 
 /// Keeps the GPU backends' autotune results and compiled kernels in `dir` (created if missing),
 /// so that only the first start of a device pays for tuning and compiling; a site passes a
-/// folder of its state directory. Call it before the first GPU tensor operation. Returns `Ok(false)` in a
-/// build without a GPU backend, where there is nothing to cache.
+/// folder of its state directory. Call it before the first GPU tensor operation. Returns
+/// `Ok(false)` in a build without a GPU backend, where there is nothing to cache.
 ///
 /// Settings a `cubecl.toml` or `CUBECL_*` variables give are kept; only the cache's place is
 /// set here (cubecl's default is the user cache directory, or a temporary folder for a service

@@ -8,25 +8,25 @@ use unifed_models::state::Select;
 use unifed_models::train::{TrainConfig, TrainEvent, evaluate, train_local};
 use unifed_models::zoo::{DigitsCnnConfig, seeded, spec_of};
 
+/// A digits CNN small enough for quick tests.
+fn small_cnn() -> DigitsCnnConfig {
+    DigitsCnnConfig {
+        conv: [8, 8, 16],
+        fc: [64, 32],
+        ..Default::default()
+    }
+}
+
 #[test]
 fn training_is_reproducible_from_a_seed_and_reports_its_counts() {
     let d = device();
     let data = BuiltinData::load().unwrap();
-    let dd = data
-        .domain(
-            Domain::Texture,
-            &SplitSizes {
-                train: 100,
-                ..SplitSizes::default()
-            },
-            0,
-        )
-        .unwrap();
-    let cfg = DigitsCnnConfig {
-        conv: [8, 8, 16],
-        fc: [64, 32],
-        ..Default::default()
+    let sizes = SplitSizes {
+        train: 100,
+        ..SplitSizes::default()
     };
+    let dd = data.domain(Domain::Texture, &sizes, 0).unwrap();
+    let cfg = small_cnn();
     let run = |seed: u64| {
         let net = seeded(&d, 7, |d| cfg.init(d));
         let spec = spec_of(&net, &classes(10), &image_input(3, 28, 28));
@@ -104,23 +104,13 @@ fn evaluation_sums_each_batchs_mean_loss_by_its_size_and_counts_right_prediction
     use unifed_models::zoo::Net;
     let d = device();
     let data = BuiltinData::load().unwrap();
-    let dd = data
-        .domain(
-            Domain::Fonts,
-            &SplitSizes {
-                train: 10,
-                test: 70,
-                ..SplitSizes::default()
-            },
-            0,
-        )
-        .unwrap();
-    let cfg = DigitsCnnConfig {
-        conv: [8, 8, 16],
-        fc: [64, 32],
-        ..Default::default()
+    let sizes = SplitSizes {
+        train: 10,
+        test: 70,
+        ..SplitSizes::default()
     };
-    let net = seeded(&d, 3, |d| cfg.init(d));
+    let dd = data.domain(Domain::Fonts, &sizes, 0).unwrap();
+    let net = seeded(&d, 3, |d| small_cnn().init(d));
     let spec = spec_of(&net, &classes(10), &image_input(3, 28, 28));
     let test = dd.test.dataset("fonts/test", &spec).unwrap();
     let ev = evaluate(&net, &test, 10, 32, &d).unwrap();
