@@ -6,7 +6,9 @@ fn main() {
     cfg_aliases! {
         apple_silicon: { all(target_os = "macos", target_arch = "aarch64") },
         // Renderdoc adds a compile time error on MacOS and iOS
-        renderdoc: { all(feature = "renderdoc", not(any(target_os = "macos", target_os = "ios"))) }
+        renderdoc: { all(feature = "renderdoc", not(any(target_os = "macos", target_os = "ios"))) },
+        // UniFed Edge patch: the driver's pipelines kept on disk (src/compute/pipeline_cache.rs).
+        disk_pipelines: { all(feature = "spirv", feature = "std", not(target_family = "wasm")) }
     }
 
     println!("cargo:rerun-if-env-changed=CUBECL_VULKAN_VALIDATE");

@@ -328,12 +328,12 @@ impl<C: WgpuCompiler> WgpuServer<C> {
                         ..Default::default()
                     },
                     // UniFed Edge patch: the driver's pipelines kept on disk.
-                    #[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+                    #[cfg(disk_pipelines)]
                     cache: self.pipeline_cache.as_ref().map(|c| c.cache()),
-                    #[cfg(not(all(feature = "spirv", feature = "std", not(target_family = "wasm"))))]
+                    #[cfg(not(disk_pipelines))]
                     cache: None,
                 });
-            #[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+            #[cfg(disk_pipelines)]
             if let Some(c) = self.pipeline_cache.as_ref() {
                 c.created();
             }

@@ -4,7 +4,7 @@ pub(crate) mod device_poison;
 
 mod graph;
 // UniFed Edge patch: the driver's pipelines kept on disk.
-#[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+#[cfg(disk_pipelines)]
 pub(crate) mod pipeline_cache;
 mod storage;
 
@@ -17,9 +17,9 @@ pub(super) mod timings;
 
 pub use server::*;
 // UniFed Edge patch: the driver's pipelines kept on disk.
-#[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+#[cfg(disk_pipelines)]
 pub use pipeline_cache::save_pipeline_caches;
 /// UniFed Edge patch: writes the pipeline caches this process opened (none in this build).
-#[cfg(not(all(feature = "spirv", feature = "std", not(target_family = "wasm"))))]
+#[cfg(not(disk_pipelines))]
 pub fn save_pipeline_caches() {}
 pub use storage::*;

@@ -96,7 +96,7 @@ pub struct WgpuServer<C: WgpuCompiler> {
     pub(crate) build_id: cubecl_common::hash::StableHash,
     /// UniFed Edge patch: the driver's compiled pipelines, kept on disk while the SPIR-V store
     /// is on.
-    #[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+    #[cfg(disk_pipelines)]
     pub(crate) pipeline_cache: Option<super::pipeline_cache::DiskPipelineCache>,
     pub compilation_options: WgpuCompilationOptions,
     pub(crate) backend: wgpu::Backend,
@@ -174,7 +174,7 @@ impl<C: WgpuCompiler> WgpuServer<C> {
         #[cfg(feature = "spirv")]
         let pipelines = CompilationCache::mirroring(&spirv_cache);
         // UniFed Edge patch: the driver's pipelines are kept where and when the SPIR-V is.
-        #[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+        #[cfg(disk_pipelines)]
         let pipeline_cache = spirv_cache.as_ref().and_then(|_| {
             super::pipeline_cache::DiskPipelineCache::open(
                 &device,
@@ -202,7 +202,7 @@ impl<C: WgpuCompiler> WgpuServer<C> {
             spirv_cache,
             #[cfg(feature = "spirv")]
             build_id: cubecl_server::compiler::build_id_hash(),
-            #[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+            #[cfg(disk_pipelines)]
             pipeline_cache,
             backend,
             utilities: Arc::new(utilities),
@@ -247,7 +247,7 @@ impl<C: WgpuCompiler> WgpuServer<C> {
 
     /// UniFed Edge patch: a host sync, where the pipeline cache may be written.
     fn pipelines_at_sync(&mut self) {
-        #[cfg(all(feature = "spirv", feature = "std", not(target_family = "wasm")))]
+        #[cfg(disk_pipelines)]
         if let Some(cache) = self.pipeline_cache.as_mut() {
             cache.at_sync();
         }
