@@ -6,6 +6,7 @@
 use crate::bnshare;
 use crate::broadcast::ModelBroadcast;
 use crate::config::FederationConfig;
+use crate::sealed::Sealed;
 use crate::store::{
     AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, SpoolTensor, State, Store, StoreError,
 };
@@ -77,12 +78,77 @@ pub enum Event {
         /// otherwise.
         staged: Option<std::path::PathBuf>,
     },
+    /// Messages that arrived on sites' update topics together (what the service found
+    /// waiting): each is taken as an [`Event::Update`] would be, in order, but the slow part
+    /// of taking several (checking every value, writing and syncing the spool files) runs side
+    /// by side. Every message handed at once is in memory at once: the service hands at most
+    /// [`VET_WIDTH`].
+    Updates(Vec<Incoming>),
     /// Time passed: closes a round whose deadline has expired.
     Tick,
     /// Folds the open round if it has every update it needs: what an [`Action::Close`] asks
     /// for once the answers before it are sent. Does nothing otherwise.
     Close,
 }
+
+/// A message on a site's update topic, one of [`Event::Updates`] (the fields of
+/// [`Event::Update`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Incoming {
+    /// The site named by the topic.
+    pub site: String,
+    /// The raw message.
+    pub bytes: bytes::Bytes,
+    /// How it came.
+    pub arrival: Arrival,
+    /// A file holding `bytes` and nothing else, adopted as the spool file if it is accepted.
+    pub staged: Option<std::path::PathBuf>,
+}
+
+/// An update whose round, sender and model version the core takes ([`Aggregator::admit_update`]),
+/// read in place from its message.
+struct Admitted<'b> {
+    site: Id,
+    /// The hash its answer names.
+    hash: [u8; 32],
+    round: u64,
+    message: &'b [u8],
+    update: SiteUpdateRef<'b>,
+}
+
+/// Why [`Aggregator::admit_update`] did not take an update further.
+enum Refused {
+    /// Not a signed message of the topic's site: no answer.
+    Dropped,
+    /// Refused with `reason`.
+    Rejected {
+        site: Id,
+        hash: [u8; 32],
+        round: u64,
+        reason: RejectReason,
+    },
+    /// Taken before: its first answer again.
+    Duplicate {
+        site: Id,
+        hash: [u8; 32],
+        round: u64,
+        detail: &'static str,
+    },
+}
+
+/// An admitted update that passed every value check, with its spool file sealed
+/// ([`Aggregator::vet`]).
+struct Vetted {
+    sealed: Sealed,
+    /// Its norm relative to the model's.
+    ratio: f64,
+}
+
+/// Updates whose value checks and spool files run side by side, at most (fewer on fewer
+/// cores), and the most the service hands the core at once: each holds its message's pages
+/// (and a lossy update its decoded delta) while it is checked, so the aggregator's memory
+/// grows by at most this many updates, whatever the number of sites.
+pub const VET_WIDTH: usize = 4;
 
 /// Something the transport must do.
 #[derive(Debug, Clone, PartialEq)]
@@ -252,7 +318,7 @@ pub struct Aggregator {
     rejects: std::collections::BTreeMap<String, u32>,
     /// The L2 norm of the current model over the tensors updates carry, with the model version
     /// it is of: computed once per version, not once per update.
-    model_norm: std::cell::Cell<Option<(u64, f64)>>,
+    model_norm: std::sync::Mutex<Option<(u64, f64)>>,
 }
 
 /// Rejects of one site audited per round; past it one `audit-suppressed` line is written and
@@ -555,7 +621,16 @@ impl Aggregator {
                 bytes,
                 arrival,
                 staged,
-            } => self.on_update(&site, bytes, arrival, staged.as_deref(), now_ms),
+            } => {
+                let one = Incoming {
+                    site,
+                    bytes,
+                    arrival,
+                    staged,
+                };
+                self.on_updates(vec![one], now_ms)
+            }
+            Event::Updates(batch) => self.on_updates(batch, now_ms),
             Event::Close => {
                 if self.state.round == 0
                     || self.state.finished
@@ -834,37 +909,97 @@ impl Aggregator {
         }])
     }
 
-    /// Checks, spools and answers one update, then closes the round if it was the last one
-    /// needed. Each model-sized form of the update (the message, the envelope's payload, the
-    /// encoded update, the dense delta) is let go as soon as the next one is made, and all of
-    /// them before the round is folded.
-    fn on_update(
-        &mut self,
-        topic_site: &str,
-        bytes: bytes::Bytes,
-        arrival: Arrival,
-        staged: Option<&std::path::Path>,
-        now_ms: u64,
-    ) -> Result<Vec<Action>, CoreError> {
-        let Ok(site) = Id::new(topic_site) else {
+    /// Checks, spools and answers updates that arrived together, in their order, then asks for
+    /// the round to be closed if it has every update it needs. The updates are taken in waves
+    /// of at most [`VET_WIDTH`] different sites: each wave's checks of the round's state run
+    /// one after the other, its updates' value checks and spool files (the slow part, tens of
+    /// milliseconds each) side by side, and its accepts again in order. Each model-sized form of
+    /// an update (the message, the encoded update, the dense delta) is let go as soon as its
+    /// spool file is written, and a wave's messages before the next wave is read.
+    fn on_updates(&mut self, batch: Vec<Incoming>, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        let width = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, VET_WIDTH);
+        let mut actions = Vec::new();
+        let mut batch = batch.into_iter().peekable();
+        while batch.peek().is_some() {
+            // A site's second update waits for the next wave: its spool file has one name.
+            let mut wave: Vec<Incoming> = Vec::new();
+            while let Some(u) =
+                batch.next_if(|u| wave.len() < width && wave.iter().all(|w| w.site != u.site))
+            {
+                wave.push(u);
+            }
+            actions.extend(self.take_wave(&wave, now_ms)?);
+        }
+        if !self.state.finished && !self.accepted.is_empty() && self.accepted.len() >= self.needed()
+        {
+            actions.push(Action::Close);
+        }
+        Ok(actions)
+    }
+
+    /// One wave of [`Aggregator::on_updates`]: updates of different sites, so that none of
+    /// them depends on another's answer.
+    fn take_wave(&mut self, wave: &[Incoming], now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        let admitted: Vec<_> = wave.iter().map(|u| self.admit_update(u)).collect();
+        let this: &Self = self;
+        let vet = |a: &Result<Admitted<'_>, Box<Refused>>, u: &Incoming| {
+            a.as_ref().ok().map(|a| this.vet(a, u.staged.as_deref()))
+        };
+        let vetted: Vec<_> = if admitted.iter().filter(|a| a.is_ok()).count() < 2 {
+            admitted.iter().zip(wave).map(|(a, u)| vet(a, u)).collect()
+        } else {
+            std::thread::scope(|s| {
+                let jobs: Vec<_> = admitted
+                    .iter()
+                    .zip(wave)
+                    .map(|(a, u)| s.spawn(move || vet(a, u)))
+                    .collect();
+                jobs.into_iter()
+                    .map(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            })
+        };
+        // Answered (and audited) in arrival order, as one by one.
+        let mut actions = Vec::new();
+        for (a, v) in admitted.into_iter().zip(vetted) {
+            actions.extend(match (a, v) {
+                (Err(refused), _) => self.refuse(*refused, now_ms)?,
+                (Ok(a), Some(v)) => match v? {
+                    Ok(v) => self.accept(a, v, now_ms)?,
+                    Err(reason) => self.reject(now_ms, (&a.site, a.hash), a.round, reason)?,
+                },
+                (Ok(_), None) => unreachable!("every admitted update is vetted"),
+            });
+        }
+        Ok(actions)
+    }
+
+    /// The checks of an update against the round's state (sender, kind, spec, round, model
+    /// version, sampling, sample count): `Ok` with the update read in place (its tensors' bytes
+    /// stay where they arrived), or why it is not taken further.
+    fn admit_update<'b>(&self, u: &'b Incoming) -> Result<Admitted<'b>, Box<Refused>> {
+        let Ok(site) = Id::new(&u.site) else {
             tracing::warn!(
-                site = topic_site,
+                site = u.site,
                 "update on a topic with an invalid site id; dropped"
             );
-            return Ok(Vec::new());
+            return Err(Box::new(Refused::Dropped));
         };
+        let bytes = &u.bytes;
         let open = self.state.round;
         // Every answer names the bytes it answers, so a site never takes another message's
         // answer (a reject of someone's garbage on its topic) for its own update's.
         let limit = self.cfg.max_update_bytes;
-        let (hash, opened) = match arrival {
+        let (hash, opened) = match u.arrival {
             Arrival::Message => (
-                payload_hash(&bytes),
-                self.admission.admit(&site, &bytes, limit),
+                payload_hash(bytes),
+                self.admission.admit(&site, bytes, limit),
             ),
             Arrival::SignedChunks { hash } => (
                 hash,
-                self.admission.admit_signed_in_chunks(&site, &bytes, limit),
+                self.admission.admit_signed_in_chunks(&site, bytes, limit),
             ),
         };
         let env = match opened {
@@ -873,51 +1008,42 @@ impl Aggregator {
                 // Not answered: only the site's own signed bytes earn an answer, and junk must
                 // not make the aggregator publish or write anything.
                 tracing::warn!(site = %site, "update refused: {why}");
-                return Ok(Vec::new());
+                return Err(Box::new(Refused::Dropped));
             }
+        };
+        let site = &site;
+        let reject = |round, reason| {
+            Err(Box::new(Refused::Rejected {
+                site: site.clone(),
+                hash,
+                round,
+                reason,
+            }))
         };
         if env.kind != MessageKind::SiteUpdate {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                open,
-                RejectReason::Malformed(format!(
-                    "message kind {:?} where an update was expected",
-                    env.kind
-                )),
-            );
+            let why = format!("message kind {:?} where an update was expected", env.kind);
+            return reject(open, RejectReason::Malformed(why));
         }
         if env.spec_hash != self.hash {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                env.round,
-                RejectReason::SpecHashMismatch,
-            );
+            return reject(env.round, RejectReason::SpecHashMismatch);
         }
-        // Read in place: the tensors' bytes stay where they arrived, and are checked and
-        // spooled from there (no decoded copy beside the received bytes).
         let upd: SiteUpdateRef = match env.payload_as() {
             Ok(u) => u,
-            Err(e) => {
-                return self.reject(
-                    now_ms,
-                    (&site, hash),
-                    env.round,
-                    RejectReason::Malformed(e.to_string()),
-                );
-            }
+            Err(e) => return reject(env.round, RejectReason::Malformed(e.to_string())),
         };
-        let (env_round, env_version) = (env.round, env.model_version);
         let round = upd.round;
-        if round != env_round {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                round,
-                RejectReason::Malformed("envelope and update name different rounds".into()),
-            );
+        if round != env.round {
+            let why = "envelope and update name different rounds".into();
+            return reject(round, RejectReason::Malformed(why));
         }
+        let duplicate = |detail| {
+            Err(Box::new(Refused::Duplicate {
+                site: site.clone(),
+                hash,
+                round,
+                detail,
+            }))
+        };
         // Re-sends: the original answer, counted once.
         if round < open || (round == open && self.state.finished) {
             let was_accepted = self
@@ -926,90 +1052,96 @@ impl Aggregator {
                 .iter()
                 .any(|c| c.round == round && c.accepted.iter().any(|s| s == site.as_str()));
             if was_accepted {
-                self.audit(
-                    now_ms,
-                    round,
-                    site.as_str(),
-                    "duplicate",
-                    "re-send after its round closed".into(),
-                )?;
-                return Ok(vec![Action::Answer {
+                return duplicate("re-send after its round closed");
+            }
+            return reject(round, RejectReason::RoundClosed(round));
+        }
+        if round > open || open == 0 {
+            let wrong = RejectReason::WrongRound {
+                expected: open,
+                got: round,
+            };
+            return reject(round, wrong);
+        }
+        if self.accepted.contains(site.as_str()) {
+            return duplicate("re-send in its round");
+        }
+        if !self.state.sampled.is_empty() && !self.state.sampled.iter().any(|s| s == site.as_str())
+        {
+            return reject(round, RejectReason::NotSampled);
+        }
+        if upd.base_version != self.state.model_version
+            || env.model_version != self.state.model_version
+        {
+            let wrong = RejectReason::WrongModelVersion {
+                expected: self.state.model_version,
+                got: upd.base_version,
+            };
+            return reject(round, wrong);
+        }
+        if upd.samples == 0 {
+            return reject(round, RejectReason::NoSamples);
+        }
+        let max_samples = self.cfg.max_samples_of(site.as_str());
+        if upd.samples > max_samples {
+            let many = RejectReason::TooManySamples {
+                samples: upd.samples,
+                bound: max_samples,
+            };
+            return reject(round, many);
+        }
+        Ok(Admitted {
+            site: site.clone(),
+            hash,
+            round,
+            message: bytes,
+            update: upd,
+        })
+    }
+
+    /// Answers (and audits) an update [`Aggregator::admit_update`] did not take.
+    fn refuse(&mut self, refused: Refused, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        match refused {
+            Refused::Dropped => Ok(Vec::new()),
+            Refused::Rejected {
+                site,
+                hash,
+                round,
+                reason,
+            } => self.reject(now_ms, (&site, hash), round, reason),
+            Refused::Duplicate {
+                site,
+                hash,
+                round,
+                detail,
+            } => {
+                self.audit(now_ms, round, site.as_str(), "duplicate", detail.into())?;
+                Ok(vec![Action::Answer {
                     site,
                     round,
                     update_hash: hash,
                     answer: Answer::Accepted,
-                }]);
+                }])
             }
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                round,
-                RejectReason::RoundClosed(round),
-            );
         }
-        if round > open || open == 0 {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                round,
-                RejectReason::WrongRound {
-                    expected: open,
-                    got: round,
-                },
-            );
-        }
-        if self.accepted.contains(site.as_str()) {
-            self.audit(
-                now_ms,
-                round,
-                site.as_str(),
-                "duplicate",
-                "re-send in its round".into(),
-            )?;
-            return Ok(vec![Action::Answer {
-                site,
-                round,
-                update_hash: hash,
-                answer: Answer::Accepted,
-            }]);
-        }
-        if !self.state.sampled.is_empty() && !self.state.sampled.iter().any(|s| s == site.as_str())
-        {
-            return self.reject(now_ms, (&site, hash), round, RejectReason::NotSampled);
-        }
-        if upd.base_version != self.state.model_version || env_version != self.state.model_version {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                round,
-                RejectReason::WrongModelVersion {
-                    expected: self.state.model_version,
-                    got: upd.base_version,
-                },
-            );
-        }
-        if upd.samples == 0 {
-            return self.reject(now_ms, (&site, hash), round, RejectReason::NoSamples);
-        }
-        let max_samples = self.cfg.max_samples_of(site.as_str());
-        if upd.samples > max_samples {
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                round,
-                RejectReason::TooManySamples {
-                    samples: upd.samples,
-                    bound: max_samples,
-                },
-            );
-        }
-        let (checked, bn, ratio) = match self.validate_delta(&upd) {
+    }
+
+    /// The value checks of an admitted update (encodings, finite values, variances, norm, the
+    /// strategy's own) and its spool file, written and synced but not yet in the spool: `Err`
+    /// with the reason it is refused. Reads the core only, so several run side by side.
+    fn vet(
+        &self,
+        a: &Admitted<'_>,
+        staged: Option<&Path>,
+    ) -> Result<Result<Vetted, RejectReason>, CoreError> {
+        let upd = &a.update;
+        let (checked, bn, ratio) = match self.validate_delta(upd) {
             Ok(d) => d,
-            Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
+            Err(reason) => return Ok(Err(reason)),
         };
-        let extras = match self.strategy.check(&upd) {
+        let extras = match self.strategy.check(upd) {
             Ok(x) => x,
-            Err(reason) => return self.reject(now_ms, (&site, hash), round, reason),
+            Err(reason) => return Ok(Err(reason)),
         };
         // Every tensor is spooled as it arrived: an exact one as its values (the bytes it came
         // in, which are the spool's), a lossy one in its wire form (compact; the fold decodes
@@ -1031,8 +1163,20 @@ impl Aggregator {
                 }
             })
             .collect();
+        if let Err((free_bytes, floor_bytes)) = self.disk_room() {
+            tracing::error!(
+                site = %a.site,
+                free_bytes,
+                floor_bytes,
+                "update refused: the data disk is below its free-space floor; make room"
+            );
+            return Ok(Err(RejectReason::StorageFull {
+                free_bytes,
+                floor_bytes,
+            }));
+        }
         let entry = SpoolEntry {
-            message: &bytes,
+            message: a.message,
             staged,
             samples: upd.samples,
             report: &upd.report,
@@ -1040,48 +1184,31 @@ impl Aggregator {
             delta: &delta,
             bn: &bn,
         };
-        if let Err((free_bytes, floor_bytes)) = self.disk_room() {
-            tracing::error!(
-                site = %site,
-                free_bytes,
-                floor_bytes,
-                "update refused: the data disk is below its free-space floor; make room"
-            );
-            return self.reject(
-                now_ms,
-                (&site, hash),
-                round,
-                RejectReason::StorageFull {
-                    free_bytes,
-                    floor_bytes,
-                },
-            );
-        }
-        // Durable first, then the accept.
-        self.store.spool_put(round, site.as_str(), &entry)?;
-        // Only the spool holds the update from here on.
-        let samples = upd.samples;
-        drop(delta);
-        drop((upd, bn, extras));
-        drop(bytes);
-        self.audit(
-            now_ms,
-            round,
-            site.as_str(),
-            "accepted",
-            format!("{samples} samples, update norm {ratio:.4} of the model's"),
-        )?;
-        self.accepted.insert(site.as_str().to_string());
-        let mut actions = vec![Action::Answer {
-            site,
-            round,
-            update_hash: hash,
+        // Durable first (the accept puts it in the spool).
+        let sealed = self.store.spool_seal(a.round, a.site.as_str(), &entry)?;
+        Ok(Ok(Vetted { sealed, ratio }))
+    }
+
+    /// Puts a vetted update in the spool and accepts it.
+    fn accept(
+        &mut self,
+        a: Admitted<'_>,
+        v: Vetted,
+        now_ms: u64,
+    ) -> Result<Vec<Action>, CoreError> {
+        self.store.spool_commit(v.sealed)?;
+        let detail = format!(
+            "{} samples, update norm {:.4} of the model's",
+            a.update.samples, v.ratio
+        );
+        self.audit(now_ms, a.round, a.site.as_str(), "accepted", detail)?;
+        self.accepted.insert(a.site.as_str().to_string());
+        Ok(vec![Action::Answer {
+            site: a.site,
+            round: a.round,
+            update_hash: a.hash,
             answer: Answer::Accepted,
-        }];
-        if self.accepted.len() >= self.needed() {
-            actions.push(Action::Close);
-        }
-        Ok(actions)
+        }])
     }
 
     /// Replaces the revocation list: messages signed by a key on it are refused from now on
@@ -1095,14 +1222,15 @@ impl Aggregator {
     /// `max_relative_norm` is relative to).
     fn model_norm(&self) -> f64 {
         let v = self.state.model_version;
-        match self.model_norm.get() {
+        let mut cached = self.model_norm.lock().unwrap_or_else(|p| p.into_inner());
+        match *cached {
             Some((at, n)) if at == v => n,
             _ => {
                 let n = l2(self
                     .update_idx
                     .iter()
                     .map(|&i| sum_squares(self.model[i].iter().copied())));
-                self.model_norm.set(Some((v, n)));
+                *cached = Some((v, n));
                 n
             }
         }

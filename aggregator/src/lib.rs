@@ -41,5 +41,5 @@ pub mod strategy;
 pub mod uploads;
 
 pub use crate::config::{EnrolledSite, FederationConfig, Weighting};
-pub use crate::core::{Action, Aggregator, Arrival, CoreError, Event, GlobalModel};
+pub use crate::core::{Action, Aggregator, Arrival, CoreError, Event, GlobalModel, Incoming};
 pub use crate::strategy::{Algorithm, Strategy};

@@ -225,12 +225,46 @@ impl SealedFile {
     }
 
     /// Appends the checksum, syncs, and puts the file in place.
-    pub(crate) fn finish(mut self) -> Result<(), StoreError> {
+    pub(crate) fn finish(self) -> Result<(), StoreError> {
+        self.seal()?.commit()
+    }
+
+    /// Appends the checksum and syncs, leaving the file under its temporary name: durable but
+    /// not in place until [`Sealed::commit`] (the slow half of [`SealedFile::finish`], which
+    /// files of different names may do side by side).
+    pub(crate) fn seal(mut self) -> Result<Sealed, StoreError> {
         let sum = self.h.trailer();
         self.w.write_all(&sum).map_err(|e| io(&self.tmp, e))?;
         self.w.flush().map_err(|e| io(&self.tmp, e))?;
         self.w.get_ref().sync_all().map_err(|e| io(&self.tmp, e))?;
-        commit(&self.tmp, &self.path)
+        Ok(Sealed {
+            tmp: std::mem::take(&mut self.tmp),
+            path: std::mem::take(&mut self.path),
+        })
+    }
+}
+
+/// A sealed file synced under its temporary name ([`SealedFile::seal`]); dropped without
+/// [`Sealed::commit`], the temporary file is removed.
+#[derive(Debug)]
+pub(crate) struct Sealed {
+    tmp: PathBuf,
+    path: PathBuf,
+}
+
+impl Sealed {
+    /// Puts the file in place and syncs its folder.
+    pub(crate) fn commit(mut self) -> Result<(), StoreError> {
+        let tmp = std::mem::take(&mut self.tmp);
+        commit(&tmp, &self.path)
+    }
+}
+
+impl Drop for Sealed {
+    fn drop(&mut self) {
+        if !self.tmp.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 

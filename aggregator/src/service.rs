@@ -3,7 +3,7 @@
 //! manifest, serves model chunks on request and answers every update on the site's ack topic.
 
 use crate::config::FederationConfig;
-use crate::core::{Action, Aggregator, Arrival, Event, GlobalModel};
+use crate::core::{Action, Aggregator, Arrival, Event, GlobalModel, Incoming, VET_WIDTH};
 use crate::uploads::SpooledUploads;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -554,16 +554,34 @@ pub async fn serve(
             done = completed.recv() => match done {
                 None => bail!("the task taking update chunks stopped"),
                 Some(c) => {
-                    let (hash, t) = (c.set.hash(), Instant::now());
-                    // Read only now: one update in memory.
-                    // Its file becomes the spool file if the core accepts it; dropping the set
-                    // removes it otherwise.
-                    match tokio::task::block_in_place(|| c.set.read()) {
-                        Ok(bytes) => {
-                            let staged = Some(c.set.path().to_path_buf());
-                            pending = step(&mut core, Event::Update { site: c.site, bytes, arrival: Arrival::SignedChunks { hash }, staged }, t)?;
-                        }
-                        Err(e) => tracing::warn!(site = c.site, error = %e, "update dropped"),
+                    let t = Instant::now();
+                    // The core takes the updates waiting with this one at once, up to the
+                    // number it checks side by side: their value checks and spool files run
+                    // together (sites that finish training together upload together), and
+                    // the memory they map is bounded whatever the number of sites.
+                    let mut sets = vec![c];
+                    while sets.len() < VET_WIDTH && let Ok(c) = completed.try_recv() {
+                        sets.push(c);
+                    }
+                    // Each file becomes its spool file if the core accepts it; dropping the
+                    // set removes it otherwise.
+                    let batch: Vec<Incoming> = sets
+                        .iter()
+                        .filter_map(|c| match c.set.read() {
+                            Ok(bytes) => Some(Incoming {
+                                site: c.site.clone(),
+                                bytes,
+                                arrival: Arrival::SignedChunks { hash: c.set.hash() },
+                                staged: Some(c.set.path().to_path_buf()),
+                            }),
+                            Err(e) => {
+                                tracing::warn!(site = c.site, error = %e, "update dropped");
+                                None
+                            }
+                        })
+                        .collect();
+                    if !batch.is_empty() {
+                        pending = step(&mut core, Event::Updates(batch), t)?;
                     }
                 }
             },
@@ -596,10 +614,10 @@ pub async fn serve(
     }
 }
 
-/// Hands the core `event`; reports an update's spool (from `t`, which may be before the
-/// update was read), and the fold of a round it closes.
+/// Hands the core `event`; reports its updates' spool (from `t`, which may be before they
+/// were read; updates taken together are one spool), and the fold of a round it closes.
 fn step(core: &mut Aggregator, event: Event, t: Instant) -> Result<Vec<Action>> {
-    let update = matches!(event, Event::Update { .. });
+    let update = matches!(event, Event::Update { .. } | Event::Updates(_));
     let round = core.round();
     let pending = tokio::task::block_in_place(|| core.handle(event, now_ms()))?;
     let closed = pending

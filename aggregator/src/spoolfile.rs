@@ -23,7 +23,7 @@
 //! it made of the file counts until the checksum has passed, and a damaged file is reported as
 //! the checksum mismatch it is, whatever its footer says.
 
-use crate::sealed::{CHECKSUM_LEN, SealedFile, Sum, trailer_of};
+use crate::sealed::{CHECKSUM_LEN, Sealed, SealedFile, Sum, trailer_of};
 use crate::store::{SpoolEntry, SpoolTensor, StoreError, corrupt, io};
 use std::fs::File;
 use std::io::Read;
@@ -47,9 +47,10 @@ fn offset_in(outer: &[u8], inner: &[u8]) -> Option<u64> {
     (!inner.is_empty() && i >= o && i + inner.len() <= o + outer.len()).then(|| (i - o) as u64)
 }
 
-/// Writes `entry` as the spool file `path` (atomically and durably): `entry.staged` is adopted
-/// when it holds the message and an exact tensor lies in it; otherwise a new file is written.
-pub(crate) fn write(path: &Path, round: u64, entry: &SpoolEntry) -> Result<(), StoreError> {
+/// Writes `entry` as the spool file `path`, synced under its temporary name until the
+/// [`Sealed`] is committed: `entry.staged` is adopted when it holds the message and an exact
+/// tensor lies in it; otherwise a new file is written.
+pub(crate) fn seal(path: &Path, round: u64, entry: &SpoolEntry) -> Result<Sealed, StoreError> {
     // Exact tensors that are slices of the message, in the order they lie there (each at most
     // once, none overlapping another).
     let mut in_message: Vec<(usize, u64, u64)> = Vec::new();
@@ -140,7 +141,7 @@ pub(crate) fn write(path: &Path, round: u64, entry: &SpoolEntry) -> Result<(), S
     footer.extend_from_slice(MAGIC);
     footer.extend_from_slice(&VERSION.to_le_bytes());
     f.put(&footer)?;
-    f.finish()
+    f.seal()
 }
 
 /// One tensor of a spooled delta, as the footer places it.

@@ -19,7 +19,8 @@
 
 use crate::fold::Fold;
 use crate::sealed::{
-    Reader, SealedFile, SpooledTensor, read_open, read_sealed, read_sealed_optional, write_sealed,
+    Reader, Sealed, SealedFile, SpooledTensor, read_open, read_sealed, read_sealed_optional,
+    write_sealed,
 };
 use crate::spoolfile::{self, Placed};
 use crate::strategy::{Contribution, Extras, StrategyState};
@@ -524,9 +525,27 @@ impl Store {
     /// Durably stores an accepted update (sample count, report, extras, delta as it arrived and
     /// shared BN tensors), adopting `c.staged` as the file when it can (see [`SpoolEntry`]).
     pub fn spool_put(&self, round: u64, site: &str, c: &SpoolEntry) -> Result<(), StoreError> {
+        let sealed = self.spool_seal(round, site, c)?;
+        self.spool_commit(sealed)
+    }
+
+    /// The slow half of [`Store::spool_put`]: the update written and synced, not yet in the
+    /// spool (no fold sees it) until [`Store::spool_commit`]. Different sites' updates may be
+    /// sealed side by side; one site's only one at a time.
+    pub(crate) fn spool_seal(
+        &self,
+        round: u64,
+        site: &str,
+        c: &SpoolEntry,
+    ) -> Result<Sealed, StoreError> {
         let d = self.spool_dir(round);
         fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
-        spoolfile::write(&d.join(format!("{site}.upd")), round, c)?;
+        spoolfile::seal(&d.join(format!("{site}.upd")), round, c)
+    }
+
+    /// Puts an update sealed by [`Store::spool_seal`] in the spool.
+    pub(crate) fn spool_commit(&self, sealed: Sealed) -> Result<(), StoreError> {
+        sealed.commit()?;
         File::open(self.dir.join("spool"))
             .and_then(|f| f.sync_all())
             .map_err(|e| io(&self.dir.join("spool"), e))

@@ -3,7 +3,7 @@
 use std::path::Path;
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::{
-    Action, Aggregator, Arrival, Event, FederationConfig, GlobalModel, Weighting,
+    Action, Aggregator, Arrival, Event, FederationConfig, GlobalModel, Incoming, Weighting,
 };
 use unifed_protocol::encoding::{Encoding, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind, PROTOCOL_VERSION};
@@ -513,6 +513,136 @@ fn an_accepted_update_adopts_its_staged_file_as_the_spool_and_a_refused_one_leav
             .collect()
     };
     assert_eq!(bits(&models[0]), bits(&models[1]));
+}
+
+/// Updates the service finds waiting together are taken as one event, checked and spooled
+/// side by side (in waves of different sites), yet answered, audited and folded exactly as if
+/// they had come one by one: a bad one is refused alone, a site's second message waits for its
+/// first, a staged file is adopted, and the round's fold is asked for once, after every answer.
+#[test]
+fn updates_taken_together_are_answered_and_folded_as_if_taken_one_by_one() {
+    let nan = update_bytes(
+        &Upd {
+            site: "b",
+            round: 1,
+            version: 0,
+            samples: 5,
+            bn: BnPolicy::Local,
+        },
+        |upd, _| upd.delta[1] = encode("fc.bias", &[2], &[f32::NAN, 0.0], Encoding::F32, None),
+    );
+    // On two cores or more, the second `a` would share the first's wave if a site's messages
+    // were not kept to one a wave.
+    let batch: Vec<(&str, Vec<u8>, bool)> = vec![
+        ("a", good("a", 1, 0, 100, BnPolicy::Local), false),
+        ("a", good("a", 1, 0, 100, BnPolicy::Local), false),
+        ("b", nan, false),
+        ("bb", good("bb", 1, 0, 70, BnPolicy::Local), true),
+        ("c", good("c", 2, 0, 30, BnPolicy::Local), false),
+        ("c", good("c", 1, 0, 30, BnPolicy::Local), false),
+        ("ccc", good("ccc", 1, 0, 20, BnPolicy::Local), true),
+    ];
+    let mut runs = Vec::new();
+    for together in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut agg = open(dir.path(), config(2, 4, BnPolicy::Local));
+        agg.handle(Event::Start, 0).unwrap();
+        let incoming = tempfile::tempdir_in(dir.path()).unwrap();
+        let items: Vec<Incoming> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, (site, bytes, stage))| {
+                let staged = incoming.path().join(format!("{i}.complete"));
+                std::fs::write(&staged, bytes).unwrap();
+                Incoming {
+                    site: site.to_string(),
+                    bytes: bytes.clone().into(),
+                    arrival: Arrival::Message,
+                    staged: stage.then_some(staged),
+                }
+            })
+            .collect();
+        let acts: Vec<Action> = if together {
+            agg.handle(Event::Updates(items), 1_000).unwrap()
+        } else {
+            items
+                .into_iter()
+                .flat_map(|u| {
+                    agg.handle(
+                        Event::Update {
+                            site: u.site,
+                            bytes: u.bytes,
+                            arrival: u.arrival,
+                            staged: u.staged,
+                        },
+                        1_000,
+                    )
+                    .unwrap()
+                })
+                .collect()
+        };
+        // One Close, after every answer; nothing folded before it.
+        assert_eq!(acts.iter().filter(|a| **a == Action::Close).count(), 1);
+        assert_eq!(acts.last(), Some(&Action::Close));
+        assert_eq!((agg.round(), agg.model_version()), (1, 0));
+        let answered = answers(&acts);
+        for (i, staged) in [(3, true), (6, true), (0, false)] {
+            // Adopted as the spool file: gone from where it was staged.
+            assert_eq!(
+                !incoming.path().join(format!("{i}.complete")).exists(),
+                staged
+            );
+        }
+        let folded = agg.handle(Event::Close, 1_000).unwrap();
+        assert!(folded.iter().any(|a| matches!(a, Action::RoundClosed { round: 1, model_version: 1, sites } if sites == &["a", "bb", "c", "ccc"])));
+        let audit: Vec<(String, String)> = agg
+            .store()
+            .audit_entries()
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.site, e.event))
+            .collect();
+        let bits: Vec<Vec<u32>> = agg
+            .model()
+            .iter()
+            .map(|t| t.iter().map(|v| v.to_bits()).collect())
+            .collect();
+        runs.push((answered, audit, bits));
+    }
+    let accepted = |s: &str| (s.to_string(), Answer::Accepted);
+    assert_eq!(
+        runs[0].0,
+        vec![
+            accepted("a"),
+            accepted("a"),
+            (
+                "b".into(),
+                Answer::Rejected(RejectReason::NonFinite("fc.bias".into()))
+            ),
+            accepted("bb"),
+            (
+                "c".into(),
+                Answer::Rejected(RejectReason::WrongRound {
+                    expected: 1,
+                    got: 2
+                })
+            ),
+            accepted("c"),
+            accepted("ccc"),
+        ]
+    );
+    assert_eq!(runs[0], runs[1]);
+    let want = expected_after(
+        &initial().tensors,
+        &[("a", 100), ("bb", 70), ("c", 30), ("ccc", 20)],
+        1,
+        BnPolicy::Local,
+    );
+    for (got, want) in runs[1].2.iter().zip(&want) {
+        for (g, w) in got.iter().zip(want) {
+            assert!((f32::from_bits(*g) - w).abs() < 1e-6);
+        }
+    }
 }
 
 #[test]

@@ -52,6 +52,35 @@ impl Writeback {
     }
 }
 
+/// Starts files' writeback on a thread of its own: for files written out of order, a piece at
+/// a time, by a task whose latency matters (the aggregator's chunk task), so that neither it
+/// nor the fsync that makes a file durable waits for the disk. The thread ends when this is
+/// dropped.
+#[derive(Debug)]
+pub struct Flusher {
+    tx: std::sync::mpsc::Sender<(std::sync::Arc<File>, u64, u64)>,
+}
+
+impl Flusher {
+    /// Starts the thread.
+    pub fn start() -> std::io::Result<Flusher> {
+        let (tx, rx) = std::sync::mpsc::channel::<(std::sync::Arc<File>, u64, u64)>();
+        std::thread::Builder::new()
+            .name("writeback".into())
+            .spawn(move || {
+                for (f, from, len) in rx {
+                    start_writeback(&f, from, len);
+                }
+            })?;
+        Ok(Flusher { tx })
+    }
+
+    /// Starts the writeback of what `f` holds from `from` for `len` bytes, soon.
+    pub fn flush(&self, f: &std::sync::Arc<File>, from: u64, len: u64) {
+        let _ = self.tx.send((f.clone(), from, len));
+    }
+}
+
 /// A buffered writer to a file written from its start, which starts the writeback of what it
 /// has passed to the file every [`WRITEBACK_BYTES`].
 #[derive(Debug)]

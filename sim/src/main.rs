@@ -106,6 +106,11 @@ enum Cmd {
         /// lossy one keeps the model the sites hold and decodes every update in the fold).
         #[arg(long, value_delimiter = ',', default_value = "f32,ternaryq8")]
         encodings: Vec<String>,
+        /// How the updates reach the core, each measured at every site count and encoding:
+        /// `one-by-one`, or `together` (several an event, as the service hands it uploads that
+        /// complete at once: their checks and spool files run side by side).
+        #[arg(long, value_delimiter = ',', default_value = "one-by-one,together")]
+        arrivals: Vec<HandOver>,
         /// Output folder.
         #[arg(long, default_value = "results")]
         out: PathBuf,
@@ -527,22 +532,23 @@ fn main() -> Result<()> {
         Cmd::AggregatorMemory {
             one: Some(n),
             encodings,
+            arrivals,
             ..
         } => {
-            let [e] = encodings.as_slice() else {
-                anyhow::bail!("--one measures one encoding, not {}", encodings.len());
+            let ([e], [a]) = (encodings.as_slice(), arrivals.as_slice()) else {
+                anyhow::bail!("--one measures one encoding and one arrival");
             };
-            println!(
-                "{}",
-                serde_json::to_string(&unifed_sim::memory::measure(n, parse_encoding(e)?)?)?
-            );
+            let together = *a == HandOver::Together;
+            let row = unifed_sim::memory::measure(n, parse_encoding(e)?, together)?;
+            println!("{}", serde_json::to_string(&row)?);
         }
         Cmd::AggregatorMemory {
             sites,
             encodings,
+            arrivals,
             out,
             one: None,
-        } => aggregator_memory(&sites, &encodings, &out)?,
+        } => aggregator_memory(&sites, &encodings, &arrivals, &out)?,
         Cmd::Encodings {
             common,
             encodings,
@@ -741,8 +747,22 @@ fn write_encodings(
     Ok(md)
 }
 
+/// How `aggregator-memory` hands the round's updates to the core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum HandOver {
+    /// One event per update.
+    OneByOne,
+    /// Every update in one event.
+    Together,
+}
+
 /// Measures each site count in a child process and writes results/aggregator-memory.{json,md}.
-fn aggregator_memory(counts: &[usize], encodings: &[String], out: &std::path::Path) -> Result<()> {
+fn aggregator_memory(
+    counts: &[usize],
+    encodings: &[String],
+    arrivals: &[HandOver],
+    out: &std::path::Path,
+) -> Result<()> {
     use unifed_sim::memory::MemoryRow;
     // Every name is checked before the first (long) measurement.
     for e in encodings {
@@ -752,12 +772,21 @@ fn aggregator_memory(counts: &[usize], encodings: &[String], out: &std::path::Pa
     let exe = std::env::current_exe()?;
     let mut rows: Vec<MemoryRow> = Vec::new();
     for e in encodings {
-        for &n in counts {
+        for (&n, &a) in counts
+            .iter()
+            .flat_map(|n| arrivals.iter().map(move |a| (n, a)))
+        {
+            let arrival = clap::ValueEnum::to_possible_value(&a)
+                .expect("no arrival is skipped")
+                .get_name()
+                .to_string();
             let o = std::process::Command::new(&exe)
                 .args([
                     "aggregator-memory",
                     "--encodings",
                     e,
+                    "--arrivals",
+                    &arrival,
                     "--one",
                     &n.to_string(),
                 ])
@@ -770,7 +799,7 @@ fn aggregator_memory(counts: &[usize], encodings: &[String], out: &std::path::Pa
             let row: MemoryRow = serde_json::from_slice(&o.stdout)
                 .with_context(|| format!("the measurement of {n} sites under {e}"))?;
             eprintln!(
-                "{e}, {n} sites: aggregator heap peak {:.0} MiB (process peak {:.0} MiB)",
+                "{e}, {n} sites {arrival}: aggregator heap peak {:.0} MiB (process peak {:.0} MiB)",
                 row.aggregator_heap_peak_bytes as f64 / (1 << 20) as f64,
                 row.peak_bytes as f64 / (1 << 20) as f64
             );
@@ -778,20 +807,27 @@ fn aggregator_memory(counts: &[usize], encodings: &[String], out: &std::path::Pa
         }
     }
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut md = format!(
         "One round of the full-size digits CNN through the aggregator core (`{}`)\n\n\
          The aggregator's heap peak counts every byte it has allocated and not freed at once \
          (the model, the update handed to it, the fold); the process peak is resident memory, \
          the measuring program's own buffers included.\n\n\
-         | encoding | sites | update MB | model MB | aggregator heap peak MiB | x model | process peak MiB | spool s/update | fold s |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        std::env::args().collect::<Vec<_>>().join(" ")
+         Updates handed to the core one by one, or together ({} an event, as the service \
+         hands it uploads that complete at once: checked and spooled side by side, {} at a \
+         time on this machine).\n\n\
+         | encoding | sites | updates | update MB | model MB | aggregator heap peak MiB | x model | process peak MiB | spool s/update | fold s |\n\
+         |---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        std::env::args().collect::<Vec<_>>().join(" "),
+        unifed_aggregator::core::VET_WIDTH,
+        cores.min(unifed_aggregator::core::VET_WIDTH)
     );
     for r in &rows {
         md.push_str(&format!(
-            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.2} | {:.0} | {:.3} | {:.2} |\n",
+            "| {} | {} | {} | {:.2} | {:.1} | {:.0} | {:.2} | {:.0} | {:.3} | {:.2} |\n",
             r.encoding,
             r.sites,
+            if r.together { "together" } else { "one by one" },
             r.update_bytes as f64 / 1e6,
             (r.model_values * 4) as f64 / 1e6,
             mib(r.aggregator_heap_peak_bytes),
@@ -807,6 +843,8 @@ fn aggregator_memory(counts: &[usize], encodings: &[String], out: &std::path::Pa
         out.join("aggregator-memory.json"),
         serde_json::to_string_pretty(&json!({
             "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "cores": cores,
+            "vet_width": unifed_aggregator::core::VET_WIDTH,
             "rows": rows,
         }))?,
     )?;

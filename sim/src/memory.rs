@@ -7,7 +7,10 @@ use crate::sim_key;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
-use unifed_aggregator::{Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig};
+use unifed_aggregator::core::VET_WIDTH;
+use unifed_aggregator::{
+    Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, Incoming,
+};
 use unifed_models::backend::Backend;
 use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_protocol::encoding::Encoding;
@@ -37,7 +40,13 @@ pub struct MemoryRow {
     /// and everything it allocated while spooling and folding (counted by
     /// [`crate::heap::Counting`]; 0 where that is not the global allocator).
     pub aggregator_heap_peak_bytes: u64,
-    /// Mean seconds to check and spool one update.
+    /// Whether the updates were handed to the core [`VET_WIDTH`] at a time
+    /// ([`Event::Updates`], as the service hands it uploads that complete together) rather
+    /// than one by one (rows written before it was recorded were one by one).
+    #[serde(default)]
+    pub together: bool,
+    /// Mean seconds to check and spool one update: the time the core took over them all,
+    /// divided by their number.
     pub spool_seconds_per_update: f64,
     /// Seconds to fold the round into the next model and commit it.
     pub fold_seconds: f64,
@@ -59,8 +68,9 @@ pub fn peak_rss() -> Result<u64> {
 }
 
 /// One round of `n` sites through the aggregator core, in a temporary data directory, every
-/// update and the model delta sent back in `encoding`.
-pub fn measure(n: usize, encoding: Encoding) -> Result<MemoryRow> {
+/// update and the model delta sent back in `encoding`; the updates handed to the core one by
+/// one, or `together` ([`VET_WIDTH`] at a time).
+pub fn measure(n: usize, encoding: Encoding, together: bool) -> Result<MemoryRow> {
     if n == 0 {
         bail!("at least one site");
     }
@@ -130,36 +140,41 @@ pub fn measure(n: usize, encoding: Encoding) -> Result<MemoryRow> {
     let mut agg = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
     agg.handle(Event::Start, 0)?;
     held = held.max(crate::heap::peak());
-    let mut spool = 0.0;
-    let mut fold = 0.0;
     let incoming = dir.path().join("incoming");
     std::fs::create_dir_all(&incoming)?;
-    for (i, id) in ids.iter().enumerate() {
-        let bytes = update(i);
-        // As the service hands it on: read from its reassembled upload, which the core makes
-        // the spool file. Making and staging the update is the site's and the chunk task's
-        // work: the time and peak are taken over the handling alone.
-        let staged = incoming.join(format!("{id}.complete"));
-        std::fs::write(&staged, &bytes)?;
-        drop(bytes);
-        crate::heap::reset_peak();
-        let t = Instant::now();
+    // As the service hands an update on: mapped from its reassembled upload, which the core
+    // makes the spool file. Making and staging the update is the site's and the chunk task's
+    // work: the time and peak are taken over the handling alone.
+    let stage = |i: usize| -> Result<Incoming> {
+        let staged = incoming.join(format!("{}.complete", ids[i]));
+        std::fs::write(&staged, update(i))?;
         let file = std::fs::File::open(&staged)?;
         let len = file.metadata()?.len() as usize;
         let mapped = unifed_net::memory::MappedFile::map(&file, len)?;
-        let acts = agg.handle(
-            Event::Update {
-                site: id.clone(),
-                bytes: bytes::Bytes::from_owner(mapped),
-                arrival: Arrival::Message,
-                staged: Some(staged.clone()),
-            },
-            1,
-        )?;
-        let secs = t.elapsed().as_secs_f64();
-        let _ = std::fs::remove_file(&staged);
+        Ok(Incoming {
+            site: ids[i].clone(),
+            bytes: bytes::Bytes::from_owner(mapped),
+            arrival: Arrival::Message,
+            staged: Some(staged),
+        })
+    };
+    // Together: in events of as many updates as the service hands the core at once.
+    let per_event = if together { VET_WIDTH } else { 1 };
+    let mut acts = Vec::new();
+    let mut spool = 0.0;
+    for first in (0..n).step_by(per_event) {
+        let batch = (first..(first + per_event).min(n))
+            .map(stage)
+            .collect::<Result<Vec<_>>>()?;
+        crate::heap::reset_peak();
+        let t = Instant::now();
+        acts.extend(agg.handle(Event::Updates(batch), 1)?);
+        spool += t.elapsed().as_secs_f64();
         held = held.max(crate::heap::peak());
-        if !acts.iter().any(|a| {
+    }
+    let accepted = acts
+        .iter()
+        .filter(|a| {
             matches!(
                 a,
                 Action::Answer {
@@ -167,23 +182,21 @@ pub fn measure(n: usize, encoding: Encoding) -> Result<MemoryRow> {
                     ..
                 }
             )
-        }) {
-            bail!("the update of {id} was not accepted: {acts:?}");
-        }
-        spool += secs;
-        if acts.contains(&Action::Close) {
-            crate::heap::reset_peak();
-            let t = Instant::now();
-            let closed = agg.handle(Event::Close, 1)?;
-            fold = t.elapsed().as_secs_f64();
-            held = held.max(crate::heap::peak());
-            if !closed
-                .iter()
-                .any(|a| matches!(a, Action::RoundClosed { .. }))
-            {
-                bail!("the round did not close: {closed:?}");
-            }
-        }
+        })
+        .count();
+    if accepted != n || !acts.contains(&Action::Close) {
+        bail!("{accepted} of {n} updates were accepted: {acts:?}");
+    }
+    crate::heap::reset_peak();
+    let t = Instant::now();
+    let closed = agg.handle(Event::Close, 1)?;
+    let fold = t.elapsed().as_secs_f64();
+    held = held.max(crate::heap::peak());
+    if !closed
+        .iter()
+        .any(|a| matches!(a, Action::RoundClosed { .. }))
+    {
+        bail!("the round did not close: {closed:?}");
     }
     if agg.model_version() != 1 {
         bail!("the round did not close");
@@ -197,7 +210,8 @@ pub fn measure(n: usize, encoding: Encoding) -> Result<MemoryRow> {
         baseline_peak_bytes: baseline,
         peak_bytes: peak,
         aggregator_heap_peak_bytes: held.saturating_sub(outside) as u64,
-        spool_seconds_per_update: spool / (n.max(2) - 1) as f64,
+        together,
+        spool_seconds_per_update: spool / n as f64,
         fold_seconds: fold,
     })
 }

@@ -378,7 +378,7 @@ impl<'a> RoundReader<'a> {
 }
 
 /// A server strategy: pure policy over the core's round loop.
-pub trait Strategy: std::fmt::Debug + Send {
+pub trait Strategy: std::fmt::Debug + Send + Sync {
     /// The plan every site sampled in `round` follows: plain cross-entropy unless the
     /// algorithm's sites train under another objective.
     fn plan(&self, _round: u64) -> RoundPlan {
