@@ -564,22 +564,24 @@ pub async fn serve(
                         sets.push(c);
                     }
                     // Each file becomes its spool file if the core accepts it; dropping the
-                    // set removes it otherwise.
-                    let batch: Vec<Incoming> = sets
-                        .iter()
-                        .filter_map(|c| match c.set.read() {
-                            Ok(bytes) => Some(Incoming {
-                                site: c.site.clone(),
-                                bytes,
-                                arrival: Arrival::SignedChunks { hash: c.set.hash() },
-                                staged: Some(c.set.path().to_path_buf()),
-                            }),
-                            Err(e) => {
-                                tracing::warn!(site = c.site, error = %e, "update dropped");
-                                None
-                            }
-                        })
-                        .collect();
+                    // set removes it otherwise. Mapping faults every page in (a millisecond or
+                    // two for 57 MB), so off the event loop.
+                    let batch: Vec<Incoming> = tokio::task::block_in_place(|| {
+                        sets.iter()
+                            .filter_map(|c| match c.set.read() {
+                                Ok(bytes) => Some(Incoming {
+                                    site: c.site.clone(),
+                                    bytes,
+                                    arrival: Arrival::SignedChunks { hash: c.set.hash() },
+                                    staged: Some(c.set.path().to_path_buf()),
+                                }),
+                                Err(e) => {
+                                    tracing::warn!(site = c.site, error = %e, "update dropped");
+                                    None
+                                }
+                            })
+                            .collect()
+                    });
                     if !batch.is_empty() {
                         pending = step(&mut core, Event::Updates(batch), t)?;
                     }
