@@ -579,6 +579,29 @@ mod tests {
         }
     }
 
+    /// A sealed file is durable under its temporary name only: in place once committed, its
+    /// temporary file gone if it is dropped instead (an update refused after it was sealed).
+    #[test]
+    fn a_sealed_file_is_in_place_only_once_committed_and_gone_if_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let sealed = |name: &str| {
+            let p = dir.path().join(name);
+            let mut f = SealedFile::create(&p).unwrap();
+            f.put(b"UFEX").unwrap();
+            f.put_tensors(&[vec![1.5f32, -2.0]]).unwrap();
+            (p.clone(), p.with_extension("tmp"), f.seal().unwrap())
+        };
+        let (kept, kept_tmp, s) = sealed("kept.bin");
+        assert!(kept_tmp.exists() && !kept.exists());
+        s.commit().unwrap();
+        assert!(kept.exists() && !kept_tmp.exists());
+        assert_eq!(read_sealed(&kept, parse).unwrap(), vec![vec![1.5f32, -2.0]]);
+        let (dropped, dropped_tmp, s) = sealed("dropped.bin");
+        assert!(dropped_tmp.exists());
+        drop(s);
+        assert!(!dropped.exists() && !dropped_tmp.exists());
+    }
+
     #[test]
     fn tensors_read_back_exactly_across_blocks() {
         let dir = tempfile::tempdir().unwrap();
