@@ -65,19 +65,7 @@ pub enum Event {
     /// Start (or resume) the federation: opens round 1, or re-publishes the current round.
     Start,
     /// A message arrived on a site's update topic.
-    Update {
-        /// The site named by the topic.
-        site: String,
-        /// The raw message (a reassembled upload's is its file mapped).
-        bytes: bytes::Bytes,
-        /// How it came, which says what of it was checked already.
-        arrival: Arrival,
-        /// A file on the data directory's file system that holds `bytes` and nothing else (a
-        /// reassembled upload): an accepted update's spool file is made of it instead of
-        /// writing the bytes again, and it is renamed away then. The caller removes it
-        /// otherwise.
-        staged: Option<std::path::PathBuf>,
-    },
+    Update(Incoming),
     /// Messages that arrived on sites' update topics together (what the service found
     /// waiting): each is taken as an [`Event::Update`] would be, in order, but the slow part
     /// of taking several (checking every value, writing and syncing the spool files) runs side
@@ -91,27 +79,45 @@ pub enum Event {
     Close,
 }
 
-/// A message on a site's update topic, one of [`Event::Updates`] (the fields of
-/// [`Event::Update`]).
+/// A message on a site's update topic ([`Event::Update`], [`Event::Updates`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Incoming {
     /// The site named by the topic.
     pub site: String,
-    /// The raw message.
+    /// The raw message (a reassembled upload's is its file mapped).
     pub bytes: bytes::Bytes,
-    /// How it came.
+    /// How it came, which says what of it was checked already.
     pub arrival: Arrival,
-    /// A file holding `bytes` and nothing else, adopted as the spool file if it is accepted.
+    /// A file on the data directory's file system that holds `bytes` and nothing else (a
+    /// reassembled upload): an accepted update's spool file is made of it instead of writing
+    /// the bytes again, and it is renamed away then. The caller removes it otherwise.
     pub staged: Option<std::path::PathBuf>,
+}
+
+/// Whom an update's answer goes to: its site, the hash of the bytes it answers, and the round
+/// it names.
+struct To {
+    site: Id,
+    hash: [u8; 32],
+    round: u64,
+}
+
+impl To {
+    /// The answer action.
+    fn answer(&self, answer: Answer) -> Action {
+        Action::Answer {
+            site: self.site.clone(),
+            round: self.round,
+            update_hash: self.hash,
+            answer,
+        }
+    }
 }
 
 /// An update whose round, sender and model version the core takes ([`Aggregator::admit_update`]),
 /// read in place from its message.
 struct Admitted<'b> {
-    site: Id,
-    /// The hash its answer names.
-    hash: [u8; 32],
-    round: u64,
+    to: To,
     message: &'b [u8],
     update: SiteUpdateRef<'b>,
 }
@@ -120,20 +126,10 @@ struct Admitted<'b> {
 enum Refused {
     /// Not a signed message of the topic's site: no answer.
     Dropped,
-    /// Refused with `reason`.
-    Rejected {
-        site: Id,
-        hash: [u8; 32],
-        round: u64,
-        reason: RejectReason,
-    },
-    /// Taken before: its first answer again.
-    Duplicate {
-        site: Id,
-        hash: [u8; 32],
-        round: u64,
-        detail: &'static str,
-    },
+    /// Refused with a reason.
+    Rejected(To, RejectReason),
+    /// Taken before (a duplicate, audited with this detail): its first answer again.
+    Duplicate(To, &'static str),
 }
 
 /// An admitted update that passed every value check, with its spool file sealed
@@ -616,20 +612,7 @@ impl Aggregator {
                 }
                 self.close_round(now_ms)
             }
-            Event::Update {
-                site,
-                bytes,
-                arrival,
-                staged,
-            } => {
-                let one = Incoming {
-                    site,
-                    bytes,
-                    arrival,
-                    staged,
-                };
-                self.on_updates(vec![one], now_ms)
-            }
+            Event::Update(one) => self.on_updates(vec![one], now_ms),
             Event::Updates(batch) => self.on_updates(batch, now_ms),
             Event::Close => {
                 if self.state.round == 0
@@ -876,10 +859,10 @@ impl Aggregator {
     fn reject(
         &mut self,
         now_ms: u64,
-        (site, update_hash): (&Id, [u8; 32]),
-        round: u64,
+        to: &To,
         reason: RejectReason,
     ) -> Result<Vec<Action>, CoreError> {
+        let (site, round) = (&to.site, to.round);
         tracing::info!(site = %site, round, ?reason, "update rejected");
         let n = self.rejects.entry(site.to_string()).or_default();
         *n += 1;
@@ -901,12 +884,7 @@ impl Aggregator {
                 format!("more than {AUDITED_REJECTS} rejects this round; the rest are only logged"),
             )?;
         }
-        Ok(vec![Action::Answer {
-            site: site.clone(),
-            round,
-            update_hash,
-            answer: Answer::Rejected(reason),
-        }])
+        Ok(vec![to.answer(Answer::Rejected(reason))])
     }
 
     /// Checks, spools and answers updates that arrived together, in their order, then asks for
@@ -968,7 +946,7 @@ impl Aggregator {
                 (Err(refused), _) => self.refuse(*refused, now_ms)?,
                 (Ok(a), Some(v)) => match v? {
                     Ok(v) => self.accept(a, v, now_ms)?,
-                    Err(reason) => self.reject(now_ms, (&a.site, a.hash), a.round, reason)?,
+                    Err(reason) => self.reject(now_ms, &a.to, reason)?,
                 },
                 (Ok(_), None) => unreachable!("every admitted update is vetted"),
             });
@@ -1011,15 +989,12 @@ impl Aggregator {
                 return Err(Box::new(Refused::Dropped));
             }
         };
-        let site = &site;
-        let reject = |round, reason| {
-            Err(Box::new(Refused::Rejected {
-                site: site.clone(),
-                hash,
-                round,
-                reason,
-            }))
+        let to = |round| To {
+            site: site.clone(),
+            hash,
+            round,
         };
+        let reject = |round, reason| Err(Box::new(Refused::Rejected(to(round), reason)));
         if env.kind != MessageKind::SiteUpdate {
             let why = format!("message kind {:?} where an update was expected", env.kind);
             return reject(open, RejectReason::Malformed(why));
@@ -1036,14 +1011,7 @@ impl Aggregator {
             let why = "envelope and update name different rounds".into();
             return reject(round, RejectReason::Malformed(why));
         }
-        let duplicate = |detail| {
-            Err(Box::new(Refused::Duplicate {
-                site: site.clone(),
-                hash,
-                round,
-                detail,
-            }))
-        };
+        let duplicate = |detail| Err(Box::new(Refused::Duplicate(to(round), detail)));
         // Re-sends: the original answer, counted once.
         if round < open || (round == open && self.state.finished) {
             let was_accepted = self
@@ -1091,9 +1059,7 @@ impl Aggregator {
             return reject(round, many);
         }
         Ok(Admitted {
-            site: site.clone(),
-            hash,
-            round,
+            to: to(round),
             message: bytes,
             update: upd,
         })
@@ -1103,25 +1069,16 @@ impl Aggregator {
     fn refuse(&mut self, refused: Refused, now_ms: u64) -> Result<Vec<Action>, CoreError> {
         match refused {
             Refused::Dropped => Ok(Vec::new()),
-            Refused::Rejected {
-                site,
-                hash,
-                round,
-                reason,
-            } => self.reject(now_ms, (&site, hash), round, reason),
-            Refused::Duplicate {
-                site,
-                hash,
-                round,
-                detail,
-            } => {
-                self.audit(now_ms, round, site.as_str(), "duplicate", detail.into())?;
-                Ok(vec![Action::Answer {
-                    site,
-                    round,
-                    update_hash: hash,
-                    answer: Answer::Accepted,
-                }])
+            Refused::Rejected(to, reason) => self.reject(now_ms, &to, reason),
+            Refused::Duplicate(to, detail) => {
+                self.audit(
+                    now_ms,
+                    to.round,
+                    to.site.as_str(),
+                    "duplicate",
+                    detail.into(),
+                )?;
+                Ok(vec![to.answer(Answer::Accepted)])
             }
         }
     }
@@ -1165,7 +1122,7 @@ impl Aggregator {
             .collect();
         if let Err((free_bytes, floor_bytes)) = self.disk_room() {
             tracing::error!(
-                site = %a.site,
+                site = %a.to.site,
                 free_bytes,
                 floor_bytes,
                 "update refused: the data disk is below its free-space floor; make room"
@@ -1185,7 +1142,9 @@ impl Aggregator {
             bn: &bn,
         };
         // Durable first (the accept puts it in the spool).
-        let sealed = self.store.spool_seal(a.round, a.site.as_str(), &entry)?;
+        let sealed = self
+            .store
+            .spool_seal(a.to.round, a.to.site.as_str(), &entry)?;
         Ok(Ok(Vetted { sealed, ratio }))
     }
 
@@ -1201,14 +1160,10 @@ impl Aggregator {
             "{} samples, update norm {:.4} of the model's",
             a.update.samples, v.ratio
         );
-        self.audit(now_ms, a.round, a.site.as_str(), "accepted", detail)?;
-        self.accepted.insert(a.site.as_str().to_string());
-        Ok(vec![Action::Answer {
-            site: a.site,
-            round: a.round,
-            update_hash: a.hash,
-            answer: Answer::Accepted,
-        }])
+        let to = a.to;
+        self.audit(now_ms, to.round, to.site.as_str(), "accepted", detail)?;
+        self.accepted.insert(to.site.as_str().to_string());
+        Ok(vec![to.answer(Answer::Accepted)])
     }
 
     /// Replaces the revocation list: messages signed by a key on it are refused from now on

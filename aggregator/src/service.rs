@@ -603,7 +603,7 @@ pub async fn serve(
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
                         // Whole updates (chunks go to the ingest task): the core opens them
                         // (once) and refuses what is not an update.
-                        let update = Event::Update { site: site.to_string(), bytes: payload, arrival: Arrival::Message, staged: None };
+                        let update = Event::Update(Incoming { site: site.to_string(), bytes: payload, arrival: Arrival::Message, staged: None });
                         pending = step(&mut core, update, Instant::now())?;
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
                         serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, &mut serves).await?;
@@ -619,7 +619,7 @@ pub async fn serve(
 /// Hands the core `event`; reports its updates' spool (from `t`, which may be before they
 /// were read; updates taken together are one spool), and the fold of a round it closes.
 fn step(core: &mut Aggregator, event: Event, t: Instant) -> Result<Vec<Action>> {
-    let update = matches!(event, Event::Update { .. } | Event::Updates(_));
+    let update = matches!(event, Event::Update(_) | Event::Updates(_));
     let round = core.round();
     let pending = tokio::task::block_in_place(|| core.handle(event, now_ms()))?;
     let closed = pending

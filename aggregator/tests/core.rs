@@ -164,12 +164,12 @@ fn answers(actions: &[Action]) -> Vec<(String, Answer)> {
 fn send(agg: &mut Aggregator, site: &str, bytes: Vec<u8>) -> Vec<Action> {
     let acts = agg
         .handle(
-            Event::Update {
+            Event::Update(Incoming {
                 site: site.into(),
                 bytes: bytes.into(),
                 arrival: Arrival::Message,
                 staged: None,
-            },
+            }),
             1_000,
         )
         .unwrap();
@@ -281,12 +281,12 @@ fn the_last_update_is_answered_before_the_fold_it_asks_for() {
     agg.handle(Event::Start, 0).unwrap();
     let update = |agg: &mut Aggregator, site: &str| {
         agg.handle(
-            Event::Update {
+            Event::Update(Incoming {
                 site: site.into(),
                 bytes: good(site, 1, 0, 10, BnPolicy::Local).into(),
                 arrival: Arrival::Message,
                 staged: None,
-            },
+            }),
             1_000,
         )
         .unwrap()
@@ -381,12 +381,12 @@ fn an_answer_names_the_transports_hash_of_a_reassembled_update_or_the_bytes_own(
     assert_ne!(set, unifed_protocol::chunking::payload_hash(&b));
     let acts = agg
         .handle(
-            Event::Update {
+            Event::Update(Incoming {
                 site: "b".into(),
                 bytes: b.into(),
                 arrival: Arrival::SignedChunks { hash: set },
                 staged: None,
-            },
+            }),
             1_000,
         )
         .unwrap();
@@ -402,12 +402,12 @@ fn signed_chunks_spare_the_envelopes_signature_and_nothing_else() {
     let update = |agg: &mut Aggregator, site: &str, bytes: Vec<u8>, arrival| {
         let acts = agg
             .handle(
-                Event::Update {
+                Event::Update(Incoming {
                     site: site.into(),
                     bytes: bytes.into(),
                     arrival,
                     staged: None,
-                },
+                }),
                 1_000,
             )
             .unwrap();
@@ -472,12 +472,12 @@ fn an_accepted_update_adopts_its_staged_file_as_the_spool_and_a_refused_one_leav
             let ino = inode(&staged);
             let acts = agg
                 .handle(
-                    Event::Update {
+                    Event::Update(Incoming {
                         site: site.into(),
                         bytes: bytes.clone().into(),
                         arrival: Arrival::Message,
                         staged: stage.then(|| staged.clone()),
-                    },
+                    }),
                     1_000,
                 )
                 .unwrap();
@@ -567,18 +567,7 @@ fn updates_taken_together_are_answered_and_folded_as_if_taken_one_by_one() {
         } else {
             items
                 .into_iter()
-                .flat_map(|u| {
-                    agg.handle(
-                        Event::Update {
-                            site: u.site,
-                            bytes: u.bytes,
-                            arrival: u.arrival,
-                            staged: u.staged,
-                        },
-                        1_000,
-                    )
-                    .unwrap()
-                })
+                .flat_map(|u| agg.handle(Event::Update(u), 1_000).unwrap())
                 .collect()
         };
         // One Close, after every answer; nothing folded before it.

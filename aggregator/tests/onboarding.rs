@@ -1,7 +1,7 @@
 //! The onboarding side of the federation core: BN tensors shared under each BN sharing policy,
 //! the onboarding package they give, and the registry of sites' calibrated BN.
 
-use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel};
+use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel, Incoming};
 use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::{Encoding, decode, encode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
@@ -137,12 +137,12 @@ fn update_with(
 fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
     let actions = agg
         .handle(
-            Event::Update {
+            Event::Update(Incoming {
                 site: s.into(),
                 bytes: bytes.into(),
                 arrival: unifed_aggregator::Arrival::Message,
                 staged: None,
-            },
+            }),
             1_000,
         )
         .unwrap();

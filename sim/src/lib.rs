@@ -13,7 +13,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use std::collections::VecDeque;
 use std::time::Instant;
 use unifed_aggregator::{
-    Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, GlobalModel,
+    Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, GlobalModel, Incoming,
 };
 use unifed_models::backend::Device;
 pub use unifed_models::site::{Site, select_for};
@@ -281,12 +281,12 @@ pub fn run_federation<N: Net>(
                         update_bytes[k] = payload.len();
                         now += 1;
                         agg_actions.extend(agg.handle(
-                            Event::Update {
+                            Event::Update(Incoming {
                                 site: site.to_string(),
                                 bytes: payload.into(),
                                 arrival: Arrival::Message,
                                 staged: None,
-                            },
+                            }),
                             now,
                         )?);
                     } else {
