@@ -70,7 +70,9 @@ pub enum Event {
     /// waiting): each is taken as an [`Event::Update`] would be, in order, but the slow part
     /// of taking several (checking every value, writing and syncing the spool files) runs side
     /// by side. Every message handed at once is in memory at once: the service hands at most
-    /// [`VET_WIDTH`].
+    /// [`VET_WIDTH`]. The one difference: updates past the number the round still needs are
+    /// taken into it too, since the fold is asked for after the batch (one by one, the round
+    /// would have closed before them and refused them as late).
     Updates(Vec<Incoming>),
     /// Time passed: closes a round whose deadline has expired.
     Tick,
