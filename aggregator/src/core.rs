@@ -584,10 +584,7 @@ impl Aggregator {
                 if self.state.round == 0 {
                     self.state.round = 1;
                     self.open_round(now_ms)?;
-                } else if !self.state.finished
-                    && !self.accepted.is_empty()
-                    && self.accepted.len() >= self.needed()
-                {
+                } else if self.round_complete() {
                     // A crash between the last accept and the round's commit: close it now.
                     return self.close_round(now_ms);
                 }
@@ -617,11 +614,7 @@ impl Aggregator {
             Event::Update(one) => self.on_updates(vec![one], now_ms),
             Event::Updates(batch) => self.on_updates(batch, now_ms),
             Event::Close => {
-                if self.state.round == 0
-                    || self.state.finished
-                    || self.accepted.is_empty()
-                    || self.accepted.len() < self.needed()
-                {
+                if !self.round_complete() {
                     return Ok(Vec::new());
                 }
                 self.close_round(now_ms)
@@ -912,8 +905,7 @@ impl Aggregator {
             }
             actions.extend(self.take_wave(&wave, now_ms)?);
         }
-        if !self.state.finished && !self.accepted.is_empty() && self.accepted.len() >= self.needed()
-        {
+        if self.round_complete() {
             actions.push(Action::Close);
         }
         Ok(actions)
@@ -1197,6 +1189,15 @@ impl Aggregator {
     /// core (the service's update-chunk task), taken again after [`Aggregator::set_revoked`].
     pub fn admission(&self) -> &Admission {
         &self.admission
+    }
+
+    /// Whether an open, unfinished round has every update it needs: what [`Event::Close`]
+    /// folds.
+    fn round_complete(&self) -> bool {
+        self.state.round > 0
+            && !self.state.finished
+            && !self.accepted.is_empty()
+            && self.accepted.len() >= self.needed()
     }
 
     /// Updates that close the open round.
