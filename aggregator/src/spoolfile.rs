@@ -26,7 +26,6 @@
 use crate::sealed::{CHECKSUM_LEN, Sealed, SealedFile, Sum, trailer_of};
 use crate::store::{SpoolEntry, SpoolTensor, StoreError, corrupt, io};
 use std::fs::File;
-use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -312,7 +311,7 @@ pub(crate) fn read<T>(
         Ok((ft, _)) => in_head_order(&ft.delta),
         Err(_) => Vec::new(),
     };
-    let mut b = Body::new(f, READ_BLOCK, &trailer, path.to_path_buf());
+    let mut b = Body::new(&f, READ_BLOCK, &trailer, path.to_path_buf());
     let mut failed = None;
     let mut footer = footer;
     for &(k, offset, count) in &ranges {
@@ -362,28 +361,28 @@ fn footer_of(path: &Path, f: &File, body: u64, round: u64) -> Result<Footer, Sto
     parse_footer(path, &b, head_len, round)
 }
 
-/// A spool file whose delta is exact tensors in its head only, read in order a block at a time
-/// as the caller asks, and summed on the way: several files of a round are read in step this
-/// way ([`crate::store::Store::spool_fold_round`]). Nothing read counts until [`Exact::finish`]
-/// has checked the sum.
+/// A spool file whose delta is exact tensors in its head only, read by position from any
+/// number of threads at once: several files of a round are folded value range by value range
+/// this way ([`crate::store::Store::spool_fold_round`]), while [`Exact::verify`] reads each
+/// one whole and checks its sum. Nothing read counts until `verify` has passed.
 pub(crate) struct Exact {
     /// The footer (read before the checksum has vouched for it).
     pub footer: Footer,
     /// The delta's tensors as (index, offset, count), in the order they lie in the file.
     pub ranges: Vec<(usize, u64, usize)>,
-    body: Body,
+    f: File,
+    path: std::path::PathBuf,
     len: u64,
     trailer: [u8; CHECKSUM_LEN],
 }
 
 impl Exact {
-    /// Opens the spool file `f` at `path` of round `round` by its footer, to be read at most
-    /// `block` bytes at a time; `None` when a delta tensor is lossy (in its wire form).
+    /// Opens the spool file `f` at `path` of round `round` by its footer; `None` when a delta
+    /// tensor is lossy (in its wire form).
     pub(crate) fn open(
         path: std::path::PathBuf,
         f: File,
         round: u64,
-        block: usize,
     ) -> Result<Option<Exact>, StoreError> {
         let (len, trailer) = trailer_of(&path, &f)?;
         let footer = footer_of(&path, &f, len, round)?;
@@ -393,7 +392,8 @@ impl Exact {
         Ok(Some(Exact {
             ranges: in_head_order(&footer.delta),
             footer,
-            body: Body::new(f, block, &trailer, path),
+            f,
+            path,
             len,
             trailer,
         }))
@@ -401,31 +401,28 @@ impl Exact {
 
     /// The file's path.
     pub(crate) fn path(&self) -> &Path {
-        &self.body.path
+        &self.path
     }
 
-    /// The `n` bytes (at most a block) from byte `at` on, read and summed; `at` is not before
-    /// what was read already.
-    pub(crate) fn read_at(&mut self, at: u64, n: usize) -> Result<&[u8], StoreError> {
-        assert!(n <= self.body.buf.len(), "a read of at most a block");
-        self.body.read_to(at, |_, _| {})?;
-        self.body.read_to(at + n as u64, |_, _| {})?;
-        Ok(&self.body.buf[..n])
+    /// Fills `buf` from byte `at` of the file (the footer placed every tensor in the head).
+    pub(crate) fn read_at(&self, at: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        self.f.read_exact_at(buf, at).map_err(|e| io(&self.path, e))
     }
 
-    /// Reads and sums the rest of the body and checks it against the trailer.
-    pub(crate) fn finish(mut self) -> Result<(), StoreError> {
-        self.body.read_to(self.len, |_, _| {})?;
-        self.body.check(self.len, &self.trailer)
+    /// Reads the whole body in order, sums it and checks it against the trailer.
+    pub(crate) fn verify(&self) -> Result<(), StoreError> {
+        let mut body = Body::new(&self.f, READ_BLOCK, &self.trailer, self.path.clone());
+        body.read_to(self.len, |_, _| {})?;
+        body.check(self.len, &self.trailer)
     }
 }
 
 /// Bytes read at a time: straight into the block handed on (no buffered reader's copy between).
 const READ_BLOCK: usize = 1 << 20;
 
-/// A file's body read in order and summed.
-struct Body {
-    f: File,
+/// A file's body read in order (by position) and summed.
+struct Body<'f> {
+    f: &'f File,
     buf: Vec<u8>,
     sum: Sum,
     /// Bytes read so far.
@@ -433,9 +430,14 @@ struct Body {
     path: std::path::PathBuf,
 }
 
-impl Body {
+impl<'f> Body<'f> {
     /// The body of `f` (at `path`), read `block` bytes at a time into the sum `trailer` names.
-    fn new(f: File, block: usize, trailer: &[u8; CHECKSUM_LEN], path: std::path::PathBuf) -> Body {
+    fn new(
+        f: &'f File,
+        block: usize,
+        trailer: &[u8; CHECKSUM_LEN],
+        path: std::path::PathBuf,
+    ) -> Body<'f> {
         Body {
             f,
             buf: vec![0u8; block],
@@ -465,7 +467,7 @@ impl Body {
         while self.pos < to {
             let n = ((to - self.pos) as usize).min(self.buf.len());
             self.f
-                .read_exact(&mut self.buf[..n])
+                .read_exact_at(&mut self.buf[..n], self.pos)
                 .map_err(|e| io(&self.path, e))?;
             self.sum.update(&self.buf[..n]);
             each(at, &self.buf[..n]);

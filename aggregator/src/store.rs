@@ -50,6 +50,17 @@ const HELD_MAGIC: &[u8; 4] = b"UFEH";
 /// each file costs little against its sums.
 pub const ROUND_BLOCK: usize = 16 << 10;
 
+/// The most threads [`Store::spool_fold_round`] reads a round's files on: past about eight, a
+/// fold of page-cached files is bound by memory bandwidth rather than cores.
+pub const FOLD_THREADS: usize = 8;
+
+/// A piece of [`Store::spool_fold_round`]'s work: check file `j`'s sum, or fold value ranges
+/// (tensor in file order, first value, its targets) of every file.
+enum FoldTask<'t, T> {
+    Verify(usize),
+    Fold(Vec<(usize, usize, &'t mut [T])>),
+}
+
 /// An accepted update as [`Store::spool_put`] keeps it: the delta as it arrived (in the order
 /// the core hands to the strategy), the rest as [`Contribution`] holds it.
 #[derive(Debug)]
@@ -772,23 +783,28 @@ impl Store {
     }
 
     /// The weighted mean of the spooled deltas of `sites` (in that order) of `round`, each
-    /// scaled by `weight(samples)`, handed on a block of values at a time as `each(tensor,
-    /// first value, mean)`: all the files are read once and in step, so neither an update nor
-    /// the sums are ever whole in memory (a block of [`ROUND_BLOCK`] sums, and a read buffer).
+    /// scaled by `weight(samples)`, handed to `each(target, mean)` a block of values at a time
+    /// with the part of `targets` (one slice per delta tensor, as long as the tensor) the block
+    /// is of: every value exactly once. The files are read by value range on up to
+    /// [`FOLD_THREADS`] threads (at most one per core), each range of every file in step, while
+    /// other threads read each file whole to check its sum; so neither an update nor the sums
+    /// are ever whole in memory (a block of [`ROUND_BLOCK`] sums and a read buffer per thread).
     /// The sums are [`Fold`]'s, bit for bit (per value in site order, in f64, then divided by
-    /// the total weight). Returns `Ok(Some(false))` when no weight was folded (nothing goes to
-    /// `each`), and `Ok(None)`, having handed nothing on, when a file holds a lossy tensor, is
-    /// of an older format, or places the tensors in another order than the first: such a round
-    /// is folded an update at a time ([`Store::spool_fold`]). Values reach `each` before the
-    /// files' checksums have passed: on any error, what it made of them must be dropped.
-    pub fn spool_fold_round(
+    /// the total weight), however the values are split. Returns `Ok(Some(false))` when no
+    /// weight was folded (nothing goes to `each`), and `Ok(None)`, having handed nothing on,
+    /// when a file holds a lossy tensor, is of an older format, or places the tensors in
+    /// another order than the first: such a round is folded an update at a time
+    /// ([`Store::spool_fold`]). Values reach `each` before the files' checksums have passed: on
+    /// any error, what it made of them must be dropped.
+    pub fn spool_fold_round<T: Send>(
         &self,
         round: u64,
         sites: &[String],
         weight: impl Fn(u64) -> f64,
-        lens: &[usize],
-        mut each: impl FnMut(usize, usize, &[f64]),
+        targets: &mut [&mut [T]],
+        each: impl Fn(&mut [T], &[f64]) + Sync,
     ) -> Result<Option<bool>, StoreError> {
+        let lens: Vec<usize> = targets.iter().map(|t| t.len()).collect();
         let mut files = Vec::with_capacity(sites.len());
         let mut weights = Vec::with_capacity(sites.len());
         let mut total = 0.0;
@@ -798,11 +814,11 @@ impl Store {
             if spoolfile::starts_with_magic(&p, &f)? {
                 return Ok(None);
             }
-            let Some(file) = spoolfile::Exact::open(p.clone(), f, round, ROUND_BLOCK * 4)? else {
+            let Some(file) = spoolfile::Exact::open(p.clone(), f, round)? else {
                 return Ok(None);
             };
             let ft = &file.footer;
-            footer_fits(&p, ft, lens)?;
+            footer_fits(&p, ft, &lens)?;
             footer_sound(&p, ft)?;
             let w = weight(ft.samples);
             total += w;
@@ -819,37 +835,106 @@ impl Store {
             return Ok(None);
         }
         let folded = total > 0.0;
-        let mut sums = vec![0.0f64; ROUND_BLOCK];
-        for (i, &(k, count)) in first.iter().enumerate() {
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, FOLD_THREADS);
+        // Value ranges of about a quarter of a thread's share, whole blocks, so that threads
+        // that also check a file's sum still get an even share.
+        let values: usize = first.iter().map(|&(_, n)| n).sum();
+        let part = values
+            .div_ceil(threads * 4)
+            .next_multiple_of(ROUND_BLOCK)
+            .max(ROUND_BLOCK);
+        let mut tasks: Vec<FoldTask<'_, T>> = (0..files.len()).map(FoldTask::Verify).collect();
+        let mut slots: Vec<Option<&mut [T]>> = targets.iter_mut().map(|t| Some(&mut **t)).collect();
+        let mut pieces = Vec::new();
+        let mut filled = 0;
+        for (i, &(k, _)) in first.iter().enumerate() {
+            let mut rest = slots[k].take().unwrap_or_default();
             let mut at = 0;
-            while at < count {
-                let n = (count - at).min(ROUND_BLOCK);
-                let sums = &mut sums[..n];
-                sums.fill(0.0);
-                for (f, &w) in files.iter_mut().zip(&weights) {
-                    let from = f.ranges[i].1 + at as u64 * 4;
-                    let bytes = f.read_at(from, n * 4)?;
-                    let mut finite = true;
-                    for (s, b) in sums.iter_mut().zip(bytes.chunks_exact(4)) {
-                        let y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                        finite &= y.is_finite();
-                        *s += w * y as f64;
-                    }
-                    if !finite {
-                        return Err(corrupt(f.path(), "holds a value that is not finite"));
-                    }
+            while !rest.is_empty() {
+                let n = rest.len().min(part - filled);
+                let (piece, tail) = rest.split_at_mut(n);
+                pieces.push((i, at, piece));
+                (rest, at, filled) = (tail, at + n, filled + n);
+                if filled == part {
+                    tasks.push(FoldTask::Fold(std::mem::take(&mut pieces)));
+                    filled = 0;
                 }
-                if folded {
-                    sums.iter_mut().for_each(|s| *s /= total);
-                    each(k, at, sums);
-                }
-                at += n;
             }
         }
-        for f in files {
-            f.finish()?;
+        if !pieces.is_empty() {
+            tasks.push(FoldTask::Fold(pieces));
         }
-        Ok(Some(folded))
+        let fold = |pieces: Vec<(usize, usize, &mut [T])>| -> Result<(), (usize, u8, StoreError)> {
+            let mut buf = vec![0u8; ROUND_BLOCK * 4];
+            let mut sums = vec![0.0f64; ROUND_BLOCK];
+            for (i, first_value, target) in pieces {
+                for (b, target) in target.chunks_mut(ROUND_BLOCK).enumerate() {
+                    let n = target.len();
+                    let sums = &mut sums[..n];
+                    sums.fill(0.0);
+                    let at = (first_value + b * ROUND_BLOCK) as u64 * 4;
+                    for (j, (f, &w)) in files.iter().zip(&weights).enumerate() {
+                        let bytes = &mut buf[..n * 4];
+                        f.read_at(f.ranges[i].1 + at, bytes)
+                            .map_err(|e| (j, 1, e))?;
+                        let mut finite = true;
+                        for (s, b) in sums.iter_mut().zip(bytes.chunks_exact(4)) {
+                            let y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                            finite &= y.is_finite();
+                            *s += w * y as f64;
+                        }
+                        if !finite {
+                            return Err((
+                                j,
+                                1,
+                                corrupt(f.path(), "holds a value that is not finite"),
+                            ));
+                        }
+                    }
+                    if folded {
+                        sums.iter_mut().for_each(|s| *s /= total);
+                        each(target, sums);
+                    }
+                }
+            }
+            Ok(())
+        };
+        let run = |task: FoldTask<'_, T>| match task {
+            FoldTask::Verify(j) => files[j].verify().map_err(|e| (j, 0, e)),
+            FoldTask::Fold(pieces) => fold(pieces),
+        };
+        let queue = std::sync::Mutex::new(tasks);
+        let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let work = || {
+            let mut errors = Vec::new();
+            while let Some(task) = next() {
+                if let Err(e) = run(task) {
+                    errors.push(e);
+                }
+            }
+            errors
+        };
+        let mut errors: Vec<(usize, u8, StoreError)> = if threads == 1 {
+            work()
+        } else {
+            std::thread::scope(|s| {
+                let helpers: Vec<_> = (1..threads).map(|_| s.spawn(work)).collect();
+                let mut errors = work();
+                for h in helpers {
+                    errors.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+                }
+                errors
+            })
+        };
+        // One error whatever the threads' timing: the first file's, a damaged sum before
+        // anything else it holds.
+        errors.sort_by_key(|&(j, rank, _)| (j, rank));
+        match errors.into_iter().next() {
+            Some((.., e)) => Err(e),
+            None => Ok(Some(folded)),
+        }
     }
 
     /// Checks `site`'s spooled update of `round` in full (checksum, format, finite values)

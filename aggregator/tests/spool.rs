@@ -384,18 +384,18 @@ fn round_mean(
     sites: &[String],
     lens: &[usize],
 ) -> Result<Option<RoundMean>, String> {
-    let mut mean: Vec<Vec<u64>> = lens.iter().map(|&n| vec![0; n]).collect();
-    let mut seen: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0; n]).collect();
+    // Each value's bits, and how often it was handed on.
+    let mut mean: Vec<Vec<(u64, u8)>> = lens.iter().map(|&n| vec![(0, 0); n]).collect();
+    let mut targets: Vec<&mut [(u64, u8)]> = mean.iter_mut().map(|t| &mut t[..]).collect();
     let folded = store
         .spool_fold_round(
             round,
             sites,
             |n| n as f64 * 0.5,
-            lens,
-            |k, at, m| {
-                for (i, v) in m.iter().enumerate() {
-                    mean[k][at + i] = v.to_bits();
-                    seen[k][at + i] += 1;
+            &mut targets,
+            |t, m| {
+                for (x, v) in t.iter_mut().zip(m) {
+                    *x = (v.to_bits(), x.1 + 1);
                 }
             },
         )
@@ -403,8 +403,13 @@ fn round_mean(
     Ok(folded.map(|f| {
         // Every value exactly once when folded, none otherwise.
         let want = u8::from(f);
-        assert!(seen.iter().flatten().all(|&s| s == want));
-        (f, mean)
+        assert!(mean.iter().flatten().all(|&(_, s)| s == want));
+        (
+            f,
+            mean.iter()
+                .map(|t| t.iter().map(|&(b, _)| b).collect())
+                .collect(),
+        )
     }))
 }
 
@@ -470,6 +475,22 @@ fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time()
     );
     assert_eq!(
         round_mean(&store, 7, &many, &lens).unwrap().unwrap().1,
+        whole
+    );
+
+    // Small tensors first: the value ranges split the large one at no block boundary of its
+    // own.
+    let shuffled = [7, 1, 2 * block + block / 2];
+    let whole = spool_and_fold(
+        &store,
+        8,
+        &sites,
+        &shuffled,
+        |i, k| (i * 7 + k) as f32 * 0.125,
+        |i| 5 + 2 * i as u64,
+    );
+    assert_eq!(
+        round_mean(&store, 8, &sites, &shuffled).unwrap().unwrap().1,
         whole
     );
 

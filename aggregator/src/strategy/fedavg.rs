@@ -101,10 +101,8 @@ impl Strategy for FedAvg {
         model: &mut [&mut Vec<f32>],
     ) -> Result<(), StoreError> {
         // The mean is applied as it is folded, a block at a time: no model-sized sums.
-        let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
-        round.mean_delta_blocks(&lens, |k, at, mean| {
-            step_by(&mut model[k][at..at + mean.len()], mean, 1.0);
-        })?;
+        let mut targets: Vec<&mut [f32]> = model.iter_mut().map(|t| &mut t[..]).collect();
+        round.mean_delta_into(&mut targets, |x, mean| step_by(x, mean, 1.0))?;
         Ok(())
     }
 

@@ -334,35 +334,35 @@ impl<'a> RoundReader<'a> {
     /// The weighted mean of the contributions' deltas in f64, shaped like `model` (`None` when
     /// nothing carries weight).
     pub fn mean_delta(&self, model: &[&mut Vec<f32>]) -> Result<Option<Vec<Vec<f64>>>, StoreError> {
-        let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
-        let mut mean: Vec<Vec<f64>> = lens.iter().map(|&n| vec![0.0; n]).collect();
-        let folded = self.mean_delta_blocks(&lens, |k, at, m| {
-            mean[k][at..at + m.len()].copy_from_slice(m);
-        })?;
+        let mut mean: Vec<Vec<f64>> = model.iter().map(|t| vec![0.0; t.len()]).collect();
+        let mut targets: Vec<&mut [f64]> = mean.iter_mut().map(|t| &mut t[..]).collect();
+        let folded = self.mean_delta_into(&mut targets, |t, m| t.copy_from_slice(m))?;
         Ok(folded.then_some(mean))
     }
 
-    /// The weighted mean of the contributions' deltas (tensors of `lens` values) handed on a
-    /// block at a time, `each(tensor, first value, mean)`, every value exactly once; false when
-    /// nothing carries weight (nothing is handed on). Every update is read once and never
-    /// whole, and neither are the sums when the round's updates are exact
+    /// The weighted mean of the contributions' deltas handed to `each(target, mean)` a block of
+    /// values at a time, with the part of `targets` (one slice per delta tensor, as long as
+    /// it) the block is of, every value exactly once and perhaps from several threads at once;
+    /// false when nothing carries weight (nothing is handed on). Every update is read once for
+    /// the values and never whole, and neither are the sums when the round's updates are exact
     /// ([`Store::spool_fold_round`]); otherwise each update is folded into sums of the model's
     /// size in turn. On an error, what `each` made of the values must be dropped.
-    pub fn mean_delta_blocks(
+    pub fn mean_delta_into<T: Send>(
         &self,
-        lens: &[usize],
-        mut each: impl FnMut(usize, usize, &[f64]),
+        targets: &mut [&mut [T]],
+        each: impl Fn(&mut [T], &[f64]) + Sync,
     ) -> Result<bool, StoreError> {
         if let Some(folded) = self.store.spool_fold_round(
             self.round,
             &self.sites,
             |n| self.weight_of(n),
-            lens,
-            &mut each,
+            targets,
+            &each,
         )? {
             return Ok(folded);
         }
-        let mut fold = crate::fold::Fold::new(lens);
+        let lens: Vec<usize> = targets.iter().map(|t| t.len()).collect();
+        let mut fold = crate::fold::Fold::new(&lens);
         for s in &self.sites {
             self.store
                 .spool_fold(self.round, s, |n| self.weight_of(n), &mut fold)?;
@@ -370,8 +370,8 @@ impl<'a> RoundReader<'a> {
         let Some(mean) = fold.mean() else {
             return Ok(false);
         };
-        for (k, m) in mean.iter().enumerate() {
-            each(k, 0, m);
+        for (t, m) in targets.iter_mut().zip(&mean) {
+            each(t, m);
         }
         Ok(true)
     }
