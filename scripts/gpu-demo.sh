@@ -8,7 +8,8 @@
 #   for b in demo agent; do strip -o /tmp/u target/release/unifed-$b && xz -T2 -6 -c /tmp/u > target/gpu/unifed-$b.xz; done
 #   target/gpu/debs/*.deb: Debian's libvulkan1 and the libglvnd set (results/gpu/README.md)
 #   target/gpu/kernels.tar.gz (optional): the kernel caches this script kept last time
-# Run from the repository root: bash scripts/gpu-demo.sh [ROUNDS] [SECONDS] [STEPS] [POLICIES].
+# Run from the repository root: bash scripts/gpu-demo.sh [ROUNDS] [SECONDS] [STEPS] [POLICIES];
+# DEMO_ARGS adds options to the demo (e.g. DEMO_ARGS="--evaluate-at before-training").
 # STEPS (default "warmup restart demo flex-threads vulkan") picks the steps, POLICIES the demo's BN
 # policies (default both); a step starts with what is left of SECONDS (default 540). Everything
 # it measures goes into one archive, $OUT/gpu-demo.tar.gz (a device returns a limited count of
@@ -96,7 +97,7 @@ run() { # name, timeout, command...
 }
 # Room for the benches after the demo, when they run.
 later=10; { on flex-threads || on vulkan; } && later=150
-run demo $(( $(left) - later )) /tmp/udemo --backend vulkan --rounds $ROUNDS --policies $POLICIES --work $W --out $R/demo
+run demo $(( $(left) - later )) /tmp/udemo --backend vulkan --rounds $ROUNDS --policies $POLICIES --work $W --out $R/demo ${DEMO_ARGS:-}
 for p in local global; do [ -d $W/$p ] && mkdir -p $R/demo-logs && for f in $W/$p/*.log; do tail -c 20000 $f > $R/demo-logs/$p-$(basename $f); done; done
 run flex-threads $(( $(left) - 60 )) /tmp/uagent bench --backends flex --thread-counts 2,8,16 --steps 20 \
   --torch-script scripts/torch_bench.py --out $R/bench-flex.json

@@ -88,6 +88,14 @@ pub struct AgentConfig {
     /// not only at the end.
     #[serde(default)]
     pub evaluate_each_model: bool,
+    /// When a site evaluates a model it trains from (with `evaluate_each_model`):
+    /// `before-training`, or `while-uploading`, on a copy frozen before training, while the
+    /// update goes up and the aggregator folds (the same accuracy, off the round's critical
+    /// path, for the memory of a second model). Default: `while-uploading` on a GPU backend,
+    /// whose copy lives on the device and whose host is idle during the upload;
+    /// `before-training` on the CPU, which is busy until the round ends anyway.
+    #[serde(default)]
+    pub evaluate_at: Option<EvaluateAt>,
     /// BN of a site joining a running federation (its first model is past version 0) under
     /// `local` BN: `calibrate` (default) re-estimates the statistics on its own training images
     /// before it trains; `fresh` keeps the never-trained statistics.
@@ -184,6 +192,27 @@ pub enum JoinBn {
     Fresh,
 }
 
+/// When a site evaluates a model it trains from ([`AgentConfig::evaluate_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum EvaluateAt {
+    /// Before training, on the model itself.
+    BeforeTraining,
+    /// While the update uploads, on a copy frozen before training.
+    WhileUploading,
+}
+
+impl EvaluateAt {
+    /// `configured`, or the default of `backend`: while uploading on a GPU.
+    pub fn resolve(configured: Option<EvaluateAt>, backend: Backend) -> EvaluateAt {
+        configured.unwrap_or(if backend.is_gpu() {
+            EvaluateAt::WhileUploading
+        } else {
+            EvaluateAt::BeforeTraining
+        })
+    }
+}
+
 fn default_backend() -> String {
     "flex".into()
 }
@@ -276,6 +305,7 @@ pub async fn run(
     let (site_id, fed) = cfg.ids()?;
     let identity = cfg.identity()?;
     let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
+    let evaluate_at = EvaluateAt::resolve(cfg.evaluate_at, backend);
     let device: Device = cfg.device(backend).map_err(anyhow::Error::msg)?;
     let (net, spec) = cfg.model_and_spec(&device)?;
     let (train, test) = load_data(&cfg, &spec)?;
@@ -367,6 +397,9 @@ pub async fn run(
     // one block, written in place, so the heap grows by a few packets only.
     let chunk_requests = topics.chunk_request(&site_id);
     let mut relaying = false;
+    // A training job that handed its update over and still holds the site while it evaluates
+    // the model the round trained from (`EvaluateAt::WhileUploading`).
+    let mut evaluating: Option<tokio::task::JoinHandle<(Site<AnyNet>, Result<()>)>> = None;
     loop {
         let event = match queue.pop_front() {
             Some(e) => e,
@@ -389,6 +422,16 @@ pub async fn run(
             },
         };
         for action in engine.handle(event, now()) {
+            // Sending needs no site; anything else waits for the evaluation to give it back.
+            if !matches!(
+                action,
+                SiteAction::Publish { .. } | SiteAction::Uploading { .. }
+            ) && let Some(job) = evaluating.take()
+            {
+                let (s, evaluated) = job.await?;
+                site = Some(s);
+                evaluated?;
+            }
             match action {
                 SiteAction::Publish { topic, payload } => {
                     if !relaying && topic == chunk_requests {
@@ -480,15 +523,19 @@ pub async fn run(
                 }
                 SiteAction::Train { manifest: m } => {
                     // A model trained from at once is checkpointed with its training's outcome
-                    // (see `SiteAction::Checkpoint`): it is announced and evaluated here.
+                    // (see `SiteAction::Checkpoint`): it is announced here, and evaluated here
+                    // or, frozen, while the update uploads.
+                    let mut frozen = None;
                     if let Some(a) = announce.take() {
-                        announced(
-                            &cfg,
-                            &spec,
-                            &device,
-                            site.as_ref().expect("site present"),
-                            a,
-                        )?;
+                        let s = site.as_ref().expect("site present");
+                        if evaluate_at == EvaluateAt::WhileUploading {
+                            if evaluates(&cfg, &a.0) {
+                                frozen = Some((a.0.clone(), s.freeze()));
+                            }
+                            applied(&cfg, &a);
+                        } else {
+                            announced(&cfg, &spec, &device, s, a)?;
+                        }
                     }
                     println!(
                         "{site_id}: training round {} from model v{}",
@@ -511,6 +558,8 @@ pub async fn run(
                         m.clone(),
                     );
                     let mut bar = training_bar(site_id.as_str(), m.round);
+                    let (trained_tx, trained_rx) = tokio::sync::oneshot::channel();
+                    let (cfg2, spec3) = (cfg.clone(), spec.clone());
                     let job = tokio::task::spawn_blocking(move || {
                         let started = Instant::now();
                         // Training's peak memory, apart from encoding's.
@@ -544,14 +593,26 @@ pub async fn run(
                             );
                             report::phase_seconds(m2.round, Phase::Encode, encode);
                         }
+                        // The update goes up now; the site stays here while it evaluates.
+                        let _ = trained_tx.send(r);
+                        let evaluated = match frozen {
+                            Some((fm, net)) => {
+                                // Lean allocation: the upload goes on beside it.
+                                let evaluated =
+                                    evaluate_report(&cfg2, &spec3, &dev2, &s, &net, &fm);
+                                drop(net);
+                                evaluated
+                            }
+                            None => Ok(()),
+                        };
                         // Training's buffers and the update's pieces are freed now.
                         unifed_net::release_free_memory();
                         // A GPU's pipelines compiled for this round (its first, mostly) are kept
                         // for the next start.
                         unifed_models::backend::save_compiled_kernels();
-                        (s, r)
+                        (s, evaluated)
                     });
-                    let (s, update) = tokio::select! {
+                    let update = tokio::select! {
                         // Stop now: the checkpoint holds the last round's outcome, and the
                         // model is fetched and the round trained again after a restart.
                         _ = &mut shutdown => {
@@ -559,9 +620,14 @@ pub async fn run(
                             goodbye("stopped").await;
                             return Ok(None);
                         }
-                        r = job => r?,
+                        r = trained_rx => r,
                     };
-                    site = Some(s);
+                    let Ok(update) = update else {
+                        // The job ended without handing an update over: it panicked.
+                        drop(job.await?);
+                        bail!("training round {} ended without an outcome", m.round);
+                    };
+                    evaluating = Some(job);
                     match update {
                         Ok(update) => queue.push_back(Event::Trained {
                             round: m.round,
@@ -672,33 +738,59 @@ fn announced(
     spec: &ModelSpec,
     device: &Device,
     s: &Site<AnyNet>,
-    (m, fetch_ms, bytes): (RoundManifest, u64, u64),
+    a: (RoundManifest, u64, u64),
 ) -> Result<()> {
+    applied(cfg, &a);
+    if evaluates(cfg, &a.0) {
+        tokio::task::block_in_place(|| {
+            unifed_net::memory::with_fast_allocation(|| {
+                evaluate_report(cfg, spec, device, s, &s.net, &a.0)
+            })
+        })?;
+    }
+    Ok(())
+}
+
+/// Reports a model applied (its manifest, fetch milliseconds and bytes).
+fn applied(cfg: &AgentConfig, (m, fetch_ms, bytes): &(RoundManifest, u64, u64)) {
     println!("{}: applied model v{}", cfg.site, m.model_version);
     Report::Applied {
         version: m.model_version,
-        bytes,
-        seconds: fetch_ms as f64 / 1000.0,
+        bytes: *bytes,
+        seconds: *fetch_ms as f64 / 1000.0,
     }
     .emit();
     // The download's buffers go back before evaluation and training take their memory.
     unifed_net::release_free_memory();
-    if cfg.evaluate_each_model && !m.finished {
-        let evaluating = Instant::now();
-        let acc = tokio::task::block_in_place(|| {
-            unifed_net::memory::with_fast_allocation(|| {
-                s.evaluate(spec, &m.plan, &cfg.train, device)
-            })
-        })?
+}
+
+/// Whether the site evaluates the model of manifest `m` before it trains from it (the final
+/// model is evaluated when the federation finishes).
+fn evaluates(cfg: &AgentConfig, m: &RoundManifest) -> bool {
+    cfg.evaluate_each_model && !m.finished
+}
+
+/// Evaluates `net`, the site's model as it applied the model of manifest `m` (the model
+/// itself, or a copy [`Site::freeze`] made), and reports the phase and the accuracy.
+fn evaluate_report(
+    cfg: &AgentConfig,
+    spec: &ModelSpec,
+    device: &Device,
+    s: &Site<AnyNet>,
+    net: &AnyNet,
+    m: &RoundManifest,
+) -> Result<()> {
+    let evaluating = Instant::now();
+    let acc = s
+        .evaluate_frozen(net, spec, &m.plan, &cfg.train, device)?
         .accuracy();
-        unifed_net::release_free_memory();
-        report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
-        Report::Evaluated {
-            version: m.model_version,
-            accuracy: acc,
-        }
-        .emit();
+    unifed_net::release_free_memory();
+    report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
+    Report::Evaluated {
+        version: m.model_version,
+        accuracy: acc,
     }
+    .emit();
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 use unifed_agent::progress::{Phase, Report};
-use unifed_agent::train::{AgentConfig, DataConfig};
+use unifed_agent::train::{AgentConfig, DataConfig, EvaluateAt};
 use unifed_aggregator::config::{EnrolledSite, FederationConfig};
 use unifed_aggregator::service::ServiceConfig;
 use unifed_models::backend::Backend;
@@ -51,6 +51,10 @@ pub struct Options {
     /// built with that feature (`cargo build --release -p unifed-demo --features vulkan`).
     #[arg(long, default_value = "flex")]
     pub backend: String,
+    /// When agents evaluate each model they train from: before-training, or while-uploading
+    /// (on a copy frozen before training). Default: the agents' own, while uploading on a GPU.
+    #[arg(long)]
+    pub evaluate_at: Option<EvaluateAt>,
     /// CPU threads per agent process (default: cores / sites, at least 1).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -193,8 +197,9 @@ pub struct RoundTimeline {
     /// CPU seconds all processes used in the round: on a machine with fewer cores than
     /// processes, what the round's length follows.
     pub cpu_total: f64,
-    /// The overhead without the slowest site's evaluation (the demo's own measurement, which a
-    /// deployed agent can turn off), as a share of the wall time.
+    /// The overhead without the longest evaluation a site's training waited for (the demo's
+    /// own measurement, which a deployed agent can turn off; one made while the update uploads
+    /// holds no training up), as a share of the wall time.
     pub overhead_share_without_evaluation: f64,
 }
 
@@ -230,6 +235,7 @@ fn timelines(
     closed: &[f64],
     cpu: &[BTreeMap<String, f64>],
     phases: &[PhaseReport],
+    spans: &[Span],
 ) -> Vec<RoundTimeline> {
     // Every phase as seconds since the start, whatever round it is of.
     let busy: Vec<(f64, f64)> = phases
@@ -262,6 +268,20 @@ fn timelines(
             let max = |p: Phase| by.get(&p).map_or(0.0, |s| s.max);
             let training = max(Phase::Train);
             let overhead = wall - training;
+            // An evaluation holds the round up when it ended before its site's training began.
+            let trains_after = |e: &Span| {
+                spans.iter().any(|t| {
+                    t.round == round
+                        && t.phase == Phase::Train
+                        && t.who == e.who
+                        && e.end <= t.start + 0.001
+                })
+            };
+            let waited = spans
+                .iter()
+                .filter(|e| e.round == round && e.phase == Phase::Evaluate && trains_after(e))
+                .map(|e| e.end - e.start)
+                .fold(0.0, f64::max);
             RoundTimeline {
                 round,
                 wall_seconds: wall,
@@ -269,7 +289,7 @@ fn timelines(
                 overhead_seconds: overhead,
                 overhead_share: overhead / wall,
                 idle_seconds: idle,
-                overhead_share_without_evaluation: (overhead - max(Phase::Evaluate)) / wall,
+                overhead_share_without_evaluation: (overhead - waited) / wall,
                 cpu_total: cpu_seconds.values().sum(),
                 cpu_seconds,
                 phases: by,
@@ -425,6 +445,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
             resend_secs: 120,
             threads: Some(threads),
             evaluate_each_model: true,
+            evaluate_at: opts.evaluate_at,
             join_bn: Default::default(),
             site_key: None,
             identity: work.join(id).join("identity.key"),
@@ -651,7 +672,14 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     rounds_bar.finish();
     let memory = kids.memory();
     drop(kids);
-    let timeline = timelines(opts.rounds, start_ms, &round_closed, &cpu_closed, &phases);
+    let timeline = timelines(
+        opts.rounds,
+        start_ms,
+        &round_closed,
+        &cpu_closed,
+        &phases,
+        &spans,
+    );
     let mut phase_peak_bytes: BTreeMap<Phase, u64> = BTreeMap::new();
     for &(_, p, _, peak, _) in &phases {
         let e = phase_peak_bytes.entry(p).or_default();
@@ -703,6 +731,47 @@ mod tests {
         assert!((idle - 5.5).abs() < 1e-12, "{idle}");
         assert_eq!(super::uncovered(0.0, 4.0, &[]), 4.0);
         assert_eq!(super::uncovered(0.0, 4.0, &[(-1.0, 5.0)]), 0.0);
+    }
+
+    #[test]
+    fn only_an_evaluation_a_training_waited_for_counts_as_evaluation_overhead() {
+        use super::{Phase, Span};
+        // Site a evaluates (1 s) before it trains (5 s); site b trains (4 s) and then
+        // evaluates (3 s) while its update uploads. The round closes at 10 s.
+        let reports = [
+            ("a", Phase::Evaluate, 1.0, 2.0),
+            ("a", Phase::Train, 5.0, 7.0),
+            ("b", Phase::Train, 4.0, 6.0),
+            ("b", Phase::Evaluate, 3.0, 9.5),
+        ];
+        let phases: Vec<super::PhaseReport> = reports
+            .iter()
+            .map(|&(_, p, secs, end)| (1, p, secs, None, Some((end * 1000.0) as u64)))
+            .collect();
+        let spans: Vec<Span> = reports
+            .iter()
+            .map(|&(who, phase, secs, end)| Span {
+                who: who.into(),
+                round: 1,
+                phase,
+                start: end - secs,
+                end,
+            })
+            .collect();
+        let cpu = vec![Default::default(), Default::default()];
+        let t = &super::timelines(1, 0, &[10.0], &cpu, &phases, &spans)[0];
+        assert_eq!((t.wall_seconds, t.training_seconds), (10.0, 5.0));
+        assert!(
+            (t.overhead_share - 0.5).abs() < 1e-12,
+            "{}",
+            t.overhead_share
+        );
+        // Site a's evaluation held the round up; site b's, longer, did not.
+        assert!(
+            (t.overhead_share_without_evaluation - 0.4).abs() < 1e-12,
+            "{}",
+            t.overhead_share_without_evaluation
+        );
     }
 
     #[test]

@@ -1082,10 +1082,44 @@ impl<N: Net> Site<N> {
         tc: &TrainConfig,
         device: &Device,
     ) -> Result<EvalReport, SiteError> {
+        self.evaluate_model(&self.net, data, spec, plan, tc, device)
+    }
+
+    /// A copy of the site's model as it is now, to evaluate while the site trains on or after
+    /// ([`Site::evaluate_frozen`]): its BN running statistics are its own, which training the
+    /// site's model leaves alone (clones of a model share them). Its tensors are the model's
+    /// until training replaces them, so it holds memory of its own only from then on.
+    pub fn freeze(&self) -> N {
+        self.net.valid()
+    }
+
+    /// [`Site::evaluate`] of `frozen`, a model [`Site::freeze`] copied, instead of the site's
+    /// model: the same report as evaluating the site's model when it was frozen.
+    pub fn evaluate_frozen(
+        &self,
+        frozen: &N,
+        spec: &ModelSpec,
+        plan: &RoundPlan,
+        tc: &TrainConfig,
+        device: &Device,
+    ) -> Result<EvalReport, SiteError> {
+        self.evaluate_model(frozen, &self.test, spec, plan, tc, device)
+    }
+
+    /// Evaluates `net` on `data` as the site's model: personalised first under Per-FedAvg.
+    fn evaluate_model(
+        &self,
+        net: &N,
+        data: &Dataset,
+        spec: &ModelSpec,
+        plan: &RoundPlan,
+        tc: &TrainConfig,
+        device: &Device,
+    ) -> Result<EvalReport, SiteError> {
         let classes = spec.classes.len();
         let personal = match plan.objective {
             Objective::Meta { alpha, .. } => Some(personalise(
-                &self.net,
+                net,
                 &self.train,
                 classes,
                 alpha,
@@ -1095,7 +1129,7 @@ impl<N: Net> Site<N> {
             )?),
             _ => None,
         };
-        let net = personal.as_ref().unwrap_or(&self.net);
+        let net = personal.as_ref().unwrap_or(net);
         Ok(evaluate(net, data, classes, EVAL_BATCH, device)?)
     }
 }

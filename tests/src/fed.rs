@@ -76,6 +76,10 @@ pub struct Fed {
     pub ca_file: Option<PathBuf>,
     /// Training images of particular sites (others: `train_samples`).
     pub samples: std::collections::BTreeMap<String, usize>,
+    /// The built-in domain of particular sites (others: the domain the site is named after).
+    pub domains: std::collections::BTreeMap<String, String>,
+    /// Lines added at the top of particular sites' agent configs.
+    pub agent_extra: std::collections::BTreeMap<String, String>,
     /// The sites enrolled with the aggregator (each with its key from [`Fed::key_file`]).
     pub sites: Vec<String>,
     /// Sites whose keys the aggregator's config revokes.
@@ -112,6 +116,8 @@ impl Fed {
             train_samples: 48,
             resend_secs: 30,
             samples: Default::default(),
+            domains: Default::default(),
+            agent_extra: Default::default(),
             ca_file: None,
             sites: ["grey", "texture", "lowres"].map(String::from).to_vec(),
             revoked: Vec::new(),
@@ -303,13 +309,15 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{}{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{site}\"\ntrain_samples = {}\n",
+                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{}{}{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{}\"\ntrain_samples = {}\n",
                 self.site_dir(device).display(),
                 self.resend_secs,
+                self.agent_extra.get(site).map_or("", |x| x.as_str()),
                 self.identity_toml(site),
                 list(&self.conv),
                 list(&self.fc),
                 self.broker_toml_for(site),
+                self.domains.get(site).map_or(site, |d| d.as_str()),
                 self.samples.get(site).copied().unwrap_or(self.train_samples),
             ),
         )
@@ -397,6 +405,7 @@ fn spawn(cmd: &mut Command, log: &Path) -> Guard {
     let g = f.try_clone().expect("log file");
     Guard(
         cmd.env("RUST_LOG", "info,rumqttc=warn")
+            .env("UNIFED_REPORT", "1")
             .stdout(Stdio::from(f))
             .stderr(Stdio::from(g))
             .spawn()
