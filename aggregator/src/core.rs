@@ -223,7 +223,7 @@ pub struct Admission {
 
 impl Admission {
     /// Opens messages of `federation` with the keys of `keyring`.
-    pub(crate) fn new(keyring: Keyring, federation: Id) -> Self {
+    pub fn new(keyring: Keyring, federation: Id) -> Self {
         Admission {
             keyring,
             federation,
@@ -1186,7 +1186,7 @@ impl Aggregator {
     }
 
     /// How a site's message is opened ([`Admission::admit`]); a clone serves away from the
-    /// core (the service's update-chunk task), taken again after [`Aggregator::set_revoked`].
+    /// core (the service's update-chunk threads), taken again after [`Aggregator::set_revoked`].
     pub fn admission(&self) -> &Admission {
         &self.admission
     }

@@ -392,31 +392,42 @@ pub async fn serve(
     // Chunked uploads spooled to disk as they arrive: bounded per site and in all, incomplete
     // sets dropped after 10 minutes. Their chunks are taken, and receipted, by a task of their
     // own; the model version its receipts name and its keys follow this loop's.
-    let uploads = SpooledUploads::open(
-        &cfg.data_dir.join("incoming"),
-        upload_share(
-            cfg.federation.max_update_bytes,
-            cfg.max_upload_bytes,
-            cfg.federation.sites.len(),
-        ),
-        600_000,
-    )?;
+    let incoming = cfg.data_dir.join("incoming");
+    match std::fs::remove_dir_all(&incoming) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(anyhow::Error::new(e).context(format!("emptying {}", incoming.display())));
+        }
+        _ => {}
+    }
+    let per_site = upload_share(
+        cfg.federation.max_update_bytes,
+        cfg.max_upload_bytes,
+        cfg.federation.sites.len(),
+    );
     let (admission_tx, admission) = tokio::sync::watch::channel(core.admission().clone());
     let (version_tx, version) = tokio::sync::watch::channel(core.model_version());
     // Two complete updates per enrolled site may wait for the core (an honest site has one
     // per round).
     let (complete, mut completed) =
         tokio::sync::mpsc::channel(2 * cfg.federation.sites.len().max(1));
-    let ingest = crate::ingest::Ingest {
-        uploads,
-        admission,
-        limit: cfg.broker.max_packet_bytes + 4096,
-        prefix: update_prefix.clone(),
-        complete,
-    };
+    // Each ingest thread spools its sites' uploads in a folder of its own.
+    let shards = crate::ingest::shard_count(cfg.federation.sites.len());
+    let mut ingests = Vec::with_capacity(shards);
+    for k in 0..shards {
+        ingests.push(crate::ingest::Ingest {
+            uploads: SpooledUploads::open(&incoming.join(k.to_string()), per_site, 600_000)?,
+            admission: admission.clone(),
+            limit: cfg.broker.max_packet_bytes + 4096,
+            prefix: update_prefix.clone(),
+            complete: complete.clone(),
+        });
+    }
+    drop(complete);
     let receipts = std::sync::Arc::new(wire.clone());
-    tokio::spawn(
-        ingest.run(chunks_rx, move |(site, r): crate::ingest::Receipt| {
+    crate::ingest::spawn_sharded(
+        ingests,
+        chunks_rx,
+        move |(site, r): crate::ingest::Receipt| {
             let (wire, version) = (receipts.clone(), *version.borrow());
             async move {
                 wire.send(
@@ -428,8 +439,9 @@ pub async fn serve(
                 )
                 .await
             }
-        }),
-    );
+        },
+    )
+    .context("starting the ingest threads")?;
     let mut serves = ServeCounts::default();
     let mut finished_at: Option<Instant> = None;
     let mut manifest_at = Instant::now();
@@ -601,7 +613,7 @@ pub async fn serve(
                 Some(NetEvent::Disconnected(_)) => {}
                 Some(NetEvent::Message { topic, payload }) => {
                     if let Some(site) = topic.strip_prefix(&update_prefix) {
-                        // Whole updates (chunks go to the ingest task): the core opens them
+                        // Whole updates (chunks go to the ingest threads): the core opens them
                         // (once) and refuses what is not an update.
                         let update = Event::Update(Incoming { site: site.to_string(), bytes: payload, arrival: Arrival::Message, staged: None });
                         pending = step(&mut core, update, Instant::now())?;

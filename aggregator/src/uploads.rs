@@ -4,7 +4,7 @@
 //! file, which the core makes its spool file when it accepts the update (so the update is not
 //! written again); the file is removed otherwise.
 //!
-//! Every chunk handed in was opened with its site's key by the caller (the ingest task), so a
+//! Every chunk handed in was opened with its site's key by the caller (an ingest thread), so a
 //! set is not hashed: each byte was signed by the site with its index and the set's hash and
 //! length, and only a site that cut its own update wrong could make the set differ from the
 //! hash it names (as a site takes the aggregator's signed chunks,

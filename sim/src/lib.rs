@@ -7,6 +7,7 @@
 pub mod chart;
 pub mod experiment;
 pub mod heap;
+pub mod ingest;
 pub mod memory;
 
 use anyhow::{Context, Result, anyhow, bail};

@@ -118,6 +118,26 @@ enum Cmd {
         #[arg(long, hide = true)]
         one: Option<usize>,
     },
+    /// How fast the aggregator takes in uploads that arrive at once (the full-size model's f32
+    /// update from each site, signed in chunks), on each number of ingest threads.
+    IngestSpeed {
+        /// Uploads arriving at once.
+        #[arg(long, default_value_t = 5)]
+        sites: usize,
+        /// Ingest thread counts, each measured.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        shards: Vec<usize>,
+        /// Measurements of each count (the table gives the fastest and the slowest).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Where the uploads are spooled (default: the system's temporary folder): the
+        /// aggregator's data directory's file system is what counts.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Output folder.
+        #[arg(long, default_value = "results")]
+        out: PathBuf,
+    },
     /// An experiment preset (TOML: algorithms x BN policies x seeds, rounds, split sizes,
     /// model): every run not already in the output folder, then the internal table (best on
     /// validation and final, local - global BN per algorithm) and a convergence chart.
@@ -549,6 +569,13 @@ fn main() -> Result<()> {
             out,
             one: None,
         } => aggregator_memory(&sites, &encodings, &arrivals, &out)?,
+        Cmd::IngestSpeed {
+            sites,
+            shards,
+            repeats,
+            dir,
+            out,
+        } => ingest_speed(sites, &shards, repeats, dir, &out)?,
         Cmd::Encodings {
             common,
             encodings,
@@ -757,6 +784,77 @@ enum HandOver {
 }
 
 /// Measures each site count in a child process and writes results/aggregator-memory.{json,md}.
+fn ingest_speed(
+    sites: usize,
+    shards: &[usize],
+    repeats: usize,
+    dir: Option<PathBuf>,
+    out: &std::path::Path,
+) -> Result<()> {
+    use unifed_sim::ingest::{IngestRow, measure, sites_per_shard};
+    let dir = dir.unwrap_or_else(std::env::temp_dir);
+    // The full-size digits CNN's f32 update: its trainable tensors' values.
+    let device = unifed_models::backend::Backend::Flex
+        .device()
+        .map_err(anyhow::Error::msg)?;
+    let mc = unifed_models::zoo::ModelConfig::fedbn_digits();
+    let net = unifed_models::zoo::seeded(&device, 0, |d| {
+        unifed_models::zoo::DigitsCnnConfig::default().init(d)
+    });
+    let spec = unifed_models::zoo::spec_of(&net, &mc.classes, &mc.input);
+    let update_bytes: usize = spec.tensors.iter().map(|t| 4 * t.numel()).sum();
+    std::fs::create_dir_all(out)?;
+    let mut rows = Vec::new();
+    for &n in shards {
+        let mut seconds = Vec::with_capacity(repeats);
+        for _ in 0..repeats.max(1) {
+            seconds.push(measure(sites, n, update_bytes, &dir)?);
+        }
+        eprintln!("{n} shard(s): {seconds:.3?} s");
+        rows.push(IngestRow {
+            shards: n,
+            sites,
+            sites_per_shard: sites_per_shard(sites, n),
+            update_bytes,
+            seconds,
+        });
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut md = format!(
+        "Uploads arriving at once through the aggregator's ingest (`{}`), spooled in {} on a \
+         machine of {cores} cores: {sites} sites' f32 updates of {:.2} MB each, signed in \
+         chunks of {} bytes.\n\n\
+         | threads | sites per thread | seconds (fastest, slowest) | MB/s (fastest) |\n\
+         |---:|---|---|---:|\n",
+        std::env::args().collect::<Vec<_>>().join(" "),
+        dir.display(),
+        update_bytes as f64 / 1e6,
+        unifed_protocol::chunking::CHUNK_BYTES,
+    );
+    for r in &rows {
+        let fast = r.seconds.iter().copied().fold(f64::INFINITY, f64::min);
+        let slow = r.seconds.iter().copied().fold(0.0, f64::max);
+        md.push_str(&format!(
+            "| {} | {:?} | {fast:.3}, {slow:.3} | {:.0} |\n",
+            r.shards,
+            r.sites_per_shard,
+            (r.sites * r.update_bytes) as f64 / 1e6 / fast
+        ));
+    }
+    print!("{md}");
+    std::fs::write(out.join("ingest-speed.md"), &md)?;
+    std::fs::write(
+        out.join("ingest-speed.json"),
+        serde_json::to_string_pretty(&json!({
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "cores": cores,
+            "dir": dir,
+            "rows": rows,
+        }))?,
+    )?;
+    Ok(())
+}
+
 fn aggregator_memory(
     counts: &[usize],
     encodings: &[String],
