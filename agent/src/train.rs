@@ -559,7 +559,6 @@ pub async fn run(
                     );
                     let mut bar = training_bar(site_id.as_str(), m.round);
                     let (trained_tx, trained_rx) = tokio::sync::oneshot::channel();
-                    let (cfg2, spec3) = (cfg.clone(), spec.clone());
                     let job = tokio::task::spawn_blocking(move || {
                         let started = Instant::now();
                         // Training's peak memory, apart from encoding's.
@@ -595,16 +594,10 @@ pub async fn run(
                         }
                         // The update goes up now; the site stays here while it evaluates.
                         let _ = trained_tx.send(r);
-                        let evaluated = match frozen {
-                            Some((fm, net)) => {
-                                // Lean allocation: the upload goes on beside it.
-                                let evaluated =
-                                    evaluate_report(&cfg2, &spec3, &dev2, &s, &net, &fm);
-                                drop(net);
-                                evaluated
-                            }
-                            None => Ok(()),
-                        };
+                        // Under lean allocation: the upload goes on beside it.
+                        let evaluated = frozen.map_or(Ok(()), |(fm, net)| {
+                            evaluate_report(&tc, &spec2, &dev2, &s, &net, &fm)
+                        });
                         // Training's buffers and the update's pieces are freed now.
                         unifed_net::release_free_memory();
                         // A GPU's pipelines compiled for this round (its first, mostly) are kept
@@ -744,7 +737,7 @@ fn announced(
     if evaluates(cfg, &a.0) {
         tokio::task::block_in_place(|| {
             unifed_net::memory::with_fast_allocation(|| {
-                evaluate_report(cfg, spec, device, s, &s.net, &a.0)
+                evaluate_report(&cfg.train, spec, device, s, &s.net, &a.0)
             })
         })?;
     }
@@ -773,7 +766,7 @@ fn evaluates(cfg: &AgentConfig, m: &RoundManifest) -> bool {
 /// Evaluates `net`, the site's model as it applied the model of manifest `m` (the model
 /// itself, or a copy [`Site::freeze`] made), and reports the phase and the accuracy.
 fn evaluate_report(
-    cfg: &AgentConfig,
+    tc: &TrainConfig,
     spec: &ModelSpec,
     device: &Device,
     s: &Site<AnyNet>,
@@ -782,7 +775,7 @@ fn evaluate_report(
 ) -> Result<()> {
     let evaluating = Instant::now();
     let acc = s
-        .evaluate_frozen(net, spec, &m.plan, &cfg.train, device)?
+        .evaluate_frozen(net, spec, &m.plan, tc, device)?
         .accuracy();
     unifed_net::release_free_memory();
     report::phase(m.model_version + 1, Phase::Evaluate, evaluating);

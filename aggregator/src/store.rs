@@ -845,6 +845,8 @@ impl Store {
             .div_ceil(threads * 4)
             .next_multiple_of(ROUND_BLOCK)
             .max(ROUND_BLOCK);
+        // Taken from the end: the value ranges first, then the files' checks (the other way
+        // round was no faster, and less steady, on 2 cores).
         let mut tasks: Vec<FoldTask<'_, T>> = (0..files.len()).map(FoldTask::Verify).collect();
         let mut slots: Vec<Option<&mut [T]>> = targets.iter_mut().map(|t| Some(&mut **t)).collect();
         let mut pieces = Vec::new();
@@ -916,18 +918,14 @@ impl Store {
             }
             errors
         };
-        let mut errors: Vec<(usize, u8, StoreError)> = if threads == 1 {
-            work()
-        } else {
-            std::thread::scope(|s| {
-                let helpers: Vec<_> = (1..threads).map(|_| s.spawn(work)).collect();
-                let mut errors = work();
-                for h in helpers {
-                    errors.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-                }
-                errors
-            })
-        };
+        let mut errors: Vec<(usize, u8, StoreError)> = std::thread::scope(|s| {
+            let helpers: Vec<_> = (1..threads).map(|_| s.spawn(work)).collect();
+            let mut errors = work();
+            for h in helpers {
+                errors.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+            }
+            errors
+        });
         // One error whatever the threads' timing: the first file's, a damaged sum before
         // anything else it holds.
         errors.sort_by_key(|&(j, rank, _)| (j, rank));
