@@ -422,6 +422,9 @@ pub async fn run(
             },
         };
         for action in engine.handle(event, now()) {
+            // When the action came: an answer ends the upload then, however long the
+            // evaluation below still takes.
+            let came = Instant::now();
             // Sending needs no site; anything else waits for the evaluation to give it back.
             if !matches!(
                 action,
@@ -616,7 +619,8 @@ pub async fn run(
                         r = trained_rx => r,
                     };
                     let Ok(update) = update else {
-                        // The job ended without handing an update over: it panicked.
+                        // The job dropped the sender without an update: it panicked, and
+                        // awaiting it returns that panic as the error.
                         drop(job.await?);
                         bail!("training round {} ended without an outcome", m.round);
                     };
@@ -664,7 +668,14 @@ pub async fn run(
                         .expect("site present")
                         .answered(round, accepted);
                     if let Some((_, t)) = upload_started.take_if(|(r, _)| *r == round) {
-                        report::phase(round, Phase::Upload, t);
+                        let took = came.duration_since(t).as_secs_f64();
+                        report::phase_ended(
+                            round,
+                            Phase::Upload,
+                            took,
+                            report::take_peak(),
+                            came.elapsed(),
+                        );
                     }
                     checkpoint_round = round;
                     Report::Answered { round, accepted }.emit();

@@ -2,9 +2,9 @@
 //! sender, federation), spooled ([`SpooledUploads`]) and receipted here, so a site's upload
 //! window keeps moving while the core's loop spools a whole update or folds a round (a few
 //! hundred milliseconds each, during which every site's upload used to wait for its receipts).
-//! A complete set goes to the core's loop as a [`Complete`] update. Sites are spread over up
-//! to [`INGEST_SHARDS`] threads by their id ([`spawn_sharded`]): opening and writing a 57 MB
-//! upload takes about 40 ms of a core, and on a GPU every site's upload arrives at once.
+//! A complete set goes to the core's loop as a [`Complete`] update. The enrolled sites are
+//! spread over up to [`INGEST_SHARDS`] threads ([`spawn_sharded`]): opening and writing a
+//! 57 MB upload takes about 40 ms of a core, and on a GPU every site's upload arrives at once.
 
 use crate::core::Admission;
 use crate::uploads::{Received, SpooledUploads};
@@ -27,7 +27,7 @@ pub struct Complete {
 /// A receipt to send: the site, and what it acknowledges.
 pub type Receipt = (Id, UpdateReceipt);
 
-/// What the task needs, apart from its input.
+/// What an ingest thread needs, apart from its input.
 pub struct Ingest {
     /// Incomplete uploads.
     pub uploads: SpooledUploads,
@@ -39,13 +39,13 @@ pub struct Ingest {
     pub prefix: String,
     /// Where complete updates go: a bounded queue, so sets waiting for the core (files
     /// outside the per-site share of `uploads`) take at most its capacity times a set's
-    /// bytes of disk; a full queue holds this task back until the core takes one.
+    /// bytes of disk; a full queue holds this thread back until the core takes one.
     pub complete: mpsc::Sender<Complete>,
 }
 
 impl Ingest {
     /// Takes in the update chunks of `input` until it or the core's loop is gone; `receipt`
-    /// sends each receipt (an error ends the task, as it would end the service).
+    /// sends each receipt (an error ends it, and with it every ingest thread and the service).
     pub async fn run<F, Fut>(mut self, mut input: mpsc::UnboundedReceiver<NetEvent>, receipt: F)
     where
         F: Fn(Receipt) -> Fut,
@@ -83,8 +83,7 @@ impl Ingest {
                     index: c.index,
                 };
                 // Inline: one positioned write of a chunk into the page cache (a quarter of a
-                // millisecond); `block_in_place` would hand this worker's other tasks to a new
-                // thread for every chunk.
+                // millisecond), on a thread that does nothing else.
                 self.uploads
                     .insert(&id, c, now)
                     .map(|done| (id, r, done))
@@ -126,21 +125,48 @@ pub fn shard_count(sites: usize) -> usize {
         .clamp(1, INGEST_SHARDS)
 }
 
-/// The shard (of `n`) whose thread takes `site`'s chunks: the same one for every chunk of a
-/// site, from the id alone (no state a flood of made-up topics could grow).
-pub fn shard_of(site: &str, n: usize) -> usize {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::hash::DefaultHasher::new();
-    site.hash(&mut h);
-    (h.finish() % n.max(1) as u64) as usize
+/// Which ingest thread takes each site's chunks: the enrolled sites in turn, fixed at start
+/// (no state that a flood of made-up topics could grow; their chunks go to the first thread,
+/// whose admission drops them).
+#[derive(Debug, Clone)]
+pub struct Shards {
+    of: std::collections::BTreeMap<String, usize>,
+    count: usize,
 }
 
-/// Runs each of `ingests` (whose `prefix`es are the same) on a thread of its own, and routes
-/// the chunks of `input` to them by the site of their topic ([`shard_of`]) from a task on the
-/// caller's runtime; `receipt` sends each thread's receipts. The threads end when `input` does,
-/// or when the core's loop is gone.
+impl Shards {
+    /// `count` threads (at least one) for the enrolled `sites`, taken in turn.
+    pub fn new(sites: &[String], count: usize) -> Shards {
+        let count = count.max(1);
+        Shards {
+            of: sites
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (s.clone(), i % count))
+                .collect(),
+            count,
+        }
+    }
+
+    /// The thread that takes `site`'s chunks.
+    pub fn of(&self, site: &str) -> usize {
+        self.of.get(site).copied().unwrap_or(0)
+    }
+
+    /// How many threads there are.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+}
+
+/// Runs each of `ingests` (one per shard of `shards`, their `prefix`es the same) on a thread of
+/// its own, and routes the chunks of `input` to them by the site of their topic from a task on
+/// the caller's runtime; `receipt` sends each thread's receipts. The threads end when `input`
+/// does, when the core's loop is gone, or when one of them stops (its receipts could not be
+/// sent): then all do, and the core's loop sees its updates' channel close.
 pub fn spawn_sharded<F, Fut>(
     ingests: Vec<Ingest>,
+    shards: Shards,
     mut input: mpsc::UnboundedReceiver<NetEvent>,
     receipt: F,
 ) -> std::io::Result<()>
@@ -151,28 +177,45 @@ where
     let Some(prefix) = ingests.first().map(|i| i.prefix.clone()) else {
         return Ok(());
     };
-    let n = ingests.len();
-    let mut shards = Vec::with_capacity(n);
+    assert_eq!(ingests.len(), shards.count(), "one ingest per shard");
+    let (stopped_tx, mut stopped) = mpsc::unbounded_channel::<usize>();
+    let mut inputs = Vec::with_capacity(ingests.len());
     for (k, ingest) in ingests.into_iter().enumerate() {
         let (tx, rx) = mpsc::unbounded_channel();
-        let receipt = receipt.clone();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
+        let (receipt, stopped_tx) = (receipt.clone(), stopped_tx.clone());
         std::thread::Builder::new()
             .name(format!("ingest-{k}"))
-            .spawn(move || rt.block_on(ingest.run(rx, receipt)))?;
-        shards.push(tx);
+            .spawn(move || {
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt.block_on(ingest.run(rx, receipt)),
+                    Err(e) => tracing::error!(error = %e, "ingest thread {k} has no runtime"),
+                }
+                let _ = stopped_tx.send(k);
+            })?;
+        inputs.push(tx);
     }
     tokio::spawn(async move {
-        while let Some(ev) = input.recv().await {
+        loop {
+            let ev = tokio::select! {
+                ev = input.recv() => ev,
+                Some(k) = stopped.recv() => {
+                    tracing::error!("ingest thread {k} stopped; taking no more update chunks");
+                    None
+                }
+            };
+            let Some(ev) = ev else {
+                return;
+            };
             let NetEvent::Message { topic, .. } = &ev else {
                 continue;
             };
             let k = topic
                 .strip_prefix(&prefix)
-                .map_or(0, |site| shard_of(site, n));
-            if shards[k].send(ev).is_err() {
+                .map_or(0, |site| shards.of(site));
+            if inputs[k].send(ev).is_err() {
                 return;
             }
         }
@@ -183,7 +226,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::{BTreeMap, BTreeSet};
+    use std::collections::BTreeMap;
     use unifed_protocol::SpecHash;
     use unifed_protocol::auth::{Keyring, SigningKey};
     use unifed_protocol::chunking::{chunks, payload_hash};
@@ -287,11 +330,16 @@ mod tests {
             })
             .collect();
         drop(complete);
-        let shard: BTreeMap<&str, usize> = sites.iter().map(|s| (*s, shard_of(s, n))).collect();
-        assert!(
-            shard.values().collect::<BTreeSet<_>>().len() > 1,
-            "the sites share one shard: {shard:?}"
+        let enrolled: Vec<String> = sites.iter().map(|s| s.to_string()).collect();
+        let shards = Shards::new(&enrolled, n);
+        // The enrolled sites in turn: two a thread.
+        let shard: BTreeMap<&str, usize> = sites.iter().map(|s| (*s, shards.of(s))).collect();
+        assert_eq!(
+            shard.values().copied().collect::<Vec<_>>(),
+            [0, 1, 2, 0, 1, 2]
         );
+        // A site nobody enrolled goes to the first thread.
+        assert_eq!(shards.of("mallory"), 0);
         let payloads: Vec<Vec<u8>> = (0..sites.len())
             .map(|i| (0..5_000).map(|j| ((i * 7 + j) % 251) as u8).collect())
             .collect();
@@ -324,7 +372,7 @@ mod tests {
             .build()
             .unwrap()
             .block_on(async move {
-                spawn_sharded(ingests, rx, move |(site, r): Receipt| {
+                spawn_sharded(ingests, shards, rx, move |(site, r): Receipt| {
                     let thread = std::thread::current().name().map(String::from);
                     seen.lock()
                         .unwrap()
@@ -353,5 +401,64 @@ mod tests {
             assert_eq!(set.set.read().unwrap(), *p, "{s}");
         }
         assert_eq!(done.len(), sites.len());
+    }
+
+    /// A thread whose receipts cannot be sent stops, and with it every other thread, while the
+    /// input is still open: the core's loop sees its updates' channel close at once.
+    #[test]
+    fn a_thread_that_stops_stops_them_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = SigningKey::from_seed([5; 32]);
+        let mut ring = Keyring::default();
+        ring.enrol(id("a"), key.public());
+        let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
+        let (complete, mut completed) = mpsc::channel(4);
+        let ingests: Vec<Ingest> = (0..2)
+            .map(|k| Ingest {
+                uploads: SpooledUploads::open(&dir.path().join(k.to_string()), 1 << 20, 60_000)
+                    .unwrap(),
+                admission: admission.clone(),
+                limit: 1 << 20,
+                prefix: "u/".into(),
+                complete: complete.clone(),
+            })
+            .collect();
+        drop(complete);
+        let shards = Shards::new(&["a".to_string(), "b".to_string()], 2);
+        let payload: Vec<u8> = (0..3_000).map(|i| (i % 251) as u8).collect();
+        let chunk = chunks(&payload, 1_000).next().unwrap();
+        let env = Envelope::new(
+            MessageKind::UpdateChunk,
+            id("fed"),
+            id("a"),
+            1,
+            0,
+            SpecHash([3; 32]),
+            &chunk,
+        );
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(NetEvent::Message {
+            topic: "u/a".into(),
+            payload: key.sign(&env).into(),
+        })
+        .unwrap();
+        let closed = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async move {
+                spawn_sharded(ingests, shards, rx, |_: Receipt| async {
+                    anyhow::bail!("the MQTT client is gone")
+                })
+                .unwrap();
+                let closed =
+                    tokio::time::timeout(std::time::Duration::from_secs(30), completed.recv())
+                        .await;
+                // The input stays open until here.
+                drop(tx);
+                closed
+            });
+        assert!(matches!(closed, Ok(None)), "{closed:?}");
     }
 }

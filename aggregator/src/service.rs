@@ -390,8 +390,8 @@ pub async fn serve(
         unifed_protocol::chunking::Reassembler::new(120_000, 16 * core.max_entry_bytes())
             .with_max_payload(core.max_entry_bytes());
     // Chunked uploads spooled to disk as they arrive: bounded per site and in all, incomplete
-    // sets dropped after 10 minutes. Their chunks are taken, and receipted, by a task of their
-    // own; the model version its receipts name and its keys follow this loop's.
+    // sets dropped after 10 minutes. Their chunks are taken, and receipted, by threads of their
+    // own; the model version their receipts name and their keys follow this loop's.
     let incoming = cfg.data_dir.join("incoming");
     match std::fs::remove_dir_all(&incoming) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -426,6 +426,14 @@ pub async fn serve(
     let receipts = std::sync::Arc::new(wire.clone());
     crate::ingest::spawn_sharded(
         ingests,
+        crate::ingest::Shards::new(
+            &cfg.federation
+                .sites
+                .iter()
+                .map(|s| s.id.clone())
+                .collect::<Vec<_>>(),
+            shards,
+        ),
         chunks_rx,
         move |(site, r): crate::ingest::Receipt| {
             let (wire, version) = (receipts.clone(), *version.borrow());
@@ -564,7 +572,7 @@ pub async fn serve(
                 pending = step(&mut core, Event::Tick, Instant::now())?;
             }
             done = completed.recv() => match done {
-                None => bail!("the task taking update chunks stopped"),
+                None => bail!("the threads taking update chunks stopped"),
                 Some(c) => {
                     let t = Instant::now();
                     // The core takes the updates waiting with this one at once, up to the

@@ -21,7 +21,9 @@
 //! A reader takes the tail and footer first (positioned reads), then reads the file once from
 //! the start, summing it and handing each exact tensor's values on a block at a time; nothing
 //! it made of the file counts until the checksum has passed, and a damaged file is reported as
-//! the checksum mismatch it is, whatever its footer says.
+//! the checksum mismatch it is, whatever its footer says. The fold of a round of such files
+//! ([`Exact`]) reads each twice instead, its values by range and its sum whole, on several
+//! threads.
 
 use crate::sealed::{CHECKSUM_LEN, Sealed, SealedFile, Sum, trailer_of};
 use crate::store::{SpoolEntry, SpoolTensor, StoreError, corrupt, io};

@@ -918,8 +918,15 @@ impl Store {
             }
             errors
         };
+        // As many helpers as the system gives, up to one per task beside this thread (which
+        // can do all of it alone).
+        let helpers = threads
+            .min(queue.lock().map_or(1, |q| q.len()))
+            .saturating_sub(1);
         let mut errors: Vec<(usize, u8, StoreError)> = std::thread::scope(|s| {
-            let helpers: Vec<_> = (1..threads).map(|_| s.spawn(work)).collect();
+            let helpers: Vec<_> = (0..helpers)
+                .map_while(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
+                .collect();
             let mut errors = work();
             for h in helpers {
                 errors.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use std::path::Path;
 use unifed_aggregator::core::Admission;
-use unifed_aggregator::ingest::{Ingest, shard_of, spawn_sharded};
+use unifed_aggregator::ingest::{Ingest, Shards, spawn_sharded};
 use unifed_aggregator::uploads::SpooledUploads;
 use unifed_net::NetEvent;
 use unifed_protocol::SpecHash;
@@ -91,6 +91,7 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
                 .collect(),
         );
     }
+    let shards = Shards::new(&names, shards);
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let count = signed[0].len();
     for c in 0..count {
@@ -111,19 +112,24 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
         .worker_threads(2)
         .build()?
         .block_on(async move {
-            spawn_sharded(ingests, rx, move |(site, r): (Id, UpdateReceipt)| {
-                let env = Envelope::new(
-                    MessageKind::UpdateReceipt,
-                    Id::new("ingest").expect("valid"),
-                    site,
-                    r.round,
-                    0,
-                    SpecHash([0; 32]),
-                    &r,
-                );
-                std::hint::black_box(receipt_key.sign(&env));
-                async { Ok(()) }
-            })?;
+            spawn_sharded(
+                ingests,
+                shards,
+                rx,
+                move |(site, r): (Id, UpdateReceipt)| {
+                    let env = Envelope::new(
+                        MessageKind::UpdateReceipt,
+                        Id::new("ingest").expect("valid"),
+                        site,
+                        r.round,
+                        0,
+                        SpecHash([0; 32]),
+                        &r,
+                    );
+                    std::hint::black_box(receipt_key.sign(&env));
+                    async { Ok(()) }
+                },
+            )?;
             let mut done = 0;
             while completed.recv().await.is_some() {
                 done += 1;
@@ -139,9 +145,11 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
 
 /// How many of `sites` sites each of `shards` threads takes.
 pub fn sites_per_shard(sites: usize, shards: usize) -> Vec<usize> {
-    let mut per = vec![0; shards];
-    for i in 0..sites {
-        per[shard_of(&format!("site-{i:03}"), shards)] += 1;
+    let names: Vec<String> = (0..sites).map(|i| format!("site-{i:03}")).collect();
+    let map = Shards::new(&names, shards);
+    let mut per = vec![0; map.count()];
+    for s in &names {
+        per[map.of(s)] += 1;
     }
     per
 }
