@@ -236,6 +236,31 @@ mod tests {
         Id::new(s).unwrap()
     }
 
+    /// `n` ingests of the sites `keys` enrol (`u/<site>` topics), spooling under `dir`, and
+    /// the channel their complete sets come out of.
+    fn ingests(
+        dir: &std::path::Path,
+        keys: &[(&str, &SigningKey)],
+        n: usize,
+    ) -> (Vec<Ingest>, mpsc::Receiver<Complete>) {
+        let mut ring = Keyring::default();
+        for (s, k) in keys {
+            ring.enrol(id(s), k.public());
+        }
+        let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
+        let (complete, completed) = mpsc::channel(16);
+        let ingests = (0..n)
+            .map(|k| Ingest {
+                uploads: SpooledUploads::open(&dir.join(k.to_string()), 1 << 20, 60_000).unwrap(),
+                admission: admission.clone(),
+                limit: 1 << 20,
+                prefix: "u/".into(),
+                complete: complete.clone(),
+            })
+            .collect();
+        (ingests, completed)
+    }
+
     /// Only update chunks signed by the site of their topic are kept and receipted, whatever
     /// else the site signed: a set completes from them alone and goes to the core.
     #[test]
@@ -310,26 +335,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sites = ["a", "b", "c", "d", "e", "f"];
         let n = 3;
-        let mut ring = Keyring::default();
         let keys: Vec<SigningKey> = (0..sites.len())
             .map(|i| SigningKey::from_seed([i as u8 + 1; 32]))
             .collect();
-        for (s, k) in sites.iter().zip(&keys) {
-            ring.enrol(id(s), k.public());
-        }
-        let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
-        let (complete, mut completed) = mpsc::channel(16);
-        let ingests: Vec<Ingest> = (0..n)
-            .map(|k| Ingest {
-                uploads: SpooledUploads::open(&dir.path().join(k.to_string()), 1 << 20, 60_000)
-                    .unwrap(),
-                admission: admission.clone(),
-                limit: 1 << 20,
-                prefix: "u/".into(),
-                complete: complete.clone(),
-            })
-            .collect();
-        drop(complete);
+        let enrolling: Vec<(&str, &SigningKey)> = sites.iter().copied().zip(&keys).collect();
+        let (ingests, mut completed) = ingests(dir.path(), &enrolling, n);
         let enrolled: Vec<String> = sites.iter().map(|s| s.to_string()).collect();
         let shards = Shards::new(&enrolled, n);
         // The enrolled sites in turn: two a thread.
@@ -409,21 +419,7 @@ mod tests {
     fn a_thread_that_stops_stops_them_all() {
         let dir = tempfile::tempdir().unwrap();
         let key = SigningKey::from_seed([5; 32]);
-        let mut ring = Keyring::default();
-        ring.enrol(id("a"), key.public());
-        let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
-        let (complete, mut completed) = mpsc::channel(4);
-        let ingests: Vec<Ingest> = (0..2)
-            .map(|k| Ingest {
-                uploads: SpooledUploads::open(&dir.path().join(k.to_string()), 1 << 20, 60_000)
-                    .unwrap(),
-                admission: admission.clone(),
-                limit: 1 << 20,
-                prefix: "u/".into(),
-                complete: complete.clone(),
-            })
-            .collect();
-        drop(complete);
+        let (ingests, mut completed) = ingests(dir.path(), &[("a", &key)], 2);
         let shards = Shards::new(&["a".to_string(), "b".to_string()], 2);
         let payload: Vec<u8> = (0..3_000).map(|i| (i % 251) as u8).collect();
         let chunk = chunks(&payload, 1_000).next().unwrap();
