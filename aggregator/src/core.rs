@@ -890,9 +890,7 @@ impl Aggregator {
     /// an update (the message, the encoded update, the dense delta) is let go as soon as its
     /// spool file is written, and a wave's messages before the next wave is read.
     fn on_updates(&mut self, batch: Vec<Incoming>, now_ms: u64) -> Result<Vec<Action>, CoreError> {
-        let width = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, VET_WIDTH);
+        let width = crate::threads_up_to(VET_WIDTH);
         let mut actions = Vec::new();
         let mut batch = batch.into_iter().peekable();
         while batch.peek().is_some() {

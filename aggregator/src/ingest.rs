@@ -116,15 +116,6 @@ impl Ingest {
 /// The most threads [`spawn_sharded`] takes chunks on.
 pub const INGEST_SHARDS: usize = 4;
 
-/// How many ingest threads a federation of `sites` sites gets: one per core, at most one per
-/// site and at most [`INGEST_SHARDS`].
-pub fn shard_count(sites: usize) -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(sites)
-        .clamp(1, INGEST_SHARDS)
-}
-
 /// Which ingest thread takes each site's chunks: the enrolled sites in turn, fixed at start
 /// (no state that a flood of made-up topics could grow; their chunks go to the first thread,
 /// whose admission drops them).
@@ -135,6 +126,12 @@ pub struct Shards {
 }
 
 impl Shards {
+    /// The threads a federation of the enrolled `sites` gets: one per core, at most one per
+    /// site and at most [`INGEST_SHARDS`].
+    pub fn for_sites(sites: &[String]) -> Shards {
+        Shards::new(sites, crate::threads_up_to(INGEST_SHARDS.min(sites.len())))
+    }
+
     /// `count` threads (at least one) for the enrolled `sites`, taken in turn.
     pub fn new(sites: &[String], count: usize) -> Shards {
         let count = count.max(1);

@@ -43,3 +43,10 @@ pub mod uploads;
 pub use crate::config::{EnrolledSite, FederationConfig, Weighting};
 pub use crate::core::{Action, Aggregator, Arrival, CoreError, Event, GlobalModel, Incoming};
 pub use crate::strategy::{Algorithm, Strategy};
+
+/// Threads for work spread over the cores: one per core, at least one and at most `cap`.
+pub fn threads_up_to(cap: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, cap.max(1))
+}

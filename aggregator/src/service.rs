@@ -411,9 +411,10 @@ pub async fn serve(
     let (complete, mut completed) =
         tokio::sync::mpsc::channel(2 * cfg.federation.sites.len().max(1));
     // Each ingest thread spools its sites' uploads in a folder of its own.
-    let shards = crate::ingest::shard_count(cfg.federation.sites.len());
-    let mut ingests = Vec::with_capacity(shards);
-    for k in 0..shards {
+    let enrolled: Vec<String> = cfg.federation.sites.iter().map(|s| s.id.clone()).collect();
+    let shards = crate::ingest::Shards::for_sites(&enrolled);
+    let mut ingests = Vec::with_capacity(shards.count());
+    for k in 0..shards.count() {
         ingests.push(crate::ingest::Ingest {
             uploads: SpooledUploads::open(&incoming.join(k.to_string()), per_site, 600_000)?,
             admission: admission.clone(),
@@ -426,14 +427,7 @@ pub async fn serve(
     let receipts = std::sync::Arc::new(wire.clone());
     crate::ingest::spawn_sharded(
         ingests,
-        crate::ingest::Shards::new(
-            &cfg.federation
-                .sites
-                .iter()
-                .map(|s| s.id.clone())
-                .collect::<Vec<_>>(),
-            shards,
-        ),
+        shards,
         chunks_rx,
         move |(site, r): crate::ingest::Receipt| {
             let (wire, version) = (receipts.clone(), *version.borrow());

@@ -835,9 +835,7 @@ impl Store {
             return Ok(None);
         }
         let folded = total > 0.0;
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, FOLD_THREADS);
+        let threads = crate::threads_up_to(FOLD_THREADS);
         // Value ranges of about a quarter of a thread's share, whole blocks, so that threads
         // that also check a file's sum still get an even share.
         let values: usize = first.iter().map(|&(_, n)| n).sum();
@@ -907,6 +905,9 @@ impl Store {
             FoldTask::Verify(j) => files[j].verify().map_err(|e| (j, 0, e)),
             FoldTask::Fold(pieces) => fold(pieces),
         };
+        // As many helpers as the system gives, up to one per task beside this thread (which
+        // can do all of it alone).
+        let helpers = threads.min(tasks.len()).saturating_sub(1);
         let queue = std::sync::Mutex::new(tasks);
         let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let work = || {
@@ -918,11 +919,6 @@ impl Store {
             }
             errors
         };
-        // As many helpers as the system gives, up to one per task beside this thread (which
-        // can do all of it alone).
-        let helpers = threads
-            .min(queue.lock().map_or(1, |q| q.len()))
-            .saturating_sub(1);
         let mut errors: Vec<(usize, u8, StoreError)> = std::thread::scope(|s| {
             let helpers: Vec<_> = (0..helpers)
                 .map_while(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())

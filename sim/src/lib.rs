@@ -77,6 +77,20 @@ pub enum Observed<'a> {
     },
 }
 
+/// The full-size digits CNN (FedBN's), seeded as every site's, on the CPU, and its spec: the
+/// model the aggregator benchmarks measure.
+pub fn full_size_digits()
+-> anyhow::Result<(unifed_models::zoo::DigitsCnn, unifed_protocol::ModelSpec)> {
+    use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
+    let device = unifed_models::backend::Backend::Flex
+        .device()
+        .map_err(anyhow::Error::msg)?;
+    let mc = ModelConfig::fedbn_digits();
+    let net = seeded(&device, 0, |d| DigitsCnnConfig::default().init(d));
+    let spec = spec_of(&net, &mc.classes, &mc.input);
+    Ok((net, spec))
+}
+
 /// The global model of version 0 taken from `net`: every tensor of `spec`, in spec order.
 pub fn initial_model<N: Net>(net: &N, spec: &unifed_protocol::ModelSpec) -> GlobalModel {
     GlobalModel {

@@ -794,14 +794,7 @@ fn ingest_speed(
     use unifed_sim::ingest::{IngestRow, measure, sites_per_shard};
     let dir = dir.unwrap_or_else(std::env::temp_dir);
     // The full-size digits CNN's f32 update: its trainable tensors' values.
-    let device = unifed_models::backend::Backend::Flex
-        .device()
-        .map_err(anyhow::Error::msg)?;
-    let mc = unifed_models::zoo::ModelConfig::fedbn_digits();
-    let net = unifed_models::zoo::seeded(&device, 0, |d| {
-        unifed_models::zoo::DigitsCnnConfig::default().init(d)
-    });
-    let spec = unifed_models::zoo::spec_of(&net, &mc.classes, &mc.input);
+    let (_, spec) = unifed_sim::full_size_digits()?;
     let update_bytes: usize = spec.tensors.iter().map(|t| 4 * t.numel()).sum();
     std::fs::create_dir_all(out)?;
     let mut rows = Vec::new();

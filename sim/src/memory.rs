@@ -11,8 +11,6 @@ use unifed_aggregator::core::VET_WIDTH;
 use unifed_aggregator::{
     Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, Incoming,
 };
-use unifed_models::backend::Backend;
-use unifed_models::zoo::{DigitsCnnConfig, ModelConfig, seeded, spec_of};
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
@@ -74,10 +72,7 @@ pub fn measure(n: usize, encoding: Encoding, together: bool) -> Result<MemoryRow
     if n == 0 {
         bail!("at least one site");
     }
-    let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
-    let mc = ModelConfig::fedbn_digits();
-    let net = seeded(&device, 0, |d| DigitsCnnConfig::default().init(d));
-    let spec = spec_of(&net, &mc.classes, &mc.input);
+    let (net, spec) = crate::full_size_digits()?;
     let initial = crate::initial_model(&net, &spec);
     drop(net);
     let ids: Vec<String> = (0..n).map(|i| format!("site-{i:03}")).collect();
