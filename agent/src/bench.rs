@@ -208,6 +208,8 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) ->
         "framework": "burn 0.22.1",
         "backend": backend.to_string(),
         "threads": cpu_threads(),
+        // Which kernels the CPU backend's matrix products ran on (Intel's AVX-512 or not).
+        "avx512_kernels": (!backend.is_gpu()).then(unifed_models::backend::cpu_avx512),
         "train_samples_per_s": train,
         "infer_b32_samples_per_s": b32,
         "infer_b256_samples_per_s": b256,

@@ -392,6 +392,49 @@ fn bench_measures_each_thread_count_in_one_run_and_names_a_bad_count() {
 }
 
 #[test]
+fn bench_records_which_matrix_kernels_ran_and_follows_the_override() {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let has = |what: &str| {
+        cpuinfo
+            .lines()
+            .any(|l| l.split_whitespace().any(|w| w == what))
+    };
+    let avx512 = cfg!(target_arch = "x86_64") && has("avx512f");
+    let cases = [
+        (None, avx512 && has("GenuineIntel")),
+        (Some("on"), avx512),
+        (Some("off"), false),
+        (Some("maybe"), avx512 && has("GenuineIntel")),
+    ];
+    for (var, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let out_file = dir.path().join("bench.json");
+        let mut cmd = agent();
+        cmd.args(["bench", "--steps", "1", "--warmup", "0", "--no-torch"])
+            .args(["--thread-counts", "1", "--out"])
+            .arg(&out_file)
+            .env_remove("UNIFED_CPU_AVX512");
+        if let Some(v) = var {
+            cmd.env("UNIFED_CPU_AVX512", v);
+        }
+        let out = cmd.output().unwrap();
+        succeeded(&out);
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&out_file).unwrap()).unwrap();
+        assert_eq!(
+            v["burn"][0]["avx512_kernels"], want,
+            "UNIFED_CPU_AVX512={var:?}"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            err.contains("UNIFED_CPU_AVX512 is `maybe`: it takes `on` or `off`"),
+            var == Some("maybe"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn bench_layers_times_every_layer_of_the_model_in_the_child_of_a_thread_count() {
     let dir = tempfile::tempdir().unwrap();
     let out_file = dir.path().join("bench.json");

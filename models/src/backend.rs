@@ -165,6 +165,16 @@ fn compile_cache_on(var: Option<&str>) -> Result<bool, String> {
     }
 }
 
+/// Whether the CPU backend's matrix products run on AVX-512 kernels in this process: on an
+/// Intel CPU with AVX-512F, unless `UNIFED_CPU_AVX512=off` (`on` takes them on any CPU that has
+/// the instructions). An AMD Zen 4 runs them slower than the AVX2 kernels.
+pub fn cpu_avx512() -> bool {
+    #[cfg(feature = "flex")]
+    return gemm_common::avx512_kernels();
+    #[cfg(not(feature = "flex"))]
+    false
+}
+
 /// Number of worker threads the CPU backend uses now.
 pub fn cpu_threads() -> usize {
     rayon::current_num_threads()
