@@ -87,7 +87,7 @@ fn a_resnet18_federation_of_image_folders_with_named_classes_learns_over_mqtt() 
     let broker = Broker::start(BrokerKind::Embedded, 1 << 20);
     let mut fed = Fed::new(dir.path(), broker.port, 1 << 20);
     fed.sites = SITES.map(String::from).to_vec();
-    fed.rounds = 6;
+    fed.rounds = 10;
     fed.chunk_bytes = 256 << 10;
     // The initial model: a narrow ResNet-18 on 32x32 colour images, classes from a folder.
     let init = fed.dir.join("init.safetensors");
