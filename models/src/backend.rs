@@ -165,14 +165,18 @@ fn compile_cache_on(var: Option<&str>) -> Result<bool, String> {
     }
 }
 
-/// Whether the CPU backend's matrix products run on AVX-512 kernels in this process: on an
+/// Whether the CPU backend's f32 matrix products run on AVX-512 kernels in this process: on an
 /// Intel CPU with AVX-512F, unless `UNIFED_CPU_AVX512=off` (`on` takes them on any CPU that has
-/// the instructions). An AMD Zen 4 runs them slower than the AVX2 kernels.
+/// the instructions).
 pub fn cpu_avx512() -> bool {
     #[cfg(feature = "flex")]
-    return gemm_common::avx512_kernels();
+    {
+        gemm_common::avx512_kernels()
+    }
     #[cfg(not(feature = "flex"))]
-    false
+    {
+        false
+    }
 }
 
 /// Number of worker threads the CPU backend uses now.

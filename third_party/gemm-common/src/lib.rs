@@ -23,11 +23,9 @@ pub fn set_wasm_simd128(enable: bool) {
 #[cfg(all(feature = "std", feature = "x86-v4", any(target_arch = "x86", target_arch = "x86_64")))]
 static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
-/// UniFed Edge patch: whether GEMMs run on the AVX-512 kernels (compiled in with `x86-v4`) on
-/// this CPU, decided once per process. `UNIFED_CPU_AVX512=on` or `off` decides; unset, they run
-/// where the CPU has AVX-512F and is an Intel one. Measured on the digits CNN: an Intel Xeon
-/// trained 30-35 % faster on them, while an AMD Zen 4, which runs a 512-bit FMA as two 256-bit
-/// halves, ran a linear layer's input gradient at less than half the speed of the AVX2 kernels.
+/// UniFed Edge patch: whether GEMMs run on the AVX-512 kernels (compiled in with `x86-v4`),
+/// decided once per process: on an Intel CPU with AVX-512F, unless `UNIFED_CPU_AVX512=on` or
+/// `off` says otherwise (measured in `third_party/README.md` of UniFed Edge).
 #[cfg(all(feature = "std", feature = "x86-v4", any(target_arch = "x86", target_arch = "x86_64")))]
 pub fn avx512_kernels() -> bool {
     *AVX512.get_or_init(|| {
@@ -46,7 +44,8 @@ pub fn avx512_kernels() -> bool {
     })
 }
 
-/// UniFed Edge patch: without the `x86-v4` kernels compiled in, or off x86, never.
+/// UniFed Edge patch: without `std`, without the `x86-v4` kernels compiled in, or off x86,
+/// never.
 #[cfg(not(all(feature = "std", feature = "x86-v4", any(target_arch = "x86", target_arch = "x86_64"))))]
 pub fn avx512_kernels() -> bool {
     false
