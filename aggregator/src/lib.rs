@@ -35,6 +35,7 @@ pub mod mosquitto;
 pub mod onboard;
 mod sealed;
 pub mod service;
+pub mod serving;
 mod spoolfile;
 pub mod store;
 pub mod strategy;

@@ -56,8 +56,8 @@ pub fn conf(listener: &Listener, acl_file: &Path, max_packet_bytes: usize) -> St
 
 /// The ACL of `federation`: the aggregator reads and writes its namespace; each site (`%u`,
 /// its certificate's common name) writes only its own update, status, chunk-request and
-/// onboarding-request topics and reads only its own answers, chunk and onboarding replies, and
-/// the manifest.
+/// onboarding-request topics and reads only its own answers, chunk and onboarding replies, the
+/// model chunks sent to every site, and the manifest.
 pub fn acl(federation: &FederationId) -> String {
     let ns = format!("unifed/v1/{federation}");
     format!(
@@ -71,6 +71,7 @@ pub fn acl(federation: &FederationId) -> String {
          pattern write {ns}/onboard/request/%u\n\
          pattern read {ns}/ack/%u\n\
          pattern read {ns}/chunks/reply/%u\n\
+         pattern read {ns}/chunks/model\n\
          pattern read {ns}/onboard/reply/%u\n\
          pattern read {ns}/manifest\n"
     )
@@ -97,6 +98,9 @@ mod tests {
                 "{t}"
             );
         }
+        // Every site reads the model chunks sent once for all, and none may write them.
+        assert!(a.contains("pattern read unifed/v1/demo/chunks/model\n"));
+        assert!(!a.contains("pattern write unifed/v1/demo/chunks/model"));
         // No site may read another's updates or write anything of the aggregator's.
         assert!(!a.contains("pattern read unifed/v1/demo/update"));
         assert!(!a.contains("pattern write unifed/v1/demo/manifest"));

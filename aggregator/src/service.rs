@@ -4,6 +4,7 @@
 
 use crate::config::FederationConfig;
 use crate::core::{Action, Aggregator, Arrival, Event, GlobalModel, Incoming, VET_WIDTH};
+use crate::serving::{Route, Serving};
 use crate::uploads::SpooledUploads;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -132,33 +133,11 @@ struct Served {
     delta_chunks: Vec<bytes::Bytes>,
 }
 
+/// How long the first requests for a new model are gathered before its chunks are shared,
+/// unless every enrolled site asked sooner (see [`crate::serving`]).
+const GATHER_MS: u64 = 20;
 /// Chunks served per request at most (sites ask for windows of 16).
 const MAX_CHUNKS_PER_REQUEST: usize = 64;
-/// Times one chunk of a model version is served to one site: enough for a site that lost
-/// chunks or restarted mid-fetch, never a request storm's amplifier.
-const MAX_SERVES_PER_CHUNK: u8 = 8;
-
-/// How often each chunk was served to each site, per model version and payload served.
-#[derive(Default)]
-struct ServeCounts(std::collections::BTreeMap<(Id, u64, Payload), Vec<u8>>);
-
-impl ServeCounts {
-    /// True (and counted) if chunk `i` of `n` may be served to `site` once more.
-    fn take(&mut self, site: &Id, (version, payload): (u64, Payload), i: usize, n: usize) -> bool {
-        let c = self
-            .0
-            .entry((site.clone(), version, payload))
-            .or_insert_with(|| vec![0; n]);
-        match c.get_mut(i) {
-            Some(k) if *k < MAX_SERVES_PER_CHUNK => {
-                *k += 1;
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
 /// Disk each enrolled site's incomplete upload may take: one update's bytes, the slack of its
 /// chunks and a MiB, but at most an equal share of `total`.
 fn upload_share(max_update_bytes: usize, total: usize, sites: usize) -> u64 {
@@ -444,7 +423,13 @@ pub async fn serve(
         },
     )
     .context("starting the ingest threads")?;
-    let mut serves = ServeCounts::default();
+    let mut serving = Serving::new(cfg.federation.sites.len(), GATHER_MS);
+    // A revoked site may still be connected to the broker and read the shared topic (brokers'
+    // ACLs do not follow the revocation list): while any key is revoked, each site is sent
+    // its chunks alone, and a revoked one none.
+    serving.set_sharing(cfg.federation.revoked.is_empty());
+    let clock = Instant::now();
+    let ms = move || clock.elapsed().as_millis() as u64;
     let mut finished_at: Option<Instant> = None;
     let mut manifest_at = Instant::now();
     let mut connected_before = false;
@@ -516,8 +501,8 @@ pub async fn serve(
                         chunks,
                         delta_chunks,
                     });
-                    // A new version: the counts of the old one are of no more use.
-                    serves = ServeCounts::default();
+                    // A new version: what was served of the old one is of no more use.
+                    serving.clear();
                     manifest_at = Instant::now();
                 }
                 Action::RoundClosed {
@@ -549,8 +534,14 @@ pub async fn serve(
         if finished_at.is_some_and(|t| t.elapsed() > Duration::from_secs(cfg.linger_secs)) {
             return Ok(core.model_version());
         }
+        let gathering = serving
+            .deadline()
+            .map(|d| Duration::from_millis(d.saturating_sub(ms())));
         tokio::select! {
             _ = &mut shutdown => return Ok(core.model_version()),
+            _ = tokio::time::sleep(gathering.unwrap_or_default()), if gathering.is_some() => {
+                share_due(&wire, served.as_ref(), &mut serving, ms()).await?;
+            }
             _ = tick.tick() => {
                 if let Some(s) = &served
                     && manifest_at.elapsed() >= Duration::from_secs(cfg.manifest_every_secs.max(1))
@@ -560,6 +551,7 @@ pub async fn serve(
                 }
                 if let Some(revoked) = revocations.as_mut().and_then(Revocations::changed) {
                     tracing::warn!(revoked = revoked.len(), "revocation list reloaded; other changes take effect at the next start");
+                    serving.set_sharing(revoked.is_empty());
                     core.set_revoked(revoked);
                     admission_tx.send_replace(core.admission().clone());
                 }
@@ -620,7 +612,8 @@ pub async fn serve(
                         let update = Event::Update(Incoming { site: site.to_string(), bytes: payload, arrival: Arrival::Message, staged: None });
                         pending = step(&mut core, update, Instant::now())?;
                     } else if let Some(site) = topic.strip_prefix(&request_prefix) {
-                        serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, &mut serves).await?;
+                        serve_chunks(&wire, site, &payload, served.as_ref(), &core, &mut package, (&mut serving, ms())).await?;
+                        share_due(&wire, served.as_ref(), &mut serving, ms()).await?;
                     } else if let Some(site) = topic.strip_prefix(&onboard_prefix) {
                         onboard(&wire, &cfg, &core, &mut package, &mut entries, site, &payload).await?;
                     }
@@ -646,7 +639,9 @@ fn step(core: &mut Aggregator, event: Event, t: Instant) -> Result<Vec<Action>> 
     Ok(pending)
 }
 
-/// Serves the chunks a site asked for: of the round model, or of an onboarding package.
+/// Serves the chunks a site asked for: of the round model, on the topic every site reads the
+/// first time anyone asks and to the site alone after that (see [`crate::serving`]), or of an
+/// onboarding package, to the site alone.
 async fn serve_chunks(
     wire: &Wire,
     site: &str,
@@ -654,7 +649,7 @@ async fn serve_chunks(
     served: Option<&Served>,
     core: &Aggregator,
     package: &mut Option<Package>,
-    serves: &mut ServeCounts,
+    (serving, now_ms): (&mut Serving, u64),
 ) -> Result<()> {
     let Ok(site) = Id::new(site) else {
         return Ok(());
@@ -706,28 +701,60 @@ async fn serve_chunks(
     };
     let mut refused = 0;
     for i in indices {
-        if !serves.take(
+        let Some(c) = chunks.get(i as usize) else {
+            continue;
+        };
+        let topic = match serving.route(
             &site,
             (req.model_version, req.payload),
             i as usize,
             chunks.len(),
+            now_ms,
         ) {
-            refused += 1;
+            Route::Shared => wire.topics.model_chunks(),
+            Route::Site => wire.topics.chunk_reply(&site),
+            Route::OnItsWay | Route::Gathered => continue,
+            Route::Refused => {
+                refused += 1;
+                continue;
+            }
+        };
+        wire.client
+            .publish_bytes(topic, Qos::AtLeastOnce, false, c.clone())
+            .await?;
+    }
+    if refused > 0 {
+        tracing::warn!(site = %site, version = req.model_version, refused, "chunks asked for too often were not served again");
+    }
+    Ok(())
+}
+
+/// Shares the round model's chunks whose first requests are gathered (see
+/// [`crate::serving`]), on the topic every site reads.
+async fn share_due(
+    wire: &Wire,
+    served: Option<&Served>,
+    serving: &mut Serving,
+    now_ms: u64,
+) -> Result<()> {
+    for ((version, payload), indices) in serving.due(now_ms) {
+        let Some(s) = served.filter(|s| s.manifest.model_version == version) else {
             continue;
-        }
-        if let Some(c) = chunks.get(i as usize) {
+        };
+        let chunks = match payload {
+            Payload::Delta => &s.delta_chunks,
+            _ => &s.chunks,
+        };
+        for c in indices.iter().filter_map(|&i| chunks.get(i as usize)) {
             wire.client
                 .publish_bytes(
-                    wire.topics.chunk_reply(&site),
+                    wire.topics.model_chunks(),
                     Qos::AtLeastOnce,
                     false,
                     c.clone(),
                 )
                 .await?;
         }
-    }
-    if refused > 0 {
-        tracing::warn!(site = %site, version = req.model_version, refused, "chunks asked for too often were not served again");
     }
     Ok(())
 }

@@ -14,7 +14,9 @@
 //! - router limits are non-zero (rumqttd's zero defaults panic or refuse every connection), and
 //!   each filter's in-memory log is bounded ([`log_limits`]): 32 MiB for the filters every site
 //!   shares, 8 MiB for a site's own model and package replies, in segments of 1 MiB, so the
-//!   broker's memory grows by 9 MiB per site rather than 32. The logs keep packets as slices
+//!   broker's memory grows by 9 MiB per site rather than 32; and `--model-log-mib` (64) for the
+//!   model chunks sent once for every site, a whole model so a site that falls behind the
+//!   others loses none. The logs keep packets as slices
 //!   of the buffers they were read into, so chunks are cut to fit 256 KiB packets
 //!   (`unifed_protocol::chunking::CHUNK_BYTES`).
 
@@ -34,6 +36,12 @@ pub struct BrokerArgs {
     /// Largest MQTT packet accepted, in bytes (application chunks plus topic and header).
     #[arg(long, default_value_t = 1 << 20)]
     pub max_packet_bytes: usize,
+    /// MiB of model chunks sent once for every site (`unifed/+/+/chunks/model`) the broker
+    /// keeps for sites that read them late: at least the largest model payload, or a site
+    /// that falls further behind than this loses chunks and asks for them again (seconds
+    /// later).
+    #[arg(long, default_value_t = 64)]
+    pub model_log_mib: usize,
     /// Maximum client connections.
     #[arg(long, default_value_t = 1000)]
     pub max_connections: usize,
@@ -69,19 +77,22 @@ pub const PER_SITE_LOG_BYTES: usize = 8 << 20;
 pub const PER_SITE_BULK_FILTERS: [&str; 2] =
     ["unifed/+/+/chunks/reply/+", "unifed/+/+/onboard/reply/+"];
 
-/// The in-memory log limits of a shared filter and of a per-site bulk filter, for packets of at
+/// The filter of the model chunks sent once for every site (see
+/// [`BrokerArgs::model_log_mib`]).
+pub const MODEL_CHUNKS_FILTER: &str = "unifed/+/+/chunks/model";
+
+/// The in-memory log limits of a filter that keeps at least `keep` bytes, for packets of at
 /// most `packet` bytes. rumqttd keeps a filter's log in segments of 1 MiB and drops the oldest
 /// when a new one starts; a segment is closed by the packet that takes it to 1 MiB or past it
 /// (one packet larger than that fills one alone). So a log of `n` segments of `s` bytes keeps
 /// at least `(n - 1) * s` bytes and holds at most `n` times `s` plus one packet. A segment of
 /// exactly 1 MiB closes after four 256 KiB chunks; one of 1 MiB plus a packet's slack held five.
-pub fn log_limits(packet: usize) -> (rumqttd::SegmentConfig, rumqttd::SegmentConfig) {
+pub fn log_limits(keep: usize, packet: usize) -> rumqttd::SegmentConfig {
     let segment = 1 << 20;
-    let limits = |keep: usize| rumqttd::SegmentConfig {
+    rumqttd::SegmentConfig {
         max_segment_size: segment,
         max_segment_count: keep.max(2 * packet).div_ceil(segment) + 1,
-    };
-    (limits(SHARED_LOG_BYTES), limits(PER_SITE_LOG_BYTES))
+    }
 }
 
 /// Runs the broker in this process until it fails (rumqttd has no shutdown: end the process).
@@ -145,7 +156,12 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
         next_connection_delay_ms: 1,
         connections,
     };
-    let (shared, per_site) = log_limits(args.max_packet_bytes + 4096);
+    let packet = args.max_packet_bytes + 4096;
+    let (shared, per_site) = (
+        log_limits(SHARED_LOG_BYTES, packet),
+        log_limits(PER_SITE_LOG_BYTES, packet),
+    );
+    let model = log_limits(args.model_log_mib.saturating_mul(1 << 20), packet);
     let config = rumqttd::Config {
         id: 0,
         router: rumqttd::RouterConfig {
@@ -157,6 +173,7 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
                 PER_SITE_BULK_FILTERS
                     .iter()
                     .map(|f| (f.to_string(), per_site.clone()))
+                    .chain([(MODEL_CHUNKS_FILTER.to_string(), model)])
                     .collect(),
             ),
             initialized_filters: None,

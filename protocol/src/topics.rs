@@ -33,6 +33,12 @@ impl Topics {
         format!("unifed/v1/{}/chunks/reply/{site}", self.federation)
     }
 
+    /// `unifed/v1/{fed}/chunks/model`: round model chunks sent once for every site (each site
+    /// reads it beside its own replies).
+    pub fn model_chunks(&self) -> String {
+        format!("unifed/v1/{}/chunks/model", self.federation)
+    }
+
     /// `unifed/v1/{fed}/update/{site}`: a site's update.
     pub fn update(&self, site: &SiteId) -> String {
         format!("unifed/v1/{}/update/{site}", self.federation)
@@ -109,6 +115,7 @@ mod tests {
         assert_eq!(t.manifest(), "unifed/v1/fed1/manifest");
         assert_eq!(t.chunk_request(&s), "unifed/v1/fed1/chunks/request/site-a");
         assert_eq!(t.chunk_reply(&s), "unifed/v1/fed1/chunks/reply/site-a");
+        assert_eq!(t.model_chunks(), "unifed/v1/fed1/chunks/model");
         assert_eq!(t.update(&s), "unifed/v1/fed1/update/site-a");
         assert_eq!(t.updates_filter(), "unifed/v1/fed1/update/+");
         assert_eq!(t.ack(&s), "unifed/v1/fed1/ack/site-a");
@@ -146,6 +153,7 @@ mod tests {
         let s = id("site");
         assert_eq!(t.site_of(&t.manifest()), None);
         assert_eq!(t.site_of(&t.chunk_reply(&s)), None);
+        assert_eq!(t.site_of(&t.model_chunks()), None);
         assert_eq!(t.site_of(&t.onboard_reply(&s)), None);
         assert_eq!(t.site_of(&Topics::new(&id("fed2")).update(&s)), None);
         assert_eq!(t.site_of(&Topics::new(&id("fed10")).update(&s)), None);

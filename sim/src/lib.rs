@@ -13,6 +13,7 @@ pub mod memory;
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::VecDeque;
 use std::time::Instant;
+use unifed_aggregator::serving::{Route, Serving};
 use unifed_aggregator::{
     Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, GlobalModel, Incoming,
 };
@@ -167,6 +168,8 @@ pub fn run_federation<N: Net>(
         })
         .collect();
     let mut served: Option<(RoundManifest, Cut, Option<Cut>)> = None;
+    // Chunks go the ways the MQTT service sends them: once for every site, or to one alone.
+    let mut serving = Serving::new(sites.len(), 0);
     let mut agg_actions = agg.handle(Event::Start, 0)?;
     let mut inbox: VecDeque<(usize, SiteEvent)> = VecDeque::new();
     let mut records = Vec::new();
@@ -240,6 +243,7 @@ pub fn run_federation<N: Net>(
                         ));
                     }
                     served = Some((manifest, model, delta.map(|d| *d)));
+                    serving.clear();
                 }
                 Action::RoundClosed { .. } | Action::Finished { .. } => {}
             }
@@ -273,20 +277,31 @@ pub fn run_federation<N: Net>(
                         };
                         for i in req.indices {
                             let c = &cut.chunk(i).context("a chunk out of range")?;
-                            inbox.push_back((
-                                k,
-                                SiteEvent::Message {
-                                    topic: topics.chunk_reply(site),
-                                    payload: wire
-                                        .envelope(
-                                            MessageKind::ModelChunk,
-                                            m.round,
-                                            m.model_version,
-                                            c,
-                                        )
-                                        .into(),
-                                },
-                            ));
+                            let to: Vec<(usize, String)> = match serving.route(
+                                site,
+                                (req.model_version, req.payload),
+                                i as usize,
+                                cut.count() as usize,
+                                now,
+                            ) {
+                                Route::Shared => (0..sites.len())
+                                    .map(|j| (j, topics.model_chunks()))
+                                    .collect(),
+                                Route::Site => vec![(k, topics.chunk_reply(site))],
+                                Route::OnItsWay | Route::Gathered | Route::Refused => Vec::new(),
+                            };
+                            let payload: bytes::Bytes = wire
+                                .envelope(MessageKind::ModelChunk, m.round, m.model_version, c)
+                                .into();
+                            for (j, topic) in to {
+                                inbox.push_back((
+                                    j,
+                                    SiteEvent::Message {
+                                        topic,
+                                        payload: payload.clone(),
+                                    },
+                                ));
+                            }
                         }
                     } else if topic == topics.update(site) {
                         observe(Observed::Update {

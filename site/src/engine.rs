@@ -227,10 +227,12 @@ impl SiteEngine {
         }
     }
 
-    /// The topics the driver subscribes to: the manifest, the site's chunk replies and answers.
+    /// The topics the driver subscribes to: the manifest, the model chunks sent to every site,
+    /// the site's own chunk replies and its answers.
     pub fn subscriptions(&self) -> Vec<String> {
         vec![
             self.topics.manifest(),
+            self.topics.model_chunks(),
             self.topics.chunk_reply(&self.cfg.site),
             self.topics.ack(&self.cfg.site),
         ]
@@ -356,7 +358,9 @@ impl SiteEngine {
         }
         let expected = if topic == self.topics.manifest() {
             &[MessageKind::RoundManifest][..]
-        } else if topic == self.topics.chunk_reply(&self.cfg.site) {
+        } else if topic == self.topics.chunk_reply(&self.cfg.site)
+            || topic == self.topics.model_chunks()
+        {
             &[MessageKind::ModelChunk][..]
         } else if topic == self.topics.ack(&self.cfg.site) {
             &[MessageKind::UpdateAnswer, MessageKind::UpdateReceipt][..]

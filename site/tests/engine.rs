@@ -297,6 +297,54 @@ fn a_fetch_asks_for_more_once_half_its_window_arrived_and_never_for_a_chunk_twic
 }
 
 #[test]
+fn chunks_sent_for_every_site_complete_a_fetch_and_are_not_asked_for_again() {
+    let mut e = engine(None);
+    assert!(e.subscriptions().contains(&topics().model_chunks()));
+    let (m, chunks) = model_cut(1, 0, &[], 1);
+    let shared = |c: &Chunk| {
+        msg(
+            topics().model_chunks(),
+            agg(MessageKind::ModelChunk, m.round, m.model_version, c),
+        )
+    };
+    // A chunk of a model the site does not follow yet (it overtook the manifest) is dropped.
+    assert!(e.handle(shared(&chunks[0]), 0).is_empty());
+    let first = request(&e.handle(manifest_msg(&m), 0));
+    assert_eq!(first.indices, (0..64).collect::<Vec<u32>>());
+    // Another site's requests shared the next windows before this one asked for them: when
+    // half its window is in, it asks only for what it still lacks.
+    for c in &chunks[64..128] {
+        assert!(e.handle(shared(c), 1).is_empty());
+    }
+    let mut asked = Vec::new();
+    for c in &chunks[..32] {
+        for a in e.handle(shared(c), 1) {
+            asked.extend(request(&[a]).indices);
+        }
+    }
+    assert_eq!(asked, (128..160).collect::<Vec<u32>>());
+    // The rest arrives shared and on the site's own topic, some twice; the model is applied
+    // once.
+    let mut applied = 0;
+    for (i, c) in chunks.iter().enumerate().skip(32) {
+        let ev = if i % 2 == 0 {
+            shared(c)
+        } else {
+            chunk_msg(&m, c)
+        };
+        let acts = e.handle(ev, 2);
+        applied += acts
+            .iter()
+            .filter(|a| matches!(a, Action::Apply { .. }))
+            .count();
+        if i == 40 {
+            assert!(e.handle(shared(c), 2).is_empty(), "a chunk had twice");
+        }
+    }
+    assert_eq!(applied, 1);
+}
+
+#[test]
 fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     let mut e = engine(None);
     let (m, chunks) = model(1, 0, &[]);

@@ -56,6 +56,15 @@ fn envelope(p: &Packet) -> Envelope {
         .unwrap_or_else(|e| panic!("undecodable payload on {}: {e}", p.topic))
 }
 
+/// Whether `p` brought model chunks to `site`: on its own reply topic, or on the topic every
+/// site reads (to its connection).
+fn sent_to(p: &Packet, site: &str) -> bool {
+    !p.to_broker
+        && (p.topic == format!("unifed/v1/e2e/chunks/reply/{site}")
+            || (p.topic == "unifed/v1/e2e/chunks/model"
+                && p.client == format!("unifed-agent-{site}")))
+}
+
 /// Checks everything the judged test asks from the captured packets and the agents' files.
 fn check(fed: &Fed, packets: &[Packet]) {
     let local = fed.bn_policy == "Local";
@@ -167,15 +176,15 @@ fn check(fed: &Fed, packets: &[Packet]) {
         expected.push(model.clone());
     }
 
-    // The models each agent was sent (broker -> agent on its chunk reply topic).
+    // The models each agent was sent (broker -> agent on its chunk reply topic, or on the
+    // topic every site reads).
     let mut sets: BTreeMap<String, Reassembler> = BTreeMap::new();
     let mut received: BTreeMap<(String, u64), ServerBroadcast> = BTreeMap::new();
     let mut chunk_msgs: BTreeMap<String, usize> = BTreeMap::new();
-    for p in packets
-        .iter()
-        .filter(|p| !p.to_broker && p.topic.starts_with("unifed/v1/e2e/chunks/reply/"))
-    {
-        let site = p.topic.rsplit('/').next().unwrap().to_string();
+    for p in packets.iter().filter(|p| !p.to_broker) {
+        let Some(site) = SITES.iter().find(|s| sent_to(p, s)).map(|s| s.to_string()) else {
+            continue;
+        };
         *chunk_msgs.entry(site.clone()).or_default() += 1;
         let c: Chunk = envelope(p).payload_as().unwrap();
         let r = sets
@@ -254,12 +263,26 @@ fn check(fed: &Fed, packets: &[Packet]) {
         .count();
     assert_eq!(receipts, update_msgs, "receipts sent");
     assert!(answers.iter().all(|a| a.answer == Answer::Accepted));
+    // Every chunk of every version went out once on the topic every site reads, and reached
+    // each site (a site whose first request came after the others' was sent its own copy of
+    // what had gone out before it asked, so a site may have had a chunk twice).
     let per_version: u64 = manifests.iter().map(|m| m.chunk_count as u64).sum::<u64>();
+    let mut shared: BTreeMap<(u64, u32), usize> = BTreeMap::new();
+    for p in packets
+        .iter()
+        .filter(|p| p.to_broker && p.topic == "unifed/v1/e2e/chunks/model")
+    {
+        let env = envelope(p);
+        let c: Chunk = env.payload_as().unwrap();
+        *shared.entry((env.model_version, c.index)).or_default() += 1;
+    }
+    assert_eq!(shared.len() as u64, per_version, "chunks shared");
+    assert!(shared.values().all(|&n| n == 1), "a chunk shared twice");
     for site in SITES {
-        assert_eq!(
-            chunk_msgs.get(site).copied().unwrap_or(0) as u64,
-            per_version,
-            "{site}: model chunks delivered"
+        let got = chunk_msgs.get(site).copied().unwrap_or(0) as u64;
+        assert!(
+            (per_version..=2 * per_version).contains(&got),
+            "{site}: {got} model chunks delivered for {per_version}"
         );
     }
 }
@@ -325,14 +348,17 @@ fn under_a_lossy_encoding_agents_fetch_deltas_that_add_up_to_the_model_they_end_
         let mut r = Reassembler::new(u64::MAX, 1 << 30);
         let mut held: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         let mut fetched = Vec::new();
-        for p in packets
-            .iter()
-            .filter(|p| !p.to_broker && p.topic == format!("unifed/v1/e2e/chunks/reply/{site}"))
-        {
+        let mut seen = std::collections::BTreeSet::new();
+        for p in packets.iter().filter(|p| sent_to(p, site)) {
             let c: Chunk = envelope(p).payload_as().unwrap();
+            // A payload whose chunks came twice (shared, and sent to the site alone) once.
+            if seen.contains(&c.payload_hash) {
+                continue;
+            }
             let Some(bytes) = r.insert(c.as_ref(), 0).unwrap() else {
                 continue;
             };
+            seen.insert(c.payload_hash);
             let (v, is_delta, model_len) = by_hash(unifed_protocol::payload_hash(&bytes));
             fetched.push((v, is_delta));
             if is_delta {

@@ -1,0 +1,288 @@
+//! Which way each chunk a site asks for goes, without I/O: a round model's chunks go out once
+//! on the topic every site reads ([`unifed_protocol::topics::Topics::model_chunks`]), so five
+//! sites fetching the same model cost the aggregator and the broker's intake one model rather
+//! than five; what a site lost, or asked for before it could have heard the shared copy, goes
+//! to that site alone, a bounded number of times.
+//!
+//! A site hears a shared chunk for sure only if it was sent after the site's first request for
+//! that payload reached the aggregator: the site asked after it followed the manifest, so the
+//! chunk reaches it after the manifest that names its payload. (Brokers order one client's
+//! messages per topic, not across topics, so a chunk sent earlier may overtake the manifest
+//! and be dropped as a payload the site does not know yet.) So a chunk shared before that
+//! first request is sent to the site alone when it asks, and one shared after it is skipped the
+//! first time the site asks and sent to it alone when it asks again (its fetch window went
+//! stale: the chunk was lost on its way).
+//!
+//! Sites ask for a new model within moments of each other, so the first requests for a payload
+//! are gathered before anything of it is shared: until every expected site has asked, or for
+//! at most a few milliseconds ([`Serving::new`]). Every site that asked meanwhile listened
+//! before the first shared chunk, and none is sent its own copy of the first window.
+
+use std::collections::{BTreeMap, BTreeSet};
+use unifed_protocol::ids::Id;
+use unifed_protocol::messages::Payload;
+
+/// Times one chunk of a payload is sent to one site alone: enough for a site that lost chunks
+/// or restarted mid-fetch, never a request storm's amplifier.
+pub const MAX_SERVES_PER_CHUNK: u8 = 8;
+
+/// Where a chunk a site asked for goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// To every site, on the shared topic (the first time anyone asks for it).
+    Shared,
+    /// To the asking site alone.
+    Site,
+    /// Nowhere: the shared copy is on its way to the site.
+    OnItsWay,
+    /// Not yet: first requests are being gathered, and [`Serving::due`] shares it soon.
+    Gathered,
+    /// Nowhere: the site had it [`MAX_SERVES_PER_CHUNK`] times already.
+    Refused,
+}
+
+/// What was sent of one payload of one model version.
+#[derive(Debug, Default)]
+struct Sent {
+    /// When each chunk went out on the shared topic (a count of shared chunks, from 1), or 0.
+    shared: Vec<u64>,
+    /// Chunks shared so far.
+    seq: u64,
+    /// Per site: `seq` at its first request, and per chunk the times it asked and the times it
+    /// was sent the chunk alone.
+    sites: BTreeMap<Id, (u64, Vec<(u8, u8)>)>,
+    /// While first requests are gathered: until when (ms), and the chunks asked for meanwhile.
+    gathering: Option<(u64, BTreeSet<u32>)>,
+}
+
+/// The routes of the chunks of the payloads served since the last model was published (and
+/// of onboarding packages, which are always sent to the site alone). Its memory is a few bytes
+/// per chunk and site; [`Serving::clear`] frees it when a new model is published.
+#[derive(Debug)]
+pub struct Serving {
+    payloads: BTreeMap<(u64, Payload), Sent>,
+    expected: usize,
+    gather_ms: u64,
+    sharing: bool,
+}
+
+impl Serving {
+    /// Gathers the first requests for a payload until `expected` sites have asked or for
+    /// `gather_ms` after the first (0: shares at once).
+    pub fn new(expected: usize, gather_ms: u64) -> Self {
+        Serving {
+            payloads: BTreeMap::new(),
+            expected,
+            gather_ms,
+            sharing: true,
+        }
+    }
+
+    /// Whether chunks may go on the topic every site reads (they go to each site alone while
+    /// not: see the service's revocation list). Chunks shared before still count as shared.
+    pub fn set_sharing(&mut self, sharing: bool) {
+        self.sharing = sharing;
+    }
+
+    /// Forgets everything served (a new model version was published).
+    pub fn clear(&mut self) {
+        self.payloads.clear();
+    }
+
+    /// When the earliest gathering ends (ms), if any is under way.
+    pub fn deadline(&self) -> Option<u64> {
+        self.payloads
+            .values()
+            .filter_map(|s| s.gathering.as_ref().map(|g| g.0))
+            .min()
+    }
+
+    /// The chunks to share now, per payload, in index order: of every gathering that is over
+    /// at `now_ms` (its time is up, or every expected site asked). They count as shared.
+    pub fn due(&mut self, now_ms: u64) -> Vec<((u64, Payload), Vec<u32>)> {
+        let (mut due, sharing) = (Vec::new(), self.sharing);
+        for (&at, sent) in &mut self.payloads {
+            let over = sent
+                .gathering
+                .as_ref()
+                .is_some_and(|(until, _)| now_ms >= *until || sent.sites.len() >= self.expected);
+            if !over {
+                continue;
+            }
+            let (_, asked) = sent.gathering.take().expect("checked above");
+            if !sharing {
+                // Sharing stopped meanwhile: the sites ask again and are sent their own.
+                continue;
+            }
+            for &i in &asked {
+                sent.seq += 1;
+                sent.shared[i as usize] = sent.seq;
+            }
+            due.push((at, asked.into_iter().collect()));
+        }
+        due
+    }
+
+    /// Routes chunk `index` of `n` of `payload` of model `version`, asked for by `site`.
+    /// Only `Payload::Model` and `Payload::Delta` are shared.
+    pub fn route(
+        &mut self,
+        site: &Id,
+        (version, payload): (u64, Payload),
+        index: usize,
+        n: usize,
+        now_ms: u64,
+    ) -> Route {
+        let shareable = self.sharing && payload != Payload::Package;
+        let sent = self.payloads.entry((version, payload)).or_default();
+        if sent.shared.len() != n {
+            // A payload of the same version under another count is another payload.
+            *sent = Sent {
+                shared: vec![0; n],
+                gathering: (shareable && self.gather_ms > 0)
+                    .then(|| (now_ms.saturating_add(self.gather_ms), BTreeSet::new())),
+                ..Sent::default()
+            };
+        }
+        let seq = sent.seq;
+        let (since, asks) = sent
+            .sites
+            .entry(site.clone())
+            .or_insert_with(|| (seq, vec![(0, 0); n]));
+        let Some((asked, alone)) = asks.get_mut(index) else {
+            return Route::Refused;
+        };
+        let first_ask = *asked == 0;
+        *asked = asked.saturating_add(1);
+        if let Some((_, gathered)) = sent.gathering.as_mut().filter(|_| shareable) {
+            gathered.insert(index as u32);
+            return Route::Gathered;
+        }
+        match sent.shared[index] {
+            0 if shareable => {
+                sent.seq += 1;
+                sent.shared[index] = sent.seq;
+                Route::Shared
+            }
+            at if at > *since && first_ask => Route::OnItsWay,
+            _ if *alone < MAX_SERVES_PER_CHUNK => {
+                *alone += 1;
+                Route::Site
+            }
+            _ => Route::Refused,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> Id {
+        Id::new(s).unwrap()
+    }
+
+    fn routes(
+        s: &mut Serving,
+        site: &Id,
+        at: (u64, Payload),
+        idx: std::ops::Range<usize>,
+    ) -> Vec<Route> {
+        idx.map(|i| s.route(site, at, i, 8, 0)).collect()
+    }
+
+    #[test]
+    fn each_chunk_is_shared_once_and_a_site_listening_before_it_is_not_sent_it_again() {
+        let (a, b) = (id("a"), id("b"));
+        let mut s = Serving::new(2, 0);
+        let at = (3, Payload::Model);
+        // b asks first (nothing shared yet), then a asks for the same window: on its way.
+        assert_eq!(routes(&mut s, &b, at, 0..4), vec![Route::Shared; 4]);
+        assert_eq!(routes(&mut s, &a, at, 4..8), vec![Route::Shared; 4]);
+        // b listened before 4..8 went out: they are on their way to it.
+        assert_eq!(routes(&mut s, &b, at, 4..8), vec![Route::OnItsWay; 4]);
+        // a first asked after 0..4 went out: it may have dropped them, so it gets its own.
+        assert_eq!(routes(&mut s, &a, at, 0..4), vec![Route::Site; 4]);
+        // b asks again for a chunk that was on its way: it was lost, so b gets its own.
+        assert_eq!(s.route(&b, at, 5, 8, 0), Route::Site);
+    }
+
+    #[test]
+    fn a_site_is_sent_a_chunk_alone_a_bounded_number_of_times() {
+        let (a, b) = (id("a"), id("b"));
+        let mut s = Serving::new(2, 0);
+        let at = (1, Payload::Delta);
+        assert_eq!(s.route(&a, at, 2, 8, 0), Route::Shared);
+        let alone: Vec<Route> = (0..10).map(|_| s.route(&b, at, 2, 8, 0)).collect();
+        assert_eq!(alone[..8], [Route::Site; 8]);
+        assert_eq!(alone[8..], [Route::Refused; 2]);
+        // Never shared twice, whoever asks.
+        assert_eq!(s.route(&a, at, 2, 8, 0), Route::Site);
+        // An index out of range is refused, not a panic.
+        assert_eq!(s.route(&a, at, 8, 8, 0), Route::Refused);
+    }
+
+    #[test]
+    fn packages_go_to_the_site_alone_and_a_cleared_serving_starts_afresh() {
+        let a = id("a");
+        let mut s = Serving::new(2, 0);
+        assert_eq!(
+            routes(&mut s, &a, (2, Payload::Package), 0..2),
+            vec![Route::Site; 2]
+        );
+        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Shared);
+        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Site);
+        // The model and its delta, or two versions, are separate payloads.
+        assert_eq!(s.route(&a, (2, Payload::Delta), 0, 8, 0), Route::Shared);
+        assert_eq!(s.route(&a, (3, Payload::Model), 0, 8, 0), Route::Shared);
+        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Site);
+        s.clear();
+        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Shared);
+    }
+
+    #[test]
+    fn first_requests_are_gathered_until_every_site_asked_or_the_time_is_up() {
+        let (a, b, c) = (id("a"), id("b"), id("c"));
+        let mut s = Serving::new(3, 20);
+        let at = (5, Payload::Model);
+        assert_eq!(routes(&mut s, &a, at, 0..4), vec![Route::Gathered; 4]);
+        assert_eq!(s.deadline(), Some(20));
+        assert_eq!(s.due(19), vec![]);
+        assert_eq!(routes(&mut s, &b, at, 2..6), vec![Route::Gathered; 4]);
+        assert_eq!(s.due(1), vec![]);
+        // The third site asks: everything asked for is shared at once, in index order.
+        assert_eq!(routes(&mut s, &c, at, 0..2), vec![Route::Gathered; 2]);
+        assert_eq!(s.due(2), vec![(at, (0..6).collect())]);
+        assert_eq!(s.deadline(), None);
+        // All three listened before the first shared chunk: nothing is sent twice.
+        assert_eq!(routes(&mut s, &c, at, 2..6), vec![Route::OnItsWay; 4]);
+        assert_eq!(
+            routes(&mut s, &a, at, 4..8),
+            [
+                Route::OnItsWay,
+                Route::OnItsWay,
+                Route::Shared,
+                Route::Shared
+            ]
+        );
+        // Under a time limit, a site that never asks holds the others up that long only.
+        let at = (5, Payload::Delta);
+        assert_eq!(s.route(&a, at, 0, 8, 100), Route::Gathered);
+        assert_eq!(s.due(119), vec![]);
+        assert_eq!(s.due(120), vec![(at, vec![0])]);
+        // A package is never gathered.
+        assert_eq!(s.route(&a, (5, Payload::Package), 0, 8, 200), Route::Site);
+    }
+
+    #[test]
+    fn with_sharing_off_every_chunk_goes_to_its_site_alone() {
+        let (a, b) = (id("a"), id("b"));
+        let mut s = Serving::new(2, 20);
+        let at = (1, Payload::Model);
+        s.set_sharing(false);
+        assert_eq!(routes(&mut s, &a, at, 0..2), vec![Route::Site; 2]);
+        assert_eq!(routes(&mut s, &b, at, 0..2), vec![Route::Site; 2]);
+        assert_eq!(s.deadline(), None);
+        assert_eq!(s.due(100), vec![]);
+    }
+}
