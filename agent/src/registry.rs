@@ -471,6 +471,7 @@ impl OnboardClient {
                     model_version: info.model_version,
                     indices,
                     payload: unifed_protocol::messages::Payload::Package,
+                    alone: false,
                 };
                 self.send(
                     self.topics.chunk_request(&self.owner.site),

@@ -707,8 +707,8 @@ async fn serve_chunks(
         let topic = match serving.route(
             &site,
             (req.model_version, req.payload),
-            i as usize,
-            chunks.len(),
+            (i as usize, chunks.len()),
+            req.alone,
             now_ms,
         ) {
             Route::Shared => wire.topics.model_chunks(),

@@ -123,14 +123,15 @@ impl Serving {
         due
     }
 
-    /// Routes chunk `index` of `n` of `payload` of model `version`, asked for by `site`.
-    /// Only `Payload::Model` and `Payload::Delta` are shared.
+    /// Routes chunk `index` of `n` of `payload` of model `version`, asked for by `site`
+    /// (`missed`: it may have missed what was shared, see `ChunkRequest::alone`). Only
+    /// `Payload::Model` and `Payload::Delta` are shared.
     pub fn route(
         &mut self,
         site: &Id,
         (version, payload): (u64, Payload),
-        index: usize,
-        n: usize,
+        (index, n): (usize, usize),
+        missed: bool,
         now_ms: u64,
     ) -> Route {
         let shareable = self.sharing && payload != Payload::Package;
@@ -152,7 +153,7 @@ impl Serving {
         let Some((asked, alone)) = asks.get_mut(index) else {
             return Route::Refused;
         };
-        let first_ask = *asked == 0;
+        let first_ask = *asked == 0 && !missed;
         *asked = asked.saturating_add(1);
         if let Some((_, gathered)) = sent.gathering.as_mut().filter(|_| shareable) {
             gathered.insert(index as u32);
@@ -188,7 +189,7 @@ mod tests {
         at: (u64, Payload),
         idx: std::ops::Range<usize>,
     ) -> Vec<Route> {
-        idx.map(|i| s.route(site, at, i, 8, 0)).collect()
+        idx.map(|i| s.route(site, at, (i, 8), false, 0)).collect()
     }
 
     #[test]
@@ -204,7 +205,7 @@ mod tests {
         // a first asked after 0..4 went out: it may have dropped them, so it gets its own.
         assert_eq!(routes(&mut s, &a, at, 0..4), vec![Route::Site; 4]);
         // b asks again for a chunk that was on its way: it was lost, so b gets its own.
-        assert_eq!(s.route(&b, at, 5, 8, 0), Route::Site);
+        assert_eq!(s.route(&b, at, (5, 8), false, 0), Route::Site);
     }
 
     #[test]
@@ -212,14 +213,14 @@ mod tests {
         let (a, b) = (id("a"), id("b"));
         let mut s = Serving::new(2, 0);
         let at = (1, Payload::Delta);
-        assert_eq!(s.route(&a, at, 2, 8, 0), Route::Shared);
-        let alone: Vec<Route> = (0..10).map(|_| s.route(&b, at, 2, 8, 0)).collect();
+        assert_eq!(s.route(&a, at, (2, 8), false, 0), Route::Shared);
+        let alone: Vec<Route> = (0..10).map(|_| s.route(&b, at, (2, 8), false, 0)).collect();
         assert_eq!(alone[..8], [Route::Site; 8]);
         assert_eq!(alone[8..], [Route::Refused; 2]);
         // Never shared twice, whoever asks.
-        assert_eq!(s.route(&a, at, 2, 8, 0), Route::Site);
+        assert_eq!(s.route(&a, at, (2, 8), false, 0), Route::Site);
         // An index out of range is refused, not a panic.
-        assert_eq!(s.route(&a, at, 8, 8, 0), Route::Refused);
+        assert_eq!(s.route(&a, at, (8, 8), false, 0), Route::Refused);
     }
 
     #[test]
@@ -230,14 +231,32 @@ mod tests {
             routes(&mut s, &a, (2, Payload::Package), 0..2),
             vec![Route::Site; 2]
         );
-        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Shared);
-        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Site);
+        assert_eq!(
+            s.route(&a, (2, Payload::Model), (0, 8), false, 0),
+            Route::Shared
+        );
+        assert_eq!(
+            s.route(&a, (2, Payload::Model), (0, 8), false, 0),
+            Route::Site
+        );
         // The model and its delta, or two versions, are separate payloads.
-        assert_eq!(s.route(&a, (2, Payload::Delta), 0, 8, 0), Route::Shared);
-        assert_eq!(s.route(&a, (3, Payload::Model), 0, 8, 0), Route::Shared);
-        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Site);
+        assert_eq!(
+            s.route(&a, (2, Payload::Delta), (0, 8), false, 0),
+            Route::Shared
+        );
+        assert_eq!(
+            s.route(&a, (3, Payload::Model), (0, 8), false, 0),
+            Route::Shared
+        );
+        assert_eq!(
+            s.route(&a, (2, Payload::Model), (0, 8), false, 0),
+            Route::Site
+        );
         s.clear();
-        assert_eq!(s.route(&a, (2, Payload::Model), 0, 8, 0), Route::Shared);
+        assert_eq!(
+            s.route(&a, (2, Payload::Model), (0, 8), false, 0),
+            Route::Shared
+        );
     }
 
     #[test]
@@ -267,11 +286,14 @@ mod tests {
         );
         // Under a time limit, a site that never asks holds the others up that long only.
         let at = (5, Payload::Delta);
-        assert_eq!(s.route(&a, at, 0, 8, 100), Route::Gathered);
+        assert_eq!(s.route(&a, at, (0, 8), false, 100), Route::Gathered);
         assert_eq!(s.due(119), vec![]);
         assert_eq!(s.due(120), vec![(at, vec![0])]);
         // A package is never gathered.
-        assert_eq!(s.route(&a, (5, Payload::Package), 0, 8, 200), Route::Site);
+        assert_eq!(
+            s.route(&a, (5, Payload::Package), (0, 8), false, 200),
+            Route::Site
+        );
     }
 
     #[test]
@@ -284,5 +306,19 @@ mod tests {
         assert_eq!(routes(&mut s, &b, at, 0..2), vec![Route::Site; 2]);
         assert_eq!(s.deadline(), None);
         assert_eq!(s.due(100), vec![]);
+    }
+
+    #[test]
+    fn a_site_that_may_have_missed_shared_chunks_is_sent_them_alone() {
+        let (a, b) = (id("a"), id("b"));
+        let mut s = Serving::new(2, 0);
+        let at = (1, Payload::Model);
+        assert_eq!(routes(&mut s, &b, at, 0..1), vec![Route::Shared]);
+        assert_eq!(routes(&mut s, &a, at, 1..4), vec![Route::Shared; 3]);
+        // b listened before 1..4 went out, but it reconnected since: it gets its own.
+        assert_eq!(s.route(&b, at, (1, 8), true, 0), Route::Site);
+        assert_eq!(s.route(&b, at, (2, 8), false, 0), Route::OnItsWay);
+        // What nobody had yet is shared as usual.
+        assert_eq!(s.route(&b, at, (4, 8), true, 0), Route::Shared);
     }
 }

@@ -496,6 +496,7 @@ mod tests {
                 model_version: 7,
                 indices: vec![1, 2],
                 payload: Payload::Model,
+                alone: false,
             },
         )
     }

@@ -457,6 +457,7 @@ mod tests {
                 model_version: 7,
                 indices: vec![1, 5, 9],
                 payload: Payload::Model,
+                alone: false,
             },
         )
     }

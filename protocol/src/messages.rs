@@ -329,6 +329,9 @@ pub struct ChunkRequest {
     pub indices: Vec<u32>,
     /// Which of the version's payloads.
     pub payload: Payload,
+    /// The site may have missed chunks sent for every site (it reconnected, or its window went
+    /// stale): the aggregator sends what was already sent for all to it alone.
+    pub alone: bool,
 }
 
 /// The server's model for a round: weights (non-BN only under `local` BN) and extras. Its

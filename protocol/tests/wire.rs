@@ -127,6 +127,7 @@ fn every_other_payload_round_trips_through_an_envelope() {
             model_version: 9,
             indices: vec![],
             payload: Payload::Package,
+            alone: false,
         },
     );
     for req in [

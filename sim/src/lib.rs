@@ -280,8 +280,8 @@ pub fn run_federation<N: Net>(
                             let to: Vec<(usize, String)> = match serving.route(
                                 site,
                                 (req.model_version, req.payload),
-                                i as usize,
-                                cut.count() as usize,
+                                (i as usize, cut.count() as usize),
+                                req.alone,
                                 now,
                             ) {
                                 Route::Shared => (0..sites.len())

@@ -181,6 +181,9 @@ pub struct SiteEngine {
     reasm: Reassembler,
     outstanding: BTreeSet<u32>,
     last_request_ms: Option<u64>,
+    /// The connection dropped since the last request: chunks sent for every site meanwhile
+    /// were missed.
+    reconnected: bool,
     fetch_started_ms: Option<u64>,
     /// Payloads (models or deltas) the driver could not apply: not fetched again.
     refused: BTreeSet<[u8; 32]>,
@@ -215,6 +218,7 @@ impl SiteEngine {
                 .of_signed_chunks(),
             outstanding: BTreeSet::new(),
             last_request_ms: None,
+            reconnected: false,
             fetch_started_ms: None,
             refused: BTreeSet::new(),
             applying: None,
@@ -259,6 +263,7 @@ impl SiteEngine {
                     p.reconnected();
                 }
                 self.last_request_ms = None;
+                self.reconnected = true;
             }
             Event::Message { topic, payload } => {
                 self.on_message(&topic, &payload, now_ms, &mut out)
@@ -578,9 +583,10 @@ impl SiteEngine {
             // Ask for what is missing: the next chunks once half the window has arrived (so the
             // pipe never runs dry, and at most one and a half windows are in flight), and
             // everything missing again if nothing was asked for within FETCH_RETRY_MS.
-            let stale = self
+            let timed_out = self
                 .last_request_ms
-                .is_none_or(|t| now_ms.saturating_sub(t) > FETCH_RETRY_MS);
+                .is_some_and(|t| now_ms.saturating_sub(t) > FETCH_RETRY_MS);
+            let stale = timed_out || self.last_request_ms.is_none();
             let window = fetch_window(t.len, t.count);
             if self.outstanding.len() <= window / 2 || stale {
                 self.reasm.expire(now_ms);
@@ -604,11 +610,15 @@ impl SiteEngine {
                     return;
                 }
                 self.outstanding.extend(indices.iter().copied());
+                // After a reconnect or a silence, chunks sent for every site may have been
+                // missed: the aggregator sends those to this site alone.
                 let req = ChunkRequest {
                     model_version: m.model_version,
                     indices,
                     payload: t.payload,
+                    alone: timed_out || self.reconnected,
                 };
+                self.reconnected = false;
                 out.push(Action::Publish {
                     topic: self.topics.chunk_request(&self.cfg.site),
                     payload: self.envelope(MessageKind::ChunkRequest, &m, &req),

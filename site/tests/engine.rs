@@ -345,6 +345,28 @@ fn chunks_sent_for_every_site_complete_a_fetch_and_are_not_asked_for_again() {
 }
 
 #[test]
+fn after_a_reconnect_or_a_silence_a_site_asks_for_its_own_copies() {
+    let mut e = engine(None);
+    let (m, chunks) = model_cut(1, 0, &[], 1);
+    let first = request(&e.handle(manifest_msg(&m), 0));
+    assert!(!first.alone, "a first request listens to what is shared");
+    // The connection dropped: chunks shared meanwhile were missed.
+    let again = request(&e.handle(Event::Connected, 10));
+    assert_eq!(again.indices, first.indices);
+    assert!(again.alone);
+    // The next window is asked for as usual.
+    let mut next = Vec::new();
+    for c in &chunks[..32] {
+        next.extend(e.handle(chunk_msg(&m, c), 20));
+    }
+    assert!(!request(&next).alone);
+    // Nothing came for longer than the retry time: what is missing is asked for alone.
+    let late = request(&e.handle(Event::Tick, 20 + unifed_site::engine::FETCH_RETRY_MS + 1));
+    assert!(late.alone);
+    assert_eq!(late.indices[0], 32);
+}
+
+#[test]
 fn a_new_site_fetches_applies_trains_uploads_and_checkpoints_on_its_answer() {
     let mut e = engine(None);
     let (m, chunks) = model(1, 0, &[]);

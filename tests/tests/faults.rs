@@ -312,6 +312,7 @@ fn noise(
                         model_version: m.model_version + 7,
                         indices: vec![0, 1],
                         payload: Payload::Model,
+                        alone: false,
                     };
                     all(
                         topics.chunk_request(&site),

@@ -120,6 +120,7 @@ fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) 
                         model_version: version,
                         indices: vec![],
                         payload: Payload::Model,
+                        alone: false,
                     };
                     let payload = postcard::to_allocvec(&req).unwrap();
                     out.push((
