@@ -10,8 +10,9 @@
 //! messages per topic, not across topics, so a chunk sent earlier may overtake the manifest
 //! and be dropped as a payload the site does not know yet.) So a chunk shared before that
 //! first request is sent to the site alone when it asks, and one shared after it is skipped the
-//! first time the site asks and sent to it alone when it asks again (its fetch window went
-//! stale: the chunk was lost on its way).
+//! first time the site asks and sent to it alone when it asks again, or when its request says
+//! it may have missed what was shared (`ChunkRequest::alone`: it reconnected, or its fetch
+//! went quiet).
 //!
 //! Sites ask for a new model within moments of each other, so the first requests for a payload
 //! are gathered before anything of it is shared: until every expected site has asked, or for
