@@ -89,7 +89,8 @@ fn main() -> Result<()> {
                 cert: &cert,
                 key: &key,
             };
-            std::fs::write(&acl_file, unifed_aggregator::mosquitto::acl(&fed))?;
+            let sites: Vec<String> = cfg.federation.sites.iter().map(|s| s.id.clone()).collect();
+            std::fs::write(&acl_file, unifed_aggregator::mosquitto::acl(&fed, &sites))?;
             let conf = out.join("mosquitto.conf");
             std::fs::write(
                 &conf,

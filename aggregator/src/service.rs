@@ -4,7 +4,7 @@
 
 use crate::config::FederationConfig;
 use crate::core::{Action, Aggregator, Arrival, Event, GlobalModel, Incoming, VET_WIDTH};
-use crate::serving::{Route, Serving};
+use crate::serving::{Route, Serving, To};
 use crate::uploads::SpooledUploads;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -729,30 +729,30 @@ async fn serve_chunks(
     Ok(())
 }
 
-/// Shares the round model's chunks whose first requests are gathered (see
-/// [`crate::serving`]), on the topic every site reads.
+/// Sends the round model's chunks whose first requests were gathered (see
+/// [`crate::serving`]): on the topic every site reads, or to each site that asked alone.
 async fn share_due(
     wire: &Wire,
     served: Option<&Served>,
     serving: &mut Serving,
     now_ms: u64,
 ) -> Result<()> {
-    for ((version, payload), indices) in serving.due(now_ms) {
+    for ((version, payload), to, indices) in serving.due(now_ms) {
         let Some(s) = served.filter(|s| s.manifest.model_version == version) else {
             continue;
         };
         let chunks = match payload {
+            Payload::Model => &s.chunks,
             Payload::Delta => &s.delta_chunks,
-            _ => &s.chunks,
+            Payload::Package => continue,
+        };
+        let topic = match &to {
+            To::All => wire.topics.model_chunks(),
+            To::Site(site) => wire.topics.chunk_reply(site),
         };
         for c in indices.iter().filter_map(|&i| chunks.get(i as usize)) {
             wire.client
-                .publish_bytes(
-                    wire.topics.model_chunks(),
-                    Qos::AtLeastOnce,
-                    false,
-                    c.clone(),
-                )
+                .publish_bytes(topic.clone(), Qos::AtLeastOnce, false, c.clone())
                 .await?;
         }
     }

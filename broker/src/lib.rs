@@ -16,7 +16,11 @@
 //!   shares, 8 MiB for a site's own model and package replies, in segments of 1 MiB, so the
 //!   broker's memory grows by 9 MiB per site rather than 32; and `--model-log-mib` (64) for the
 //!   model chunks sent once for every site, a whole model so a site that falls behind the
-//!   others loses none. The logs keep packets as slices
+//!   others loses none. rumqttd has no ACL: any client that may connect can publish on any
+//!   topic, so a forged chunk reaches every site (which drops it unsigned) and a flood of them
+//!   can push real chunks out of that log (sites then ask for them again). A federation whose
+//!   network is not trusted runs Mosquitto with the ACL `unifed-aggregator mosquitto-config`
+//!   writes, where only the aggregator may publish there. The logs keep packets as slices
 //!   of the buffers they were read into, so chunks are cut to fit 256 KiB packets
 //!   (`unifed_protocol::chunking::CHUNK_BYTES`).
 

@@ -13,7 +13,7 @@ pub mod memory;
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::VecDeque;
 use std::time::Instant;
-use unifed_aggregator::serving::{Route, Serving};
+use unifed_aggregator::serving::{Route, Serving, To};
 use unifed_aggregator::{
     Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, GlobalModel, Incoming,
 };
@@ -141,6 +141,7 @@ pub fn run_federation<N: Net>(
         .map(|s| EnrolledSite::new(s.id.as_str(), sim_key(s.id.as_str()).public()))
         .collect();
     let keyring = cfg.keyring();
+    let ids: Vec<Id> = sites.iter().map(|s| s.id.clone()).collect();
     let wire = Wire {
         federation: federation.clone(),
         me,
@@ -167,9 +168,10 @@ pub fn run_federation<N: Net>(
             )
         })
         .collect();
-    let mut served: Option<(RoundManifest, Cut, Option<Cut>)> = None;
-    // Chunks go the ways the MQTT service sends them: once for every site, or to one alone.
-    let mut serving = Serving::new(sites.len(), 0);
+    let mut served: Option<ServedModel> = None;
+    // Chunks go the ways the MQTT service sends them: once for every site, or to one alone;
+    // first requests are gathered until every site asked or nothing else moves.
+    let mut serving = Serving::new(sites.len(), u64::MAX);
     let mut agg_actions = agg.handle(Event::Start, 0)?;
     let mut inbox: VecDeque<(usize, SiteEvent)> = VecDeque::new();
     let mut records = Vec::new();
@@ -252,6 +254,11 @@ pub fn run_federation<N: Net>(
             agg_actions = agg.handle(Event::Close, now)?;
             continue;
         }
+        if inbox.is_empty() {
+            // Nothing else moves: first requests gathered from fewer than every site go now.
+            let due = serving.due(u64::MAX);
+            share_due(&mut inbox, &wire, (&topics, &ids), served.as_ref(), due)?;
+        }
         let Some((k, event)) = inbox.pop_front() else {
             if done.iter().all(|&d| d) {
                 return Ok(records);
@@ -276,7 +283,7 @@ pub fn run_federation<N: Net>(
                             Payload::Package => bail!("the in-process run serves no packages"),
                         };
                         for i in req.indices {
-                            let c = &cut.chunk(i).context("a chunk out of range")?;
+                            cut.chunk(i).context("a chunk out of range")?;
                             let to: Vec<(usize, String)> = match serving.route(
                                 site,
                                 (req.model_version, req.payload),
@@ -290,19 +297,10 @@ pub fn run_federation<N: Net>(
                                 Route::Site => vec![(k, topics.chunk_reply(site))],
                                 Route::OnItsWay | Route::Gathered | Route::Refused => Vec::new(),
                             };
-                            let payload: bytes::Bytes = wire
-                                .envelope(MessageKind::ModelChunk, m.round, m.model_version, c)
-                                .into();
-                            for (j, topic) in to {
-                                inbox.push_back((
-                                    j,
-                                    SiteEvent::Message {
-                                        topic,
-                                        payload: payload.clone(),
-                                    },
-                                ));
-                            }
+                            deliver(&mut inbox, &wire, m, cut, &[i], &to);
                         }
+                        let due = serving.due(now);
+                        share_due(&mut inbox, &wire, (&topics, &ids), served.as_ref(), due)?;
                     } else if topic == topics.update(site) {
                         observe(Observed::Update {
                             site: site.as_str(),
@@ -392,6 +390,65 @@ pub fn run_federation<N: Net>(
             }
         }
     }
+}
+
+/// A model version as served: its manifest, and its payload and delta cut into chunks.
+type ServedModel = (RoundManifest, Cut, Option<Cut>);
+
+/// Puts chunks `indices` of `cut`, a payload `m` announces, into the inboxes `to` names.
+fn deliver(
+    inbox: &mut VecDeque<(usize, SiteEvent)>,
+    wire: &Wire,
+    m: &RoundManifest,
+    cut: &Cut,
+    indices: &[u32],
+    to: &[(usize, String)],
+) {
+    for c in indices.iter().filter_map(|&i| cut.chunk(i)) {
+        let payload: bytes::Bytes = wire
+            .envelope(MessageKind::ModelChunk, m.round, m.model_version, &c)
+            .into();
+        for (j, topic) in to {
+            inbox.push_back((
+                *j,
+                SiteEvent::Message {
+                    topic: topic.clone(),
+                    payload: payload.clone(),
+                },
+            ));
+        }
+    }
+}
+
+/// Delivers what [`Serving::due`] sends: to every site (in `ids`' order), or to one alone.
+fn share_due(
+    inbox: &mut VecDeque<(usize, SiteEvent)>,
+    wire: &Wire,
+    (topics, ids): (&Topics, &[Id]),
+    served: Option<&ServedModel>,
+    due: Vec<((u64, Payload), To, Vec<u32>)>,
+) -> Result<()> {
+    for ((version, payload), to, indices) in due {
+        let Some((m, model, delta)) = served.filter(|s| s.0.model_version == version) else {
+            continue;
+        };
+        let cut = match payload {
+            Payload::Model => model,
+            Payload::Delta => delta.as_ref().context("no delta was published")?,
+            Payload::Package => continue,
+        };
+        let to: Vec<(usize, String)> = match to {
+            To::All => (0..ids.len()).map(|j| (j, topics.model_chunks())).collect(),
+            To::Site(site) => ids
+                .iter()
+                .position(|s| *s == site)
+                .map(|k| (k, topics.chunk_reply(&site)))
+                .into_iter()
+                .collect(),
+        };
+        deliver(inbox, wire, m, cut, &indices, &to);
+    }
+    Ok(())
 }
 
 /// The aggregator's side of the in-memory transport: its envelopes.

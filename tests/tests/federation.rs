@@ -267,14 +267,13 @@ fn check(fed: &Fed, packets: &[Packet]) {
     // each site (a site whose first request came after the others' was sent its own copy of
     // what had gone out before it asked, so a site may have had a chunk twice).
     let per_version: u64 = manifests.iter().map(|m| m.chunk_count as u64).sum::<u64>();
-    let mut shared: BTreeMap<(u64, u32), usize> = BTreeMap::new();
+    let mut shared: BTreeMap<([u8; 32], u32), usize> = BTreeMap::new();
     for p in packets
         .iter()
         .filter(|p| p.to_broker && p.topic == "unifed/v1/e2e/chunks/model")
     {
-        let env = envelope(p);
-        let c: Chunk = env.payload_as().unwrap();
-        *shared.entry((env.model_version, c.index)).or_default() += 1;
+        let c: Chunk = envelope(p).payload_as().unwrap();
+        *shared.entry((c.payload_hash, c.index)).or_default() += 1;
     }
     assert_eq!(shared.len() as u64, per_version, "chunks shared");
     assert!(shared.values().all(|&n| n == 1), "a chunk shared twice");
