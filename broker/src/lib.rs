@@ -161,10 +161,8 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
         connections,
     };
     let packet = args.max_packet_bytes + 4096;
-    let (shared, per_site) = (
-        log_limits(SHARED_LOG_BYTES, packet),
-        log_limits(PER_SITE_LOG_BYTES, packet),
-    );
+    let shared = log_limits(SHARED_LOG_BYTES, packet);
+    let per_site = log_limits(PER_SITE_LOG_BYTES, packet);
     let model = log_limits(args.model_log_mib.saturating_mul(1 << 20), packet);
     let config = rumqttd::Config {
         id: 0,

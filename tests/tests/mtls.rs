@@ -174,7 +174,7 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
             port,
             &certs,
             Some("texture"),
-            vec![format!("{ns}/ack/texture")],
+            vec![format!("{ns}/ack/texture"), format!("{ns}/chunks/model")],
             wait,
         )
         .await
@@ -187,6 +187,7 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
                 format!("{ns}/ack/texture"),
                 format!("{ns}/update/+"),
                 format!("{ns}/ack/grey"),
+                format!("{ns}/chunks/model"),
             ],
             wait,
         )
@@ -208,6 +209,10 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
         publish(&texture, &format!("{ns}/update/texture"), "texture's own").await;
         publish(&agg, &format!("{ns}/ack/texture"), "answer to texture").await;
         publish(&agg, &format!("{ns}/ack/grey"), "answer to grey").await;
+        // Model chunks for every site: enrolled sites read them, and only the aggregator
+        // writes them.
+        publish(&agg, &format!("{ns}/chunks/model"), "a shared chunk").await;
+        publish(&grey, &format!("{ns}/chunks/model"), "grey's forged chunk").await;
         let to_agg = drain(&mut agg_rx, Duration::from_secs(2)).await;
         let to_texture = drain(&mut texture_rx, Duration::from_millis(500)).await;
         let to_grey = drain(&mut grey_rx, Duration::from_millis(500)).await;
@@ -215,11 +220,11 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
         let mut got = texts(&to_agg);
         got.sort();
         assert_eq!(got, ["grey's own", "texture's own"], "{to_agg:?}");
-        assert_eq!(texts(&to_texture), ["answer to texture"]);
+        assert_eq!(texts(&to_texture), ["answer to texture", "a shared chunk"]);
         // grey's subscriptions to texture's answers and to every update got it nothing.
         assert_eq!(
             texts(&to_grey),
-            ["answer to grey"],
+            ["answer to grey", "a shared chunk"],
             "{to_grey:?}\n{}",
             std::fs::read_to_string(dir.path().join("mosquitto.log")).unwrap_or_default()
         );
