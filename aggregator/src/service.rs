@@ -133,6 +133,19 @@ struct Served {
     delta_chunks: Vec<bytes::Bytes>,
 }
 
+impl Served {
+    /// The chunks of `payload` of model `version`, if this is that version's (packages are
+    /// not served from here).
+    fn chunks_of(&self, (version, payload): (u64, Payload)) -> Option<&[bytes::Bytes]> {
+        match payload {
+            _ if version != self.manifest.model_version => None,
+            Payload::Model => Some(&self.chunks),
+            Payload::Delta => Some(&self.delta_chunks),
+            Payload::Package => None,
+        }
+    }
+}
+
 /// How long the first requests for a new model are gathered before its chunks are shared,
 /// unless every enrolled site asked sooner (see [`crate::serving`]).
 const GATHER_MS: u64 = 20;
@@ -676,16 +689,12 @@ async fn serve_chunks(
             }
             &package.as_ref().expect("just built").chunks
         }
-        Payload::Model | Payload::Delta => match served {
-            Some(s) if s.manifest.model_version == req.model_version => {
-                if req.payload == Payload::Delta {
-                    &s.delta_chunks
-                } else {
-                    &s.chunks
-                }
+        Payload::Model | Payload::Delta => {
+            match served.and_then(|s| s.chunks_of((req.model_version, req.payload))) {
+                Some(c) => c,
+                None => return Ok(()),
             }
-            _ => return Ok(()),
-        },
+        }
     };
     // At most a window's worth per request, each chunk once: a request cannot make the service
     // flood the broker.
@@ -737,14 +746,9 @@ async fn share_due(
     serving: &mut Serving,
     now_ms: u64,
 ) -> Result<()> {
-    for ((version, payload), to, indices) in serving.due(now_ms) {
-        let Some(s) = served.filter(|s| s.manifest.model_version == version) else {
+    for (at, to, indices) in serving.due(now_ms) {
+        let Some(chunks) = served.and_then(|s| s.chunks_of(at)) else {
             continue;
-        };
-        let chunks = match payload {
-            Payload::Model => &s.chunks,
-            Payload::Delta => &s.delta_chunks,
-            Payload::Package => continue,
         };
         let topic = match &to {
             To::All => wire.topics.model_chunks(),

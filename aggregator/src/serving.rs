@@ -57,7 +57,7 @@ pub enum To {
 }
 
 /// What was sent of one payload of one model version.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Sent {
     /// When each chunk went out on the shared topic (a count of shared chunks, from 1), or 0.
     shared: Vec<u64>,
@@ -71,6 +71,17 @@ struct Sent {
 }
 
 impl Sent {
+    /// Nothing sent yet of a payload of `n` chunks; its first requests gathered until
+    /// `gather_until`, if given.
+    fn new(n: usize, gather_until: Option<u64>) -> Self {
+        Sent {
+            shared: vec![0; n],
+            seq: 0,
+            sites: BTreeMap::new(),
+            gathering: gather_until.map(|t| (t, BTreeMap::new())),
+        }
+    }
+
     /// Counts chunk `i` as sent to `site` alone once more; false if it had it too often.
     fn alone(&mut self, site: &Id, i: usize) -> bool {
         match self.sites.get_mut(site).and_then(|(_, a)| a.get_mut(i)) {
@@ -172,21 +183,18 @@ impl Serving {
         now_ms: u64,
     ) -> Route {
         let shareable = self.sharing && payload != Payload::Package;
-        let sent = self.payloads.entry((version, payload)).or_default();
-        if sent.shared.len() != n {
-            // A payload of the same version under another count is another payload.
-            *sent = Sent {
-                shared: vec![0; n],
-                gathering: (shareable && self.gather_ms > 0)
-                    .then(|| (now_ms.saturating_add(self.gather_ms), BTreeMap::new())),
-                ..Sent::default()
-            };
-        }
+        let gather_until =
+            (shareable && self.gather_ms > 0).then(|| now_ms.saturating_add(self.gather_ms));
+        let sent = self
+            .payloads
+            .entry((version, payload))
+            .or_insert_with(|| Sent::new(n, gather_until));
         let seq = sent.seq;
-        let (since, asks) = sent
-            .sites
-            .entry(site.clone())
-            .or_insert_with(|| (seq, vec![(0, 0); n]));
+        if !sent.sites.contains_key(site) {
+            sent.sites
+                .insert(site.clone(), (seq, vec![(0, 0); sent.shared.len()]));
+        }
+        let (since, asks) = sent.sites.get_mut(site).expect("present or just inserted");
         let Some((asked, _)) = asks.get_mut(index) else {
             return Route::Refused;
         };
