@@ -191,7 +191,11 @@ fn convolution_gives_the_sums_of_plain_loops_with_padding_strides_dilation_and_g
     let dev = device();
     // (input, weight, stride, padding, dilation, groups). The first has no padding and large
     // values: the next ones, padded, would show any of them left in reused scratch where
-    // their padding should be zeros.
+    // their padding should be zeros. burn-flex's im2col GEMM takes the kernel as its left
+    // operand where an im2col row holds at least 4 values per output channel and the kernel
+    // at most 512 Ki values (`kernel_left` in `third_party/burn-flex`): the first, third,
+    // fourth, fifth and sixth cases do; the last two do not (rows too short, kernel too
+    // large), and the second takes the path for few input channels.
     type Case = (
         [usize; 4],
         [usize; 4],
@@ -200,13 +204,15 @@ fn convolution_gives_the_sums_of_plain_loops_with_padding_strides_dilation_and_g
         [usize; 2],
         usize,
     );
-    let cases: [Case; 6] = [
+    let cases: [Case; 8] = [
         ([2, 8, 12, 12], [32, 8, 5, 5], [1, 1], [0, 0], [1, 1], 1),
         ([2, 3, 12, 12], [64, 3, 5, 5], [1, 1], [2, 2], [1, 1], 1),
         ([2, 64, 7, 7], [32, 64, 5, 5], [1, 1], [2, 2], [1, 1], 1),
         ([1, 8, 11, 9], [16, 8, 3, 3], [2, 2], [1, 1], [1, 1], 1),
         ([1, 8, 10, 10], [16, 4, 3, 3], [1, 1], [1, 1], [1, 1], 2),
         ([1, 6, 13, 13], [12, 6, 3, 3], [1, 2], [2, 1], [2, 2], 1),
+        ([2, 16, 9, 9], [64, 16, 3, 3], [1, 1], [1, 1], [1, 1], 1),
+        ([1, 512, 5, 5], [128, 512, 4, 4], [1, 1], [1, 1], [1, 1], 1),
     ];
     for (case, &(xs, ws, s, p, d, groups)) in cases.iter().enumerate() {
         let scale = if case == 0 { 1.0e6 } else { 1.0 };
