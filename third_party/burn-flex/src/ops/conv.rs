@@ -482,7 +482,8 @@ fn conv3d_impl<
                         let w_end = w_start + out_channels_per_group * col_len;
                         let w_group = &w_flat[w_start..w_end];
 
-                        // GEMM for this group: [positions, channels]
+                        // GEMM for this group: [positions, channels] with `left`, else
+                        // [channels, positions]
                         let result = gemm_fn(
                             w_group,
                             &col_tile,
@@ -2025,8 +2026,10 @@ type GemmFn<T> = fn(&[T], &[T], usize, usize, usize, bool) -> Vec<T>;
 /// sum in the same order (bit-identical). It pays where k is several times m and the kernel
 /// stays in a core's cache, read once per 16 channels: the digits CNN's conv2 forward GEMM
 /// (m 64, k 1600, n 196) went from 0.49 to 0.39 ms on a Zen 4 core, conv3's (m 128, n 49)
-/// from 0.30 to 0.21, and conv2's weight gradient (m 64, k 6272, n 25) from 0.35 to 0.22;
-/// conv1 (k 75) and its weight gradient (k 25088, 6.4 MB) were slower, and keep the packing.
+/// from 0.30 to 0.21, and conv2's weight gradient (m 64, k 6272, n 25) from 0.35 to 0.22.
+/// With conv1 (k 75: its product is nearly as large as its rows) and conv1's weight gradient
+/// (a 6.4 MB kernel) taken this way too, before the product's transposition was blocked,
+/// conv1's forward and backward pass went from 14-16 to 18-23 ms; both keep the packing.
 pub(crate) fn kernel_left(m: usize, k: usize) -> bool {
     k >= 4 * m && m * k <= KERNEL_LEFT_VALUES
 }
