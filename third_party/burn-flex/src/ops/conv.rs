@@ -385,8 +385,9 @@ fn conv3d_impl<
                     let first =
                         b * channels_out * spatial_out + g * ocpg * spatial_out + tile_start;
                     debug_assert!(
-                        first + (ocpg - 1) * spatial_out + tile_size
-                            <= batch_size * channels_out * spatial_out
+                        ocpg == 0
+                            || first + (ocpg - 1) * spatial_out + tile_size
+                                <= batch_size * channels_out * spatial_out
                     );
                     if !left {
                         // Each output channel's row of the tile is contiguous in both (UniFed
@@ -2031,7 +2032,7 @@ type GemmFn<T> = fn(&[T], &[T], usize, usize, usize, bool) -> Vec<T>;
 /// (a 6.4 MB kernel) taken this way too, before the product's transposition was blocked,
 /// conv1's forward and backward pass went from 14-16 to 18-23 ms; both keep the packing.
 pub(crate) fn kernel_left(m: usize, k: usize) -> bool {
-    k >= 4 * m && m * k <= KERNEL_LEFT_VALUES
+    m > 0 && k >= 4 * m && m * k <= KERNEL_LEFT_VALUES
 }
 
 /// The largest kernel (values) `kernel_left` takes as the left operand: 2 MiB of f32.
