@@ -495,16 +495,17 @@ fn conv3d_impl<
                         );
 
                         // Write results to output for this group's output channels
+                        let (position_step, channel_step) = if left {
+                            (out_channels_per_group, 1)
+                        } else {
+                            (1, tile_size)
+                        };
                         for (local_idx, global_idx) in (tile_start..tile_end).enumerate() {
                             for c_out in 0..out_channels_per_group {
                                 let dst_idx = b * channels_out * spatial_out
                                     + (out_c_start + c_out) * spatial_out
                                     + global_idx;
-                                let res_idx = if left {
-                                    local_idx * out_channels_per_group + c_out
-                                } else {
-                                    c_out * tile_size + local_idx
-                                };
+                                let res_idx = local_idx * position_step + c_out * channel_step;
                                 output[dst_idx] = result[res_idx];
                             }
                         }
@@ -701,6 +702,8 @@ pub(crate) fn weight_grad_im2col(
         1,
         (gemm_f32, left),
         |b, _, tile_start, tile_size, result| {
+            // Where a (position, channel) value lies in the product.
+            let (position_step, channel_step) = if left { (c_out, 1) } else { (1, tile_size) };
             for (local, pos) in (tile_start..tile_start + tile_size).enumerate() {
                 let (r, c) = (pos / cols, pos % cols);
                 if r >= kernel_h || c >= kernel_w {
@@ -708,11 +711,7 @@ pub(crate) fn weight_grad_im2col(
                 }
                 for co in 0..c_out {
                     let at = (co * c_in + b) * kernel + r * kernel_w + c;
-                    let v = if left {
-                        result[local * c_out + co]
-                    } else {
-                        result[co * tile_size + local]
-                    };
+                    let v = result[local * position_step + co * channel_step];
                     // SAFETY: each (input channel, position) belongs to one tile, so no two
                     // tiles write the same value, and `at` is inside `dst`.
                     unsafe { dst_ptr.write(at, v) };
