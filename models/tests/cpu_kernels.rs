@@ -1,6 +1,6 @@
 //! The CPU backend's convolution, max pooling and strided copies against plain loops.
 //! `third_party/burn-flex` patches the first two (im2col through reused scratch, a 2x2 pooling
-//! fast path) and its tensor allocation, so these check the patched kernels on every shape
+//! fast path, pooling without indices for inference) and its tensor allocation, so these check the patched kernels on every shape
 //! class they take: full and partial windows, padding, strides, dilation, groups, ties, NaN,
 //! and transposed views read whole, in windows and in batches. Batch normalisation, which the
 //! patched backend runs in two passes, and a convolution's weight gradient, whose operands it
@@ -9,7 +9,7 @@
 
 mod common;
 
-use burn::tensor::module::{conv2d, max_pool2d_with_indices};
+use burn::tensor::module::{conv2d, max_pool2d, max_pool2d_with_indices};
 use burn::tensor::ops::{ConvOptions, MaxPoolOptions};
 use burn::tensor::{Tensor, TensorData};
 use common::{device, noise};
@@ -74,10 +74,15 @@ fn max_pooling_gives_the_values_and_indices_of_plain_loops_on_every_window_shape
     // (shape, kernel, stride, padding, dilation): full 2x2 windows (the fast path: even and
     // odd sizes, stride 2 and overlapping stride 1, several depth planes), then windows with
     // padding, dilation or another size (the general path).
+    // The fast path takes f32 rows of stride 2 four windows at a time: rows of 14 windows
+    // (three groups and two left), 3 and 4, and of 21 (five and one left) in a plane of 29
+    // rows.
     type Case = ([usize; 4], [usize; 2], [usize; 2], [usize; 2], [usize; 2]);
-    let cases: [Case; 7] = [
+    let cases: [Case; 9] = [
         ([2, 3, 28, 28], [2, 2], [2, 2], [0, 0], [1, 1]),
         ([1, 2, 7, 9], [2, 2], [2, 2], [0, 0], [1, 1]),
+        ([1, 2, 8, 8], [2, 2], [2, 2], [0, 0], [1, 1]),
+        ([2, 2, 29, 43], [2, 2], [2, 2], [0, 0], [1, 1]),
         ([1, 2, 6, 5], [2, 2], [1, 1], [0, 0], [1, 1]),
         ([1, 1, 2, 2], [2, 2], [2, 2], [0, 0], [1, 1]),
         ([1, 2, 9, 8], [3, 3], [2, 2], [1, 1], [1, 1]),
@@ -86,7 +91,8 @@ fn max_pooling_gives_the_values_and_indices_of_plain_loops_on_every_window_shape
     ];
     for (case, &(shape, k, s, p, d)) in cases.iter().enumerate() {
         let len = shape.iter().product();
-        // Few distinct values, so windows tie; a NaN now and then, twice in some windows.
+        // Few distinct values, so windows tie; a NaN now and then, twice in some windows;
+        // infinities, and negative zeros beside the zeros the rounding gives.
         let mut x = values(len, case as u64 + 1, Some(5));
         for i in (3..len).step_by(37) {
             x[i] = f32::NAN;
@@ -94,22 +100,31 @@ fn max_pooling_gives_the_values_and_indices_of_plain_loops_on_every_window_shape
                 x[i + 1] = f32::NAN;
             }
         }
+        for i in (5..len).step_by(23) {
+            x[i] = [f32::INFINITY, f32::NEG_INFINITY, -0.0][i % 3];
+        }
         let t = Tensor::<4>::from_data(TensorData::new(x.clone(), shape), &dev);
         let options = MaxPoolOptions::new(k)
             .with_stride(s)
             .with_padding(p)
             .with_dilation(d);
+        // Without indices (inference) the backend computes none: the same values.
+        let alone = max_pool2d(t.clone(), options.clone());
         let (out, idx) = max_pool2d_with_indices(t, options);
         let (want_shape, want, want_idx) = naive_pool(&x, shape, k, s, p, d);
+        assert_eq!(vec![alone.dims()], want_shape, "case {case}");
+        let alone: Vec<f32> = alone.into_data().try_to_vec::<f32>().unwrap();
         assert_eq!(vec![out.dims()], want_shape, "case {case}");
         let got: Vec<f32> = out.into_data().try_to_vec::<f32>().unwrap();
         let got_idx: Vec<i64> = idx.into_data().convert::<i64>().try_to_vec().unwrap();
         assert_eq!(got.len(), want.len(), "case {case}");
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(
-                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-                "case {case}, output {i}: {g} against {w}"
-            );
+        for (i, ((g, a), w)) in got.iter().zip(&alone).zip(&want).enumerate() {
+            for (g, what) in [(g, "with indices"), (a, "without indices")] {
+                assert!(
+                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                    "case {case}, output {i} {what}: {g} against {w}"
+                );
+            }
         }
         assert_eq!(got_idx, want_idx, "case {case}");
     }
@@ -194,8 +209,10 @@ fn convolution_gives_the_sums_of_plain_loops_with_padding_strides_dilation_and_g
     // their padding should be zeros. burn-flex's im2col GEMM takes the kernel as its left
     // operand where an im2col row holds at least 4 values per output channel and the kernel
     // at most 512 Ki values (`kernel_left` in `third_party/burn-flex`): the first, third,
-    // fourth, fifth and sixth cases do; the last two do not (rows too short, kernel too
-    // large), and the second takes the path for few input channels.
+    // fourth, fifth, sixth and seventh cases do; the last two do not (rows too short, kernel
+    // too large), and the second takes the path for few input channels. Without groups or
+    // dilation along the width, a kernel row's taps are copied as one run of the input row,
+    // cut where the padding starts (the seventh: stride 2, cut on both sides).
     type Case = (
         [usize; 4],
         [usize; 4],
@@ -204,13 +221,14 @@ fn convolution_gives_the_sums_of_plain_loops_with_padding_strides_dilation_and_g
         [usize; 2],
         usize,
     );
-    let cases: [Case; 8] = [
+    let cases: [Case; 9] = [
         ([2, 8, 12, 12], [32, 8, 5, 5], [1, 1], [0, 0], [1, 1], 1),
         ([2, 3, 12, 12], [64, 3, 5, 5], [1, 1], [2, 2], [1, 1], 1),
         ([2, 64, 7, 7], [32, 64, 5, 5], [1, 1], [2, 2], [1, 1], 1),
         ([1, 8, 11, 9], [16, 8, 3, 3], [2, 2], [1, 1], [1, 1], 1),
         ([1, 8, 10, 10], [16, 4, 3, 3], [1, 1], [1, 1], [1, 1], 2),
         ([1, 6, 13, 13], [12, 6, 3, 3], [1, 2], [2, 1], [2, 2], 1),
+        ([1, 8, 11, 13], [16, 8, 5, 5], [2, 2], [2, 2], [1, 1], 1),
         ([2, 16, 9, 9], [64, 16, 3, 3], [1, 1], [1, 1], [1, 1], 1),
         ([1, 512, 5, 5], [128, 512, 4, 4], [1, 1], [1, 1], [1, 1], 1),
     ];

@@ -810,6 +810,8 @@ fn im2col_3d_tile<T: bytemuck::Pod + Copy>(
     in_c_start: usize,
     nhwc_stride: (usize, usize, usize, usize, usize),
 ) {
+    // Every channel of each pixel, and adjacent taps along the width (UniFed Edge patch).
+    let whole_pixels = dilation_w == 1 && in_c_start == 0 && nhwc_stride.3 == channels_per_group;
     for (local_idx, global_idx) in (tile_start..tile_end).enumerate() {
         let out_d_idx = global_idx / (out_h * out_w);
         let rem = global_idx % (out_h * out_w);
@@ -825,6 +827,33 @@ fn im2col_3d_tile<T: bytemuck::Pod + Copy>(
             let id = (out_d_idx * stride_d + kd * dilation_d) as isize - pad_d as isize;
             for kh in 0..kernel_h {
                 let ih = (out_h_idx * stride_h + kh * dilation_h) as isize - pad_h as isize;
+                if whole_pixels {
+                    // A kernel row's taps read adjacent pixels with all their channels: one
+                    // run of the input row, copied at once (the first convolution of an image
+                    // model, three channels a tap, made a copy of 12 bytes per tap).
+                    let dst = &mut row[col_offset..col_offset + kernel_w * channels_per_group];
+                    col_offset += kernel_w * channels_per_group;
+                    if id < 0 || id >= in_d as isize || ih < 0 || ih >= in_h as isize {
+                        dst.fill(T::zeroed());
+                        continue;
+                    }
+                    // Taps `lo..hi` lie inside the row.
+                    let iw0 = (out_w_idx * stride_w) as isize - pad_w as isize;
+                    let lo = (-iw0).clamp(0, kernel_w as isize) as usize;
+                    let hi = (in_w as isize - iw0).clamp(lo as isize, kernel_w as isize) as usize;
+                    dst[..lo * channels_per_group].fill(T::zeroed());
+                    dst[hi * channels_per_group..].fill(T::zeroed());
+                    if hi > lo {
+                        let inp_base = b * nhwc_stride.0
+                            + id as usize * nhwc_stride.1
+                            + ih as usize * nhwc_stride.2
+                            + (iw0 + lo as isize) as usize * nhwc_stride.3;
+                        let n = (hi - lo) * channels_per_group;
+                        dst[lo * channels_per_group..hi * channels_per_group]
+                            .copy_from_slice(&x_nhwc[inp_base..inp_base + n]);
+                    }
+                    continue;
+                }
                 for kw in 0..kernel_w {
                     let iw = (out_w_idx * stride_w + kw * dilation_w) as isize - pad_w as isize;
                     let dst = &mut row[col_offset..col_offset + channels_per_group];

@@ -458,7 +458,8 @@ fn conv_transpose3d_impl<
                                             let out_at = out_ch_base + out_h_base + ow;
                                             let at = col_base + in_h_base + iw_start - tile_start;
                                             let out = &mut channel_output[out_at..out_at + len];
-                                            for (o, &v) in out.iter_mut().zip(&columns[at..at + len])
+                                            for (o, &v) in
+                                                out.iter_mut().zip(&columns[at..at + len])
                                             {
                                                 *o = T::add(*o, v);
                                             }
@@ -508,8 +509,9 @@ fn conv_transpose3d_impl<
     // UniFed Edge patch: the groups run in parallel when their GEMMs together are worth it,
     // not only when the output is large (the digits CNN's last convolution's input gradient,
     // [32, 64, 7, 7], ran a group at a time and took as long on two threads as on one). Each
-    // group's sums are the same either way. Its columns are a thread's reused scratch, zeroed,
-    // instead of a fresh zeroed buffer per group.
+    // group's sums are the same either way. Its columns are a thread's reused scratch instead
+    // of a fresh zeroed buffer per group, and are not zeroed first: each tile's GEMM writes
+    // every value of its columns (it does not read them), and col2im reads only those.
     #[cfg(feature = "rayon")]
     let group_work = col_ch
         .saturating_mul(in_channels_per_group)
@@ -528,7 +530,6 @@ fn conv_transpose3d_impl<
                 let g = bg % groups;
                 let mut scratch = super::conv::ScratchTile::take::<T>(columns_len);
                 let columns = scratch.as_mut_slice::<T>(columns_len);
-                columns.fill(zero);
                 process_group(b, g, group_output, columns);
                 scratch.give_back();
             });

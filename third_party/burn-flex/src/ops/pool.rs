@@ -18,9 +18,10 @@ use crate::{FlexTensor, Layout};
 // Macros for dtype wrappers
 // ============================================================================
 
-/// Generates max_pool3d_with_indices typed dispatchers.
+/// Generates max_pool3d_with_indices typed dispatchers, and (UniFed Edge patch) the
+/// dispatchers without indices, which do not compute them.
 macro_rules! max_pool3d_with_indices_typed {
-    ($fn_name:ident, $T:ty, $dtype:expr, $neg_inf:expr) => {
+    ($fn_name:ident, $no_indices:ident, $T:ty, $dtype:expr, $neg_inf:expr) => {
         pub fn $fn_name(
             x: FlexTensor,
             kernel_size: [usize; 3],
@@ -29,16 +30,35 @@ macro_rules! max_pool3d_with_indices_typed {
             dilation: [usize; 3],
             ceil_mode: bool,
         ) -> (FlexTensor, FlexTensor) {
-            max_pool3d_with_indices_impl::<$T>(
+            let (output, indices) = max_pool3d_impl::<$T>(
                 x,
-                kernel_size,
-                stride,
-                padding,
-                dilation,
+                [kernel_size, stride, padding, dilation],
                 ceil_mode,
                 $dtype,
                 $neg_inf,
+                true,
+            );
+            (output, indices.expect("indices were asked for"))
+        }
+
+        /// 3D max pooling without indices (none are computed).
+        pub fn $no_indices(
+            x: FlexTensor,
+            kernel_size: [usize; 3],
+            stride: [usize; 3],
+            padding: [usize; 3],
+            dilation: [usize; 3],
+            ceil_mode: bool,
+        ) -> FlexTensor {
+            max_pool3d_impl::<$T>(
+                x,
+                [kernel_size, stride, padding, dilation],
+                ceil_mode,
+                $dtype,
+                $neg_inf,
+                false,
             )
+            .0
         }
     };
 }
@@ -169,18 +189,21 @@ fn pool_output_size(
 
 max_pool3d_with_indices_typed!(
     max_pool3d_with_indices_f32,
+    max_pool3d_f32,
     f32,
     DType::F32,
     f32::NEG_INFINITY
 );
 max_pool3d_with_indices_typed!(
     max_pool3d_with_indices_f64,
+    max_pool3d_f64,
     f64,
     DType::F64,
     f64::NEG_INFINITY
 );
 max_pool3d_with_indices_typed!(
     max_pool3d_with_indices_f16,
+    max_pool3d_f16,
     f16,
     DType::F16,
     f16::NEG_INFINITY
@@ -228,14 +251,17 @@ fn valid_range_maxpool(
 }
 
 /// UniFed Edge patch: max pooling of one (batch, channel) plane whose windows are all whole
-/// 2x2 squares inside it (depth slices pooled one by one), with `max_pool3d_with_indices_impl`'s
-/// rule exactly: the first value of a window (row-major) is taken, then each later one that is
+/// 2x2 squares inside it (depth slices pooled one by one), with `max_pool3d_impl`'s rule
+/// exactly: the first value of a window (row-major) is taken, then each later one that is
 /// larger or NaN, so ties keep the first index and the last NaN wins. Each output row reads two
-/// input rows as slices, without a bounds check or a branch on the data per value.
-fn max_pool_2x2_plane<T: Copy + PartialOrd + num_traits::Float>(
+/// input rows as slices, without a bounds check per value; f32 rows of stride 2 go four
+/// windows at a time through [`max_pool_2x2_row_f32`], without a branch on the data (compiled
+/// as branches, the choice mispredicted on most windows of a ReLU's output: the digits CNN's
+/// two pools took 10 % of a training step). `idx`, when given, gets each window's index.
+fn max_pool_2x2_plane<T: bytemuck::Pod + PartialOrd + num_traits::Float>(
     plane: &[T],
     out: &mut [T],
-    idx: &mut [i64],
+    mut idx: Option<&mut [i64]>,
     [in_h, in_w]: [usize; 2],
     [out_d, out_h, out_w]: [usize; 3],
     [stride_h, stride_w]: [usize; 2],
@@ -245,6 +271,7 @@ fn max_pool_2x2_plane<T: Copy + PartialOrd + num_traits::Float>(
         *m = if take { v } else { *m };
         *i = if take { at as i64 } else { *i };
     };
+    let f32_rows = stride_w == 2 && core::any::TypeId::of::<T>() == core::any::TypeId::of::<f32>();
     for od in 0..out_d {
         let depth = od * in_h * in_w;
         for oh in 0..out_h {
@@ -254,8 +281,19 @@ fn max_pool_2x2_plane<T: Copy + PartialOrd + num_traits::Float>(
             let r1 = &plane[bottom..bottom + in_w];
             let o = (od * out_h + oh) * out_w;
             let out_row = &mut out[o..o + out_w];
-            let idx_row = &mut idx[o..o + out_w];
-            for (ow, (m_out, i_out)) in out_row.iter_mut().zip(idx_row.iter_mut()).enumerate() {
+            let mut idx_row = idx.as_deref_mut().map(|i| &mut i[o..o + out_w]);
+            // `T` is f32 here, so the casts are exact.
+            let done = if f32_rows {
+                max_pool_2x2_row_f32(
+                    [bytemuck::cast_slice(r0), bytemuck::cast_slice(r1)],
+                    bytemuck::cast_slice_mut(out_row),
+                    idx_row.as_deref_mut(),
+                    [top, in_w],
+                )
+            } else {
+                0
+            };
+            for ow in done..out_w {
                 let w = ow * stride_w;
                 let (a, b) = (r0[w], r0[w + 1]);
                 let (c, d) = (r1[w], r1[w + 1]);
@@ -263,25 +301,103 @@ fn max_pool_2x2_plane<T: Copy + PartialOrd + num_traits::Float>(
                 step(&mut m, &mut i, b, top + w + 1);
                 step(&mut m, &mut i, c, bottom + w);
                 step(&mut m, &mut i, d, bottom + w + 1);
-                *m_out = m;
-                *i_out = i;
+                out_row[ow] = m;
+                if let Some(r) = idx_row.as_deref_mut() {
+                    r[ow] = i;
+                }
             }
         }
     }
 }
 
-/// Generic 3D max pooling with indices implementation.
-#[allow(clippy::too_many_arguments)]
-fn max_pool3d_with_indices_impl<T>(
+/// UniFed Edge patch: the first windows of a row of 2x2, stride-2 windows over the f32 rows
+/// `r0` and `r1` (the row starting at index `top` of its plane, `in_w` wide), four at a time
+/// with SSE2 (part of every x86-64 CPU): blends of the compare masks choose each window's
+/// value and index as `max_pool_2x2_plane`'s scalar rule does. Returns how many windows it
+/// did (a multiple of four; none on other CPUs or where an index would not fit an i32).
+#[cfg(target_arch = "x86_64")]
+fn max_pool_2x2_row_f32(
+    [r0, r1]: [&[f32]; 2],
+    out: &mut [f32],
+    mut idx: Option<&mut [i64]>,
+    [top, in_w]: [usize; 2],
+) -> usize {
+    use core::arch::x86_64::*;
+    let n = out.len() / 4 * 4;
+    let fits = top
+        .checked_add(2 * n + in_w + 1)
+        .is_some_and(|last| last <= i32::MAX as usize);
+    if n == 0
+        || !fits
+        || r0.len() < 2 * n
+        || r1.len() < 2 * n
+        || idx.as_deref().is_some_and(|i| i.len() < n)
+    {
+        return 0;
+    }
+    // SAFETY: SSE2 is part of x86-64. Each pass reads `r0` and `r1` at [2 * ow, 2 * ow + 8)
+    // and writes `out` and `idx` at [ow, ow + 4), all inside them for ow + 4 <= n (checked
+    // above); the unaligned loads and stores need no alignment.
+    unsafe {
+        let zero = _mm_setzero_si128();
+        let picks = [
+            _mm_set1_epi32(1),
+            _mm_set1_epi32(in_w as i32),
+            _mm_set1_epi32(in_w as i32 + 1),
+        ];
+        let lanes = _mm_setr_epi32(0, 2, 4, 6);
+        for ow in (0..n).step_by(4) {
+            let (p, q) = (r0.as_ptr().add(2 * ow), r1.as_ptr().add(2 * ow));
+            let (x0, x1) = (_mm_loadu_ps(p), _mm_loadu_ps(p.add(4)));
+            let (y0, y1) = (_mm_loadu_ps(q), _mm_loadu_ps(q.add(4)));
+            // Each window's four values, in the order the rule visits them.
+            let later = [
+                _mm_shuffle_ps::<0xDD>(x0, x1),
+                _mm_shuffle_ps::<0x88>(y0, y1),
+                _mm_shuffle_ps::<0xDD>(y0, y1),
+            ];
+            let mut m = _mm_shuffle_ps::<0x88>(x0, x1);
+            let mut k = zero;
+            for (v, pick) in later.into_iter().zip(picks) {
+                let take = _mm_or_ps(_mm_cmpgt_ps(v, m), _mm_cmpunord_ps(v, v));
+                m = _mm_or_ps(_mm_and_ps(take, v), _mm_andnot_ps(take, m));
+                let take = _mm_castps_si128(take);
+                k = _mm_or_si128(_mm_and_si128(take, pick), _mm_andnot_si128(take, k));
+            }
+            _mm_storeu_ps(out.as_mut_ptr().add(ow), m);
+            if let Some(idx) = idx.as_deref_mut() {
+                let first = _mm_add_epi32(_mm_set1_epi32((top + 2 * ow) as i32), lanes);
+                let at = _mm_add_epi32(first, k);
+                let dst = idx.as_mut_ptr().add(ow) as *mut __m128i;
+                _mm_storeu_si128(dst, _mm_unpacklo_epi32(at, zero));
+                _mm_storeu_si128(dst.add(1), _mm_unpackhi_epi32(at, zero));
+            }
+        }
+    }
+    n
+}
+
+/// Without SSE2 every window takes the scalar rule.
+#[cfg(not(target_arch = "x86_64"))]
+fn max_pool_2x2_row_f32(
+    _rows: [&[f32]; 2],
+    _out: &mut [f32],
+    _idx: Option<&mut [i64]>,
+    _at: [usize; 2],
+) -> usize {
+    0
+}
+
+/// Generic 3D max pooling implementation: the output, and the indices when `with_indices`
+/// (UniFed Edge patch: without, none are computed or allocated).
+fn max_pool3d_impl<T>(
     x: FlexTensor,
-    kernel_size: [usize; 3],
-    stride: [usize; 3],
-    padding: [usize; 3],
-    dilation: [usize; 3],
+    [kernel_size, stride, padding, dilation]: [[usize; 3]; 4],
     ceil_mode: bool,
     dtype: DType,
     neg_inf: T,
-) -> (FlexTensor, FlexTensor)
+    with_indices: bool,
+) -> (FlexTensor, Option<FlexTensor>)
 where
     T: bytemuck::Pod + Copy + PartialOrd + Send + Sync + Element + num_traits::Float,
 {
@@ -370,7 +486,8 @@ where
             use rayon::prelude::*;
 
             let mut output = vec![neg_inf; batch_size * channels * spatial_out];
-            let mut indices = vec![-1i64; batch_size * channels * spatial_out];
+            let index_len = if with_indices { output.len() } else { 0 };
+            let mut indices = vec![-1i64; index_len];
             let out_ptr = crate::ops::SendMutPtr::new(output.as_mut_ptr());
             let idx_ptr = crate::ops::SendMutPtr::new(indices.as_mut_ptr());
 
@@ -387,17 +504,19 @@ where
                 // CNN) takes the fast path; anything else the general one, as before.
                 if full_2x2 {
                     // SAFETY: the planes of distinct `bc` are disjoint ranges of `output`
-                    // and `indices`, each `spatial_out` long and inside them.
+                    // and (when computed) `indices`, each `spatial_out` long and inside them.
                     let (out, idx) = unsafe {
                         (
                             core::slice::from_raw_parts_mut(
                                 out_ptr.ptr_add(out_offset),
                                 spatial_out,
                             ),
-                            core::slice::from_raw_parts_mut(
-                                idx_ptr.ptr_add(out_offset),
-                                spatial_out,
-                            ),
+                            with_indices.then(|| {
+                                core::slice::from_raw_parts_mut(
+                                    idx_ptr.ptr_add(out_offset),
+                                    spatial_out,
+                                )
+                            }),
                         )
                     };
                     let plane = &x_data[x_offset..x_offset + in_d * in_h * in_w];
@@ -418,9 +537,13 @@ where
                             let out_idx = out_offset + od * out_h * out_w + oh * out_w + ow;
                             let (max_val, max_idx) = kernel(od, oh, ow, x_offset);
 
+                            // SAFETY: `out_idx` lies in this plane's range, which no other
+                            // `bc` writes.
                             unsafe {
                                 out_ptr.write(out_idx, max_val);
-                                idx_ptr.write(out_idx, max_idx);
+                                if with_indices {
+                                    idx_ptr.write(out_idx, max_idx);
+                                }
                             }
                         }
                     }
@@ -431,7 +554,8 @@ where
         #[cfg(not(feature = "rayon"))]
         {
             let mut output = vec![neg_inf; batch_size * channels * spatial_out];
-            let mut indices = vec![-1i64; batch_size * channels * spatial_out];
+            let index_len = if with_indices { output.len() } else { 0 };
+            let mut indices = vec![-1i64; index_len];
 
             for b in 0..batch_size {
                 for c in 0..channels {
@@ -443,7 +567,7 @@ where
                         max_pool_2x2_plane(
                             &x_data[x_offset..x_offset + in_d * in_h * in_w],
                             &mut output[out.clone()],
-                            &mut indices[out],
+                            with_indices.then(|| &mut indices[out]),
                             [in_h, in_w],
                             [out_d, out_h, out_w],
                             [stride_h, stride_w],
@@ -458,7 +582,9 @@ where
                                 let (max_val, max_idx) = kernel(od, oh, ow, x_offset);
 
                                 output[out_idx] = max_val;
-                                indices[out_idx] = max_idx;
+                                if with_indices {
+                                    indices[out_idx] = max_idx;
+                                }
                             }
                         }
                     }
@@ -474,49 +600,15 @@ where
         Layout::contiguous(out_shape.clone()),
         dtype,
     );
-    let indices_tensor = FlexTensor::new(
-        Bytes::from_elems(indices),
-        Layout::contiguous(out_shape),
-        DType::I64,
-    );
+    let indices_tensor = with_indices.then(|| {
+        FlexTensor::new(
+            Bytes::from_elems(indices),
+            Layout::contiguous(out_shape),
+            DType::I64,
+        )
+    });
 
     (output_tensor, indices_tensor)
-}
-
-/// 3D max pooling (without returning indices) for f32.
-pub fn max_pool3d_f32(
-    x: FlexTensor,
-    kernel_size: [usize; 3],
-    stride: [usize; 3],
-    padding: [usize; 3],
-    dilation: [usize; 3],
-    ceil_mode: bool,
-) -> FlexTensor {
-    max_pool3d_with_indices_f32(x, kernel_size, stride, padding, dilation, ceil_mode).0
-}
-
-/// 3D max pooling (without returning indices) for f64.
-pub fn max_pool3d_f64(
-    x: FlexTensor,
-    kernel_size: [usize; 3],
-    stride: [usize; 3],
-    padding: [usize; 3],
-    dilation: [usize; 3],
-    ceil_mode: bool,
-) -> FlexTensor {
-    max_pool3d_with_indices_f64(x, kernel_size, stride, padding, dilation, ceil_mode).0
-}
-
-/// 3D max pooling (without returning indices) for f16.
-pub fn max_pool3d_f16(
-    x: FlexTensor,
-    kernel_size: [usize; 3],
-    stride: [usize; 3],
-    padding: [usize; 3],
-    dilation: [usize; 3],
-    ceil_mode: bool,
-) -> FlexTensor {
-    max_pool3d_with_indices_f16(x, kernel_size, stride, padding, dilation, ceil_mode).0
 }
 
 /// 3D max pooling (without returning indices) for bf16.
@@ -528,7 +620,9 @@ pub fn max_pool3d_bf16(
     dilation: [usize; 3],
     ceil_mode: bool,
 ) -> FlexTensor {
-    max_pool3d_with_indices_bf16(x, kernel_size, stride, padding, dilation, ceil_mode).0
+    let x_f32 = convert_bf16_to_f32(&x);
+    let output = max_pool3d_f32(x_f32, kernel_size, stride, padding, dilation, ceil_mode);
+    convert_f32_to_bf16(&output)
 }
 
 // ============================================================================
@@ -628,7 +722,14 @@ pub fn max_pool2d_f32(
     dilation: [usize; 2],
     ceil_mode: bool,
 ) -> FlexTensor {
-    max_pool2d_with_indices_f32(x, kernel_size, stride, padding, dilation, ceil_mode).0
+    squeeze_3d_to_2d(max_pool3d_f32(
+        expand_2d_to_3d(&x),
+        [1, kernel_size[0], kernel_size[1]],
+        [1, stride[0], stride[1]],
+        [0, padding[0], padding[1]],
+        [1, dilation[0], dilation[1]],
+        ceil_mode,
+    ))
 }
 
 /// 2D max pooling (without indices) for f64.
@@ -640,7 +741,14 @@ pub fn max_pool2d_f64(
     dilation: [usize; 2],
     ceil_mode: bool,
 ) -> FlexTensor {
-    max_pool2d_with_indices_f64(x, kernel_size, stride, padding, dilation, ceil_mode).0
+    squeeze_3d_to_2d(max_pool3d_f64(
+        expand_2d_to_3d(&x),
+        [1, kernel_size[0], kernel_size[1]],
+        [1, stride[0], stride[1]],
+        [0, padding[0], padding[1]],
+        [1, dilation[0], dilation[1]],
+        ceil_mode,
+    ))
 }
 
 /// 2D max pooling (without indices) for f16.
@@ -652,7 +760,14 @@ pub fn max_pool2d_f16(
     dilation: [usize; 2],
     ceil_mode: bool,
 ) -> FlexTensor {
-    max_pool2d_with_indices_f16(x, kernel_size, stride, padding, dilation, ceil_mode).0
+    squeeze_3d_to_2d(max_pool3d_f16(
+        expand_2d_to_3d(&x),
+        [1, kernel_size[0], kernel_size[1]],
+        [1, stride[0], stride[1]],
+        [0, padding[0], padding[1]],
+        [1, dilation[0], dilation[1]],
+        ceil_mode,
+    ))
 }
 
 /// 2D max pooling (without indices) for bf16.
@@ -664,7 +779,9 @@ pub fn max_pool2d_bf16(
     dilation: [usize; 2],
     ceil_mode: bool,
 ) -> FlexTensor {
-    max_pool2d_with_indices_bf16(x, kernel_size, stride, padding, dilation, ceil_mode).0
+    let x_f32 = convert_bf16_to_f32(&x);
+    let output = max_pool2d_f32(x_f32, kernel_size, stride, padding, dilation, ceil_mode);
+    convert_f32_to_bf16(&output)
 }
 
 // ============================================================================
