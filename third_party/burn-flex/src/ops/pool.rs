@@ -255,9 +255,10 @@ fn valid_range_maxpool(
 /// exactly: the first value of a window (row-major) is taken, then each later one that is
 /// larger or NaN, so ties keep the first index and the last NaN wins. Each output row reads two
 /// input rows as slices, without a bounds check per value; f32 rows of stride 2 go four
-/// windows at a time through [`max_pool_2x2_row_f32`], without a branch on the data (compiled
-/// as branches, the choice mispredicted on most windows of a ReLU's output: the digits CNN's
-/// two pools took 10 % of a training step). `idx`, when given, gets each window's index.
+/// windows at a time through [`max_pool_2x2_row_f32`], without a branch on the data (the
+/// scalar choice compiles to a branch, which mispredicts on uneven data: on N(0, 1) inputs the
+/// digits CNN's two pools took 10 % of a training step). `idx`, when given, gets each window's
+/// index.
 fn max_pool_2x2_plane<T: bytemuck::Pod + PartialOrd + num_traits::Float>(
     plane: &[T],
     out: &mut [T],
