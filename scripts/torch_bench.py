@@ -10,6 +10,8 @@ Measures:
     forward, loss, loss.item(), backward, optimizer step
   * inference: eval mode under torch.inference_mode(), batch 32 and 256,
     output copied to numpy every iteration
+  both on the first samples of --inputs (the built-in images `unifed-agent bench` writes, the
+  same bytes burn measures on), or on N(0,1) noise without it
 
 Usage:
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/torch_bench.py --threads 2
@@ -55,6 +57,8 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (timings synchronise with the GPU)")
     p.add_argument("--layers", help="JSON list of layers to time one by one (from unifed-agent bench)")
+    p.add_argument("--inputs", help="samples to train and infer on, as unifed-agent bench writes them "
+                   "(count u32, values f32 [n,3,28,28], labels i64, little-endian); default N(0,1) noise")
     return p.parse_args()
 
 
@@ -72,9 +76,36 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_torch_fixtures import DigitModel  # noqa: E402
 
 
-def bench_train(model, batch, warmup, steps, gen):
+def load_inputs(path):
+    """The samples file of `unifed-agent bench`: (values [n,3,28,28], labels [n])."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:4], "little")
+    values = 4 + n * 3 * 28 * 28 * 4
+    if len(raw) != values + n * 8:
+        raise SystemExit(f"{path}: {len(raw)} bytes, not the {values + n * 8} of {n} samples")
+    x = torch.frombuffer(bytearray(raw[4:values]), dtype=torch.float32).reshape(n, 3, 28, 28)
+    y = torch.frombuffer(bytearray(raw[values:]), dtype=torch.int64)
+    return x, y
+
+
+def samples(batch, gen):
+    """The first `batch` samples of --inputs, else N(0,1) noise and random labels."""
+    if INPUTS is not None:
+        x, y = INPUTS
+        if batch > len(y):
+            raise SystemExit(f"--inputs holds {len(y)} samples, fewer than a batch of {batch}")
+        return x[:batch].clone().to(args.device), y[:batch].clone().to(args.device)
     x = torch.randn(batch, 3, 28, 28, generator=gen).to(args.device)
     y = torch.randint(0, 10, (batch,), generator=gen).to(args.device)
+    return x, y
+
+
+INPUTS = load_inputs(args.inputs) if args.inputs else None
+
+
+def bench_train(model, batch, warmup, steps, gen):
+    x, y = samples(batch, gen)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.0)
     model.train()
 
@@ -98,7 +129,7 @@ def bench_train(model, batch, warmup, steps, gen):
 
 
 def bench_infer(model, batch, warmup, iters, gen):
-    x = torch.randn(batch, 3, 28, 28, generator=gen).to(args.device)
+    x, _ = samples(batch, gen)
     model.eval()
     sink = None
     with torch.inference_mode():
@@ -195,6 +226,7 @@ def main():
         "infer_b256_samples_per_s": round(b256_sps, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
         "rss_after_import_mib": round(rss_after_import_mib, 1),
+        "input": f"--inputs {args.inputs}" if args.inputs else "N(0, 1) noise",
     }
     if args.layers:
         result["layers"] = bench_layers(json.loads(args.layers), gen, args.warmup, args.steps)

@@ -11,6 +11,9 @@ use unifed_models::bn::BnPass;
 use unifed_models::zoo::{DigitsCnnConfig, Net, seeded};
 
 mod layers;
+mod samples;
+
+use samples::Samples;
 
 /// Options of the benchmark.
 #[derive(clap::Args, Debug)]
@@ -106,6 +109,13 @@ fn cpu_row_in_child(backend: Backend, threads: usize, args: &Args) -> Result<Val
         .context("the benchmark child wrote no burn figures")
 }
 
+/// Resets the process's peak RSS (`VmHWM`) to its current RSS (Linux: `clear_refs` 5); where
+/// that fails the peak keeps counting from the start.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// The process's peak RSS (`VmHWM`), MiB.
 fn peak_rss_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -117,7 +127,9 @@ fn peak_rss_mib() -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
-fn input(
+/// The first `n` of `samples` as a batch on `device`: [n, 3 * 28 * 28] and labels.
+fn batch(
+    samples: &Samples,
     n: usize,
     device: &Device,
 ) -> (
@@ -125,25 +137,13 @@ fn input(
     burn::tensor::Tensor<1, burn::tensor::Int>,
 ) {
     use burn::tensor::{Tensor, TensorData};
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = || {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        state
-    };
-    // Box-Muller from the LCG: N(0, 1) inputs, labels 0..9.
-    let x: Vec<f32> = (0..n * 3 * 28 * 28)
-        .map(|_| {
-            let u1 = ((next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-            let u2 = (next() >> 11) as f64 / (1u64 << 53) as f64;
-            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-        })
-        .collect();
-    let y: Vec<i64> = (0..n).map(|_| (next() >> 33) as i64 % 10).collect();
+    let (x, y) = samples.first(n);
     (
-        Tensor::from_data(TensorData::new(x, [n, 3 * 28 * 28]), device),
-        Tensor::from_data(TensorData::new(y, [n]), device),
+        Tensor::from_data(
+            TensorData::new(x.to_vec(), [n, samples::SAMPLE_LEN]),
+            device,
+        ),
+        Tensor::from_data(TensorData::new(y.to_vec(), [n]), device),
     )
 }
 
@@ -158,7 +158,11 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) ->
     let mut model = seeded(&device, 0, |d| DigitsCnnConfig::default().init(d)).train();
     let mut optim = SgdConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&ad);
-    let (x, y) = input(32, &ad);
+    let samples = Samples::new(256, &device);
+    // The peak RSS is the model's: loading the images it was made from does not count.
+    unifed_net::release_free_memory();
+    reset_peak_rss();
+    let (x, y) = batch(&samples, 32, &ad);
     let mut step = |model: burn_model::M| {
         let logits = model.forward(x.clone(), &mut BnPass::standard());
         let loss = loss_fn.forward(logits, y.clone());
@@ -176,7 +180,7 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) ->
     let train = (steps * 32) as f64 / t0.elapsed().as_secs_f64();
     let eval = model.valid();
     let infer = |n: usize, warm: usize, iters: usize| {
-        let (x, _) = input(n, &device);
+        let (x, _) = batch(&samples, n, &device);
         let run = || {
             let out = eval.forward(x.clone(), &mut BnPass::standard());
             let _ = out.into_data();
@@ -214,6 +218,7 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) ->
         "infer_b32_samples_per_s": b32,
         "infer_b256_samples_per_s": b256,
         "peak_rss_mib": peak,
+        "input": samples.what,
         "layers": layers,
     }))
 }
@@ -308,7 +313,7 @@ fn torch_reference(
     py: &Path,
     args: &Args,
     threads: usize,
-    layers: Option<&str>,
+    (layers, inputs): (Option<&str>, &Path),
 ) -> Result<Value, String> {
     println!(
         "benchmarking PyTorch with {} on {threads} thread(s) ...",
@@ -330,6 +335,8 @@ fn torch_reference(
             &args.torch_device,
         ])
         .args(layers.into_iter().flat_map(|l| ["--layers", l]))
+        .arg("--inputs")
+        .arg(inputs)
         .env("OMP_WAIT_POLICY", "PASSIVE")
         .output()
         .map_err(|e| format!("running {} {}: {e}", py.display(), script.display()))?;
@@ -395,8 +402,13 @@ pub fn run(args: &Args) -> Result<()> {
         });
         match find_python(&args.python) {
             Ok(py) => {
+                // The samples burn's side measured on, the same bytes for PyTorch's.
+                let inputs = std::env::temp_dir()
+                    .join(format!("unifed-bench-{}-samples.bin", std::process::id()));
+                Samples::new(256, &Backend::Flex.device().map_err(anyhow::Error::msg)?)
+                    .write(&inputs)?;
                 for &n in &torch_counts {
-                    match torch_reference(&py, args, n, spec.as_deref()) {
+                    match torch_reference(&py, args, n, (spec.as_deref(), &inputs)) {
                         Ok(v) => torch.push(v),
                         Err(why) => {
                             torch_error = Some(why);
@@ -404,6 +416,7 @@ pub fn run(args: &Args) -> Result<()> {
                         }
                     }
                 }
+                let _ = std::fs::remove_file(&inputs);
             }
             Err(why) => torch_error = Some(why),
         }
