@@ -1,8 +1,9 @@
 //! The CPU backend's convolution, max pooling and strided copies against plain loops.
 //! `third_party/burn-flex` patches the first two (im2col through reused scratch, a 2x2 pooling
-//! fast path, pooling without indices for inference) and its tensor allocation, so these check the patched kernels on every shape
-//! class they take: full and partial windows, padding, strides, dilation, groups, ties, NaN,
-//! and transposed views read whole, in windows and in batches. Batch normalisation, which the
+//! fast path, pooling without indices for inference) and its tensor allocation, so these
+//! check the patched kernels on every shape class they take: full and partial windows,
+//! padding, strides, dilation, groups, ties, NaN, and transposed views read whole, in windows
+//! and in batches. Batch normalisation, which the
 //! patched backend runs in two passes, and a convolution's weight gradient, whose operands it
 //! lays out without burn's copies, are checked bit for bit against burn's compositions; the
 //! input gradient (its batch items in parallel on reused buffers) against plain loops.

@@ -88,19 +88,19 @@ fn images(n: usize, device: &Device) -> Result<(Vec<f32>, Vec<i64>)> {
     };
     let mut sets = Vec::new();
     for d in DOMAINS {
-        let split = data.domain(d, &sizes, 0)?.train;
-        sets.push(split.dataset(d.name(), &spec)?);
-    }
-    let (mut x, mut y) = (Vec::with_capacity(n * SAMPLE_LEN), Vec::with_capacity(n));
-    for i in 0..n {
-        let set = &sets[i % DOMAINS.len()];
-        let k = i / DOMAINS.len();
+        let set = data.domain(d, &sizes, 0)?.train.dataset(d.name(), &spec)?;
         anyhow::ensure!(
             set.features == SAMPLE_LEN,
             "{} has {} values a sample",
             set.name,
             set.features
         );
+        sets.push(set);
+    }
+    let (mut x, mut y) = (Vec::with_capacity(n * SAMPLE_LEN), Vec::with_capacity(n));
+    for i in 0..n {
+        let set = &sets[i % DOMAINS.len()];
+        let k = i / DOMAINS.len();
         x.extend_from_slice(&set.x[k * SAMPLE_LEN..(k + 1) * SAMPLE_LEN]);
         y.push(set.y[k] as i64);
     }

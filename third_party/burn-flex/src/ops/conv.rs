@@ -495,11 +495,8 @@ fn conv3d_impl<
                         );
 
                         // Write results to output for this group's output channels
-                        let (position_step, channel_step) = if left {
-                            (out_channels_per_group, 1)
-                        } else {
-                            (1, tile_size)
-                        };
+                        let (position_step, channel_step) =
+                            product_strides(left, out_channels_per_group, tile_size);
                         for (local_idx, global_idx) in (tile_start..tile_end).enumerate() {
                             for c_out in 0..out_channels_per_group {
                                 let dst_idx = b * channels_out * spatial_out
@@ -702,8 +699,7 @@ pub(crate) fn weight_grad_im2col(
         1,
         (gemm_f32, left),
         |b, _, tile_start, tile_size, result| {
-            // Where a (position, channel) value lies in the product.
-            let (position_step, channel_step) = if left { (c_out, 1) } else { (1, tile_size) };
+            let (position_step, channel_step) = product_strides(left, c_out, tile_size);
             for (local, pos) in (tile_start..tile_start + tile_size).enumerate() {
                 let (r, c) = (pos / cols, pos % cols);
                 if r >= kernel_h || c >= kernel_w {
@@ -812,6 +808,14 @@ fn im2col_3d_tile<T: bytemuck::Pod + Copy>(
 ) {
     // Every channel of each pixel, and adjacent taps along the width (UniFed Edge patch).
     let whole_pixels = dilation_w == 1 && in_c_start == 0 && nhwc_stride.3 == channels_per_group;
+    // Where the group's channels of input pixel (id, ih, iw) start in `x_nhwc`.
+    let pixel = |id: usize, ih: usize, iw: usize| {
+        b * nhwc_stride.0
+            + id * nhwc_stride.1
+            + ih * nhwc_stride.2
+            + iw * nhwc_stride.3
+            + in_c_start
+    };
     for (local_idx, global_idx) in (tile_start..tile_end).enumerate() {
         let out_d_idx = global_idx / (out_h * out_w);
         let rem = global_idx % (out_h * out_w);
@@ -827,52 +831,39 @@ fn im2col_3d_tile<T: bytemuck::Pod + Copy>(
             let id = (out_d_idx * stride_d + kd * dilation_d) as isize - pad_d as isize;
             for kh in 0..kernel_h {
                 let ih = (out_h_idx * stride_h + kh * dilation_h) as isize - pad_h as isize;
+                // Whether the kernel row reads a row of the input (not the padding).
+                let in_rows = id >= 0 && id < in_d as isize && ih >= 0 && ih < in_h as isize;
                 if whole_pixels {
                     // A kernel row's taps read adjacent pixels with all their channels: one
                     // run of the input row, copied at once (the first convolution of an image
                     // model, three channels a tap, made a copy of 12 bytes per tap).
                     let dst = &mut row[col_offset..col_offset + kernel_w * channels_per_group];
                     col_offset += kernel_w * channels_per_group;
-                    if id < 0 || id >= in_d as isize || ih < 0 || ih >= in_h as isize {
-                        dst.fill(T::zeroed());
-                        continue;
-                    }
-                    // Taps `lo..hi` lie inside the row.
+                    // Taps `lo..hi` lie inside the input; none where its row is padding.
                     let iw0 = (out_w_idx * stride_w) as isize - pad_w as isize;
-                    let lo = (-iw0).clamp(0, kernel_w as isize) as usize;
-                    let hi = (in_w as isize - iw0).clamp(lo as isize, kernel_w as isize) as usize;
+                    let (lo, hi) = if in_rows {
+                        let lo = (-iw0).clamp(0, kernel_w as isize);
+                        (lo, (in_w as isize - iw0).clamp(lo, kernel_w as isize))
+                    } else {
+                        (0, 0)
+                    };
+                    let (lo, hi) = (lo as usize, hi as usize);
                     dst[..lo * channels_per_group].fill(T::zeroed());
                     dst[hi * channels_per_group..].fill(T::zeroed());
                     if hi > lo {
-                        let inp_base = b * nhwc_stride.0
-                            + id as usize * nhwc_stride.1
-                            + ih as usize * nhwc_stride.2
-                            + (iw0 + lo as isize) as usize * nhwc_stride.3;
+                        let at = pixel(id as usize, ih as usize, (iw0 + lo as isize) as usize);
                         let n = (hi - lo) * channels_per_group;
                         dst[lo * channels_per_group..hi * channels_per_group]
-                            .copy_from_slice(&x_nhwc[inp_base..inp_base + n]);
+                            .copy_from_slice(&x_nhwc[at..at + n]);
                     }
                     continue;
                 }
                 for kw in 0..kernel_w {
                     let iw = (out_w_idx * stride_w + kw * dilation_w) as isize - pad_w as isize;
                     let dst = &mut row[col_offset..col_offset + channels_per_group];
-                    if id >= 0
-                        && id < in_d as isize
-                        && ih >= 0
-                        && ih < in_h as isize
-                        && iw >= 0
-                        && iw < in_w as isize
-                    {
-                        let id = id as usize;
-                        let ih = ih as usize;
-                        let iw = iw as usize;
-                        let inp_base = b * nhwc_stride.0
-                            + id * nhwc_stride.1
-                            + ih * nhwc_stride.2
-                            + iw * nhwc_stride.3
-                            + in_c_start;
-                        dst.copy_from_slice(&x_nhwc[inp_base..inp_base + channels_per_group]);
+                    if in_rows && iw >= 0 && iw < in_w as isize {
+                        let at = pixel(id as usize, ih as usize, iw as usize);
+                        dst.copy_from_slice(&x_nhwc[at..at + channels_per_group]);
                     } else {
                         dst.fill(T::zeroed());
                     }
@@ -2061,6 +2052,13 @@ type GemmFn<T> = fn(&[T], &[T], usize, usize, usize, bool) -> Vec<T>;
 /// conv1's forward and backward pass went from 14-16 to 18-23 ms; both keep the packing.
 pub(crate) fn kernel_left(m: usize, k: usize) -> bool {
     m > 0 && k >= 4 * m && m * k <= KERNEL_LEFT_VALUES
+}
+
+/// UniFed Edge patch: where value (position p, channel c) of a tile's product of `channels`
+/// output channels by `positions` positions lies, as `p * position_step + c * channel_step`:
+/// [positions, channels] with `left` (`kernel_left`), else [channels, positions].
+fn product_strides(left: bool, channels: usize, positions: usize) -> (usize, usize) {
+    if left { (channels, 1) } else { (1, positions) }
 }
 
 /// The largest kernel (values) `kernel_left` takes as the left operand: 2 MiB of f32.
