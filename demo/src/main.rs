@@ -80,12 +80,16 @@ fn main() -> Result<()> {
         Some(Command::Role {
             role: Process::Aggregator { config },
         }) => {
+            // As the aggregator binary: one malloc arena (see unifed_net::memory).
+            unifed_net::memory::use_one_arena();
             unifed_net::init_logging("warn");
             unifed_aggregator::service::serve_from_file(&config).map(|_| ())
         }
         Some(Command::Role {
             role: Process::Agent { config },
         }) => {
+            // As the agent binary: one malloc arena (see unifed_net::memory).
+            unifed_net::memory::use_one_arena();
             unifed_net::init_logging("warn");
             unifed_agent::train::run_from_file(&config, false).map(|_| ())
         }

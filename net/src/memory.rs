@@ -55,6 +55,21 @@ pub fn set_allocation(mode: Allocation) {
     let _ = (mmap, trim);
 }
 
+/// Makes every thread allocate from malloc's main arena. glibc otherwise gives threads arenas of
+/// their own (up to eight per core), each keeping its own free blocks and up to 64 MiB of free
+/// top, so how much a process held depended on which threads happened to allocate a training
+/// step's buffers: the demo's agents peaked at 191-202 MiB and now and then at 233-246; with
+/// one arena at 182-189, and training as fast. Call it first in `main`, before any thread
+/// starts (an arena made earlier stays).
+#[allow(unsafe_code)]
+pub fn use_one_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: as in `set_allocation`: mallopt with a value in glibc's range.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
 /// Runs `f` under [`Allocation::Fast`] and returns to [`Allocation::Lean`] afterwards (also when
 /// `f` panics): for training and evaluation in a process that otherwise runs lean.
 pub fn with_fast_allocation<T>(f: impl FnOnce() -> T) -> T {
