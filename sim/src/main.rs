@@ -476,6 +476,10 @@ static HEAP: unifed_sim::heap::Counting = unifed_sim::heap::Counting;
 fn main() -> Result<()> {
     unifed_net::init_logging("warn");
     let cli = Cli::parse();
+    if matches!(cli.cmd, Cmd::AggregatorMemory { one: Some(_), .. }) {
+        // Measured as the aggregator service allocates: from one malloc arena.
+        unifed_net::memory::use_one_arena();
+    }
     if let Some(t) = cli.threads {
         cap_cpu_threads(t).map_err(anyhow::Error::msg)?;
     }
