@@ -115,7 +115,8 @@ pub struct RunResult {
     pub wall_seconds: f64,
     /// Peak of the summed resident memory of all the demo's processes, bytes.
     pub peak_rss_total_bytes: u64,
-    /// Each process's peak resident memory, bytes.
+    /// Each process's peak resident memory, bytes: the higher of its `VmHWM` sampled every
+    /// 100 ms and the peaks it reported for its phases (see [`highest_peaks`]).
     pub peak_rss_bytes: BTreeMap<String, u64>,
     /// When the summed peak happened (seconds since the start, as `spans` count) and each
     /// process's resident memory then, bytes: what the peak is made of.
@@ -206,6 +207,21 @@ pub struct RoundTimeline {
 /// A reported phase: its round, phase, seconds, peak resident memory, and when it ended (ms
 /// since the Unix epoch).
 type PhaseReport = (u64, Phase, f64, Option<u64>, Option<u64>);
+
+/// Each process's peak: the higher of its sampled `VmHWM` (`sampled`) and the highest peak it
+/// reported for a phase (`reported`). A process that reports phases resets its `VmHWM` as each
+/// phase ends, so a peak inside a phase that ended between two samples shows in its report
+/// alone.
+fn highest_peaks(
+    mut sampled: BTreeMap<String, u64>,
+    reported: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    for (who, &peak) in reported {
+        let e = sampled.entry(who.clone()).or_default();
+        *e = (*e).max(peak);
+    }
+    sampled
+}
 
 /// Seconds of the window `[from, to]` (seconds) that none of `busy` (start and end, seconds)
 /// covers.
@@ -519,10 +535,14 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let mut cpu_closed = vec![kids.cpu_seconds()];
     let mut phases: Vec<PhaseReport> = Vec::new();
     let mut spans: Vec<Span> = Vec::new();
+    // The highest peak each process reported for a phase.
+    let mut reported_peaks: BTreeMap<String, u64> = BTreeMap::new();
     // A phase report counts in its round's timeline and, when it says when it ended, as a span.
     let mut record = |who: &str, p: PhaseReport| {
         phases.push(p);
-        let (round, phase, seconds, _, ended) = p;
+        let (round, phase, seconds, peak, ended) = p;
+        let e = reported_peaks.entry(who.to_string()).or_default();
+        *e = (*e).max(peak.unwrap_or(0));
         if let Some(ended) = ended {
             let end = (ended as f64 - start_ms as f64) / 1000.0;
             spans.push(Span {
@@ -697,7 +717,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         round_seconds,
         wall_seconds: t0.elapsed().as_secs_f64(),
         peak_rss_total_bytes: memory.peak_total,
-        peak_rss_bytes: memory.peak_each,
+        peak_rss_bytes: highest_peaks(memory.peak_each, &reported_peaks),
         peak_rss_total_at: PeakMoment {
             seconds: memory.peak_total_at.0.saturating_sub(start_ms) as f64 / 1000.0,
             rss_bytes: memory.peak_total_at.1,
@@ -711,7 +731,34 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
     use unifed_aggregator::config::default_broker_update_log_bytes;
+
+    #[test]
+    fn a_process_peak_is_the_higher_of_its_samples_and_its_phase_reports() {
+        let sampled = BTreeMap::from([
+            ("aggregator".to_string(), 199 << 20),
+            ("broker".to_string(), 170 << 20),
+            ("grey".to_string(), 190 << 20),
+        ]);
+        // The aggregator's spool peaked between two samples; grey's phases stayed below its
+        // sampled peak; a process only its reports name still gets a peak.
+        let reported = BTreeMap::from([
+            ("aggregator".to_string(), 233 << 20),
+            ("grey".to_string(), 185 << 20),
+            ("texture".to_string(), 187 << 20),
+        ]);
+        let peaks = super::highest_peaks(sampled, &reported);
+        assert_eq!(
+            peaks,
+            BTreeMap::from([
+                ("aggregator".to_string(), 233 << 20),
+                ("broker".to_string(), 170 << 20),
+                ("grey".to_string(), 190 << 20),
+                ("texture".to_string(), 187 << 20),
+            ])
+        );
+    }
 
     #[test]
     fn idle_time_is_what_no_phase_covers_within_the_round() {
