@@ -252,6 +252,34 @@ impl SiteEngine {
         self.manifest.as_ref()
     }
 
+    /// Whether [`SiteEngine::handle`] would drop the message on `topic` without a change or an
+    /// action because it is a model chunk the site does not want now: no model announced yet,
+    /// a payload other than the one the site fetches, or a model it holds or applies already
+    /// (the chunks other sites fetch, shared on the topic every site reads). A driver busy with
+    /// training drops such messages instead of queueing them for later (up to a model's bytes)
+    /// while nothing else waits before them. Anything else, a message that fails the
+    /// envelope's checks included, is `false`: `handle` reports it.
+    pub fn ignores(&self, topic: &str, payload: &[u8]) -> bool {
+        if topic != self.topics.model_chunks() && topic != self.topics.chunk_reply(&self.cfg.site) {
+            return false;
+        }
+        let Ok(env) = self.open(payload) else {
+            return false;
+        };
+        if env.kind != MessageKind::ModelChunk {
+            return false;
+        }
+        let Ok(chunk) = env.payload_as::<ChunkRef>() else {
+            return false;
+        };
+        let Some(m) = &self.manifest else {
+            return true;
+        };
+        chunk.payload_hash != self.target(m).hash
+            || self.applying.is_some()
+            || self.progress.applied_version == Some(m.model_version)
+    }
+
     /// Handles one event at `now_ms` (a monotonic clock in milliseconds) and returns what to do.
     pub fn handle(&mut self, event: Event, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();
@@ -339,28 +367,31 @@ impl SiteEngine {
         out
     }
 
-    /// Checks a message's envelope and hands its payload on; anything else is dropped.
-    fn on_message(&mut self, topic: &str, payload: &[u8], now_ms: u64, out: &mut Vec<Action>) {
-        // Signed by the pinned aggregator before anything else is looked at.
-        let env = match self.keyring.open(payload, self.cfg.max_packet + 4096) {
-            Ok(e) => e,
-            Err(e) => return drop_msg(topic, &e.to_string()),
-        };
+    /// The envelope of a message, signed by the pinned aggregator (checked before anything else
+    /// is looked at) for this federation and model spec; why not, otherwise.
+    fn open<'a>(&self, payload: &'a [u8]) -> Result<EnvelopeRef<'a>, String> {
+        let env = self
+            .keyring
+            .open(payload, self.cfg.max_packet + 4096)
+            .map_err(|e| e.to_string())?;
         if env.federation != self.cfg.federation {
-            return drop_msg(topic, &format!("federation `{}`", env.federation));
+            return Err(format!("federation `{}`", env.federation));
         }
         if env.sender.as_str() != AGGREGATOR_ID {
-            return drop_msg(
-                topic,
-                &format!("sender `{}` is not the aggregator", env.sender),
-            );
+            return Err(format!("sender `{}` is not the aggregator", env.sender));
         }
         if env.spec_hash != self.cfg.spec_hash {
-            return drop_msg(
-                topic,
-                &format!("model spec {} is not this site's", env.spec_hash),
-            );
+            return Err(format!("model spec {} is not this site's", env.spec_hash));
         }
+        Ok(env)
+    }
+
+    /// Checks a message's envelope and hands its payload on; anything else is dropped.
+    fn on_message(&mut self, topic: &str, payload: &[u8], now_ms: u64, out: &mut Vec<Action>) {
+        let env = match self.open(payload) {
+            Ok(e) => e,
+            Err(why) => return drop_msg(topic, &why),
+        };
         let expected = if topic == self.topics.manifest() {
             &[MessageKind::RoundManifest][..]
         } else if topic == self.topics.chunk_reply(&self.cfg.site)

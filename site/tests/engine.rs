@@ -345,6 +345,44 @@ fn chunks_sent_for_every_site_complete_a_fetch_and_are_not_asked_for_again() {
 }
 
 #[test]
+fn a_site_ignores_the_chunks_of_a_model_it_does_not_fetch_and_only_those() {
+    let mut e = engine(None);
+    let (m, chunks) = model_cut(1, 0, &[], 1);
+    let (m2, chunks2) = model_cut(2, 1, &[], 1);
+    let shared = |m: &RoundManifest, c: &Chunk| {
+        (
+            topics().model_chunks(),
+            agg(MessageKind::ModelChunk, m.round, m.model_version, c),
+        )
+    };
+    // No model announced yet: any chunk is dropped.
+    let (t, p) = shared(&m, &chunks[0]);
+    assert!(e.ignores(&t, &p));
+    e.handle(manifest_msg(&m), 0);
+    // The model it fetches is wanted, shared or sent to it alone; another payload is not.
+    assert!(!e.ignores(&t, &p));
+    let own = topics().chunk_reply(&id("a"));
+    assert!(!e.ignores(&own, &p));
+    let (t2, p2) = shared(&m2, &chunks2[0]);
+    assert!(e.ignores(&t2, &p2));
+    // Neither a manifest, nor a chunk that fails the envelope's checks (signed by another
+    // key), nor bytes that are no envelope: `handle` checks and reports those.
+    let manifest = agg(MessageKind::RoundManifest, m.round, m.model_version, &m);
+    assert!(!e.ignores(&topics().manifest(), &manifest));
+    let forged = from("mallory", "fed", MessageKind::ModelChunk, 1, 0, &chunks2[0]);
+    assert!(!e.ignores(&t, &forged));
+    assert!(!e.ignores(&t, b"not an envelope"));
+    // Once the model is in (being applied, then applied), its chunks are dropped too.
+    let acts = deliver(&mut e, &m, &chunks);
+    assert!(acts.iter().any(|a| matches!(a, Action::Apply { .. })));
+    assert!(e.ignores(&t, &p));
+    e.handle(Event::Applied { version: 0 }, 2);
+    assert!(e.ignores(&t, &p));
+    // What `ignores` says is what `handle` does: nothing.
+    assert!(e.handle(msg(t.clone(), p.clone()), 3).is_empty());
+}
+
+#[test]
 fn after_a_reconnect_or_a_silence_a_site_asks_for_its_own_copies() {
     let mut e = engine(None);
     let (m, chunks) = model_cut(1, 0, &[], 1);
