@@ -57,10 +57,9 @@ pub fn set_allocation(mode: Allocation) {
 
 /// Makes every thread allocate from malloc's main arena. glibc otherwise gives threads arenas of
 /// their own (up to eight per core), each keeping its own free blocks and up to 64 MiB of free
-/// top, so how much a process held depended on which threads happened to allocate a training
-/// step's buffers: the demo's agents peaked at 191-202 MiB and now and then at 233-246; with
-/// one arena at 182-189, and training as fast. Call it first in `main`, before any thread
-/// starts (an arena made earlier stays).
+/// top, so a process holds more than it uses: the demo's agents peaked at 191-202 MiB with an
+/// arena per thread and at 182-196 with one (3-round runs), training as fast. Call it first in
+/// `main`, before any thread starts (an arena made earlier stays).
 #[allow(unsafe_code)]
 pub fn use_one_arena() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
