@@ -275,9 +275,7 @@ impl SiteEngine {
         let Some(m) = &self.manifest else {
             return true;
         };
-        chunk.payload_hash != self.target(m).hash
-            || self.applying.is_some()
-            || self.progress.applied_version == Some(m.model_version)
+        self.fetches(m, &chunk.payload_hash).is_none() || self.holds(m)
     }
 
     /// Handles one event at `now_ms` (a monotonic clock in milliseconds) and returns what to do.
@@ -485,15 +483,15 @@ impl SiteEngine {
 
     fn on_chunk(&mut self, chunk: ChunkRef<'_>, now_ms: u64, out: &mut Vec<Action>) {
         let Some(m) = &self.manifest else { return };
-        let t = self.target(m);
-        if chunk.payload_hash != t.hash {
-            // An older model's, the payload the site does not fetch, or an onboarding package's.
+        // Dropped: a chunk of an older model, of the payload the site does not fetch, or of an
+        // onboarding package.
+        let Some(t) = self.fetches(m, &chunk.payload_hash) else {
             return;
-        }
+        };
         if chunk.count != t.count || chunk.total_len != t.len {
             return drop_msg("chunk", "its count or length contradict the manifest");
         }
-        if self.applying.is_some() || self.progress.applied_version == Some(m.model_version) {
+        if self.holds(m) {
             return;
         }
         self.outstanding.remove(&chunk.index);
@@ -530,6 +528,17 @@ impl SiteEngine {
                 .map_or(0, |t| now_ms.saturating_sub(t)),
             bytes: t.len,
         });
+    }
+
+    /// What the site fetches of the model `m` announces, if it is the payload of hash `hash`.
+    fn fetches(&self, m: &RoundManifest, hash: &[u8; 32]) -> Option<Target> {
+        let t = self.target(m);
+        (t.hash == *hash).then_some(t)
+    }
+
+    /// Whether the site applies or has applied the model `m` announces already.
+    fn holds(&self, m: &RoundManifest) -> bool {
+        self.applying.is_some() || self.progress.applied_version == Some(m.model_version)
     }
 
     /// What to fetch of the model `m` announces: its delta when the site holds the version the
