@@ -128,6 +128,8 @@ pub struct SpooledUploads {
     timeout_ms: u64,
     sites: BTreeMap<Id, Vec<Set>>,
     last_sweep_ms: Option<u64>,
+    /// Sets begun so far: each one's file gets a name of its own, never reused.
+    begun: u64,
     /// Complete sets so far: each one's file gets a name of its own.
     completed: u64,
     /// Starts the sets' writeback as they come.
@@ -153,6 +155,7 @@ impl SpooledUploads {
             timeout_ms,
             sites: BTreeMap::new(),
             last_sweep_ms: None,
+            begun: 0,
             completed: 0,
             flusher: Flusher::start().map_err(io)?,
         })
@@ -209,12 +212,17 @@ impl SpooledUploads {
                     let old = sets.remove(0);
                     let _ = std::fs::remove_file(&old.path);
                 }
-                let path = self.dir.join(format!("{site}.{}.part", hex(&hash[..8])));
+                // A file of its own, made new: the hash is what the site claims (a site
+                // with a key can start two sets whose hashes share any prefix), and a file
+                // two sets wrote could change an update after it was checked.
+                self.begun += 1;
+                let path = self
+                    .dir
+                    .join(format!("{site}.{}.{}.part", hex(&hash), self.begun));
                 let file = File::options()
                     .read(true)
                     .write(true)
-                    .create(true)
-                    .truncate(true)
+                    .create_new(true)
                     .open(&path)
                     .map_err(|source| UploadError::Io {
                         path: path.clone(),
@@ -256,8 +264,8 @@ impl SpooledUploads {
         if sets.is_empty() {
             self.sites.remove(site);
         }
-        // Renamed now: the set's name is free for a new set (a re-send of the same update),
-        // and the complete one's is never reused, so removing it never removes another's.
+        // Renamed now; the complete one's name is never reused, so removing it never removes
+        // another's.
         self.completed += 1;
         let path = self.dir.join(format!(
             "{site}.{}.{}.complete",
@@ -449,6 +457,36 @@ mod tests {
         std::fs::rename(&kept, &adopted).unwrap();
         drop(second);
         assert_eq!(std::fs::read(&adopted).unwrap(), p);
+    }
+
+    /// A site with a key claims any hash: two of its sets whose hashes share their first
+    /// bytes, their chunks interleaved, each get a file of their own and their own bytes back
+    /// (they shared one, named by the prefix, so one set's chunks went into the other's file).
+    #[test]
+    fn sets_whose_claimed_hashes_share_a_prefix_keep_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut u = SpooledUploads::open(dir.path(), 1 << 20, 60_000).unwrap();
+        let (p, q) = (payload(5_000), vec![0xA5; 5_000]);
+        let mut a: Vec<Chunk> = chunks(&p, 1_000).collect();
+        let mut b: Vec<Chunk> = chunks(&q, 1_000).collect();
+        let mut hash = a[0].payload_hash;
+        hash[31] ^= 1;
+        b.iter_mut().for_each(|c| c.payload_hash = hash);
+        let last_of_a = a.pop().unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            assert!(u.insert(&site("a"), x.as_ref(), 0).unwrap().is_none());
+            assert!(u.insert(&site("a"), y.as_ref(), 0).unwrap().is_none());
+        }
+        let first = u
+            .insert(&site("a"), last_of_a.as_ref(), 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.read().unwrap(), p);
+        let second = u.insert(&site("a"), b[4].as_ref(), 0).unwrap().unwrap();
+        assert_eq!(second.hash(), hash);
+        assert_eq!(second.read().unwrap(), q);
+        assert_eq!(first.read().unwrap(), p);
+        assert_ne!(first.path(), second.path());
     }
 
     #[test]
