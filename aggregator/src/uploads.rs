@@ -128,10 +128,9 @@ pub struct SpooledUploads {
     timeout_ms: u64,
     sites: BTreeMap<Id, Vec<Set>>,
     last_sweep_ms: Option<u64>,
-    /// Sets begun so far: each one's file gets a name of its own, never reused.
+    /// Sets begun so far: each one's file (incomplete, then complete) gets a name of its own,
+    /// never reused.
     begun: u64,
-    /// Complete sets so far: each one's file gets a name of its own.
-    completed: u64,
     /// Starts the sets' writeback as they come.
     flusher: Flusher,
 }
@@ -156,7 +155,6 @@ impl SpooledUploads {
             sites: BTreeMap::new(),
             last_sweep_ms: None,
             begun: 0,
-            completed: 0,
             flusher: Flusher::start().map_err(io)?,
         })
     }
@@ -264,14 +262,9 @@ impl SpooledUploads {
         if sets.is_empty() {
             self.sites.remove(site);
         }
-        // Renamed now; the complete one's name is never reused, so removing it never removes
-        // another's.
-        self.completed += 1;
-        let path = self.dir.join(format!(
-            "{site}.{}.{}.complete",
-            hex(&hash[..8]),
-            self.completed
-        ));
+        // Renamed now, keeping the set's own number: the complete one's name is never reused,
+        // so removing it never removes another's.
+        let path = s.path.with_extension("complete");
         if let Err(source) = std::fs::rename(&s.path, &path) {
             let _ = std::fs::remove_file(&s.path);
             return Err(UploadError::Io {
