@@ -1,36 +1,31 @@
-//! `unifed-agent train`: the on-device trainer on MQTT, a driver of the site engine
-//! ([`unifed_site::SiteEngine`], which owns the round: manifest, windowed fetch, upload window,
-//! answers, and drops bad network input). This module does the I/O and the work the engine asks
-//! for: MQTT, applying models (the non-BN weights under `local` BN, so the site's BN layers and
-//! statistics stay on the device), training under the round's plan, checkpoints when the engine
-//! asks (after every answer, and after every model the site does not train from at once), so a
-//! restarted agent resumes, and a clean stop on SIGINT/SIGTERM.
+//! `unifed-agent train`: the on-device trainer on MQTT. The site's round is the shared site
+//! driver's ([`unifed_site::SiteDriver`]: the engine, which follows the manifest, fetches,
+//! uploads, takes answers and drops bad network input, and the burn model worker, which applies
+//! models (the non-BN weights under `local` BN, so the site's BN layers and statistics stay on
+//! the device), trains under the round's plan and checkpoints when the engine asks), the same as
+//! the in-process runner's. This module adds the process: the config, the MQTT connection with
+//! its Last Will, the driver's thread, and a clean stop on SIGINT/SIGTERM.
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use unifed_models::backend::{Backend, Device};
 use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes, load_labelled};
-use unifed_models::error::TrainError;
-use unifed_models::site::{Site, SiteError};
-use unifed_models::state::{Select, import};
-use unifed_models::train::{TrainConfig, TrainEvent};
+use unifed_models::site::Site;
+use unifed_models::train::TrainConfig;
+use unifed_models::worker::{ModelWorker, WorkerConfig};
 use unifed_models::zoo::{AnyNet, Arch, DigitsCnnConfig, ModelConfig, seeded, spec_of};
-use unifed_net::{BrokerConfig, NetEvent, Qos, Will, spawn_event_loop};
+use unifed_net::{BrokerConfig, Client, NetEvent, Qos, Will, spawn_event_loop};
 use unifed_protocol::ModelSpec;
-use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{
-    Answer, BnPolicy, BnSharing, RoundManifest, SiteState, SiteStatus,
-};
+use unifed_protocol::messages::SiteState;
 use unifed_protocol::topics::Topics;
-use unifed_site::{Action as SiteAction, EngineConfig, Event, Progress, SiteEngine};
+use unifed_site::{DriverConfig, EngineConfig, Evaluate, Event, SiteDriver, SiteEngine};
 
 use crate::files::SiteFiles;
-use crate::progress::{Phase, Report, training_bar};
-use crate::registry::Owner;
-use unifed_net::report;
+use crate::host::{AgentHost, AgentOutbox, Shared, Who};
 
 /// Where a site's labelled data comes from.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -248,38 +243,6 @@ pub fn load_data(cfg: &AgentConfig, spec: &ModelSpec) -> Result<(Dataset, Datase
     }
 }
 
-/// The BN layers of model `version`'s onboarding package, fetched in a short session of its own,
-/// and a description (policy, sites) for the log.
-async fn package_bn(
-    cfg: &AgentConfig,
-    identity: &crate::registry::Identity,
-    fed: &Id,
-    site: &Id,
-    spec: &ModelSpec,
-    version: u64,
-) -> Result<(unifed_models::state::StateDict, String)> {
-    let owner = Owner {
-        federation: fed.clone(),
-        site: site.clone(),
-        spec: spec.hash(),
-    };
-    let (info, state) = crate::registry::fetch_package(
-        &cfg.broker,
-        owner,
-        identity,
-        spec,
-        Some(version),
-        |_, _| {},
-    )
-    .await?;
-    let sd = state.filter(Select::Bn);
-    let sites: Vec<&str> = info.bn_sites.iter().map(|x| x.as_str()).collect();
-    Ok((
-        sd,
-        format!("{} of {}", info.bn_sharing.name(), sites.join(", ")),
-    ))
-}
-
 /// Reads the agent config at `path`, caps the CPU threads at the config's `threads` unless the
 /// caller already capped them (`capped`), and runs the agent on its own runtime until the
 /// federation finishes (returns the final test accuracy) or SIGINT/SIGTERM stops it (`None`).
@@ -298,30 +261,76 @@ pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<Option<f64>
 /// `shutdown` resolves (returns `None`). On shutdown, even mid-training, the agent stops at
 /// once: its files hold the last checkpoint (model, memory and progress in one atomically
 /// replaced file), from which a restart resumes and trains the interrupted round again.
+///
+/// The site's driver ([`SiteDriver`]: engine, model worker and the round between them) runs on
+/// a thread of its own; this task owns the MQTT connection, hands it the messages, and stops it.
 pub async fn run(
     cfg: AgentConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<Option<f64>> {
+    let (driver, who) = driver(&cfg)?;
+    let will = Will::new(
+        who.topics.status(&who.site),
+        who.status(SiteState::Offline, "connection lost"),
+        Qos::AtLeastOnce,
+        true,
+    );
+    let (client, rx) = spawn_event_loop(
+        cfg.broker
+            .options(&format!("unifed-agent-{}", who.site), Some(will))
+            .map_err(anyhow::Error::msg)?,
+        driver.engine().subscriptions(),
+    );
+    let shared = Arc::new(Mutex::new(Shared {
+        saved: driver.engine().progress().applied_version,
+        ..Shared::default()
+    }));
+    let out = AgentOutbox {
+        who: who.clone(),
+        client: client.clone(),
+        runtime: tokio::runtime::Handle::current(),
+        shared: shared.clone(),
+        relaying: false,
+        upload_started: None,
+    };
+    let (tx, events) = std::sync::mpsc::channel();
+    let (done_tx, done) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("site {}", who.site))
+        .spawn(move || {
+            let _ = done_tx.send(drive(driver, events, out));
+        })
+        .context("starting the site's driver")?;
+    let finished = listen(&who, &client, rx, tx, &shared, done, shutdown).await;
+    let detail = match &finished {
+        Ok(Some(_)) => "finished",
+        _ => "stopped",
+    };
+    goodbye(&who, &client, detail).await;
+    finished
+}
+
+/// The site's engine, its model worker and the driver over them, resumed from the state
+/// folder's checkpoint; and who the site is.
+fn driver(cfg: &AgentConfig) -> Result<(SiteDriver<ModelWorker<AnyNet, AgentHost>>, Who)> {
     let (site_id, fed) = cfg.ids()?;
     let identity = cfg.identity()?;
     let backend: Backend = cfg.backend.parse().map_err(anyhow::Error::msg)?;
-    let evaluate_at = EvaluateAt::resolve(cfg.evaluate_at, backend);
     let device: Device = cfg.device(backend).map_err(anyhow::Error::msg)?;
     let (net, spec) = cfg.model_and_spec(&device)?;
-    let (train, test) = load_data(&cfg, &spec)?;
+    let (train, test) = load_data(cfg, &spec)?;
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
     let files = SiteFiles::new(&cfg.state_dir);
-    let mut s = Site::new(&cfg.site, net, train, test)?;
+    let mut site = Site::new(&cfg.site, net, train, test)?;
     // Training holds one copy of the model: the starting one waits in this file (and under a
     // lossy encoding the residual and the held broadcast wait beside it).
-    s.park_base_in(files.parked.clone())
+    site.park_base_in(files.parked.clone())
         .with_context(|| format!("parking in {}", cfg.state_dir.display()))?;
     // The model, the residuals and control variates of the last accepted update, and the
     // server's c.
-    let progress = files.restore(&spec, &mut s)?;
-    let mut site: Option<Site<AnyNet>> = Some(s);
-    let mut engine = SiteEngine::new(
+    let progress = files.restore(&spec, &mut site)?;
+    let engine = SiteEngine::new(
         EngineConfig {
             site: site_id.clone(),
             federation: fed.clone(),
@@ -334,505 +343,134 @@ pub async fn run(
         },
         progress,
     );
-    let topics = Topics::new(&fed);
-    let status = |state: SiteState, detail: &str| {
-        identity.key.sign(&Envelope::new(
-            MessageKind::SiteStatus,
-            fed.clone(),
-            site_id.clone(),
-            0,
-            0,
-            spec.hash(),
-            &SiteStatus {
-                state,
-                detail: detail.into(),
-            },
-        ))
+    let who = Who {
+        topics: Topics::new(&fed),
+        site: site_id,
+        federation: fed.clone(),
+        spec: spec.clone(),
+        identity,
     };
-    let will = Will::new(
-        topics.status(&site_id),
-        status(SiteState::Offline, "connection lost"),
-        Qos::AtLeastOnce,
-        true,
+    let host = AgentHost {
+        who: who.clone(),
+        files,
+        cfg: cfg.clone(),
+        runtime: tokio::runtime::Handle::current(),
+        train_peak: Arc::default(),
+    };
+    let worker = ModelWorker::new(
+        site,
+        WorkerConfig {
+            federation: fed,
+            spec,
+            train: cfg.train.clone(),
+            device,
+            validation: None,
+        },
+        host,
     );
-    let (client, mut rx) = spawn_event_loop(
-        cfg.broker
-            .options(&format!("unifed-agent-{site_id}"), Some(will))
-            .map_err(anyhow::Error::msg)?,
-        engine.subscriptions(),
-    );
-    let goodbye = |detail: &'static str| {
-        let (client, topic, msg) = (
-            client.clone(),
-            topics.status(&site_id),
-            status(SiteState::Offline, detail),
-        );
-        async move {
-            let _ = client.publish(topic, Qos::AtLeastOnce, true, msg).await;
-            // A clean DISCONNECT (after the status is out) instead of a reset connection.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let _ = client.disconnect().await;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    let evaluate = match (
+        cfg.evaluate_each_model,
+        EvaluateAt::resolve(cfg.evaluate_at, backend),
+    ) {
+        (false, _) => Evaluate::Final,
+        (true, EvaluateAt::BeforeTraining) => Evaluate::EveryModel,
+        (true, EvaluateAt::WhileUploading) => Evaluate::EveryModelWhileUploading,
     };
-    let save = |site: &Site<AnyNet>, progress: &Progress| -> Result<()> {
-        files.write(&spec, site, progress)
+    let dc = DriverConfig {
+        evaluate,
+        calibrate_joiners: cfg.join_bn == JoinBn::Calibrate,
     };
-    // The model version the checkpoint on disk holds.
-    let mut saved = engine.progress().applied_version;
+    Ok((SiteDriver::new(engine, worker, dc), who))
+}
+
+/// The driver's thread: hands each event to the driver (a tick when none came for 500 ms)
+/// until the federation finishes, the driver fails, or the events' sender is gone.
+fn drive(
+    mut driver: SiteDriver<ModelWorker<AnyNet, AgentHost>>,
+    events: std::sync::mpsc::Receiver<Event>,
+    mut out: AgentOutbox,
+) -> Result<Option<f64>> {
     let t0 = Instant::now();
-    let now = || t0.elapsed().as_millis() as u64;
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    tokio::pin!(shutdown);
-    // Events the driver itself produced (applied, trained), handled before new input.
-    let mut queue: std::collections::VecDeque<Event> = std::collections::VecDeque::new();
-    // What to announce of an applied model once it is checkpointed or, when the site trains
-    // from it at once, before training.
-    let mut announce: Option<(RoundManifest, u64, u64)> = None;
-    // The round the next checkpoint belongs to in the timeline, and when each upload started.
-    let mut checkpoint_round = 0u64;
-    let mut upload_started: Option<(u64, Instant)> = None;
-    // While a model comes in the agent allocates as a relay (see `Allocation::Relay`): each
-    // chunk's packet reuses the heap instead of faulting in fresh pages. The payload itself is
-    // one block, written in place, so the heap grows by a few packets only.
-    let chunk_requests = topics.chunk_request(&site_id);
-    let mut relaying = false;
-    // A training job that handed its update over and still holds the site while it evaluates
-    // the model the round trained from (`EvaluateAt::WhileUploading`).
-    let mut evaluating: Option<tokio::task::JoinHandle<(Site<AnyNet>, Result<()>)>> = None;
-    // The first network event that arrived during training and was not dropped then: it and
-    // every one after it (still in `rx`) are handled once training is over.
-    let mut held: Option<NetEvent> = None;
     loop {
-        let event = match queue.pop_front() {
-            Some(e) => e,
-            None => {
-                let net = match held.take() {
-                    Some(ev) => Some(ev),
-                    None => tokio::select! {
-                        _ = &mut shutdown => {
-                            println!("{site_id}: stopping on request; the checkpoint holds model v{}", saved.map_or("-".to_string(), |v| v.to_string()));
-                            goodbye("stopped").await;
-                            return Ok(None);
-                        }
-                        _ = tick.tick() => None,
-                        ev = rx.recv() => match ev {
-                            None => bail!("the MQTT event loop stopped"),
-                            ev => ev,
-                        },
-                    },
-                };
-                match net {
-                    None => Event::Tick,
-                    Some(NetEvent::Connected) => {
-                        client
-                            .publish(
-                                topics.status(&site_id),
-                                Qos::AtLeastOnce,
-                                true,
-                                status(SiteState::Online, ""),
-                            )
-                            .await?;
-                        Event::Connected
-                    }
-                    Some(NetEvent::Disconnected(_)) => continue,
-                    Some(NetEvent::Message { topic, payload }) => Event::Message { topic, payload },
-                }
-            }
+        let event = match events.recv_timeout(Duration::from_millis(500)) {
+            Ok(e) => e,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Event::Tick,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
         };
-        for action in engine.handle(event, now()) {
-            // When the action came: an answer ends the upload then, however long the
-            // evaluation below still takes.
-            let came = Instant::now();
-            // Sending needs no site; anything else waits for the evaluation to give it back.
-            if !matches!(
-                action,
-                SiteAction::Publish { .. } | SiteAction::Uploading { .. }
-            ) && let Some(job) = evaluating.take()
-            {
-                let (s, evaluated) = job.await?;
-                site = Some(s);
-                evaluated?;
-            }
-            match action {
-                SiteAction::Publish { topic, payload } => {
-                    if !relaying && topic == chunk_requests {
-                        unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Relay);
-                        relaying = true;
-                    }
-                    client
-                        .publish(topic, Qos::AtLeastOnce, false, payload)
-                        .await?;
+        let now = t0.elapsed().as_millis() as u64;
+        if let Some(accuracy) = driver.handle(event, now, &mut out)? {
+            return Ok(Some(accuracy));
+        }
+    }
+}
+
+/// Hands the network's events to the driver's thread until the driver ends or `shutdown`
+/// resolves. While the site trains, the chunks other sites fetch (a site that fetched first
+/// hears the others' on the shared topic) are dropped as they come, by the filter the driver
+/// left: held until training ended, 57 MB of them kept an agent 50 MiB larger through its
+/// training. The first message the engine wants ends the dropping: it and all after it wait.
+async fn listen(
+    who: &Who,
+    client: &Client,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<NetEvent>,
+    tx: std::sync::mpsc::Sender<Event>,
+    shared: &Mutex<Shared>,
+    mut done: tokio::sync::oneshot::Receiver<Result<Option<f64>>>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<Option<f64>> {
+    let site = &who.site;
+    tokio::pin!(shutdown);
+    loop {
+        let ev = tokio::select! {
+            _ = &mut shutdown => {
+                let s = shared.lock().unwrap_or_else(|p| p.into_inner());
+                match s.training {
+                    // The checkpoint holds the last round's outcome, and the model is fetched
+                    // and the round trained again after a restart.
+                    Some(round) => println!("{site}: stopping on request during round {round}; it is trained again after a restart"),
+                    None => println!("{site}: stopping on request; the checkpoint holds model v{}", s.saved.map_or("-".to_string(), |v| v.to_string())),
                 }
-                SiteAction::Apply {
-                    manifest: m,
-                    download,
-                    joining,
-                    fetch_ms,
-                    bytes,
-                } => {
-                    if std::mem::take(&mut relaying) {
-                        unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
-                    }
-                    // The model of version v is what round v + 1 trains from.
-                    let for_round = m.model_version + 1;
-                    report::phase_seconds(for_round, Phase::Download, fetch_ms as f64 / 1000.0);
-                    let applying = Instant::now();
-                    let s = site.as_mut().expect("site present");
-                    let applied = download
-                        .read()
-                        .map_err(|e| e.to_string())
-                        .and_then(|d| s.receive(&spec, &m, &d).map_err(|e| e.to_string()));
-                    // The payload goes before anything else grows (calibration, evaluation).
-                    drop(download);
-                    if let Err(error) = applied {
-                        queue.push_back(Event::ApplyFailed {
-                            version: m.model_version,
-                            error,
-                        });
+                return Ok(None);
+            }
+            r = &mut done => return r.unwrap_or_else(|_| bail!("the site's driver ended without an outcome")),
+            ev = rx.recv() => ev,
+        };
+        let event = match ev {
+            None => bail!("the MQTT event loop stopped"),
+            Some(NetEvent::Connected) => {
+                let status = who.status(SiteState::Online, "");
+                client
+                    .publish(who.topics.status(site), Qos::AtLeastOnce, true, status)
+                    .await?;
+                Event::Connected
+            }
+            Some(NetEvent::Disconnected(_)) => continue,
+            Some(NetEvent::Message { topic, payload }) => {
+                let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(f) = &s.filter {
+                    if f.ignores(&topic, &payload) {
                         continue;
                     }
-                    if joining && m.bn_policy == BnPolicy::Local && cfg.join_bn == JoinBn::Calibrate
-                    {
-                        // A late joiner: BN from the onboarding package (the sites' shared BN,
-                        // if the policy shares any), statistics then re-estimated on its own
-                        // images.
-                        if m.bn_sharing != BnSharing::None {
-                            match package_bn(
-                                &cfg,
-                                &identity,
-                                &fed,
-                                &site_id,
-                                &spec,
-                                m.model_version,
-                            )
-                            .await
-                            {
-                                Ok((sd, detail)) => {
-                                    s.net = import(&s.net, &spec, &sd, Select::Bn)?;
-                                    println!(
-                                        "{site_id}: BN from the onboarding package of model v{} ({detail})",
-                                        m.model_version
-                                    );
-                                }
-                                // Not fatal: the joiner calibrates its own BN instead.
-                                Err(e) => eprintln!(
-                                    "{site_id}: onboarding package unavailable ({e:#}); calibrating the model's own BN"
-                                ),
-                            }
-                        }
-                        s.net = tokio::task::block_in_place(|| {
-                            unifed_models::bn::calibrate(
-                                &s.net,
-                                &s.train.x,
-                                &device,
-                                &Default::default(),
-                                |_, _| {},
-                            )
-                        })?;
-                        println!(
-                            "{site_id}: joined at model v{}; calibrated BN on {} own images",
-                            m.model_version,
-                            s.train.len()
-                        );
-                    }
-                    report::phase(for_round, Phase::Apply, applying);
-                    checkpoint_round = for_round;
-                    queue.push_back(Event::Applied {
-                        version: m.model_version,
-                    });
-                    announce = Some((m, fetch_ms, bytes));
+                    s.filter = None;
                 }
-                SiteAction::Train { manifest: m } => {
-                    // A model trained from at once is checkpointed with its training's outcome
-                    // (see `SiteAction::Checkpoint`): it is announced here, and evaluated here
-                    // or, frozen, while the update uploads.
-                    let mut frozen = None;
-                    if let Some(a) = announce.take() {
-                        let s = site.as_ref().expect("site present");
-                        if evaluate_at == EvaluateAt::WhileUploading {
-                            if evaluates(&cfg, &a.0) {
-                                frozen = Some((a.0.clone(), s.freeze()));
-                            }
-                            applied(&cfg, &a);
-                        } else {
-                            announced(&cfg, &spec, &device, s, a)?;
-                        }
-                    }
-                    println!(
-                        "{site_id}: training round {} from model v{}",
-                        m.round, m.model_version
-                    );
-                    client
-                        .publish(
-                            topics.status(&site_id),
-                            Qos::AtLeastOnce,
-                            true,
-                            status(SiteState::Training { round: m.round }, ""),
-                        )
-                        .await?;
-                    let mut s = site.take().expect("site present");
-                    let (spec2, fed2, dev2, tc, m2) = (
-                        spec.clone(),
-                        fed.clone(),
-                        device.clone(),
-                        cfg.train.clone(),
-                        m.clone(),
-                    );
-                    let mut bar = training_bar(site_id.as_str(), m.round);
-                    let (trained_tx, trained_rx) = tokio::sync::oneshot::channel();
-                    let job = tokio::task::spawn_blocking(move || {
-                        let started = Instant::now();
-                        // Training's peak memory, apart from encoding's.
-                        let mut train_peak = None;
-                        let progress = |ev| {
-                            if ev == TrainEvent::Trained {
-                                train_peak = report::take_peak();
-                                // Training's freed buffers go back before the update is
-                                // encoded: encoding holds the model, the delta and the
-                                // update's bytes at once.
-                                unifed_net::memory::set_allocation(
-                                    unifed_net::memory::Allocation::Lean,
-                                );
-                                unifed_net::release_free_memory();
-                            }
-                            bar(ev)
-                        };
-                        let r = unifed_net::memory::with_fast_allocation(|| {
-                            s.train_round(&spec2, &fed2, &m2, &tc, &dev2, progress)
-                        });
-                        if r.is_ok() {
-                            let encode = s.encode_seconds();
-                            let train = started.elapsed().as_secs_f64() - encode;
-                            // Training ended before the update was encoded.
-                            report::phase_ended(
-                                m2.round,
-                                Phase::Train,
-                                train,
-                                train_peak,
-                                std::time::Duration::from_secs_f64(encode),
-                            );
-                            report::phase_seconds(m2.round, Phase::Encode, encode);
-                        }
-                        // The update goes up now; the site stays here while it evaluates.
-                        let _ = trained_tx.send(r);
-                        // Under lean allocation: the upload goes on beside it.
-                        let evaluated = frozen.map_or(Ok(()), |(fm, net)| {
-                            evaluate_report(&tc, &spec2, &dev2, &s, &net, &fm)
-                        });
-                        // Training's buffers and the update's pieces are freed now.
-                        unifed_net::release_free_memory();
-                        // A GPU's pipelines compiled for this round (its first, mostly) are kept
-                        // for the next start.
-                        unifed_models::backend::save_compiled_kernels();
-                        (s, evaluated)
-                    });
-                    // While it trains, the chunks other sites fetch (a site that fetched first
-                    // hears the others' on the shared topic) are dropped as they come: held
-                    // until training ended, 57 MB of them kept an agent 50 MiB larger through
-                    // its training. Anything the engine wants waits, with all after it.
-                    let mut trained_rx = trained_rx;
-                    let mut listening = held.is_none();
-                    let update = loop {
-                        tokio::select! {
-                            // Stop now: the checkpoint holds the last round's outcome, and the
-                            // model is fetched and the round trained again after a restart.
-                            _ = &mut shutdown => {
-                                println!("{site_id}: stopping on request during round {}; it is trained again after a restart", m.round);
-                                goodbye("stopped").await;
-                                return Ok(None);
-                            }
-                            r = &mut trained_rx => break r,
-                            ev = rx.recv(), if listening => match ev {
-                                Some(NetEvent::Message { topic, payload })
-                                    if engine.ignores(&topic, &payload) => {}
-                                // The loop reports a closed channel after training.
-                                None => listening = false,
-                                ev => {
-                                    held = ev;
-                                    listening = false;
-                                }
-                            },
-                        }
-                    };
-                    let Ok(update) = update else {
-                        // The job dropped the sender without an update: it panicked, and
-                        // awaiting it returns that panic as the error.
-                        drop(job.await?);
-                        bail!("training round {} ended without an outcome", m.round);
-                    };
-                    evaluating = Some(job);
-                    match update {
-                        Ok(update) => queue.push_back(Event::Trained {
-                            round: m.round,
-                            update,
-                        }),
-                        // What the federation's model made of training: no update this round,
-                        // the next model may train (a failure of the site itself ends the agent).
-                        Err(
-                            e @ (SiteError::NonFinite(_)
-                            | SiteError::Plan { .. }
-                            | SiteError::Train(TrainError::Diverged(..))),
-                        ) => {
-                            eprintln!(
-                                "{site_id}: round {}: {e}; no update sent this round",
-                                m.round
-                            );
-                            queue.push_back(Event::TrainFailed {
-                                round: m.round,
-                                error: e.to_string(),
-                            });
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-                SiteAction::Uploading {
-                    round,
-                    bytes,
-                    messages,
-                } => {
-                    upload_started = Some((round, Instant::now()));
-                    Report::Uploaded {
-                        round,
-                        bytes,
-                        messages,
-                    }
-                    .emit()
-                }
-                SiteAction::Answered { round, answer } => {
-                    let accepted = answer == Answer::Accepted;
-                    site.as_mut()
-                        .expect("site present")
-                        .answered(round, accepted);
-                    if let Some((_, t)) = upload_started.take_if(|(r, _)| *r == round) {
-                        let took = came.duration_since(t).as_secs_f64();
-                        report::phase_ended(
-                            round,
-                            Phase::Upload,
-                            took,
-                            report::take_peak(),
-                            came.elapsed(),
-                        );
-                    }
-                    checkpoint_round = round;
-                    Report::Answered { round, accepted }.emit();
-                    match answer {
-                        Answer::Accepted => {
-                            println!("{site_id}: update for round {round} accepted")
-                        }
-                        Answer::Rejected(r) => {
-                            eprintln!("{site_id}: update for round {round} rejected: {r:?}")
-                        }
-                        // The engine re-sends by itself; it never reports this answer.
-                        Answer::Resend => {}
-                    }
-                }
-                SiteAction::Checkpoint => {
-                    let s = site.as_ref().expect("site present");
-                    let saving = Instant::now();
-                    save(s, engine.progress())?;
-                    saved = engine.progress().applied_version;
-                    // The download's or the upload's buffers and the checkpoint's are freed
-                    // now (every answer, and every apply not followed by training, is followed
-                    // by a checkpoint; `announced` frees them before training otherwise).
-                    unifed_net::release_free_memory();
-                    report::phase(checkpoint_round, Phase::Checkpoint, saving);
-                    if let Some(a) = announce.take() {
-                        announced(&cfg, &spec, &device, s, a)?;
-                    }
-                }
-                SiteAction::Finished { manifest: m } => {
-                    let s = site.as_ref().expect("site present");
-                    // The download's and the apply's buffers go back before evaluation grows
-                    // the heap, as before every evaluation in a round (`announced`).
-                    unifed_net::release_free_memory();
-                    let evaluating = Instant::now();
-                    let acc = tokio::task::block_in_place(|| {
-                        unifed_net::memory::with_fast_allocation(|| {
-                            s.evaluate(&spec, &m.plan, &cfg.train, &device)
-                        })
-                    })?
-                    .accuracy();
-                    report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
-                    Report::Evaluated {
-                        version: m.model_version,
-                        accuracy: acc,
-                    }
-                    .emit();
-                    println!(
-                        "{site_id}: federation finished at model v{}; test accuracy {:.2}%",
-                        m.model_version,
-                        100.0 * acc
-                    );
-                    goodbye("finished").await;
-                    return Ok(Some(acc));
-                }
+                Event::Message { topic, payload }
             }
-        }
+        };
+        // A driver that ended reports why through `done`, on the next turn.
+        let _ = tx.send(event);
     }
 }
 
-/// Reports a model applied (`a`: its manifest, fetch milliseconds and bytes) and, when the
-/// config asks for it, the site's test accuracy with it, before the site trains from it.
-fn announced(
-    cfg: &AgentConfig,
-    spec: &ModelSpec,
-    device: &Device,
-    s: &Site<AnyNet>,
-    a: (RoundManifest, u64, u64),
-) -> Result<()> {
-    applied(cfg, &a);
-    if evaluates(cfg, &a.0) {
-        tokio::task::block_in_place(|| {
-            unifed_net::memory::with_fast_allocation(|| {
-                evaluate_report(&cfg.train, spec, device, s, &s.net, &a.0)
-            })
-        })?;
-    }
-    Ok(())
-}
-
-/// Reports a model applied (its manifest, fetch milliseconds and bytes).
-fn applied(cfg: &AgentConfig, (m, fetch_ms, bytes): &(RoundManifest, u64, u64)) {
-    println!("{}: applied model v{}", cfg.site, m.model_version);
-    Report::Applied {
-        version: m.model_version,
-        bytes: *bytes,
-        seconds: *fetch_ms as f64 / 1000.0,
-    }
-    .emit();
-    // The download's buffers go back before evaluation and training take their memory.
-    unifed_net::release_free_memory();
-}
-
-/// Whether the site evaluates the model of manifest `m` before it trains from it (the final
-/// model is evaluated when the federation finishes).
-fn evaluates(cfg: &AgentConfig, m: &RoundManifest) -> bool {
-    cfg.evaluate_each_model && !m.finished
-}
-
-/// Evaluates `net`, the site's model as it applied the model of manifest `m` (the model
-/// itself, or a copy [`Site::freeze`] made), and reports the phase and the accuracy.
-fn evaluate_report(
-    tc: &TrainConfig,
-    spec: &ModelSpec,
-    device: &Device,
-    s: &Site<AnyNet>,
-    net: &AnyNet,
-    m: &RoundManifest,
-) -> Result<()> {
-    let evaluating = Instant::now();
-    let acc = s
-        .evaluate_frozen(net, spec, &m.plan, tc, device)?
-        .accuracy();
-    unifed_net::release_free_memory();
-    report::phase(m.model_version + 1, Phase::Evaluate, evaluating);
-    Report::Evaluated {
-        version: m.model_version,
-        accuracy: acc,
-    }
-    .emit();
-    Ok(())
+/// Says the site is offline (`detail`: finished or stopped), then disconnects cleanly.
+async fn goodbye(who: &Who, client: &Client, detail: &str) {
+    let msg = who.status(SiteState::Offline, detail);
+    let _ = client
+        .publish(who.topics.status(&who.site), Qos::AtLeastOnce, true, msg)
+        .await;
+    // A clean DISCONNECT (after the status is out) instead of a reset connection.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = client.disconnect().await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
 #[cfg(test)]

@@ -23,6 +23,8 @@
 //! - [`objective`]: local objectives' gradient terms (FedProx's proximal term).
 //! - [`data`]: image folders, CSV manifests, MNIST IDX, built-in domains, site partitioner.
 //! - [`site`]: one federated site (apply a broadcast, train, encode its update).
+//! - [`worker`]: the site driver's worker over a [`site::Site`] (one for the agent and the
+//!   in-process runner), with a [`worker::Host`] for what a process adds.
 //! - [`backend`]: device selection and the CPU thread cap.
 //!
 //! # Feature flags
@@ -42,4 +44,5 @@ pub mod site;
 pub mod state;
 pub mod train;
 mod update;
+pub mod worker;
 pub mod zoo;

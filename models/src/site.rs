@@ -1082,7 +1082,7 @@ impl<N: Net> Site<N> {
         tc: &TrainConfig,
         device: &Device,
     ) -> Result<EvalReport, SiteError> {
-        self.evaluate_model(&self.net, data, spec, plan, tc, device)
+        self.evaluate_net(&self.net, data, spec, plan, tc, device)
     }
 
     /// A copy of the site's model as it is now, to evaluate while the site trains on or after
@@ -1103,11 +1103,12 @@ impl<N: Net> Site<N> {
         tc: &TrainConfig,
         device: &Device,
     ) -> Result<EvalReport, SiteError> {
-        self.evaluate_model(frozen, &self.test, spec, plan, tc, device)
+        self.evaluate_net(frozen, &self.test, spec, plan, tc, device)
     }
 
-    /// Evaluates `net` on `data` as the site's model: personalised first under Per-FedAvg.
-    fn evaluate_model(
+    /// Evaluates `net` on `data` as the site's model (the model itself, or a copy
+    /// [`Site::freeze`] made): personalised first under Per-FedAvg.
+    pub fn evaluate_net(
         &self,
         net: &N,
         data: &Dataset,

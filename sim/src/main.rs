@@ -26,7 +26,7 @@ use unifed_protocol::encoding::Encoding;
 use unifed_protocol::messages::BnPolicy;
 use unifed_sim::chart::{Series, line_chart};
 use unifed_sim::experiment::{mean_std, method_name};
-use unifed_sim::{RoundRecord, Site, run_federation};
+use unifed_sim::{OnRound, RoundRecord, Site, Sites, run_federation};
 
 #[derive(Parser)]
 #[command(
@@ -305,11 +305,13 @@ fn run_one(
     let records = run_federation(
         cfg,
         initial,
-        &mut sites,
-        &tc,
-        &device,
-        |_| {},
-        |r, _| {
+        Sites {
+            sites: &mut sites,
+            validation: Vec::new(),
+            train: &tc,
+            device: &device,
+        },
+        &mut OnRound(|r: &RoundRecord| {
             let mean = r.accuracy.iter().sum::<f64>() / r.accuracy.len() as f64;
             eprintln!(
                 "{label} seed {seed} round {:>3}: mean acc {:.2}% ({:.0} s)",
@@ -317,7 +319,7 @@ fn run_one(
                 100.0 * mean,
                 r.seconds
             );
-        },
+        }),
     )?;
     Ok(Run {
         records,

@@ -12,7 +12,7 @@ use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::Envelope;
 use unifed_protocol::messages::{BnPolicy, ServerBroadcast, SiteUpdate};
 use unifed_protocol::{Input, ModelSpec, Scaling};
-use unifed_sim::{Observed, Site, run_federation};
+use unifed_sim::{Evaluation, Observed, Observer, Site, Sites, run_federation};
 
 struct Captured {
     spec: ModelSpec,
@@ -20,6 +20,8 @@ struct Captured {
     updates: BTreeMap<u64, Vec<SiteUpdate>>,
     models: BTreeMap<u64, ServerBroadcast>,
     states: BTreeMap<u64, Vec<StateDict>>,
+    /// Each site's state as it evaluated each model, while the run goes on.
+    evaluated: BTreeMap<u64, Vec<Option<StateDict>>>,
 }
 
 fn federate(bn: BnPolicy, encoding: Encoding) -> Captured {
@@ -88,35 +90,63 @@ fn federate_with(
         updates: BTreeMap::new(),
         models: BTreeMap::new(),
         states: BTreeMap::new(),
+        evaluated: BTreeMap::new(),
     };
     let records = run_federation(
         fc,
         initial,
-        &mut sites,
-        &TrainConfig::default(),
-        &device,
-        |o| match o {
-            Observed::Update { bytes, .. } => {
-                let u: SiteUpdate = Envelope::decode(bytes).unwrap().payload_as().unwrap();
-                cap.updates.entry(u.round).or_default().push(u);
-            }
-            Observed::Model { version, payload } => {
-                cap.models
-                    .insert(version, postcard::from_bytes(payload).unwrap());
-            }
+        Sites {
+            sites: &mut sites,
+            validation: Vec::new(),
+            train: &TrainConfig::default(),
+            device: &device,
         },
-        |rec, sites| {
-            let states = sites
-                .iter()
-                .map(|s| export(&s.net, &spec, Select::All))
-                .collect();
-            cap.states.insert(rec.round, states);
-        },
+        &mut cap,
     )
     .unwrap();
     assert_eq!(records.len(), 3);
     cap.records = records;
+    cap.states = std::mem::take(&mut cap.evaluated)
+        .into_iter()
+        .map(|(v, s)| {
+            (
+                v,
+                s.into_iter()
+                    .map(|s| s.expect("every site evaluated"))
+                    .collect(),
+            )
+        })
+        .collect();
     cap
+}
+
+impl Observer<DigitsCnn> for Captured {
+    fn message(&mut self, o: Observed<'_>) {
+        match o {
+            Observed::Update { bytes, .. } => {
+                let u: SiteUpdate = Envelope::decode(bytes).unwrap().payload_as().unwrap();
+                self.updates.entry(u.round).or_default().push(u);
+            }
+            Observed::Model { version, payload } => {
+                self.models
+                    .insert(version, postcard::from_bytes(payload).unwrap());
+            }
+        }
+    }
+
+    /// Each site's state as it evaluated a model past the initial one, in site order (grey,
+    /// texture, lowres).
+    fn evaluated(&mut self, site: &Site<DigitsCnn>, e: &Evaluation) {
+        let k = ["grey", "texture", "lowres"]
+            .iter()
+            .position(|n| *n == site.id.as_str())
+            .unwrap();
+        let states = self
+            .evaluated
+            .entry(e.version)
+            .or_insert_with(|| vec![None; 3]);
+        states[k] = Some(export(&site.net, &self.spec, Select::All));
+    }
 }
 
 /// Expected tensors of version `v`: the broadcast of `v - 1` plus the weighted mean of round

@@ -260,22 +260,29 @@ impl SiteEngine {
     /// while nothing else waits before them. Anything else, a message that fails the
     /// envelope's checks included, is `false`: `handle` reports it.
     pub fn ignores(&self, topic: &str, payload: &[u8]) -> bool {
-        if topic != self.topics.model_chunks() && topic != self.topics.chunk_reply(&self.cfg.site) {
-            return false;
+        self.chunk_filter().ignores(topic, payload)
+    }
+
+    /// A copy of the rule [`SiteEngine::ignores`] applies now, that lives apart from the engine:
+    /// a driver busy training hands it to the task that receives messages, which drops the
+    /// chunks the site does not want while the engine itself is out of reach.
+    pub fn chunk_filter(&self) -> ChunkFilter {
+        let wanted = self
+            .manifest
+            .as_ref()
+            .filter(|m| !self.holds(m))
+            .map(|m| self.target(m).hash);
+        ChunkFilter {
+            keyring: self.keyring.clone(),
+            federation: self.cfg.federation.clone(),
+            spec_hash: self.cfg.spec_hash,
+            max_packet: self.cfg.max_packet,
+            topics: [
+                self.topics.model_chunks(),
+                self.topics.chunk_reply(&self.cfg.site),
+            ],
+            wanted,
         }
-        let Ok(env) = self.open(payload) else {
-            return false;
-        };
-        if env.kind != MessageKind::ModelChunk {
-            return false;
-        }
-        let Ok(chunk) = env.payload_as::<ChunkRef>() else {
-            return false;
-        };
-        let Some(m) = &self.manifest else {
-            return true;
-        };
-        self.fetches(m, &chunk.payload_hash).is_none() || self.holds(m)
     }
 
     /// Handles one event at `now_ms` (a monotonic clock in milliseconds) and returns what to do.
@@ -368,20 +375,15 @@ impl SiteEngine {
     /// The envelope of a message, signed by the pinned aggregator (checked before anything else
     /// is looked at) for this federation and model spec; why not, otherwise.
     fn open<'a>(&self, payload: &'a [u8]) -> Result<EnvelopeRef<'a>, String> {
-        let env = self
-            .keyring
-            .open(payload, self.cfg.max_packet + 4096)
-            .map_err(|e| e.to_string())?;
-        if env.federation != self.cfg.federation {
-            return Err(format!("federation `{}`", env.federation));
-        }
-        if env.sender.as_str() != AGGREGATOR_ID {
-            return Err(format!("sender `{}` is not the aggregator", env.sender));
-        }
-        if env.spec_hash != self.cfg.spec_hash {
-            return Err(format!("model spec {} is not this site's", env.spec_hash));
-        }
-        Ok(env)
+        open_from_aggregator(
+            &self.keyring,
+            (
+                &self.cfg.federation,
+                self.cfg.spec_hash,
+                self.cfg.max_packet,
+            ),
+            payload,
+        )
     }
 
     /// Checks a message's envelope and hands its payload on; anything else is dropped.
@@ -709,6 +711,63 @@ impl SiteEngine {
             self.cfg.spec_hash,
             payload,
         ))
+    }
+}
+
+/// The envelope of `payload`, signed by the aggregator `keyring` pins, for `federation` and
+/// the model spec `spec_hash`, within `max_packet`; why not, otherwise.
+fn open_from_aggregator<'a>(
+    keyring: &Keyring,
+    (federation, spec_hash, max_packet): (&Id, SpecHash, usize),
+    payload: &'a [u8],
+) -> Result<EnvelopeRef<'a>, String> {
+    let env = keyring
+        .open(payload, max_packet + 4096)
+        .map_err(|e| e.to_string())?;
+    if env.federation != *federation {
+        return Err(format!("federation `{}`", env.federation));
+    }
+    if env.sender.as_str() != AGGREGATOR_ID {
+        return Err(format!("sender `{}` is not the aggregator", env.sender));
+    }
+    if env.spec_hash != spec_hash {
+        return Err(format!("model spec {} is not this site's", env.spec_hash));
+    }
+    Ok(env)
+}
+
+/// Which model chunks a site drops unread now ([`SiteEngine::chunk_filter`]): every chunk on
+/// the shared or its own chunk topic, signed by its aggregator, of a payload other than the one
+/// it fetches (all of them while it fetches none).
+#[derive(Debug, Clone)]
+pub struct ChunkFilter {
+    keyring: Keyring,
+    federation: Id,
+    spec_hash: SpecHash,
+    max_packet: usize,
+    /// The shared chunk topic and the site's own.
+    topics: [String; 2],
+    /// The payload the site fetches, if any.
+    wanted: Option<[u8; 32]>,
+}
+
+impl ChunkFilter {
+    /// Whether the message on `topic` is a model chunk the site does not want now. Anything
+    /// else, a message that fails the envelope's checks included, is `false`: the engine
+    /// reports it.
+    pub fn ignores(&self, topic: &str, payload: &[u8]) -> bool {
+        if !self.topics.iter().any(|t| t == topic) {
+            return false;
+        }
+        let checks = (&self.federation, self.spec_hash, self.max_packet);
+        let Ok(env) = open_from_aggregator(&self.keyring, checks, payload) else {
+            return false;
+        };
+        if env.kind != MessageKind::ModelChunk {
+            return false;
+        }
+        env.payload_as::<ChunkRef>()
+            .is_ok_and(|chunk| self.wanted != Some(chunk.payload_hash))
     }
 }
 

@@ -6,12 +6,17 @@
 //!   fetch, apply, train, upload, answers, checkpoints; bad network input dropped at its
 //!   boundary.
 //! - [`upload`]: an update on its way (whole, or chunks through a window of receipts).
-//!
-//! Training itself is the driver's: it answers [`engine::Action::Train`] with
-//! `unifed_models::site::Site::train_round` and reports [`engine::Event::Trained`].
+//! - [`driver`]: [`SiteDriver`], the one loop around the engine that the agent and the
+//!   in-process runner share: it does the engine's actions with a [`Worker`] (the model side,
+//!   `unifed_models::worker::ModelWorker` on burn) and an [`Outbox`] (the transport side), and
+//!   owns the round state between them.
 
+pub mod driver;
 pub mod engine;
 pub mod upload;
 
-pub use engine::{Action, EngineConfig, Event, Progress, SiteEngine};
+pub use driver::{
+    DriverConfig, DriverError, Evaluate, Evaluation, Note, Outbox, SiteDriver, WorkError, Worker,
+};
+pub use engine::{Action, ChunkFilter, EngineConfig, Event, Progress, SiteEngine};
 pub use upload::Upload;

@@ -19,7 +19,7 @@
 //! `<out>/charts/`. Label skew (`data = { dirichlet = ... }`, with `fraction` of the sites
 //! sampled per round) runs the same way.
 
-use crate::{RoundRecord, Site, initial_model, run_federation};
+use crate::{OnRound, RoundRecord, Site, Sites, initial_model, run_federation};
 use anyhow::{Context, Result, bail};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -192,8 +192,8 @@ pub struct RunResult {
     pub rounds: Vec<RoundRecord>,
     /// Each round's validation accuracies, per site.
     pub val: Vec<Vec<f64>>,
-    /// Wall seconds each round's validation took (the round's own `seconds` cover training,
-    /// aggregation and the test evaluation).
+    /// Wall seconds each round's validation took, in runs made before the sites evaluated their
+    /// validation split within the round; empty since (the round's `seconds` include it).
     #[serde(default)]
     pub val_seconds: Vec<f64>,
 }
@@ -726,38 +726,22 @@ fn run_one(
         seed,
         ..TrainConfig::default()
     };
-    let mut val = Vec::new();
-    let mut val_seconds = Vec::new();
-    let mut failed = None;
     let rounds = run_federation(
         cfg,
         initial_model(&net0, spec),
-        &mut sites,
-        &tc,
-        &device,
-        |_| {},
-        |rec, sites| {
-            let started = Instant::now();
-            let v: Result<Vec<f64>, _> = sites
-                .iter()
-                .zip(data)
-                .map(|(s, d)| {
-                    s.evaluate_on(&d.val, spec, &rec.plan, &tc, &device)
-                        .map(|e| e.accuracy())
-                })
-                .collect();
-            match v {
-                Ok(v) => val.push(v),
-                Err(e) => failed = Some(e),
-            }
-            val_seconds.push(started.elapsed().as_secs_f64());
+        Sites {
+            sites: &mut sites,
+            validation: data.iter().map(|d| d.val.clone()).collect(),
+            train: &tc,
+            device: &device,
+        },
+        &mut OnRound(|rec: &RoundRecord| {
             let mean = rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64;
             on_round(rec.round, mean);
-        },
+        }),
     )?;
-    if let Some(e) = failed {
-        return Err(e.into());
-    }
+    // Every site evaluates its validation split with its test split, in the round's seconds.
+    let val = rounds.iter().map(|r| r.validation.clone()).collect();
     let r = RunResult {
         algorithm,
         bn_policy: bn,
@@ -766,7 +750,7 @@ fn run_one(
         sites: sites.iter().map(|s| s.id.to_string()).collect(),
         rounds,
         val,
-        val_seconds,
+        val_seconds: Vec::new(),
     };
     Ok((r, sites))
 }
@@ -779,6 +763,7 @@ mod tests {
         RoundRecord {
             round,
             accuracy,
+            validation: vec![],
             test_loss: vec![],
             train_loss: vec![],
             update_bytes: vec![],

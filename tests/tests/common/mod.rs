@@ -61,11 +61,13 @@ pub fn same_as_in_process(fed: &Fed, sites: &[&str], algorithm: unifed_aggregato
     let records = unifed_sim::run_federation(
         cfg,
         initial,
-        &mut in_process,
-        &tc,
-        &device,
-        |_| {},
-        |_, _| {},
+        unifed_sim::Sites {
+            sites: &mut in_process,
+            validation: Vec::new(),
+            train: &tc,
+            device: &device,
+        },
+        &mut (),
     )
     .unwrap();
     assert_eq!(records.len() as u64, fed.rounds);
