@@ -539,8 +539,90 @@ impl<N: Net> Site<N> {
         };
         let term = Term::new(&m.plan.objective, &self.net, select, state)
             .map_err(TrainError::BadConfig)?;
-        // Everything training does not read waits in a file until it ends (written first, so
-        // that the model's export below is not made beside it).
+        let (net, rep, parked) = self.train_parked(spec, &tc, &term, device, &mut progress)?;
+        let encoding = std::time::Instant::now();
+        // Nothing else is made of the delta (no variate, drift or previous model), so it may go
+        // straight from the trained model and the parked file.
+        let plain = !drifting && !contrastive && server_c.is_none();
+        let (mut d, streamed) = self.delta(net, parked, spec, federation, m, &rep, plain)?;
+        // What an accepted update advances: the residuals, the site's control variate and,
+        // under MOON, the previous local model (the one just trained).
+        let mut next = Memory {
+            control: self.memory.control.clone(),
+            previous: contrastive.then(|| {
+                export(&self.net, spec, Select::All)
+                    .tensors
+                    .into_iter()
+                    .map(|t| (t.name, t.data))
+                    .collect()
+            }),
+            ..Memory::default()
+        };
+        let extras = match &server_c {
+            Some(c) => {
+                let lr = tc.lr / (1.0 - tc.momentum);
+                SiteExtras::Control(advance_control(&d, c, rep.steps, lr, m, &mut next)?)
+            }
+            None => SiteExtras::None,
+        };
+        let (owned, residual) = self.encode_fed(&mut d, m)?;
+        let encoded: Vec<EncodedTensorRef> = d
+            .tensors
+            .iter()
+            .zip(&owned)
+            .map(|(t, e)| match e {
+                Some(e) => e.as_ref(),
+                None => t
+                    .exact_le()
+                    .expect("borrowed only on a little-endian machine"),
+            })
+            .collect();
+        next.residual = residual;
+        if drifting {
+            next.drift = self.memory.drift.clone();
+            advance_drift(spec, &encoded, &mut next)?;
+        }
+        self.pending = Some((m.round, next));
+        let report = local_report(&rep);
+        self.report = Some((m.round, report));
+        if let Some(bytes) = streamed {
+            self.encode_seconds = encoding.elapsed().as_secs_f64();
+            return Ok(bytes);
+        }
+        let shared = self.shared_bn(&self.net, spec, m);
+        let upd = SiteUpdate {
+            round: m.round,
+            base_version: m.model_version,
+            samples: self.train.len() as u64,
+            delta: encoded,
+            bn: shared.iter().map(EncodedTensor::as_ref).collect(),
+            report,
+            extras,
+        };
+        let bytes = Envelope::encode_new(
+            MessageKind::SiteUpdate,
+            federation,
+            &self.id,
+            (m.round, m.model_version),
+            spec.hash(),
+            &upd,
+        );
+        self.encode_seconds = encoding.elapsed().as_secs_f64();
+        Ok(bytes)
+    }
+
+    /// Trains the site's model under `term`: the trained model, its report, and the file the
+    /// starting model waits in when the site parks it. Everything training does not read waits
+    /// in a file until it ends; on an error the site holds its starting model again.
+    fn train_parked(
+        &mut self,
+        spec: &ModelSpec,
+        tc: &TrainConfig,
+        term: &Term<N>,
+        device: &Device,
+        progress: &mut impl FnMut(TrainEvent),
+    ) -> Result<(N, crate::train::TrainReport, Option<Parked>), SiteError> {
+        // Written first, so that the model's export below is not made beside it.
         let spilled = self.spill()?;
         // A term that holds the starting weights itself (FedProx, MOON) gains nothing from
         // parking them.
@@ -560,25 +642,18 @@ impl<N: Net> Site<N> {
                 &self.net,
                 &self.train,
                 classes,
-                &tc,
-                &term,
+                tc,
+                term,
                 device,
-                &mut progress,
+                &mut *progress,
             )
             .map_err(SiteError::from),
             Some(parked) => {
                 // Until training ends the site holds a stand-in, and the file the weights.
                 let placeholder = stand_in(&self.net);
                 let base = std::mem::replace(&mut self.net, placeholder);
-                let (net, rep) = train_owned(
-                    base,
-                    &self.train,
-                    classes,
-                    &tc,
-                    &term,
-                    device,
-                    &mut progress,
-                );
+                let (net, rep) =
+                    train_owned(base, &self.train, classes, tc, term, device, &mut *progress);
                 match rep {
                     Ok(rep) => Ok((net, rep)),
                     Err(e) => self.unpark(parked, net, spec).and(Err(e.into())),
@@ -591,15 +666,31 @@ impl<N: Net> Site<N> {
         }
         self.unspill(spilled)?;
         let (net, rep) = trained?;
-        let encoding = std::time::Instant::now();
-        // An update whose every tensor goes as exact f32 with no residual to add, from a parked
-        // base, and with nothing else made of its delta, is written into its envelope from the
-        // trained model and the parked file a block at a time (`update::exact_update`): the
-        // delta below then only lists the tensors, with no values.
+        Ok((net, rep, parked))
+    }
+
+    /// The update's delta of `net`, trained from the site's model (or the model `parked`
+    /// holds), and the site then holds `net`. An update whose every tensor goes as exact f32
+    /// with no residual to add, from a parked base, and `plain` (nothing else is made of its
+    /// delta), is written into its envelope from the trained model and the parked file a block
+    /// at a time (`update::exact_update`): the envelope comes back too, and the delta only
+    /// lists the tensors, with no values. A non-finite delta leaves the starting model.
+    #[allow(clippy::too_many_arguments)]
+    fn delta(
+        &mut self,
+        net: N,
+        parked: Option<Parked>,
+        spec: &ModelSpec,
+        federation: &Id,
+        m: &RoundManifest,
+        rep: &crate::train::TrainReport,
+        plain: bool,
+    ) -> Result<(StateDict, Option<Vec<u8>>), SiteError> {
+        let select = select_for(m.bn_policy);
         let layout = export_layout(&net, spec, select);
-        let exact = !drifting && !contrastive && server_c.is_none() && self.sends_exact(&layout, m);
+        let exact = plain && self.sends_exact(&layout, m);
         let streamed = match parked.as_ref().filter(|_| exact) {
-            Some(p) => match self.exact_envelope(&net, &layout, p, spec, federation, m, &rep) {
+            Some(p) => match self.exact_envelope(&net, &layout, p, spec, federation, m, rep) {
                 Ok(bytes) => Some(bytes),
                 Err(e) => {
                     self.unpark(p, net, spec)?;
@@ -614,7 +705,7 @@ impl<N: Net> Site<N> {
         // Otherwise the delta is made in the trained tensors' own buffers, and the base exported
         // (or read back from its file) only now and dropped as soon as it is subtracted:
         // training never has a copy of the base beside the optimiser's state.
-        let mut d = match (&streamed, &parked) {
+        let d = match (&streamed, &parked) {
             (Some(_), _) => layout,
             (None, None) => {
                 let mut d = export(&net, spec, select);
@@ -646,40 +737,20 @@ impl<N: Net> Site<N> {
             // A file left behind is replaced by the next round's; it never holds state.
             let _ = p.remove();
         }
-        // What an accepted update advances: the residuals, the site's control variate and,
-        // under MOON, the previous local model (the one just trained).
-        let mut next = Memory {
-            control: self.memory.control.clone(),
-            previous: contrastive.then(|| {
-                export(&self.net, spec, Select::All)
-                    .tensors
-                    .into_iter()
-                    .map(|t| (t.name, t.data))
-                    .collect()
-            }),
-            ..Memory::default()
-        };
-        let extras = match &server_c {
-            Some(c) => {
-                let dc = control_delta(&d, c, rep.steps, tc.lr / (1.0 - tc.momentum));
-                let mut sent = Vec::with_capacity(dc.len());
-                for t in &dc {
-                    let e = t.encode(encoding_for(t.kind, m.encoding), None);
-                    // The site's variate moves by what the server will add: the decoded delta.
-                    let back = decode(&e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
-                    let ci = next
-                        .control
-                        .entry(t.name.clone())
-                        .or_insert_with(|| vec![0.0; back.len()]);
-                    ci.iter_mut().zip(&back).for_each(|(c, d)| *c += d);
-                    sent.push(e);
-                }
-                SiteExtras::Control(sent)
-            }
-            None => SiteExtras::None,
-        };
-        // The next residual goes to a file of its own as each tensor's is made, when the site
-        // parks; the last accepted update's stays as it is until this update is answered.
+        Ok((d, streamed))
+    }
+
+    /// Encodes the delta `d` under `m`'s encoding with error feedback: each tensor encoded
+    /// (`None`: an exact tensor with no residual to add, which goes into the update as its own
+    /// values' little-endian bytes, borrowed from the delta by `NamedTensor::exact_le`, so the
+    /// envelope is written with no model-sized copy of the update beside it), and the residual
+    /// it leaves (in a file of its own as each tensor's is made, when the site parks; the last
+    /// accepted update's stays as it is until this update is answered).
+    fn encode_fed(
+        &mut self,
+        d: &mut StateDict,
+        m: &RoundManifest,
+    ) -> Result<(Vec<Option<EncodedTensor>>, Kept), SiteError> {
         let lossy = d
             .tensors
             .iter()
@@ -689,10 +760,6 @@ impl<N: Net> Site<N> {
             false => kept_writer(None)?,
         };
         let old = &self.memory.residual;
-        // An exact tensor with no residual to add goes into the update as its own values'
-        // little-endian bytes, borrowed from the delta (`NamedTensor::exact_le`): the envelope
-        // is written from the delta, with no model-sized copy of the update beside it. Every
-        // other tensor is encoded here, with error feedback.
         let owned: Vec<Option<EncodedTensor>> = d
             .tensors
             .iter_mut()
@@ -719,66 +786,13 @@ impl<N: Net> Site<N> {
                 Ok(Some(e))
             })
             .collect::<Result<_, SiteError>>()?;
-        let encoded: Vec<EncodedTensorRef> = d
-            .tensors
-            .iter()
-            .zip(&owned)
-            .map(|(t, e)| match e {
-                Some(e) => e.as_ref(),
-                None => t
-                    .exact_le()
-                    .expect("borrowed only on a little-endian machine"),
-            })
-            .collect();
         // A residual of a tensor this update does not carry is kept as it was.
         for name in old.names() {
             if !residual.has(name) {
                 residual.copy(name, old).map_err(|e| kept_error(old, e))?;
             }
         }
-        next.residual = finish_kept(residual)?;
-        if drifting {
-            // FedDC's drift moves by what the server will add to its sum: the decoded delta.
-            next.drift = self.memory.drift.clone();
-            for e in &encoded {
-                if spec.tensor(&e.name).is_none_or(|t| t.kind.is_bn_stat()) {
-                    continue;
-                }
-                let back = decode(e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
-                let h = next
-                    .drift
-                    .entry(e.name.clone())
-                    .or_insert_with(|| vec![0.0; back.len()]);
-                h.iter_mut().zip(&back).for_each(|(h, d)| *h += d);
-            }
-        }
-        self.pending = Some((m.round, next));
-        let report = local_report(&rep);
-        self.report = Some((m.round, report));
-        if let Some(bytes) = streamed {
-            self.encode_seconds = encoding.elapsed().as_secs_f64();
-            return Ok(bytes);
-        }
-        let shared = self.shared_bn(&self.net, spec, m);
-        let upd = SiteUpdate {
-            round: m.round,
-            base_version: m.model_version,
-            samples: self.train.len() as u64,
-            delta: encoded,
-            bn: shared.iter().map(EncodedTensor::as_ref).collect(),
-            report,
-            extras,
-        };
-        let bytes = Envelope::encode_new(
-            MessageKind::SiteUpdate,
-            federation,
-            &self.id,
-            (m.round, m.model_version),
-            spec.hash(),
-            &upd,
-        );
-        self.encode_seconds = encoding.elapsed().as_secs_f64();
-        Ok(bytes)
+        Ok((owned, finish_kept(residual)?))
     }
 
     /// Whether every tensor of the update's `layout` goes as exact f32 under `m` with no
@@ -1133,6 +1147,53 @@ impl<N: Net> Site<N> {
         let net = personal.as_ref().unwrap_or(net);
         Ok(evaluate(net, data, classes, EVAL_BATCH, device)?)
     }
+}
+
+/// The control-variate delta of SCAFFOLD option II (and FedDC) for the delta `d` after `steps`
+/// local steps of effective learning rate `lr`, encoded as `m` says; `next`'s variate moves by
+/// what the server will add: the decoded delta.
+fn advance_control(
+    d: &StateDict,
+    c: &BTreeMap<String, Vec<f32>>,
+    steps: usize,
+    lr: f64,
+    m: &RoundManifest,
+    next: &mut Memory<Kept>,
+) -> Result<Vec<EncodedTensor>, SiteError> {
+    let dc = control_delta(d, c, steps, lr);
+    let mut sent = Vec::with_capacity(dc.len());
+    for t in &dc {
+        let e = t.encode(encoding_for(t.kind, m.encoding), None);
+        let back = decode(&e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
+        let ci = next
+            .control
+            .entry(t.name.clone())
+            .or_insert_with(|| vec![0.0; back.len()]);
+        ci.iter_mut().zip(&back).for_each(|(c, d)| *c += d);
+        sent.push(e);
+    }
+    Ok(sent)
+}
+
+/// FedDC's drift moves by what the server will add to its sum: the decoded delta of every
+/// trainable tensor of `encoded`.
+fn advance_drift(
+    spec: &ModelSpec,
+    encoded: &[EncodedTensorRef<'_>],
+    next: &mut Memory<Kept>,
+) -> Result<(), SiteError> {
+    for e in encoded {
+        if spec.tensor(&e.name).is_none_or(|t| t.kind.is_bn_stat()) {
+            continue;
+        }
+        let back = decode(e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
+        let h = next
+            .drift
+            .entry(e.name.clone())
+            .or_insert_with(|| vec![0.0; back.len()]);
+        h.iter_mut().zip(&back).for_each(|(h, d)| *h += d);
+    }
+    Ok(())
 }
 
 /// SCAFFOLD option II: the change of a site's control variate after `steps` local steps of
