@@ -355,6 +355,95 @@ fn torch_reference(
     })
 }
 
+/// PyTorch's figures at each of `counts` threads, on the samples burn's side measured on; or
+/// why there are none.
+fn torch_rows(args: &Args, counts: &[usize]) -> Result<(Vec<Value>, Option<String>)> {
+    let mut torch = Vec::new();
+    let mut torch_error = None;
+    if args.no_torch {
+        torch_error = Some("skipped (--no-torch)".to_string());
+    } else {
+        let spec = args.layers.then(|| {
+            serde_json::to_string(&layers::digits_layers(&DigitsCnnConfig::default(), 32))
+                .expect("a list of layers serialises")
+        });
+        match find_python(&args.python) {
+            Ok(py) => {
+                // The samples burn's side measured on, the same bytes for PyTorch's.
+                let inputs = std::env::temp_dir()
+                    .join(format!("unifed-bench-{}-samples.bin", std::process::id()));
+                Samples::new(256, &Backend::Flex.device().map_err(anyhow::Error::msg)?)
+                    .write(&inputs)?;
+                for &n in counts {
+                    match torch_reference(&py, args, n, (spec.as_deref(), &inputs)) {
+                        Ok(v) => torch.push(v),
+                        Err(why) => {
+                            torch_error = Some(why);
+                            break;
+                        }
+                    }
+                }
+                let _ = std::fs::remove_file(&inputs);
+            }
+            Err(why) => torch_error = Some(why),
+        }
+    }
+    Ok((torch, torch_error))
+}
+
+/// Prints burn's and PyTorch's rows as a table, and each burn row against PyTorch on the same
+/// threads (a GPU row against the one reference); returns those ratios.
+fn print_table(args: &Args, rows: &[Value], torch: &[Value]) -> Vec<Value> {
+    let f = |v: &Value, k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    println!(
+        "\n| framework | backend | threads | train samples/s (b32) | infer samples/s (b32) | infer samples/s (b256) | peak RSS MiB |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    for r in rows.iter().chain(torch) {
+        println!(
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0} |",
+            r.get("framework")
+                .and_then(Value::as_str)
+                .unwrap_or("pytorch"),
+            r.get("backend").and_then(Value::as_str).unwrap_or("cpu"),
+            r.get("threads").and_then(Value::as_u64).unwrap_or(0),
+            f(r, "train_samples_per_s"),
+            f(r, "infer_b32_samples_per_s"),
+            f(r, "infer_b256_samples_per_s"),
+            f(r, "peak_rss_mib")
+        );
+    }
+    let mut ratios = Vec::new();
+    // Each burn row against PyTorch on the same threads (a GPU row against the one reference).
+    let threads = |v: &Value| v.get("threads").and_then(Value::as_u64);
+    for r in rows {
+        let cpu = r["backend"].as_str() == Some("flex");
+        let Some(t) = torch
+            .iter()
+            .find(|t| !cpu || args.torch_device != "cpu" || threads(t) == threads(r))
+        else {
+            continue;
+        };
+        let ratio = json!({
+            "backend": r["backend"],
+            "threads": r["threads"],
+            "train": f(r, "train_samples_per_s") / f(t, "train_samples_per_s"),
+            "infer_b32": f(r, "infer_b32_samples_per_s") / f(t, "infer_b32_samples_per_s"),
+            "infer_b256": f(r, "infer_b256_samples_per_s") / f(t, "infer_b256_samples_per_s"),
+        });
+        println!(
+            "burn {} on {} thread(s) / PyTorch: train {:.2}x, infer b32 {:.2}x, infer b256 {:.2}x",
+            r["backend"].as_str().unwrap_or("?"),
+            threads(r).unwrap_or(0),
+            f(&ratio, "train"),
+            f(&ratio, "infer_b32"),
+            f(&ratio, "infer_b256")
+        );
+        ratios.push(ratio);
+    }
+    ratios
+}
+
 pub fn run(args: &Args) -> Result<()> {
     let mut rows = Vec::new();
     let backends: Vec<Backend> = if args.backends.is_empty() {
@@ -391,86 +480,11 @@ pub fn run(args: &Args) -> Result<()> {
     } else {
         vec![cpu_threads()]
     };
-    let mut torch = Vec::new();
-    let mut torch_error = None;
-    if args.no_torch {
-        torch_error = Some("skipped (--no-torch)".to_string());
-    } else {
-        let spec = args.layers.then(|| {
-            serde_json::to_string(&layers::digits_layers(&DigitsCnnConfig::default(), 32))
-                .expect("a list of layers serialises")
-        });
-        match find_python(&args.python) {
-            Ok(py) => {
-                // The samples burn's side measured on, the same bytes for PyTorch's.
-                let inputs = std::env::temp_dir()
-                    .join(format!("unifed-bench-{}-samples.bin", std::process::id()));
-                Samples::new(256, &Backend::Flex.device().map_err(anyhow::Error::msg)?)
-                    .write(&inputs)?;
-                for &n in &torch_counts {
-                    match torch_reference(&py, args, n, (spec.as_deref(), &inputs)) {
-                        Ok(v) => torch.push(v),
-                        Err(why) => {
-                            torch_error = Some(why);
-                            break;
-                        }
-                    }
-                }
-                let _ = std::fs::remove_file(&inputs);
-            }
-            Err(why) => torch_error = Some(why),
-        }
-    }
+    let (torch, torch_error) = torch_rows(args, &torch_counts)?;
     if let Some(why) = &torch_error {
         println!("no PyTorch reference: {why}");
     }
-    let f = |v: &Value, k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
-    println!(
-        "\n| framework | backend | threads | train samples/s (b32) | infer samples/s (b32) | infer samples/s (b256) | peak RSS MiB |"
-    );
-    println!("|---|---|---:|---:|---:|---:|---:|");
-    for r in rows.iter().chain(&torch) {
-        println!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.0} |",
-            r.get("framework")
-                .and_then(Value::as_str)
-                .unwrap_or("pytorch"),
-            r.get("backend").and_then(Value::as_str).unwrap_or("cpu"),
-            r.get("threads").and_then(Value::as_u64).unwrap_or(0),
-            f(r, "train_samples_per_s"),
-            f(r, "infer_b32_samples_per_s"),
-            f(r, "infer_b256_samples_per_s"),
-            f(r, "peak_rss_mib")
-        );
-    }
-    let mut ratios = Vec::new();
-    // Each burn row against PyTorch on the same threads (a GPU row against the one reference).
-    let threads = |v: &Value| v.get("threads").and_then(Value::as_u64);
-    for r in &rows {
-        let cpu = r["backend"].as_str() == Some("flex");
-        let Some(t) = torch
-            .iter()
-            .find(|t| !cpu || args.torch_device != "cpu" || threads(t) == threads(r))
-        else {
-            continue;
-        };
-        let ratio = json!({
-            "backend": r["backend"],
-            "threads": r["threads"],
-            "train": f(r, "train_samples_per_s") / f(t, "train_samples_per_s"),
-            "infer_b32": f(r, "infer_b32_samples_per_s") / f(t, "infer_b32_samples_per_s"),
-            "infer_b256": f(r, "infer_b256_samples_per_s") / f(t, "infer_b256_samples_per_s"),
-        });
-        println!(
-            "burn {} on {} thread(s) / PyTorch: train {:.2}x, infer b32 {:.2}x, infer b256 {:.2}x",
-            r["backend"].as_str().unwrap_or("?"),
-            threads(r).unwrap_or(0),
-            f(&ratio, "train"),
-            f(&ratio, "infer_b32"),
-            f(&ratio, "infer_b256")
-        );
-        ratios.push(ratio);
-    }
+    let ratios = print_table(args, &rows, &torch);
     if args.layers {
         print_layers(&rows, &torch);
     }

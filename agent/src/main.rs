@@ -245,30 +245,7 @@ fn main() -> Result<()> {
             );
             Ok(())
         }
-        Cmd::Data(DataCmd::Preview { out, seed }) => {
-            let data = BuiltinData::load().context("loading the built-in data")?;
-            let sizes = SplitSizes::default();
-            let domains: Vec<_> = Domain::all()
-                .into_iter()
-                .map(|d| data.domain(d, &sizes, seed).map(|dd| (d, dd)))
-                .collect::<Result<_, _>>()?;
-            let rows: Vec<_> = domains.iter().map(|(d, dd)| (*d, &dd.test)).collect();
-            let grid = preview_grid(&rows, 16, 2);
-            if let Some(parent) = out.parent() {
-                std::fs::create_dir_all(parent)?;
-            }
-            grid.save(&out)
-                .with_context(|| format!("writing {}", out.display()))?;
-            println!(
-                "rows: {}",
-                rows.iter()
-                    .map(|(d, _)| d.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            println!("wrote {}", out.display());
-            Ok(())
-        }
+        Cmd::Data(DataCmd::Preview { out, seed }) => data_preview(&out, seed),
         Cmd::Data(DataCmd::Export {
             domain,
             base_images,
@@ -276,23 +253,58 @@ fn main() -> Result<()> {
             base_folder,
             out,
             seed,
-        }) => {
-            let domain = Domain::parse(&domain).map_err(anyhow::Error::msg)?;
-            let base: BaseDigits = match (base_images, base_labels, base_folder) {
-                (Some(i), Some(l), None) => read_idx_digits(&i, &l)?,
-                (None, None, Some(f)) => BaseDigits::from_folder(&f)?,
-                _ => bail!("give either --base-images with --base-labels, or --base-folder"),
-            };
-            let data = BuiltinData::load().context("loading the built-in assets")?;
-            let split = data.render_base(domain, &base, seed);
-            split.write_folder(&out)?;
-            println!(
-                "wrote {} images of domain {} to {}",
-                split.images.len(),
-                domain.name(),
-                out.display()
-            );
-            Ok(())
-        }
+        }) => data_export(&domain, (base_images, base_labels, base_folder), &out, seed),
     }
+}
+
+/// `data preview`: a grid of every built-in domain's test images, written to `out`.
+fn data_preview(out: &std::path::Path, seed: u64) -> Result<()> {
+    let data = BuiltinData::load().context("loading the built-in data")?;
+    let sizes = SplitSizes::default();
+    let domains: Vec<_> = Domain::all()
+        .into_iter()
+        .map(|d| data.domain(d, &sizes, seed).map(|dd| (d, dd)))
+        .collect::<Result<_, _>>()?;
+    let rows: Vec<_> = domains.iter().map(|(d, dd)| (*d, &dd.test)).collect();
+    let grid = preview_grid(&rows, 16, 2);
+    if let Some(parent) = out.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    grid.save(out)
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!(
+        "rows: {}",
+        rows.iter()
+            .map(|(d, _)| d.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// `data export`: base digits (IDX files or a folder) rendered in a built-in domain's style,
+/// written to the folder `out`.
+fn data_export(
+    domain: &str,
+    (images, labels, folder): (Option<PathBuf>, Option<PathBuf>, Option<PathBuf>),
+    out: &std::path::Path,
+    seed: u64,
+) -> Result<()> {
+    let domain = Domain::parse(domain).map_err(anyhow::Error::msg)?;
+    let base: BaseDigits = match (images, labels, folder) {
+        (Some(i), Some(l), None) => read_idx_digits(&i, &l)?,
+        (None, None, Some(f)) => BaseDigits::from_folder(&f)?,
+        _ => bail!("give either --base-images with --base-labels, or --base-folder"),
+    };
+    let data = BuiltinData::load().context("loading the built-in assets")?;
+    let split = data.render_base(domain, &base, seed);
+    split.write_folder(out)?;
+    println!(
+        "wrote {} images of domain {} to {}",
+        split.images.len(),
+        domain.name(),
+        out.display()
+    );
+    Ok(())
 }

@@ -142,55 +142,84 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
         ));
         bar.set_style(style.clone());
         bar.set_prefix(name.clone());
-        let t0 = Instant::now();
-        // A fresh model per job (clones of one would share its BN running statistics).
-        let mut net = seeded(&device, args.seed, |d| DigitsCnnConfig::default().init(d));
-        let mut losses = Vec::new();
-        let mut accs = vec![Vec::new(); tests.len()];
-        for epoch in 0..args.epochs {
-            let tc = TrainConfig {
-                lr: args.lr,
-                batch_size: args.batch_size,
-                epochs: 1,
-                seed: args.seed.wrapping_add(epoch as u64),
-                ..Default::default()
-            };
-            let (trained, rep) = train_local(&net, train, spec.classes.len(), &tc, &device, |e| {
-                if let TrainEvent::Step { .. } = e {
-                    bar.inc(1);
-                }
-            })?;
-            net = trained;
-            for (acc, t) in accs.iter_mut().zip(tests) {
-                let ev = evaluate(&net, &t.test, spec.classes.len(), EVAL_BATCH, &device)?;
-                acc.push(ev.accuracy());
-            }
-            losses.push(rep.epoch_losses[0]);
-            let mean = accs.iter().filter_map(|a| a.last()).sum::<f64>() / tests.len() as f64;
-            bar.set_message(format!(
-                "epoch {} loss {:.3} test acc {:.1}%",
-                epoch + 1,
-                rep.epoch_losses[0],
-                100.0 * mean
-            ));
-        }
-        bar.finish();
-        let seconds = t0.elapsed().as_secs_f64();
-        for (acc, t) in accs.into_iter().zip(tests) {
-            results.push(DomainResult {
-                domain: t.domain.name().into(),
-                train_samples: train.len(),
-                test_samples: t.test.len(),
-                final_test_accuracy: *acc.last().unwrap_or(&0.0),
-                epoch_loss: losses.clone(),
-                epoch_test_accuracy: acc,
-                seconds,
-            });
-        }
+        results.extend(train_job(args, &spec, &device, (train, tests), &bar)?);
     }
+    let json = write_results(args, backend, method, &results)?;
+    let rows: Vec<_> = splits.iter().map(|s| (s.domain, &s.preview)).collect();
+    let png = args.out.join("singleset-domains.png");
+    preview_grid(&rows, 16, 2).save(&png)?;
+    println!("wrote {} and {}", json.display(), png.display());
+    Ok(())
+}
+
+/// Trains one model on `train` for the configured epochs, testing it on each of `tests` after
+/// every epoch: one result per tested domain.
+fn train_job(
+    args: &Args,
+    spec: &unifed_protocol::ModelSpec,
+    device: &unifed_models::backend::Device,
+    (train, tests): (&Dataset, &[&Split]),
+    bar: &ProgressBar,
+) -> Result<Vec<DomainResult>> {
+    let t0 = Instant::now();
+    // A fresh model per job (clones of one would share its BN running statistics).
+    let mut net = seeded(device, args.seed, |d| DigitsCnnConfig::default().init(d));
+    let mut losses = Vec::new();
+    let mut accs = vec![Vec::new(); tests.len()];
+    for epoch in 0..args.epochs {
+        let tc = TrainConfig {
+            lr: args.lr,
+            batch_size: args.batch_size,
+            epochs: 1,
+            seed: args.seed.wrapping_add(epoch as u64),
+            ..Default::default()
+        };
+        let (trained, rep) = train_local(&net, train, spec.classes.len(), &tc, device, |e| {
+            if let TrainEvent::Step { .. } = e {
+                bar.inc(1);
+            }
+        })?;
+        net = trained;
+        for (acc, t) in accs.iter_mut().zip(tests) {
+            let ev = evaluate(&net, &t.test, spec.classes.len(), EVAL_BATCH, device)?;
+            acc.push(ev.accuracy());
+        }
+        losses.push(rep.epoch_losses[0]);
+        let mean = accs.iter().filter_map(|a| a.last()).sum::<f64>() / tests.len() as f64;
+        bar.set_message(format!(
+            "epoch {} loss {:.3} test acc {:.1}%",
+            epoch + 1,
+            rep.epoch_losses[0],
+            100.0 * mean
+        ));
+    }
+    bar.finish();
+    let seconds = t0.elapsed().as_secs_f64();
+    Ok(accs
+        .into_iter()
+        .zip(tests)
+        .map(|(acc, t)| DomainResult {
+            domain: t.domain.name().into(),
+            train_samples: train.len(),
+            test_samples: t.test.len(),
+            final_test_accuracy: *acc.last().unwrap_or(&0.0),
+            epoch_loss: losses.clone(),
+            epoch_test_accuracy: acc,
+            seconds,
+        })
+        .collect())
+}
+
+/// Prints the results' table and writes them as JSON to the output folder; returns the file.
+fn write_results(
+    args: &Args,
+    backend: Backend,
+    method: &str,
+    results: &[DomainResult],
+) -> Result<std::path::PathBuf> {
     println!("\n| domain | train | test | {method} test accuracy | seconds |");
     println!("|---|---:|---:|---:|---:|");
-    for r in &results {
+    for r in results {
         println!(
             "| {} | {} | {} | {:.2}% | {:.0} |",
             r.domain,
@@ -222,9 +251,5 @@ pub fn run(backend: Backend, args: &Args) -> Result<()> {
             "mean_accuracy": mean,
         }))?,
     )?;
-    let rows: Vec<_> = splits.iter().map(|s| (s.domain, &s.preview)).collect();
-    let png = args.out.join("singleset-domains.png");
-    preview_grid(&rows, 16, 2).save(&png)?;
-    println!("wrote {} and {}", json.display(), png.display());
-    Ok(())
+    Ok(json)
 }

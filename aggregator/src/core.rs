@@ -192,6 +192,25 @@ pub enum Action {
     },
 }
 
+/// Checks the initial model against its own spec: valid, and every tensor of the spec's length.
+fn check_initial(initial: &GlobalModel) -> Result<(), CoreError> {
+    let spec = &initial.spec;
+    spec.validate()
+        .map_err(|e| CoreError::Model(e.to_string()))?;
+    if initial.tensors.len() != spec.tensors.len()
+        || initial
+            .tensors
+            .iter()
+            .zip(&spec.tensors)
+            .any(|(t, s)| t.len() != s.numel())
+    {
+        return Err(CoreError::Model(
+            "tensor count or lengths differ from the spec".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Failures of the core itself (never caused by a site's input, which is answered instead).
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
@@ -347,19 +366,7 @@ impl Aggregator {
         let federation =
             Id::new(&cfg.federation).map_err(|e| CoreError::Config(vec![e.to_string()]))?;
         let spec = initial.spec.clone();
-        spec.validate()
-            .map_err(|e| CoreError::Model(e.to_string()))?;
-        if initial.tensors.len() != spec.tensors.len()
-            || initial
-                .tensors
-                .iter()
-                .zip(&spec.tensors)
-                .any(|(t, s)| t.len() != s.numel())
-        {
-            return Err(CoreError::Model(
-                "tensor count or lengths differ from the spec".into(),
-            ));
-        }
+        check_initial(&initial)?;
         let hash = spec.hash();
         let store = Store::open(dir)?;
         let update_idx: Vec<usize> = spec
@@ -376,48 +383,7 @@ impl Aggregator {
             .filter(|(_, t)| cfg.bn_policy == BnPolicy::Local && cfg.bn_sharing.shares(t.kind))
             .map(|(i, _)| i)
             .collect();
-        let (state, model) = match store.load_state()? {
-            Some(s) => {
-                let mismatch = |m: String| CoreError::Mismatch {
-                    dir: dir.display().to_string(),
-                    message: m,
-                };
-                if s.federation != cfg.federation {
-                    return Err(mismatch(format!(
-                        "holds federation `{}`, not `{}`",
-                        s.federation, cfg.federation
-                    )));
-                }
-                if s.spec_hash != hex(&hash) {
-                    return Err(mismatch(format!(
-                        "holds a model of spec {}, not {}",
-                        s.spec_hash,
-                        hex(&hash)
-                    )));
-                }
-                Self::check_spool_against(&store, &s).map_err(mismatch)?;
-                let model = store.load_model(s.model_version, &hash.0)?;
-                (s, model)
-            }
-            None => {
-                store.save_model(0, &hash.0, &initial.tensors)?;
-                let s = State {
-                    format_version: FORMAT_VERSION,
-                    federation: cfg.federation.clone(),
-                    spec_hash: hex(&hash),
-                    round: 0,
-                    model_version: 0,
-                    opened_ms: 0,
-                    deadline_ms: 0,
-                    sampled: Vec::new(),
-                    finished: false,
-                    recent: Vec::new(),
-                    checksum: String::new(),
-                };
-                store.save_state(&s)?;
-                (s, initial.tensors)
-            }
-        };
+        let (state, model) = Self::resume_or_start(&store, dir, &cfg, initial, &hash)?;
         let setup = Setup {
             tensors: update_idx
                 .iter()
@@ -442,21 +408,7 @@ impl Aggregator {
         let (held, delta) = if cfg.encoding.is_exact() {
             (None, None)
         } else {
-            match store.load_held(state.model_version, &hash.0)? {
-                Some((t, d)) if t.len() == model.len() => (Some(t), Some(d)),
-                Some(_) => {
-                    return Err(CoreError::Mismatch {
-                        dir: dir.display().to_string(),
-                        message: format!(
-                            "models/v{}.held does not hold the spec's tensors",
-                            state.model_version
-                        ),
-                    });
-                }
-                // Version 0, or a federation that was exact until now: sites fetch the whole
-                // model once and follow deltas from there.
-                None => (Some(model.clone()), None),
-            }
+            Self::held(&store, dir, &state, &model, &hash)?
         };
         Ok(Aggregator {
             cfg,
@@ -476,6 +428,87 @@ impl Aggregator {
             admission: Admission::new(cfg_keyring, federation),
             rejects: Default::default(),
             model_norm: Default::default(),
+        })
+    }
+
+    /// The state and model of the federation in `store` (the config's federation and the
+    /// model's spec must match them), or version 0 of `initial`, saved, when it has none.
+    fn resume_or_start(
+        store: &Store,
+        dir: &Path,
+        cfg: &FederationConfig,
+        initial: GlobalModel,
+        hash: &SpecHash,
+    ) -> Result<(State, Vec<Vec<f32>>), CoreError> {
+        let hash = *hash;
+        Ok(match store.load_state()? {
+            Some(s) => {
+                let mismatch = |m: String| CoreError::Mismatch {
+                    dir: dir.display().to_string(),
+                    message: m,
+                };
+                if s.federation != cfg.federation {
+                    return Err(mismatch(format!(
+                        "holds federation `{}`, not `{}`",
+                        s.federation, cfg.federation
+                    )));
+                }
+                if s.spec_hash != hex(&hash) {
+                    return Err(mismatch(format!(
+                        "holds a model of spec {}, not {}",
+                        s.spec_hash,
+                        hex(&hash)
+                    )));
+                }
+                Self::check_spool_against(store, &s).map_err(mismatch)?;
+                let model = store.load_model(s.model_version, &hash.0)?;
+                (s, model)
+            }
+            None => {
+                store.save_model(0, &hash.0, &initial.tensors)?;
+                let s = State {
+                    format_version: FORMAT_VERSION,
+                    federation: cfg.federation.clone(),
+                    spec_hash: hex(&hash),
+                    round: 0,
+                    model_version: 0,
+                    opened_ms: 0,
+                    deadline_ms: 0,
+                    sampled: Vec::new(),
+                    finished: false,
+                    recent: Vec::new(),
+                    checksum: String::new(),
+                };
+                store.save_state(&s)?;
+                (s, initial.tensors)
+            }
+        })
+    }
+
+    /// Under a lossy encoding: the model the sites hold of `state`'s version and the delta
+    /// that made it, as kept beside the model.
+    #[allow(clippy::type_complexity)]
+    fn held(
+        store: &Store,
+        dir: &Path,
+        state: &State,
+        model: &[Vec<f32>],
+        hash: &SpecHash,
+    ) -> Result<(Option<Vec<Vec<f32>>>, Option<Vec<u8>>), CoreError> {
+        Ok(match store.load_held(state.model_version, &hash.0)? {
+            Some((t, d)) if t.len() == model.len() => (Some(t), Some(d)),
+            Some(_) => {
+                return Err(CoreError::Mismatch {
+                    dir: dir.display().to_string(),
+                    message: format!(
+                        "models/v{}.held does not hold the spec's tensors",
+                        state.model_version
+                    ),
+                });
+            }
+            // Version 0, or a federation that was exact until now: sites fetch the whole
+            // model once and follow deltas from there.
+            None => (Some(model.to_vec()), None),
         })
     }
 
@@ -1181,6 +1214,11 @@ impl Aggregator {
                 n
             }
         }
+    }
+
+    /// The federation's configuration (its revocation list as last set).
+    pub fn config(&self) -> &FederationConfig {
+        &self.cfg
     }
 
     /// How a site's message is opened ([`Admission::admit`]); a clone serves away from the

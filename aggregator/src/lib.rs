@@ -11,6 +11,9 @@
 //! # Layout
 //! - [`config`]: [`FederationConfig`] and its validation.
 //! - [`core`]: [`Aggregator`], [`Event`], [`Action`].
+//! - [`federation`]: [`federation::Federation`], the driver both the service and the
+//!   in-process runner run around the core: signed answers, manifests and model chunks, chunk
+//!   requests served and routed, onboarding packages.
 //! - [`store`]: the data directory: state, model versions, spool, audit log (all versioned,
 //!   written atomically).
 //! - [`strategy`]: server strategies as typed policy ([`strategy::Strategy`]: plan, check,
@@ -29,6 +32,7 @@ pub mod bnshare;
 mod broadcast;
 pub mod config;
 pub mod core;
+pub mod federation;
 pub mod fold;
 pub mod ingest;
 pub mod mosquitto;

@@ -805,26 +805,9 @@ impl Store {
         each: impl Fn(&mut [T], &[f64]) + Sync,
     ) -> Result<Option<bool>, StoreError> {
         let lens: Vec<usize> = targets.iter().map(|t| t.len()).collect();
-        let mut files = Vec::with_capacity(sites.len());
-        let mut weights = Vec::with_capacity(sites.len());
-        let mut total = 0.0;
-        for site in sites {
-            let p = self.spool_path(round, site);
-            let f = File::open(&p).map_err(|e| io(&p, e))?;
-            if spoolfile::starts_with_magic(&p, &f)? {
-                return Ok(None);
-            }
-            let Some(file) = spoolfile::Exact::open(p.clone(), f, round)? else {
-                return Ok(None);
-            };
-            let ft = &file.footer;
-            footer_fits(&p, ft, &lens)?;
-            footer_sound(&p, ft)?;
-            let w = weight(ft.samples);
-            total += w;
-            weights.push(w);
-            files.push(file);
-        }
+        let Some((files, weights, total)) = self.exact_spools(round, sites, &weight, &lens)? else {
+            return Ok(None);
+        };
         let order = |f: &spoolfile::Exact| -> Vec<(usize, usize)> {
             f.ranges.iter().map(|&(k, _, n)| (k, n)).collect()
         };
@@ -905,30 +888,7 @@ impl Store {
             FoldTask::Verify(j) => files[j].verify().map_err(|e| (j, 0, e)),
             FoldTask::Fold(pieces) => fold(pieces),
         };
-        // As many helpers as the system gives, up to one per task beside this thread (which
-        // can do all of it alone).
-        let helpers = threads.min(tasks.len()).saturating_sub(1);
-        let queue = std::sync::Mutex::new(tasks);
-        let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let work = || {
-            let mut errors = Vec::new();
-            while let Some(task) = next() {
-                if let Err(e) = run(task) {
-                    errors.push(e);
-                }
-            }
-            errors
-        };
-        let mut errors: Vec<(usize, u8, StoreError)> = std::thread::scope(|s| {
-            let helpers: Vec<_> = (0..helpers)
-                .map_while(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
-                .collect();
-            let mut errors = work();
-            for h in helpers {
-                errors.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-            }
-            errors
-        });
+        let mut errors = run_queue(tasks, threads, run);
         // One error whatever the threads' timing: the first file's, a damaged sum before
         // anything else it holds.
         errors.sort_by_key(|&(j, rank, _)| (j, rank));
@@ -936,6 +896,39 @@ impl Store {
             Some((.., e)) => Err(e),
             None => Ok(Some(folded)),
         }
+    }
+
+    /// The spool files of `sites` of `round` as exact files, with each one's weight
+    /// (`weight(samples)`) and their total; `None` when one is lossy or of an older format.
+    #[allow(clippy::type_complexity)]
+    fn exact_spools(
+        &self,
+        round: u64,
+        sites: &[String],
+        weight: &impl Fn(u64) -> f64,
+        lens: &[usize],
+    ) -> Result<Option<(Vec<spoolfile::Exact>, Vec<f64>, f64)>, StoreError> {
+        let mut files = Vec::with_capacity(sites.len());
+        let mut weights = Vec::with_capacity(sites.len());
+        let mut total = 0.0;
+        for site in sites {
+            let p = self.spool_path(round, site);
+            let f = File::open(&p).map_err(|e| io(&p, e))?;
+            if spoolfile::starts_with_magic(&p, &f)? {
+                return Ok(None);
+            }
+            let Some(file) = spoolfile::Exact::open(p.clone(), f, round)? else {
+                return Ok(None);
+            };
+            let ft = &file.footer;
+            footer_fits(&p, ft, lens)?;
+            footer_sound(&p, ft)?;
+            let w = weight(ft.samples);
+            total += w;
+            weights.push(w);
+            files.push(file);
+        }
+        Ok(Some((files, weights, total)))
     }
 
     /// Checks `site`'s spooled update of `round` in full (checksum, format, finite values)
@@ -1158,4 +1151,36 @@ fn put_header(b: &mut Vec<u8>, magic: &[u8; 4], spec_hash: Option<&[u8; 32]>, ve
         b.extend_from_slice(h);
     }
     b.extend_from_slice(&version.to_le_bytes());
+}
+
+/// Runs `tasks` (taken from the end) with `run` on this thread and as many helpers as the
+/// system gives, up to `threads` in all and one per task; returns every task's error.
+fn run_queue<Task: Send, E: Send>(
+    tasks: Vec<Task>,
+    threads: usize,
+    run: impl Fn(Task) -> Result<(), E> + Sync,
+) -> Vec<E> {
+    // Up to one helper per task beside this thread (which can do all of it alone).
+    let helpers = threads.min(tasks.len()).saturating_sub(1);
+    let queue = std::sync::Mutex::new(tasks);
+    let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let work = || {
+        let mut errors = Vec::new();
+        while let Some(task) = next() {
+            if let Err(e) = run(task) {
+                errors.push(e);
+            }
+        }
+        errors
+    };
+    std::thread::scope(|s| {
+        let helpers: Vec<_> = (0..helpers)
+            .map_while(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
+            .collect();
+        let mut errors = work();
+        for h in helpers {
+            errors.extend(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        }
+        errors
+    })
 }

@@ -13,9 +13,9 @@ pub mod memory;
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::VecDeque;
 use std::time::Instant;
-use unifed_aggregator::serving::{Route, Serving, To};
+use unifed_aggregator::federation::{Done, Federation, Outgoing, Sealer};
 use unifed_aggregator::{
-    Action, Aggregator, Arrival, EnrolledSite, Event, FederationConfig, GlobalModel, Incoming,
+    Aggregator, Arrival, EnrolledSite, Event, FederationConfig, GlobalModel, Incoming,
 };
 use unifed_models::backend::Device;
 use unifed_models::data::Dataset;
@@ -24,11 +24,10 @@ use unifed_models::train::TrainConfig;
 use unifed_models::worker::{Host, ModelWorker, WorkerConfig};
 use unifed_models::zoo::Net;
 use unifed_protocol::auth::SigningKey;
-use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
-use unifed_protocol::messages::{Answer, ChunkRequest, Payload, RoundManifest, UpdateAnswer};
+use unifed_protocol::max_broadcast_bytes;
+use unifed_protocol::messages::Answer;
 use unifed_protocol::topics::Topics;
-use unifed_protocol::{Cut, max_broadcast_bytes};
 pub use unifed_site::Evaluation;
 use unifed_site::driver::BoxError;
 use unifed_site::{
@@ -128,6 +127,8 @@ pub trait Observer<N: Net> {
     fn message(&mut self, _o: Observed<'_>) {}
     /// A site evaluated the model it applied (`e.version`), which `site` holds now.
     fn evaluated(&mut self, _site: &Site<N>, _e: &Evaluation) {}
+    /// A round closed with the updates of `sites` (in site order).
+    fn closed(&mut self, _round: u64, _sites: &[String]) {}
     /// Every site evaluated a new model: the round's record.
     fn round(&mut self, _record: &RoundRecord) {}
 }
@@ -163,15 +164,50 @@ type SimDriver<'o, N> = SiteDriver<ModelWorker<N, SimHost<'o, N>>>;
 
 /// The sites of an in-process run, with their drivers' settings.
 pub struct Sites<'a, N: Net> {
-    /// The sites (each given back holding the final model).
-    pub sites: &'a mut Vec<Site<N>>,
-    /// One validation split per site, evaluated with every model beside its test split, or
-    /// none.
-    pub validation: Vec<Dataset>,
-    /// Local training settings.
-    pub train: &'a TrainConfig,
-    /// The device the sites compute on.
-    pub device: &'a Device,
+    sites: &'a mut Vec<Site<N>>,
+    validation: Vec<Dataset>,
+    train: Vec<TrainConfig>,
+    joins: Vec<u64>,
+    device: &'a Device,
+}
+
+impl<'a, N: Net> Sites<'a, N> {
+    /// `sites` (each given back holding the final model), all training with `train` on
+    /// `device` and following the federation from its start.
+    pub fn new(sites: &'a mut Vec<Site<N>>, train: &TrainConfig, device: &'a Device) -> Self {
+        let n = sites.len();
+        Sites {
+            sites,
+            validation: Vec::new(),
+            train: vec![train.clone(); n],
+            joins: vec![0; n],
+            device,
+        }
+    }
+
+    /// One validation split per site, evaluated with every model beside its test split.
+    pub fn validation(mut self, splits: Vec<Dataset>) -> Self {
+        self.validation = splits;
+        self
+    }
+
+    /// Site `k` trains with `train` instead (a site of its own settings, or one that
+    /// diverges).
+    pub fn train_site(mut self, k: usize, train: TrainConfig) -> Self {
+        if let Some(t) = self.train.get_mut(k) {
+            *t = train;
+        }
+        self
+    }
+
+    /// Site `k` joins late: it hears nothing until model `version` is published, as an agent
+    /// started then would (a late joiner, which calibrates its BN under `local` BN).
+    pub fn join_at(mut self, k: usize, version: u64) -> Self {
+        if let Some(j) = self.joins.get_mut(k) {
+            *j = version;
+        }
+        self
+    }
 }
 
 /// Runs a federation of `sites` under `cfg` from `initial` in a fresh data directory, telling
@@ -198,26 +234,34 @@ pub fn run_federation<N: Net>(
         .map(|s| EnrolledSite::new(s.id.as_str(), sim_key(s.id.as_str()).public()))
         .collect();
     let deadline_ms = cfg.deadline_secs.saturating_mul(1000);
-    let mut bus = Bus::new(&federation, &spec, &cfg, sites.sites)?;
-    let mut agg = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
+    let mut bus = Bus::new(&federation, sites.sites, sites.joins.clone());
+    let core = Aggregator::open(dir.path(), cfg, initial, 256 << 10)?;
+    // First chunk requests are gathered until every site asked or nothing else moves.
+    let sealer = Sealer::new(federation.clone(), spec.hash(), sim_key(AGGREGATOR_ID));
+    let mut agg = Federation::new(core, sealer, u64::MAX).keep_payloads();
     let observer: Shared<'_, N> = std::rc::Rc::new(std::cell::RefCell::new(observer));
-    let mut drivers = drivers(&federation, &spec, &bus, &mut sites, &observer)?;
+    let aggregator = sim_key(AGGREGATOR_ID).public();
+    let mut drivers = drivers(&federation, &spec, aggregator, &mut sites, &observer)?;
     let mut records = Records::new(drivers.len());
-    let mut agg_actions = agg.handle(Event::Start, 0)?;
+    let mut step = agg.handle(Event::Start, 0)?;
     loop {
-        bus.take_actions(&mut agg, &mut agg_actions, &mut records, &observer)?;
-        if !agg_actions.is_empty() {
+        // The answers before a fold are in the sites' inboxes before it runs; a site that joins
+        // with this version hears its manifest.
+        bus.published(&step.done);
+        bus.take(std::mem::take(&mut step.send));
+        records.published(std::mem::take(&mut step.done), &observer);
+        if step.close {
+            step = agg.close(bus.now)?;
             continue;
         }
         if let Some(up) = bus.updates.pop_front() {
             bus.now += 1;
-            agg_actions = agg.handle(Event::Update(up), bus.now)?;
+            step = agg.handle(Event::Update(up), bus.now)?;
             continue;
         }
         if bus.inbox.is_empty() {
             // Nothing else moves: first requests gathered from fewer than every site go now.
-            let due = bus.serving.due(u64::MAX);
-            bus.share_due(due)?;
+            bus.take(agg.due(u64::MAX));
         }
         let Some((k, event)) = bus.inbox.pop_front() else {
             if drivers.iter().all(|d| d.finished().is_some()) {
@@ -225,8 +269,8 @@ pub fn run_federation<N: Net>(
             }
             // A round waits for an update that will not come: its deadline passes.
             bus.now = bus.now.saturating_add(deadline_ms + 1);
-            agg_actions = agg.handle(Event::Tick, bus.now)?;
-            if agg_actions.is_empty() {
+            step = agg.handle(Event::Tick, bus.now)?;
+            if step.send.is_empty() && step.done.is_empty() && !step.close {
                 bail!("the federation stalled: no message in flight and not every site finished");
             }
             continue;
@@ -235,6 +279,7 @@ pub fn run_federation<N: Net>(
         let mut out = SimOutbox {
             k,
             bus: &mut bus,
+            agg: &mut agg,
             records: &mut records,
             observer: &observer,
         };
@@ -253,7 +298,7 @@ pub fn run_federation<N: Net>(
 fn drivers<'o, N: Net>(
     federation: &Id,
     spec: &unifed_protocol::ModelSpec,
-    bus: &Bus,
+    aggregator: unifed_protocol::PublicKey,
     sites: &mut Sites<'_, N>,
     observer: &Shared<'o, N>,
 ) -> Result<Vec<SimDriver<'o, N>>> {
@@ -279,7 +324,7 @@ fn drivers<'o, N: Net>(
                     resend_ms: u64::MAX >> 8,
                     max_model_bytes: max_broadcast_bytes(spec),
                     key: sim_key(s.id.as_str()),
-                    aggregator: bus.wire.key.public(),
+                    aggregator,
                 },
                 None,
             );
@@ -288,7 +333,7 @@ fn drivers<'o, N: Net>(
                 WorkerConfig {
                     federation: federation.clone(),
                     spec: spec.clone(),
-                    train: sites.train.clone(),
+                    train: sites.train[k].clone(),
                     device: sites.device.clone(),
                     validation: sites.validation.get(k).cloned(),
                 },
@@ -336,6 +381,32 @@ impl Records {
         }
     }
 
+    /// Takes what the aggregator did: each published model's payload (for the observer), size
+    /// and plan.
+    fn published<N: Net>(&mut self, done: Vec<Done>, observer: &Shared<'_, N>) {
+        for d in done {
+            if let Done::RoundClosed { round, sites, .. } = &d {
+                observer.borrow_mut().closed(*round, sites);
+            }
+            if let Done::Published {
+                manifest,
+                bytes,
+                payload,
+                ..
+            } = d
+            {
+                if let Some(payload) = &payload {
+                    observer.borrow_mut().message(Observed::Model {
+                        version: manifest.model_version,
+                        payload,
+                    });
+                }
+                self.model_bytes = bytes as usize;
+                self.plans.insert(manifest.model_version, manifest.plan);
+            }
+        }
+    }
+
     /// Records every version past the last recorded one that every site has evaluated.
     fn complete<N: Net>(&mut self, observer: &Shared<'_, N>) {
         while let Some(evals) = self
@@ -370,6 +441,7 @@ impl Records {
 struct SimOutbox<'a, 'o, N: Net> {
     k: usize,
     bus: &'a mut Bus,
+    agg: &'a mut Federation,
     records: &'a mut Records,
     observer: &'a Shared<'o, N>,
 }
@@ -378,7 +450,11 @@ impl<N: Net> Outbox for SimOutbox<'_, '_, N> {
     fn publish(&mut self, topic: String, payload: Vec<u8>) -> Result<(), BoxError> {
         let site = self.bus.ids[self.k].clone();
         if topic == self.bus.topics.chunk_request(&site) {
-            Ok(self.bus.serve(self.k, &payload)?)
+            let out = self
+                .agg
+                .chunk_request(site.as_str(), &payload, self.bus.now)?;
+            self.bus.take(out);
+            Ok(())
         } else if topic == self.bus.topics.update(&site) {
             self.observer.borrow_mut().message(Observed::Update {
                 site: site.as_str(),
@@ -416,261 +492,79 @@ impl<N: Net> Outbox for SimOutbox<'_, '_, N> {
     }
 }
 
-/// The in-memory transport: what is on its way to the sites and to the aggregator, and what
-/// the aggregator serves.
+/// The in-memory transport: what is on its way to the sites and to the aggregator.
 struct Bus {
     /// Messages and events on their way to each site (by index), in order.
     inbox: VecDeque<(usize, SiteEvent)>,
     /// Updates on their way to the aggregator.
     updates: VecDeque<Incoming>,
-    wire: Wire,
     topics: Topics,
     ids: Vec<Id>,
-    keyring: unifed_protocol::auth::Keyring,
-    served: Option<ServedModel>,
-    /// Chunks go the ways the MQTT service sends them: once for every site, or to one alone;
-    /// first requests are gathered until every site asked or nothing else moves.
-    serving: Serving,
+    /// The site each site's own topic (answers, chunk replies) leads to.
+    own: std::collections::HashMap<String, usize>,
+    /// Each site's first model version: it hears nothing before that one is published.
+    joins: Vec<u64>,
+    /// The model version published last.
+    version: u64,
     /// The run's clock: one tick per update, a deadline's jump when nothing moves.
     now: u64,
 }
 
 impl Bus {
-    fn new<N: Net>(
-        federation: &Id,
-        spec: &unifed_protocol::ModelSpec,
-        cfg: &FederationConfig,
-        sites: &[Site<N>],
-    ) -> Result<Self> {
-        Ok(Bus {
+    fn new<N: Net>(federation: &Id, sites: &[Site<N>], joins: Vec<u64>) -> Self {
+        let topics = Topics::new(federation);
+        let ids: Vec<Id> = sites.iter().map(|s| s.id.clone()).collect();
+        let own = ids
+            .iter()
+            .enumerate()
+            .flat_map(|(k, id)| [(topics.ack(id), k), (topics.chunk_reply(id), k)])
+            .collect();
+        Bus {
             inbox: VecDeque::new(),
             updates: VecDeque::new(),
-            wire: Wire {
-                federation: federation.clone(),
-                me: Id::new(AGGREGATOR_ID).map_err(|e| anyhow!("{e}"))?,
-                hash: spec.hash(),
-                key: sim_key(AGGREGATOR_ID),
-            },
-            topics: Topics::new(federation),
-            ids: sites.iter().map(|s| s.id.clone()).collect(),
-            keyring: cfg.keyring(),
-            served: None,
-            serving: Serving::new(sites.len(), u64::MAX),
+            topics,
+            ids,
+            own,
+            joins,
+            version: 0,
             now: 0,
-        })
+        }
     }
 
-    /// Does the aggregator's actions: manifests and answers to the sites' inboxes, and the
-    /// fold once the answers before it are out (its actions go back in `actions`).
-    fn take_actions<N: Net>(
-        &mut self,
-        agg: &mut Aggregator,
-        actions: &mut Vec<Action>,
-        records: &mut Records,
-        observer: &Shared<'_, N>,
-    ) -> Result<()> {
-        let mut close = false;
-        for action in std::mem::take(actions) {
-            match action {
-                // The answers before it are in the sites' inboxes: now the fold.
-                Action::Close => close = true,
-                Action::Answer {
-                    site,
-                    round,
-                    update_hash,
-                    answer,
-                } => {
-                    let k = self
-                        .ids
-                        .iter()
-                        .position(|s| *s == site)
-                        .context("an answer for an unknown site")?;
-                    let bytes = self.wire.envelope(
-                        MessageKind::UpdateAnswer,
-                        round,
-                        agg.model_version(),
-                        &UpdateAnswer {
-                            round,
-                            update_hash,
-                            answer,
-                        },
-                    );
-                    let topic = self.topics.ack(&site);
-                    self.send_to(k, topic, bytes.into());
-                }
-                Action::Publish {
-                    manifest,
-                    model,
-                    delta,
-                } => {
-                    // Chunks are served one at a time over the round: the payload is held.
-                    let model = model.into_held();
-                    observer.borrow_mut().message(Observed::Model {
-                        version: manifest.model_version,
-                        payload: &model.bytes(),
-                    });
-                    records.model_bytes = model.len();
-                    records.plans.insert(manifest.model_version, manifest.plan);
-                    let bytes: bytes::Bytes = self
-                        .wire
-                        .envelope(
-                            MessageKind::RoundManifest,
-                            manifest.round,
-                            manifest.model_version,
-                            &manifest,
-                        )
-                        .into();
-                    for k in 0..self.ids.len() {
-                        self.send_to(k, self.topics.manifest(), bytes.clone());
-                    }
-                    self.served = Some((manifest, model, delta.map(|d| *d)));
-                    self.serving.clear();
-                }
-                Action::RoundClosed { .. } | Action::Finished { .. } => {}
+    /// Follows the model versions the aggregator publishes.
+    fn published(&mut self, done: &[Done]) {
+        for d in done {
+            if let Done::Published { manifest, .. } = d {
+                self.version = manifest.model_version;
             }
         }
-        if close {
-            *actions = agg.handle(Event::Close, self.now)?;
-        }
-        Ok(())
     }
 
-    fn send_to(&mut self, k: usize, topic: String, payload: bytes::Bytes) {
-        self.inbox
-            .push_back((k, SiteEvent::Message { topic, payload }));
-    }
-
-    /// Serves site `k`'s chunk request `payload` as the service would.
-    fn serve(&mut self, k: usize, payload: &[u8]) -> Result<()> {
-        let site = self.ids[k].clone();
-        let req: ChunkRequest = self.keyring.open(payload, usize::MAX)?.payload_as()?;
-        let Some((m, model, delta)) = &self.served else {
-            return Ok(());
-        };
-        if m.model_version != req.model_version {
-            return Ok(());
-        }
-        let cut = match req.payload {
-            Payload::Model => model,
-            Payload::Delta => delta.as_ref().context("no delta was published")?,
-            Payload::Package => bail!("the in-process run serves no packages"),
-        };
-        for i in req.indices {
-            cut.chunk(i).context("a chunk out of range")?;
-            let to: Vec<(usize, String)> = match self.serving.route(
-                &site,
-                (req.model_version, req.payload),
-                (i as usize, cut.count() as usize),
-                req.alone,
-                self.now,
-            ) {
-                Route::Shared => (0..self.ids.len())
-                    .map(|j| (j, self.topics.model_chunks()))
-                    .collect(),
-                Route::Site => vec![(k, self.topics.chunk_reply(&site))],
-                Route::OnItsWay | Route::Gathered | Route::Refused => Vec::new(),
+    /// Delivers the aggregator's messages as the broker would: the manifest and shared
+    /// chunks to every site (in site order), a site's own topics to it alone.
+    fn take(&mut self, out: Vec<Outgoing>) {
+        for m in out {
+            let to: Vec<usize> = match self.own.get(&m.topic) {
+                Some(&k) => vec![k],
+                None if m.topic == self.topics.manifest()
+                    || m.topic == self.topics.model_chunks() =>
+                {
+                    (0..self.ids.len()).collect()
+                }
+                None => {
+                    tracing::warn!(topic = m.topic, "a message on no site's topic dropped");
+                    Vec::new()
+                }
             };
-            deliver(&mut self.inbox, &self.wire, m, cut, &[i], &to);
+            for k in to.into_iter().filter(|&k| self.joins[k] <= self.version) {
+                self.inbox.push_back((
+                    k,
+                    SiteEvent::Message {
+                        topic: m.topic.clone(),
+                        payload: m.payload.clone(),
+                    },
+                ));
+            }
         }
-        let due = self.serving.due(self.now);
-        self.share_due(due)
-    }
-
-    /// Delivers what [`Serving::due`] sends: to every site (in `ids`' order), or to one alone.
-    fn share_due(&mut self, due: Vec<((u64, Payload), To, Vec<u32>)>) -> Result<()> {
-        share_due(
-            &mut self.inbox,
-            &self.wire,
-            (&self.topics, &self.ids),
-            self.served.as_ref(),
-            due,
-        )
-    }
-}
-
-/// A model version as served: its manifest, and its payload and delta cut into chunks.
-type ServedModel = (RoundManifest, Cut, Option<Cut>);
-
-/// Puts chunks `indices` of `cut`, a payload `m` announces, into the inboxes `to` names.
-fn deliver(
-    inbox: &mut VecDeque<(usize, SiteEvent)>,
-    wire: &Wire,
-    m: &RoundManifest,
-    cut: &Cut,
-    indices: &[u32],
-    to: &[(usize, String)],
-) {
-    for c in indices.iter().filter_map(|&i| cut.chunk(i)) {
-        let payload: bytes::Bytes = wire
-            .envelope(MessageKind::ModelChunk, m.round, m.model_version, &c)
-            .into();
-        for (j, topic) in to {
-            inbox.push_back((
-                *j,
-                SiteEvent::Message {
-                    topic: topic.clone(),
-                    payload: payload.clone(),
-                },
-            ));
-        }
-    }
-}
-
-/// Delivers what [`Serving::due`] sends: to every site (in `ids`' order), or to one alone.
-fn share_due(
-    inbox: &mut VecDeque<(usize, SiteEvent)>,
-    wire: &Wire,
-    (topics, ids): (&Topics, &[Id]),
-    served: Option<&ServedModel>,
-    due: Vec<((u64, Payload), To, Vec<u32>)>,
-) -> Result<()> {
-    for ((version, payload), to, indices) in due {
-        let Some((m, model, delta)) = served.filter(|s| s.0.model_version == version) else {
-            continue;
-        };
-        let cut = match payload {
-            Payload::Model => model,
-            Payload::Delta => delta.as_ref().context("no delta was published")?,
-            Payload::Package => continue,
-        };
-        let to: Vec<(usize, String)> = match to {
-            To::All => (0..ids.len()).map(|j| (j, topics.model_chunks())).collect(),
-            To::Site(site) => ids
-                .iter()
-                .position(|s| *s == site)
-                .map(|k| (k, topics.chunk_reply(&site)))
-                .into_iter()
-                .collect(),
-        };
-        deliver(inbox, wire, m, cut, &indices, &to);
-    }
-    Ok(())
-}
-
-/// The aggregator's side of the in-memory transport: its envelopes.
-struct Wire {
-    federation: Id,
-    me: Id,
-    hash: unifed_protocol::SpecHash,
-    key: SigningKey,
-}
-
-impl Wire {
-    fn envelope<T: serde::Serialize>(
-        &self,
-        kind: MessageKind,
-        round: u64,
-        version: u64,
-        payload: &T,
-    ) -> Vec<u8> {
-        self.key.sign(&Envelope::new(
-            kind,
-            self.federation.clone(),
-            self.me.clone(),
-            round,
-            version,
-            self.hash,
-            payload,
-        ))
     }
 }

@@ -305,12 +305,7 @@ fn run_one(
     let records = run_federation(
         cfg,
         initial,
-        Sites {
-            sites: &mut sites,
-            validation: Vec::new(),
-            train: &tc,
-            device: &device,
-        },
+        Sites::new(&mut sites, &tc, &device),
         &mut OnRound(|r: &RoundRecord| {
             let mean = r.accuracy.iter().sum::<f64>() / r.accuracy.len() as f64;
             eprintln!(

@@ -95,12 +95,7 @@ fn federate_with(
     let records = run_federation(
         fc,
         initial,
-        Sites {
-            sites: &mut sites,
-            validation: Vec::new(),
-            train: &TrainConfig::default(),
-            device: &device,
-        },
+        Sites::new(&mut sites, &TrainConfig::default(), &device),
         &mut cap,
     )
     .unwrap();

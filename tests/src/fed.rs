@@ -80,6 +80,8 @@ pub struct Fed {
     pub domains: std::collections::BTreeMap<String, String>,
     /// Lines added at the top of particular sites' agent configs.
     pub agent_extra: std::collections::BTreeMap<String, String>,
+    /// Lines added to the `[train]` table of particular sites' agent configs.
+    pub train_extra: std::collections::BTreeMap<String, String>,
     /// The sites enrolled with the aggregator (each with its key from [`Fed::key_file`]).
     pub sites: Vec<String>,
     /// Sites whose keys the aggregator's config revokes.
@@ -118,6 +120,7 @@ impl Fed {
             samples: Default::default(),
             domains: Default::default(),
             agent_extra: Default::default(),
+            train_extra: Default::default(),
             ca_file: None,
             sites: ["grey", "texture", "lowres"].map(String::from).to_vec(),
             revoked: Vec::new(),
@@ -309,13 +312,14 @@ impl Fed {
         std::fs::write(
             &cfg,
             format!(
-                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{}{}{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n[data]\nbuiltin = \"{}\"\ntrain_samples = {}\n",
+                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{}{}{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n{}\n[data]\nbuiltin = \"{}\"\ntrain_samples = {}\n",
                 self.site_dir(device).display(),
                 self.resend_secs,
                 self.agent_extra.get(site).map_or("", |x| x.as_str()),
                 self.identity_toml(site),
                 list(&self.conv),
                 list(&self.fc),
+                self.train_extra.get(site).map_or("", |x| x.as_str()),
                 self.broker_toml_for(site),
                 self.domains.get(site).map_or(site, |d| d.as_str()),
                 self.samples.get(site).copied().unwrap_or(self.train_samples),

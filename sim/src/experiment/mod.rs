@@ -729,12 +729,8 @@ fn run_one(
     let rounds = run_federation(
         cfg,
         initial_model(&net0, spec),
-        Sites {
-            sites: &mut sites,
-            validation: data.iter().map(|d| d.val.clone()).collect(),
-            train: &tc,
-            device: &device,
-        },
+        Sites::new(&mut sites, &tc, &device)
+            .validation(data.iter().map(|d| d.val.clone()).collect()),
         &mut OnRound(|rec: &RoundRecord| {
             let mean = rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64;
             on_round(rec.round, mean);
