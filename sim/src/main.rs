@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use unifed_aggregator::strategy::{FedOptConfig, ScaffoldConfig};
+use unifed_aggregator::strategy::FedOptConfig;
 use unifed_aggregator::{Algorithm, FederationConfig};
 use unifed_models::backend::{Backend, cap_cpu_threads};
 use unifed_models::data::{BuiltinData, Domain, SplitSizes};
@@ -189,22 +189,12 @@ fn parse_algorithm(s: &str, mu: f64, fedopt_lr: f64) -> Result<Algorithm> {
         server_lr: fedopt_lr,
         ..FedOptConfig::default()
     };
-    let a = match s {
-        "fedavg" => Algorithm::FedAvg,
-        "fedprox" => Algorithm::FedProx { mu },
-        "fedadam" => Algorithm::FedAdam(opt),
-        "fedyogi" => Algorithm::FedYogi(opt),
-        "fedadagrad" => Algorithm::FedAdagrad(opt),
-        "scaffold" => Algorithm::Scaffold(ScaffoldConfig::default()),
-        "fednova" => Algorithm::FedNova(Default::default()),
-        "moon" => Algorithm::Moon(Default::default()),
-        "feddc" => Algorithm::FedDc(Default::default()),
-        "perfedavg" => Algorithm::PerFedAvg(Default::default()),
-        o => anyhow::bail!(
-            "unknown algorithm `{o}`: fedavg, fedprox, fedadam, fedyogi, fedadagrad, scaffold, \
-             fednova, moon, feddc or perfedavg"
-        ),
-    };
+    let mut a = Algorithm::named(s).map_err(anyhow::Error::msg)?;
+    match &mut a {
+        Algorithm::FedProx { mu: m } => *m = mu,
+        Algorithm::FedAdam(c) | Algorithm::FedYogi(c) | Algorithm::FedAdagrad(c) => *c = opt,
+        _ => {}
+    }
     a.validate().map_err(anyhow::Error::msg)?;
     Ok(a)
 }

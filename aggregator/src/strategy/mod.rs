@@ -117,6 +117,52 @@ impl Algorithm {
         }
     }
 
+    /// Every algorithm with its default parameters (FedProx's `mu` at FedBN's digits setting,
+    /// 0.01), in the order tables list them: the one list of algorithms names, config
+    /// spellings and labels come from.
+    pub fn all() -> [Algorithm; 10] {
+        [
+            Algorithm::FedAvg,
+            Algorithm::FedProx { mu: 0.01 },
+            Algorithm::FedAdam(FedOptConfig::default()),
+            Algorithm::FedYogi(FedOptConfig::default()),
+            Algorithm::FedAdagrad(FedOptConfig::default()),
+            Algorithm::Scaffold(ScaffoldConfig::default()),
+            Algorithm::FedNova(FedNovaConfig::default()),
+            Algorithm::Moon(MoonConfig::default()),
+            Algorithm::FedDc(FedDcConfig::default()),
+            Algorithm::PerFedAvg(PerFedAvgConfig::default()),
+        ]
+    }
+
+    /// The algorithm called `name` in configs ([`Algorithm::name`]), with its default
+    /// parameters; an error listing every name otherwise.
+    pub fn named(name: &str) -> Result<Algorithm, String> {
+        Self::all()
+            .into_iter()
+            .find(|a| a.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::all().iter().map(Algorithm::name).collect();
+                format!("unknown algorithm `{name}`: {}", names.join(", "))
+            })
+    }
+
+    /// The algorithm's name in papers and tables (`FedAvg`, `SCAFFOLD`, `Per-FedAvg`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Algorithm::FedAvg => "FedAvg",
+            Algorithm::FedProx { .. } => "FedProx",
+            Algorithm::FedAdam(_) => "FedAdam",
+            Algorithm::FedYogi(_) => "FedYogi",
+            Algorithm::FedAdagrad(_) => "FedAdagrad",
+            Algorithm::Scaffold(_) => "SCAFFOLD",
+            Algorithm::FedNova(_) => "FedNova",
+            Algorithm::Moon(_) => "MOON",
+            Algorithm::FedDc(_) => "FedDC",
+            Algorithm::PerFedAvg(_) => "Per-FedAvg",
+        }
+    }
+
     /// True when the server keeps state between rounds that a restart must find.
     pub fn is_stateful(&self) -> bool {
         !matches!(
@@ -658,6 +704,25 @@ pub(crate) fn exact<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_algorithm_is_spelled_in_configs_by_its_name_and_found_by_it_with_valid_defaults() {
+        let all = Algorithm::all();
+        for a in all {
+            let v = serde_json::to_value(a).unwrap();
+            assert_eq!(v["name"], a.name());
+            assert_eq!(Algorithm::named(a.name()), Ok(a));
+            assert_eq!(a.validate(), Ok(()));
+        }
+        let names: std::collections::BTreeSet<_> = all.iter().map(Algorithm::name).collect();
+        let labels: std::collections::BTreeSet<_> = all.iter().map(Algorithm::label).collect();
+        assert_eq!((names.len(), labels.len()), (all.len(), all.len()));
+        let err = Algorithm::named("fedsgd").unwrap_err();
+        assert!(
+            err.contains("`fedsgd`") && err.contains("perfedavg"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn all_finite_le_agrees_with_is_finite_on_every_kind_of_value() {

@@ -11,26 +11,11 @@ use unifed_protocol::messages::BnPolicy;
 
 /// A method's name in tables: FedAvg under local BN is FedBN.
 pub fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
-    let name = match a {
-        Algorithm::FedAvg => {
-            return match bn {
-                BnPolicy::Local => "FedBN".into(),
-                BnPolicy::Global => "FedAvg".into(),
-            };
-        }
-        Algorithm::FedProx { .. } => "FedProx",
-        Algorithm::FedAdam(_) => "FedAdam",
-        Algorithm::FedYogi(_) => "FedYogi",
-        Algorithm::FedAdagrad(_) => "FedAdagrad",
-        Algorithm::Scaffold(_) => "SCAFFOLD",
-        Algorithm::FedNova(_) => "FedNova",
-        Algorithm::Moon(_) => "MOON",
-        Algorithm::FedDc(_) => "FedDC",
-        Algorithm::PerFedAvg(_) => "Per-FedAvg",
-    };
-    match bn {
-        BnPolicy::Local => format!("{name} (local BN)"),
-        BnPolicy::Global => format!("{name} (global BN)"),
+    match (a, bn) {
+        (Algorithm::FedAvg, BnPolicy::Local) => "FedBN".into(),
+        (Algorithm::FedAvg, BnPolicy::Global) => "FedAvg".into(),
+        (a, BnPolicy::Local) => format!("{} (local BN)", a.label()),
+        (a, BnPolicy::Global) => format!("{} (global BN)", a.label()),
     }
 }
 

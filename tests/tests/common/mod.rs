@@ -125,3 +125,32 @@ pub fn same_models(fed: &Fed, in_process: &[unifed_sim::Site<unifed_models::zoo:
         }
     }
 }
+
+/// Every typed report line (`unifed_net::report`) in the log `<name>.log` so far.
+pub fn reports(fed: &Fed, name: &str) -> Vec<unifed_net::report::Report> {
+    std::fs::read_to_string(fed.dir.join(format!("{name}.log")))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(unifed_net::report::Report::parse)
+        .collect()
+}
+
+/// Waits up to `limit` for a typed report in the log `<name>.log` that `wanted` picks, and
+/// returns it.
+pub fn wait_report(
+    fed: &Fed,
+    name: &str,
+    wanted: impl Fn(&unifed_net::report::Report) -> bool,
+    limit: std::time::Duration,
+) -> Option<unifed_net::report::Report> {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(r) = reports(fed, name).into_iter().find(&wanted) {
+            return Some(r);
+        }
+        if t0.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
