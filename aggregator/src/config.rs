@@ -91,9 +91,20 @@ pub struct FederationConfig {
     /// changes; nothing restarts.
     #[serde(default)]
     pub revoked: Vec<PublicKey>,
-    /// Encoding sites use for their updates.
+    /// Encoding sites use for their updates: `f32`, `f16`, `q8`, `ternary[b<block>]`,
+    /// `ternaryq8[b<block>]`, `topk<per-mille>` or `topkq8<per-mille>` (the old spellings,
+    /// `"F32"` or `{ Ternary = { block = 256 } }`, still read, with a warning).
+    #[serde(
+        deserialize_with = "crate::spelling::read_encoding",
+        serialize_with = "crate::spelling::write_encoding"
+    )]
     pub encoding: Encoding,
-    /// `local` (FedBN: BN stays on the sites) or `global` (FedAvg: BN averaged too).
+    /// `local` (FedBN: BN stays on the sites) or `global` (FedAvg: BN averaged too); `Local`
+    /// and `Global` still read, with a warning.
+    #[serde(
+        deserialize_with = "crate::spelling::read_bn_policy",
+        serialize_with = "crate::spelling::write_bn_policy"
+    )]
     pub bn_policy: BnPolicy,
     /// Under `local` BN, which of the sites' BN tensors they send for the onboarding package:
     /// `none` (default), `affine` or `affine+stats`.

@@ -9,7 +9,8 @@
 //! layers chosen by the BN sharing policy) and a registry of sites' sealed, calibrated BN.
 //!
 //! # Layout
-//! - [`config`]: [`FederationConfig`] and its validation.
+//! - [`config`]: [`FederationConfig`] and its validation; [`spelling`]: how a config spells
+//!   the wire's enums (lower-case words; the old spellings read with a warning).
 //! - [`core`]: [`Aggregator`], [`Event`], [`Action`].
 //! - [`federation`]: [`federation::Federation`], the driver both the service and the
 //!   in-process runner run around the core: signed answers, manifests and model chunks, chunk
@@ -40,6 +41,7 @@ pub mod onboard;
 mod sealed;
 pub mod service;
 pub mod serving;
+pub mod spelling;
 mod spoolfile;
 pub mod store;
 pub mod strategy;

@@ -9,7 +9,7 @@ use unifed_sim::experiment::{Preset, RunResult, run};
 const PRESET: &str = r#"
 name = "tiny"
 algorithms = [{ name = "fedavg" }, { name = "fedprox", mu = 0.01 }]
-policies = ["Local", "Global"]
+policies = ["local", "global"]
 seeds = 1
 rounds = 2
 sizes = { train = 32, val = 16, test = 16 }
@@ -24,8 +24,8 @@ fn fedavg_local() -> String {
             "algorithms = [{ name = \"fedavg\" }]",
         )
         .replace(
-            "policies = [\"Local\", \"Global\"]",
-            "policies = [\"Local\"]",
+            "policies = [\"local\", \"global\"]",
+            "policies = [\"local\"]",
         )
 }
 
@@ -173,7 +173,7 @@ fn a_bad_preset_is_refused_naming_what_is_wrong() {
             PRESET.replace("mu = 0.01", "mu = -1.0"),
             "FedProx mu must be finite and non-negative",
         ),
-        (PRESET.replace("\"Global\"", "\"Shared\""), "Shared"),
+        (PRESET.replace("\"global\"", "\"shared\""), "unknown bn_policy `shared`"),
     ] {
         std::fs::write(&p, text).unwrap();
         let err = format!("{:#}", Preset::load(&p).unwrap_err());

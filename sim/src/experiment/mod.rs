@@ -53,7 +53,12 @@ pub struct Preset {
     pub name: String,
     /// The algorithms, each as in the aggregator's config (`{ name = "fedprox", mu = 0.01 }`).
     pub algorithms: Vec<Algorithm>,
-    /// The BN policies each algorithm runs under.
+    /// The BN policies each algorithm runs under (`local`, `global`; `Local` and `Global` still
+    /// read, with a warning).
+    #[serde(
+        deserialize_with = "unifed_aggregator::spelling::read_bn_policies",
+        serialize_with = "unifed_aggregator::spelling::write_bn_policies"
+    )]
     pub policies: Vec<BnPolicy>,
     /// Seeds 0..seeds (initial model and local training).
     pub seeds: u64,
