@@ -73,7 +73,7 @@ pub struct FederationConfig {
     pub federation: String,
     /// Rounds to run.
     pub rounds: u64,
-    /// The algorithm: `{ name = "fedavg" }` (default; FedBN under `bn_policy = "Local"`) or
+    /// The algorithm: `{ name = "fedavg" }` (default; FedBN under `bn_policy = "local"`) or
     /// `{ name = "fedprox", mu = 0.01 }`.
     #[serde(default)]
     pub algorithm: Algorithm,

@@ -961,13 +961,19 @@ fn the_example_service_config_parses_and_validates() {
         (cfg.federation.bn_policy, cfg.federation.encoding),
         (BnPolicy::Local, Encoding::F32)
     );
-    let topk: FederationConfig =
-        toml::from_str(&text[text.find("[federation]").unwrap() + 13..].replace(
-            "encoding = \"F32\"",
-            "encoding = { TopK = { per_mille = 100 } }",
-        ))
+    // The encoding's name, and the wire enum's old spelling (read with a warning).
+    let federation = &text[text.find("[federation]").unwrap() + 13..];
+    for spelling in ["\"topk100\"", "{ TopK = { per_mille = 100 } }"] {
+        let topk: FederationConfig = toml::from_str(
+            &federation.replace("encoding = \"f32\"", &format!("encoding = {spelling}")),
+        )
         .unwrap();
-    assert_eq!(topk.encoding, Encoding::TopK { per_mille: 100 });
+        assert_eq!(
+            topk.encoding,
+            Encoding::TopK { per_mille: 100 },
+            "{spelling}"
+        );
+    }
 }
 
 #[test]

@@ -173,7 +173,10 @@ fn a_bad_preset_is_refused_naming_what_is_wrong() {
             PRESET.replace("mu = 0.01", "mu = -1.0"),
             "FedProx mu must be finite and non-negative",
         ),
-        (PRESET.replace("\"global\"", "\"shared\""), "unknown bn_policy `shared`"),
+        (
+            PRESET.replace("\"global\"", "\"shared\""),
+            "unknown bn_policy `shared`",
+        ),
     ] {
         std::fs::write(&p, text).unwrap();
         let err = format!("{:#}", Preset::load(&p).unwrap_err());
