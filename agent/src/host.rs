@@ -285,15 +285,13 @@ impl Outbox for AgentOutbox {
                 }
             }
             Note::TrainRefused { round, error } => {
-                self.shared().training = None;
-                eprintln!("{site}: round {round}: {error}; no update sent this round");
+                eprintln!("{site}: round {round}: {error}; no update sent this round")
             }
             Note::Uploading {
                 round,
                 bytes,
                 messages,
             } => {
-                self.shared().training = None;
                 self.upload_started = Some((round, Instant::now()));
                 Report::Uploaded {
                     round,
@@ -318,11 +316,13 @@ impl Outbox for AgentOutbox {
         }
     }
 
+    /// Training ends with `None`: the round is no longer trained (a stop then says what the
+    /// checkpoint holds).
     fn busy(&mut self, filter: Option<ChunkFilter>) {
         let mut shared = self.shared();
-        shared.filter = filter;
-        if shared.filter.is_none() {
+        if filter.is_none() {
             shared.training = None;
         }
+        shared.filter = filter;
     }
 }

@@ -106,23 +106,20 @@ impl<N: Net, H: Host<N>> ModelWorker<N, H> {
 
     /// The site, once no evaluation holds it.
     pub fn site(&mut self) -> Result<&mut Site<N>, WorkError> {
-        self.settle();
-        self.site
-            .as_mut()
-            .ok_or_else(|| WorkError::failed("the site's model was lost with its evaluation"))
+        Ok(self.parts()?.0)
     }
 
     /// The site, giving the worker up.
     pub fn into_site(mut self) -> Result<Site<N>, WorkError> {
-        self.site()?;
-        self.site
-            .take()
-            .ok_or_else(|| WorkError::failed("the site's model was lost"))
+        self.settle();
+        self.site.take().ok_or_else(lost)
     }
 
-    /// The host.
-    pub fn host(&mut self) -> &mut H {
-        &mut self.host
+    /// The site (once no evaluation holds it), the settings and the host, borrowed apart.
+    fn parts(&mut self) -> Result<(&mut Site<N>, &WorkerConfig, &mut H), WorkError> {
+        self.settle();
+        let site = self.site.as_mut().ok_or_else(lost)?;
+        Ok((site, &self.cfg, &mut self.host))
     }
 
     /// Waits for an evaluation left running and keeps its outcome for [`Worker::wait`].
@@ -139,6 +136,11 @@ impl<N: Net, H: Host<N>> ModelWorker<N, H> {
         }
         self.host.rested();
     }
+}
+
+/// The error of a worker whose site went with an evaluation thread that panicked.
+fn lost() -> WorkError {
+    WorkError::failed("the site's model was lost with its evaluation")
 }
 
 /// A site error as a worker's: what the federation's model made of training is a refusal (the
@@ -188,10 +190,9 @@ fn evaluation<N: Net>(
 
 impl<N: Net, H: Host<N>> Worker for ModelWorker<N, H> {
     fn apply(&mut self, m: &RoundManifest, download: Downloaded) -> Result<(), WorkError> {
-        let spec = self.cfg.spec.clone();
-        let site = self.site()?;
+        let (site, cfg, _) = self.parts()?;
         let applied = match download.read() {
-            Ok(d) => site.receive(&spec, m, &d).map_err(|e| e.to_string()),
+            Ok(d) => site.receive(&cfg.spec, m, &d).map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
         applied.map_err(WorkError::Refused)
@@ -205,21 +206,16 @@ impl<N: Net, H: Host<N>> Worker for ModelWorker<N, H> {
         } else {
             None
         };
-        let (spec, device) = (self.cfg.spec.clone(), self.cfg.device.clone());
-        self.site()?;
-        let Some(site) = self.site.as_mut() else {
-            return Err(WorkError::failed("the site's model was lost"));
-        };
+        let (site, cfg, host) = self.parts()?;
         if let Some(sd) = package {
-            site.net = import(&site.net, &spec, &sd, Select::Bn).map_err(WorkError::failed)?;
+            site.net = import(&site.net, &cfg.spec, &sd, Select::Bn).map_err(WorkError::failed)?;
         }
-        let host = &mut self.host;
         site.net = host
             .compute(|| {
                 crate::bn::calibrate(
                     &site.net,
                     &site.train.x,
-                    &device,
+                    &cfg.device,
                     &Default::default(),
                     |_, _| {},
                 )
@@ -229,23 +225,18 @@ impl<N: Net, H: Host<N>> Worker for ModelWorker<N, H> {
     }
 
     fn evaluate(&mut self, m: &RoundManifest) -> Result<Evaluation, WorkError> {
-        self.site()?;
-        let (Some(site), cfg) = (self.site.as_ref(), &self.cfg) else {
-            return Err(WorkError::failed("the site's model was lost"));
-        };
-        let e = self.host.compute(|| evaluation(site, &site.net, m, cfg));
+        let (site, cfg, host) = self.parts()?;
+        let e = host.compute(|| evaluation(site, &site.net, m, cfg));
         if let Ok(e) = &e {
-            self.host.evaluated(site, e);
+            host.evaluated(site, e);
         }
-        self.host.rested();
+        host.rested();
         e
     }
 
     fn train(&mut self, m: &RoundManifest, evaluate_after: bool) -> Result<Vec<u8>, WorkError> {
-        self.site()?;
-        let Some(mut site) = self.site.take() else {
-            return Err(WorkError::failed("the site's model was lost"));
-        };
+        self.settle();
+        let mut site = self.site.take().ok_or_else(lost)?;
         let frozen = evaluate_after.then(|| site.freeze());
         let started = Instant::now();
         let progress = self.host.progress(m.round);
@@ -293,12 +284,7 @@ impl<N: Net, H: Host<N>> Worker for ModelWorker<N, H> {
     }
 
     fn checkpoint(&mut self, progress: &Progress) -> Result<(), WorkError> {
-        self.site()?;
-        let Some(site) = self.site.as_ref() else {
-            return Err(WorkError::failed("the site's model was lost"));
-        };
-        self.host
-            .checkpoint(site, progress)
-            .map_err(WorkError::Failed)
+        let (site, _, host) = self.parts()?;
+        host.checkpoint(site, progress).map_err(WorkError::Failed)
     }
 }

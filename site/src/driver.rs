@@ -278,11 +278,6 @@ impl<W: Worker> SiteDriver<W> {
         &self.worker
     }
 
-    /// The worker, to change.
-    pub fn worker_mut(&mut self) -> &mut W {
-        &mut self.worker
-    }
-
     /// The worker, giving the driver up.
     pub fn into_worker(self) -> W {
         self.worker
