@@ -17,6 +17,16 @@ pub enum Weighting {
     Uniform,
 }
 
+impl Weighting {
+    /// The weight in a mean of an update of `samples` training samples: the count, or 1.
+    pub fn weight(self, samples: u64) -> f64 {
+        match self {
+            Weighting::Samples => samples as f64,
+            Weighting::Uniform => 1.0,
+        }
+    }
+}
+
 /// The default bound on an update's norm relative to the model's: as large as the model itself.
 pub fn default_max_relative_norm() -> f64 {
     1.0

@@ -7,10 +7,11 @@ use crate::bnshare;
 use crate::broadcast::ModelBroadcast;
 use crate::config::FederationConfig;
 use crate::sealed::Sealed;
+use crate::spoolround::SpoolRound;
 use crate::store::{
     AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, SpoolTensor, State, Store, StoreError,
 };
-use crate::strategy::{self, Checked, RoundReader, Setup, Strategy, sum_squares};
+use crate::strategy::{self, Checked, Contributions, ReadError, Setup, Strategy, sum_squares};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -231,6 +232,9 @@ pub enum CoreError {
     /// A storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A round's contribution could not be read while the strategy combined it.
+    #[error("reading the round's contributions: {0}")]
+    Read(#[from] ReadError),
 }
 
 /// The keys and federation a site's message is opened against ([`Aggregator::admission`]).
@@ -1316,8 +1320,12 @@ impl Aggregator {
         // model and strategy go back to the committed ones, and the damaged updates are set
         // aside below before the fold runs again.
         match self.fold_round(now_ms) {
-            Err(CoreError::Store(StoreError::Corrupt { path, message })) => {
-                tracing::warn!(path = %path.display(), message, "a spooled update is damaged; checking every one before folding again");
+            Err(CoreError::Read(ReadError::Damaged { what, message })) => {
+                tracing::warn!(
+                    path = what,
+                    message,
+                    "a spooled update is damaged; checking every one before folding again"
+                );
                 self.restore_committed()?;
             }
             folded => return folded,
@@ -1387,7 +1395,7 @@ impl Aggregator {
     fn fold_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
         let round = self.state.round;
         let sites = self.store.spool_sites(round)?;
-        let reader = RoundReader::new(&self.store, round, sites.clone(), self.cfg.weighting);
+        let reader = SpoolRound::new(&self.store, round, sites.clone(), self.cfg.weighting);
         {
             let idx = &self.update_idx;
             let mut targets: Vec<&mut Vec<f32>> = Arc::make_mut(&mut self.model)
@@ -1478,7 +1486,7 @@ impl Aggregator {
 
     /// Pools the BN tensors the sharing policy lets sites send into version `version`'s
     /// onboarding package (written before the commit point).
-    fn pool_shared_bn(&self, reader: &RoundReader<'_>, version: u64) -> Result<(), CoreError> {
+    fn pool_shared_bn(&self, reader: &dyn Contributions, version: u64) -> Result<(), CoreError> {
         if self.share_idx.is_empty() {
             return Ok(());
         }

@@ -43,6 +43,7 @@ pub mod service;
 pub mod serving;
 pub mod spelling;
 mod spoolfile;
+pub mod spoolround;
 pub mod store;
 pub mod strategy;
 pub mod uploads;

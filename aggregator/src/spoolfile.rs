@@ -365,7 +365,7 @@ fn footer_of(path: &Path, f: &File, body: u64, round: u64) -> Result<Footer, Sto
 
 /// A spool file whose delta is exact tensors in its head only, read by position from any
 /// number of threads at once: several files of a round are folded value range by value range
-/// this way ([`crate::store::Store::spool_fold_round`]), while [`Exact::verify`] reads each
+/// this way ([`crate::spoolround::fold_round`]), while [`Exact::verify`] reads each
 /// one whole and checks its sum. Nothing read counts until `verify` has passed.
 pub(crate) struct Exact {
     /// The footer (read before the checksum has vouched for it).

@@ -4,12 +4,13 @@
 
 use sha2::Digest;
 use unifed_aggregator::fold::Fold;
+use unifed_aggregator::spoolround::{fold_one, fold_round};
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::strategy::Extras;
 use unifed_protocol::encoding::{Encoding, decode, encode};
 use unifed_protocol::messages::LocalReport;
 
-/// Folds `site`'s spooled update of `round` twice: streamed by `spool_fold`, and from
+/// Folds `site`'s spooled update of `round` twice: streamed by `fold_one`, and from
 /// `spool_get`'s delta with `Fold::add`; the two must agree bit for bit. A fold shaped
 /// otherwise than the delta is refused by name.
 fn streamed_fold_is_the_fold_of_the_read_delta(store: &Store, round: u64, site: &str) {
@@ -18,9 +19,7 @@ fn streamed_fold_is_the_fold_of_the_read_delta(store: &Store, round: u64, site: 
     let mut whole = Fold::new(&lens);
     whole.add(c.samples as f64 * 0.5, &c.delta);
     let mut streamed = Fold::new(&lens);
-    store
-        .spool_fold(round, site, |n| n as f64 * 0.5, &mut streamed)
-        .unwrap();
+    fold_one(store, round, site, |n| n as f64 * 0.5, &mut streamed).unwrap();
     assert_eq!((streamed.count(), streamed.weight()), (1, whole.weight()));
     let bits = |f: Fold| -> Vec<Vec<u64>> {
         f.mean()
@@ -33,15 +32,19 @@ fn streamed_fold_is_the_fold_of_the_read_delta(store: &Store, round: u64, site: 
 
     let mut longer = lens.clone();
     longer[0] += 1;
-    let err = store
-        .spool_fold(round, site, |n| n as f64, &mut Fold::new(&longer))
+    let err = fold_one(store, round, site, |n| n as f64, &mut Fold::new(&longer))
         .unwrap_err()
         .to_string();
     assert!(err.contains(&format!("not {}", longer[0])), "{err}");
-    let err = store
-        .spool_fold(round, site, |n| n as f64, &mut Fold::new(&lens[1..]))
-        .unwrap_err()
-        .to_string();
+    let err = fold_one(
+        store,
+        round,
+        site,
+        |n| n as f64,
+        &mut Fold::new(&lens[1..]),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("delta tensors where the model has"), "{err}");
 }
 
@@ -293,8 +296,7 @@ fn a_staged_upload_becomes_the_spool_file_and_its_tensors_are_read_where_they_li
         let err = store.spool_get(6, "a").unwrap_err().to_string();
         assert!(err.contains("checksum mismatch"), "{at}: {err}");
         let lens = [stats.len(), 64, weights.len()];
-        let err = store
-            .spool_fold(6, "a", |n| n as f64, &mut Fold::new(&lens))
+        let err = fold_one(&store, 6, "a", |n| n as f64, &mut Fold::new(&lens))
             .unwrap_err()
             .to_string();
         assert!(err.contains("checksum mismatch"), "{at}: {err}");
@@ -376,7 +378,7 @@ fn spool_exact(store: &Store, round: u64, site: &str, samples: u64, delta: &[Vec
 /// Whether a round was folded, and its mean's bits per tensor.
 type RoundMean = (bool, Vec<Vec<u64>>);
 
-/// The round's mean by `spool_fold_round`, gathered from its blocks (each value handed on
+/// The round's mean by `fold_round`, gathered from its blocks (each value handed on
 /// exactly once when folded, none otherwise).
 fn round_mean(
     store: &Store,
@@ -387,19 +389,19 @@ fn round_mean(
     // Each value's bits, and how often it was handed on.
     let mut mean: Vec<Vec<(u64, u8)>> = lens.iter().map(|&n| vec![(0, 0); n]).collect();
     let mut targets: Vec<&mut [(u64, u8)]> = mean.iter_mut().map(|t| &mut t[..]).collect();
-    let folded = store
-        .spool_fold_round(
-            round,
-            sites,
-            |n| n as f64 * 0.5,
-            &mut targets,
-            |t, m| {
-                for (x, v) in t.iter_mut().zip(m) {
-                    *x = (v.to_bits(), x.1 + 1);
-                }
-            },
-        )
-        .map_err(|e| e.to_string())?;
+    let folded = fold_round(
+        store,
+        round,
+        sites,
+        |n| n as f64 * 0.5,
+        &mut targets,
+        |t, m| {
+            for (x, v) in t.iter_mut().zip(m) {
+                *x = (v.to_bits(), x.1 + 1);
+            }
+        },
+    )
+    .map_err(|e| e.to_string())?;
     Ok(folded.map(|f| {
         // Every value exactly once when folded, none otherwise.
         let want = u8::from(f);
@@ -432,9 +434,7 @@ fn spool_and_fold(
             .map(|(k, &n)| values(n, value(i, k)))
             .collect();
         spool_exact(store, round, s, samples(i), &delta);
-        store
-            .spool_fold(round, s, |n| n as f64 * 0.5, &mut whole)
-            .unwrap();
+        fold_one(store, round, s, |n| n as f64 * 0.5, &mut whole).unwrap();
     }
     whole
         .mean()
@@ -448,7 +448,7 @@ fn spool_and_fold(
 fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path()).unwrap();
-    let block = unifed_aggregator::store::ROUND_BLOCK;
+    let block = unifed_aggregator::spoolround::ROUND_BLOCK;
     // One tensor over two blocks and a half, a small one, and one of a single value.
     let lens = [2 * block + block / 2, 7, 1];
     let sites: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();

@@ -3,8 +3,7 @@
 //! and Song Algorithm 1) and Per-FedAvg (first-order meta-steps on the sites; Fallah et al.
 //! Algorithm 1) share: the weighted mean of the sites' deltas, folded in site order in f64.
 
-use super::{Extras, RoundReader, Strategy, StrategyState, no_extras, step_by};
-use crate::store::StoreError;
+use super::{Contributions, Extras, ReadError, Strategy, StrategyState, no_extras, step_by};
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, SiteUpdateRef};
 
@@ -97,12 +96,12 @@ impl Strategy for FedAvg {
 
     fn aggregate(
         &mut self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         model: &mut [&mut Vec<f32>],
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ReadError> {
         // The mean is applied as it is folded, a block at a time: no model-sized sums.
         let mut targets: Vec<&mut [f32]> = model.iter_mut().map(|t| &mut t[..]).collect();
-        round.mean_delta_into(&mut targets, |x, mean| step_by(x, mean, 1.0))?;
+        round.mean_delta_into(&mut targets, &|x, mean| step_by(x, mean, 1.0))?;
         Ok(())
     }
 

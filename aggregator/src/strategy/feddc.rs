@@ -18,8 +18,9 @@
 //! covers the trainable averaged tensors (non-BN under `local` BN, BN affine too under
 //! `global`); BN running statistics take the plain mean.
 
-use super::{Extras, RoundReader, Scaffold, ScaffoldConfig, Setup, Strategy, StrategyState};
-use crate::store::StoreError;
+use super::{
+    Contributions, Extras, ReadError, Scaffold, ScaffoldConfig, Setup, Strategy, StrategyState,
+};
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, ServerExtras, SiteUpdateRef};
 
@@ -125,9 +126,9 @@ impl Strategy for FedDc {
 
     fn aggregate(
         &mut self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         model: &mut [&mut Vec<f32>],
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ReadError> {
         if !self.scaffold.step_mean(round, model)? {
             return Ok(());
         }

@@ -22,9 +22,8 @@
 //! delta, `max_samples` on the weight) still hold for each update as sent; a count of 0 is
 //! refused.
 
-use super::{Extras, RoundReader, Setup, Strategy, StrategyState, no_extras, step_by};
+use super::{Contributions, Extras, ReadError, Setup, Strategy, StrategyState, no_extras, step_by};
 use crate::fold::Fold;
-use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{RejectReason, SiteUpdateRef};
 
@@ -89,9 +88,9 @@ impl Strategy for FedNova {
 
     fn aggregate(
         &mut self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         model: &mut [&mut Vec<f32>],
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ReadError> {
         let lens: Vec<usize> = model.iter().map(|t| t.len()).collect();
         let mut fold = Fold::new(&lens);
         let mut first: Option<f64> = None;

@@ -16,8 +16,9 @@
 //! make it negative. Moments are kept in f32 and stepped in f64, so a restart from the stored
 //! state continues with the same bits.
 
-use super::{Extras, RoundReader, Setup, Strategy, StrategyState, no_extras, step_by};
-use crate::store::StoreError;
+use super::{
+    Contributions, Extras, ReadError, Setup, Strategy, StrategyState, lens, no_extras, step_by,
+};
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{RejectReason, SiteUpdateRef};
 
@@ -165,10 +166,10 @@ impl Strategy for FedOpt {
 
     fn aggregate(
         &mut self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         model: &mut [&mut Vec<f32>],
-    ) -> Result<(), StoreError> {
-        let Some(mean) = round.mean_delta(model)? else {
+    ) -> Result<(), ReadError> {
+        let Some(mean) = round.mean_delta(&lens(model))? else {
             return Ok(());
         };
         let mut j = 0;

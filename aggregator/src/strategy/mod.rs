@@ -8,8 +8,9 @@
 //!   (SCAFFOLD's server control variate).
 //! - [`Strategy::check`]: the algorithm's own checks of an update (its extras), after the core's
 //!   checks of names, shapes, encodings and finiteness; returns the extras decoded for the spool.
-//! - [`Strategy::aggregate`]: the new averaged tensors from a [`RoundReader`] over the round's
-//!   spooled contributions, which can be read as many times as a rule needs.
+//! - [`Strategy::aggregate`]: the new averaged tensors from the round's [`Contributions`]
+//!   (the spool's, streamed from its files; or [`InMemory`] ones in tests), which can be read
+//!   as many times as a rule needs.
 //! - [`Strategy::state`]: serialisable state (FedOpt's moments, SCAFFOLD's control variate,
 //!   FedDC's drift sum), written beside the model version it belongs to
 //!   (`models/v{N}.strategy`) before the state that names the version is committed, so a crash
@@ -31,21 +32,21 @@ mod fedavg;
 mod feddc;
 mod fednova;
 mod fedopt;
+mod round;
 mod scaffold;
 
 pub use fedavg::{FedAvg, MoonConfig, PerFedAvgConfig};
 pub use feddc::{FedDc, FedDcConfig};
 pub use fednova::{FedNova, FedNovaConfig};
 pub use fedopt::{FedOpt, FedOptConfig, Rule};
+pub use round::{Contribution, Contributions, Extras, InMemory, ReadError};
 pub use scaffold::{Scaffold, ScaffoldConfig};
 
-use crate::config::Weighting;
-use crate::store::{Store, StoreError};
 use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
 use unifed_protocol::encoding::{EncodedTensor, Encoding, decode, exact_le_bytes};
 use unifed_protocol::messages::{
-    LocalReport, Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdateRef,
+    Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdateRef,
 };
 
 /// The federation's algorithm and its server-side parameters, as configured. FedBN is
@@ -299,130 +300,6 @@ impl Setup {
     }
 }
 
-/// A contribution's algorithm tensors, decoded and checked by the strategy (what the spool
-/// keeps of [`SiteExtras`]).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub enum Extras {
-    /// None.
-    #[default]
-    None,
-    /// SCAFFOLD's change of the site's control variate, in [`Setup::trainable`] order.
-    Control(Vec<Vec<f32>>),
-}
-
-/// One site's accepted contribution to a round, as spooled.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Contribution {
-    /// Training samples behind it (bounded by the federation's `max_samples`).
-    pub samples: u64,
-    /// The site's report of its local training.
-    pub report: LocalReport,
-    /// Its algorithm tensors, decoded.
-    pub extras: Extras,
-    /// Dense deltas of the averaged tensors, in the order the core hands to
-    /// [`Strategy::aggregate`].
-    pub delta: Vec<Vec<f32>>,
-    /// The BN tensors the sharing policy lets leave the site (values), for the onboarding
-    /// package.
-    pub bn: Vec<Vec<f32>>,
-}
-
-/// Reads a round's spooled contributions in site order, as often as a rule needs.
-#[derive(Debug)]
-pub struct RoundReader<'a> {
-    store: &'a Store,
-    round: u64,
-    sites: Vec<String>,
-    weighting: Weighting,
-}
-
-impl<'a> RoundReader<'a> {
-    /// A reader over `sites` (sorted) of `round` in `store`.
-    pub fn new(store: &'a Store, round: u64, sites: Vec<String>, weighting: Weighting) -> Self {
-        RoundReader {
-            store,
-            round,
-            sites,
-            weighting,
-        }
-    }
-
-    /// The round.
-    pub fn round(&self) -> u64 {
-        self.round
-    }
-
-    /// The sites with a contribution, in site order.
-    pub fn sites(&self) -> &[String] {
-        &self.sites
-    }
-
-    /// The weight of a contribution in a mean: its sample count, or 1 under uniform weighting.
-    pub fn weight(&self, c: &Contribution) -> f64 {
-        self.weight_of(c.samples)
-    }
-
-    /// The weight in a mean of a contribution of `samples` training samples.
-    fn weight_of(&self, samples: u64) -> f64 {
-        match self.weighting {
-            Weighting::Samples => samples as f64,
-            Weighting::Uniform => 1.0,
-        }
-    }
-
-    /// Every contribution in site order, read from the spool one at a time (O(model) memory).
-    pub fn iter(&self) -> impl Iterator<Item = Result<(&str, Contribution), StoreError>> + '_ {
-        self.sites
-            .iter()
-            .map(move |s| self.store.spool_get(self.round, s).map(|c| (s.as_str(), c)))
-    }
-
-    /// The weighted mean of the contributions' deltas in f64, shaped like `model` (`None` when
-    /// nothing carries weight).
-    pub fn mean_delta(&self, model: &[&mut Vec<f32>]) -> Result<Option<Vec<Vec<f64>>>, StoreError> {
-        let mut mean: Vec<Vec<f64>> = model.iter().map(|t| vec![0.0; t.len()]).collect();
-        let mut targets: Vec<&mut [f64]> = mean.iter_mut().map(|t| &mut t[..]).collect();
-        let folded = self.mean_delta_into(&mut targets, |t, m| t.copy_from_slice(m))?;
-        Ok(folded.then_some(mean))
-    }
-
-    /// The weighted mean of the contributions' deltas handed to `each(target, mean)` a block of
-    /// values at a time, with the part of `targets` (one slice per delta tensor, as long as
-    /// it) the block is of, every value exactly once and perhaps from several threads at once;
-    /// false when nothing carries weight (nothing is handed on). Every update is read once for
-    /// the values and never whole, and neither are the sums when the round's updates are exact
-    /// ([`Store::spool_fold_round`]); otherwise each update is folded into sums of the model's
-    /// size in turn. On an error, what `each` made of the values must be dropped.
-    pub fn mean_delta_into<T: Send>(
-        &self,
-        targets: &mut [&mut [T]],
-        each: impl Fn(&mut [T], &[f64]) + Sync,
-    ) -> Result<bool, StoreError> {
-        if let Some(folded) = self.store.spool_fold_round(
-            self.round,
-            &self.sites,
-            |n| self.weight_of(n),
-            targets,
-            &each,
-        )? {
-            return Ok(folded);
-        }
-        let lens: Vec<usize> = targets.iter().map(|t| t.len()).collect();
-        let mut fold = crate::fold::Fold::new(&lens);
-        for s in &self.sites {
-            self.store
-                .spool_fold(self.round, s, |n| self.weight_of(n), &mut fold)?;
-        }
-        let Some(mean) = fold.mean() else {
-            return Ok(false);
-        };
-        for (t, m) in targets.iter_mut().zip(&mean) {
-            each(t, m);
-        }
-        Ok(true)
-    }
-}
-
 /// A server strategy: pure policy over the core's round loop.
 pub trait Strategy: std::fmt::Debug + Send + Sync {
     /// The plan every site sampled in `round` follows: plain cross-entropy unless the
@@ -446,9 +323,9 @@ pub trait Strategy: std::fmt::Debug + Send + Sync {
     /// each contribution's `delta`.
     fn aggregate(
         &mut self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         model: &mut [&mut Vec<f32>],
-    ) -> Result<(), StoreError>;
+    ) -> Result<(), ReadError>;
 
     /// The state to commit with the new model version.
     fn state(&self) -> StrategyState;
@@ -683,6 +560,11 @@ fn all_finite_le(bytes: &[u8]) -> bool {
             bad | u32::from(bits & EXPONENT == EXPONENT)
         }) == 0
     })
+}
+
+/// The length of each of `model`'s tensors.
+pub(crate) fn lens(model: &[&mut Vec<f32>]) -> Vec<usize> {
+    model.iter().map(|t| t.len()).collect()
 }
 
 /// `x <- x + eta d` in f64, rounded once to f32 (with `eta = 1` exactly FedAvg's step).

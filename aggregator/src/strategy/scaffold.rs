@@ -23,9 +23,9 @@
 //! under `global`; BN running statistics never (under `global` they take the plain mean).
 
 use super::{
-    Contribution, Extras, RoundReader, Setup, Strategy, StrategyState, dense, exact, step_by,
+    Contribution, Contributions, Extras, ReadError, Setup, Strategy, StrategyState, dense, exact,
+    step_by,
 };
-use crate::store::StoreError;
 use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
 use unifed_protocol::encoding::Encoding;
@@ -142,10 +142,10 @@ impl Scaffold {
     /// mean on running statistics); false when nothing carried weight.
     pub(crate) fn step_mean(
         &self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         model: &mut [&mut Vec<f32>],
-    ) -> Result<bool, StoreError> {
-        let Some(mean) = round.mean_delta(model)? else {
+    ) -> Result<bool, ReadError> {
+        let Some(mean) = round.mean_delta(&super::lens(model))? else {
             return Ok(false);
         };
         for ((x, d), &stepped) in model.iter_mut().zip(&mean).zip(&self.stepped) {
@@ -159,9 +159,9 @@ impl Scaffold {
     /// the spool that also hands each contribution to `visit` (FedDC sums the deltas there).
     pub(crate) fn fold_controls(
         &mut self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         mut visit: impl FnMut(&str, &Contribution),
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ReadError> {
         let shape: Vec<usize> = self.c.iter().map(Vec::len).collect();
         let mut deltas: Vec<Vec<Vec<f32>>> = Vec::new();
         for c in round.iter() {
@@ -234,9 +234,9 @@ impl Strategy for Scaffold {
 
     fn aggregate(
         &mut self,
-        round: &RoundReader<'_>,
+        round: &dyn Contributions,
         model: &mut [&mut Vec<f32>],
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ReadError> {
         if self.step_mean(round, model)? {
             self.fold_controls(round, |_, _| {})?;
         }

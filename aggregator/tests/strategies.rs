@@ -1,0 +1,274 @@
+//! Strategies read a round through `Contributions`: every algorithm combines a round held in
+//! memory (`InMemory`, no files) exactly as it combines the same round read from the spool
+//! (`SpoolRound`), model and state bit for bit; and the rules' numbers are the papers', worked
+//! by hand on rounds in memory.
+
+use unifed_aggregator::Weighting;
+use unifed_aggregator::spoolround::SpoolRound;
+use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
+use unifed_aggregator::strategy::{
+    Algorithm, Contribution, Contributions, Extras, InMemory, ReadError, Setup, StrategyState,
+    from_config,
+};
+use unifed_protocol::encoding::Encoding;
+use unifed_protocol::messages::LocalReport;
+use unifed_protocol::{TensorKind, TensorSpec};
+
+fn spec(name: &str, n: usize, kind: TensorKind) -> TensorSpec {
+    TensorSpec {
+        name: name.into(),
+        shape: vec![n],
+        kind,
+    }
+}
+
+/// Two trainable tensors and a BN running mean (as under BN policy `global`).
+fn setup(sites: usize) -> Setup {
+    Setup {
+        tensors: vec![
+            spec("w", 5, TensorKind::NonBn),
+            spec("bn.weight", 3, TensorKind::BnWeight),
+            spec("bn.running_mean", 3, TensorKind::BnRunningMean),
+        ],
+        encoding: Encoding::F32,
+        sites,
+    }
+}
+
+/// Site `i`'s contribution: deltas of irregular values, its own step count and sample count,
+/// and a control-variate delta when `control`.
+fn contribution(setup: &Setup, i: usize, control: bool) -> Contribution {
+    let value = |k: usize, e: usize| ((i * 7 + k * 3 + e) as f32 * 0.37).sin() * 0.1;
+    let delta: Vec<Vec<f32>> = setup
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(k, t)| (0..t.numel()).map(|e| value(k, e)).collect())
+        .collect();
+    let extras = match control {
+        true => Extras::Control(
+            setup
+                .trainable()
+                .enumerate()
+                .map(|(k, t)| (0..t.numel()).map(|e| value(k + 5, e) * 0.5).collect())
+                .collect(),
+        ),
+        false => Extras::None,
+    };
+    Contribution {
+        samples: 10 + 13 * i as u64,
+        report: LocalReport {
+            local_steps: 4 + i as u64,
+            train_loss: 0.5,
+        },
+        extras,
+        delta,
+        bn: Vec::new(),
+    }
+}
+
+fn model(setup: &Setup) -> Vec<Vec<f32>> {
+    setup
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(k, t)| {
+            (0..t.numel())
+                .map(|e| 1.0 + (k + e) as f32 * 0.25)
+                .collect()
+        })
+        .collect()
+}
+
+/// Two rounds of `algorithm` over `round` (the second from the state the first left): the
+/// model after each, and the state.
+fn combine(
+    algorithm: &Algorithm,
+    setup: &Setup,
+    rounds: [&dyn Contributions; 2],
+) -> (Vec<Vec<Vec<f32>>>, StrategyState) {
+    let mut strategy = from_config(algorithm, setup, None).unwrap();
+    let mut x = model(setup);
+    let mut models = Vec::new();
+    for round in rounds {
+        let mut targets: Vec<&mut Vec<f32>> = x.iter_mut().collect();
+        strategy.aggregate(round, &mut targets).unwrap();
+        models.push(x.clone());
+    }
+    (models, strategy.state())
+}
+
+fn spool(store: &Store, round: u64, site: &str, c: &Contribution) {
+    let delta: Vec<SpoolTensor> = c.delta.iter().map(|d| SpoolTensor::Values(d)).collect();
+    store
+        .spool_put(
+            round,
+            site,
+            &SpoolEntry {
+                message: &[],
+                staged: None,
+                samples: c.samples,
+                report: &c.report,
+                extras: &c.extras,
+                delta: &delta,
+                bn: &c.bn,
+            },
+        )
+        .unwrap();
+}
+
+#[test]
+fn every_algorithm_combines_a_round_in_memory_as_it_combines_it_from_the_spool() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let setup = setup(4);
+    for weighting in [Weighting::Samples, Weighting::Uniform] {
+        for algorithm in Algorithm::all() {
+            let control = matches!(algorithm, Algorithm::Scaffold(_) | Algorithm::FedDc(_));
+            let mut memory = Vec::new();
+            let mut spooled = Vec::new();
+            for (r, sites) in [(1u64, [0usize, 2, 3].as_slice()), (2, &[1, 2])] {
+                let round: Vec<(String, Contribution)> = sites
+                    .iter()
+                    .map(|&i| {
+                        (
+                            format!("site-{i}"),
+                            contribution(&setup, i + r as usize, control),
+                        )
+                    })
+                    .collect();
+                for (site, c) in &round {
+                    spool(&store, r, site, c);
+                }
+                let names = round.iter().map(|(s, _)| s.clone()).collect();
+                spooled.push(SpoolRound::new(&store, r, names, weighting));
+                memory.push(InMemory::new(r, weighting, round));
+            }
+            let in_memory = combine(&algorithm, &setup, [&memory[0], &memory[1]]);
+            let from_spool = combine(&algorithm, &setup, [&spooled[0], &spooled[1]]);
+            assert_eq!(in_memory, from_spool, "{}", algorithm.name());
+            // Every round moved the model.
+            assert_ne!(in_memory.0[0], model(&setup), "{}", algorithm.name());
+            assert_ne!(in_memory.0[1], in_memory.0[0], "{}", algorithm.name());
+            store.spool_clear_before(3).unwrap();
+        }
+    }
+}
+
+#[test]
+fn fedavg_steps_the_model_by_the_sample_weighted_mean_of_the_deltas() {
+    let setup = Setup {
+        tensors: vec![spec("w", 2, TensorKind::NonBn)],
+        encoding: Encoding::F32,
+        sites: 0,
+    };
+    let c = |samples, delta: [f32; 2]| Contribution {
+        samples,
+        report: LocalReport::default(),
+        extras: Extras::None,
+        delta: vec![delta.to_vec()],
+        bn: Vec::new(),
+    };
+    // Weights 1 and 3: ((1 * 1 + 3 * 5) / 4, (1 * 2 + 3 * 6) / 4) = (4, 5).
+    let round = InMemory::new(
+        1,
+        Weighting::Samples,
+        [
+            ("b".to_string(), c(3, [5.0, 6.0])),
+            ("a".into(), c(1, [1.0, 2.0])),
+        ],
+    );
+    assert_eq!(round.sites(), ["a", "b"]);
+    let mut strategy = from_config(&Algorithm::FedAvg, &setup, None).unwrap();
+    let mut x = vec![vec![0.5f32, -1.0]];
+    strategy
+        .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    assert_eq!(x, vec![vec![4.5f32, 4.0]]);
+    // Uniform weighting: the plain mean (3, 4).
+    let round = InMemory::new(
+        1,
+        Weighting::Uniform,
+        [
+            ("b".to_string(), c(3, [5.0, 6.0])),
+            ("a".into(), c(1, [1.0, 2.0])),
+        ],
+    );
+    let mut x = vec![vec![0.0f32, 0.0]];
+    strategy
+        .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    assert_eq!(x, vec![vec![3.0f32, 4.0]]);
+}
+
+#[test]
+fn scaffold_moves_its_control_variate_by_the_sum_of_deltas_over_all_registered_sites() {
+    let setup = Setup {
+        tensors: vec![spec("w", 2, TensorKind::NonBn)],
+        encoding: Encoding::F32,
+        sites: 4,
+    };
+    let c = |dc: [f32; 2]| Contribution {
+        samples: 1,
+        report: LocalReport::default(),
+        extras: Extras::Control(vec![dc.to_vec()]),
+        delta: vec![vec![0.0, 0.0]],
+        bn: Vec::new(),
+    };
+    // N = 4, two report: c = ([0.5, 1] + [1.5, -3]) / 4 = [0.5, -0.5].
+    let round = InMemory::new(
+        1,
+        Weighting::Samples,
+        [
+            ("a".to_string(), c([0.5, 1.0])),
+            ("b".into(), c([1.5, -3.0])),
+        ],
+    );
+    let algorithm = Algorithm::named("scaffold").unwrap();
+    let mut strategy = from_config(&algorithm, &setup, None).unwrap();
+    let mut x = [vec![0.0f32, 0.0]];
+    strategy
+        .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    match strategy.state() {
+        StrategyState::Scaffold { c, n, .. } => {
+            assert_eq!(c, vec![vec![0.5f32, -0.5]]);
+            assert_eq!(n, 4);
+        }
+        other => panic!("SCAFFOLD's state is {other:?}"),
+    }
+}
+
+#[test]
+fn a_contribution_a_round_does_not_hold_is_a_typed_read_error() {
+    let round = InMemory::new(3, Weighting::Samples, []);
+    assert!(matches!(
+        round.get("nobody"),
+        Err(ReadError::Unreadable { what, .. }) if what.contains("`nobody`")
+    ));
+}
+
+#[test]
+fn a_damaged_spool_file_is_a_damaged_read_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let setup = setup(0);
+    let c = contribution(&setup, 1, false);
+    spool(&store, 1, "a", &c);
+    let path = dir.path().join("spool/r1/a.upd");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let round = SpoolRound::new(&store, 1, vec!["a".into()], Weighting::Samples);
+    assert!(matches!(
+        round.get("a"),
+        Err(ReadError::Damaged { what, .. }) if what.ends_with("a.upd")
+    ));
+    let mut strategy = from_config(&Algorithm::FedAvg, &setup, None).unwrap();
+    let mut x = model(&setup);
+    let err = strategy
+        .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
+        .unwrap_err();
+    assert!(matches!(err, ReadError::Damaged { .. }), "{err}");
+}
