@@ -6,7 +6,8 @@ use serde::Deserialize;
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use unifed_models::checkpoint;
-use unifed_models::site::{Memory, Site};
+use unifed_models::client::ClientState;
+use unifed_models::site::{Memory, MemoryLayout, Site};
 use unifed_models::state::{Select, import_into};
 use unifed_protocol::ModelSpec;
 use unifed_site::Progress;
@@ -34,10 +35,13 @@ pub(crate) struct SiteFiles {
 /// in bytes (two u64) and XXH3-128 (16 bytes, little-endian), then the XXH3-128 of everything
 /// before it (16 bytes).
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
-/// 5 added the two sums: of the model file, and of the checkpoint itself. 4 moved the model
-/// out to a file of its own, 3 held its safetensors bytes at the end, and 2 a memory without
-/// MOON's previous local model and FedDC's drift; all three are still read.
-const CHECKPOINT_VERSION: u32 = 5;
+/// 6 keeps the algorithm's state typed (`ClientState`) where 5 and earlier kept SCAFFOLD's
+/// variates, MOON's previous model and FedDC's drift in fields of their own
+/// ([`MemoryLayout::Fields`]). 5 added the two sums: of the model file, and of the checkpoint
+/// itself. 4 moved the model out to a file of its own, 3 held its safetensors bytes at the end,
+/// and 2 a memory without MOON's previous local model and FedDC's drift; all four are still
+/// read.
+const CHECKPOINT_VERSION: u32 = 6;
 
 /// Bytes of an XXH3-128 sum.
 const SUM_LEN: usize = 16;
@@ -137,15 +141,19 @@ impl SiteFiles {
         }
         let v = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
         let (progress, model) = match v {
-            CHECKPOINT_VERSION | 4 | 3 => {
+            CHECKPOINT_VERSION | 5 | 4 | 3 => {
                 // The progress, the memory, then the model's file (see `CHECKPOINT_MAGIC`), or
                 // in version 3 its bytes.
                 let r = Summing::new(r, &head);
                 let mut scratch = vec![0u8; 1 << 12];
+                let layout = match v {
+                    CHECKPOINT_VERSION => MemoryLayout::Typed,
+                    _ => MemoryLayout::Fields,
+                };
                 let (progress, (r, _)) = postcard::from_io::<Progress, _>((r, &mut scratch))
                     .with_context(|| format!("reading {}", p.display()))?;
                 let mut r = site
-                    .restore_memory_from(r, spec)
+                    .restore_memory_from(r, spec, layout)
                     .with_context(|| format!("{}", p.display()))?;
                 let model = match v {
                     3 => read_embedded_model(&mut r, len),
@@ -166,18 +174,21 @@ impl SiteFiles {
                         .with_context(|| format!("reading {}", p.display()))?;
                 let memory = Memory {
                     residual: m.residual,
-                    control: m.control,
-                    server_control: m.server_control,
                     held: m.held,
-                    previous: None,
-                    drift: Default::default(),
+                    algorithm: ClientState::from_fields(
+                        m.control,
+                        m.server_control,
+                        None,
+                        Default::default(),
+                    ),
                 };
                 site.restore_memory(memory, spec)
                     .with_context(|| format!("{}", p.display()))?;
                 (progress, model)
             }
             v => bail!(
-                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 4, 3 or 2, which it reads)",
+                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 5, 4, 3 or 2, which it \
+                 reads)",
                 p.display()
             ),
         };
@@ -378,6 +389,7 @@ mod tests {
 
     #[test]
     fn a_checkpoint_restores_model_memory_and_progress_and_versions_2_3_and_4_too() {
+        use unifed_models::client::Controls;
         use unifed_models::data::Dataset;
         use unifed_models::zoo::{MlpConfig, seeded, spec_of};
         let device = unifed_models::backend::Backend::Flex.device().unwrap();
@@ -436,8 +448,16 @@ mod tests {
         );
         assert_eq!(export(&site.net, &spec, Select::All).tensors, state.tensors);
         let memory = site.memory().unwrap();
-        assert_eq!((&memory.residual, &memory.control), (&residual, &residual));
-        assert!(memory.previous.is_none() && memory.held.is_none());
+        // Its `c_i` is SCAFFOLD's state now.
+        let scaffold = ClientState::Scaffold(Controls {
+            control: residual.clone(),
+            server: None,
+        });
+        assert_eq!(
+            (&memory.residual, &memory.algorithm),
+            (&residual, &scaffold)
+        );
+        assert!(memory.held.is_none());
 
         // Versions 3 and 4, from a site with a lossy encoding's memory.
         let lossy = Memory {
@@ -451,13 +471,22 @@ mod tests {
             ..memory
         };
         site.restore_memory(lossy.clone(), &spec).unwrap();
-        // A checkpoint of `version` holding `record` after the progress and memory, restored
-        // into a fresh site: the progress, the lossy memory and the model, bit for bit.
-        // (postcard writes a tuple as its fields one after the other.)
+        // A checkpoint of `version` holding `record` after the progress and the memory in the
+        // fields of versions 3 to 5, restored into a fresh site: the progress, the lossy memory
+        // and the model, bit for bit. (postcard writes a tuple as its fields one after the
+        // other, as it writes a struct.)
+        let fields = (
+            &lossy.residual,
+            &residual,
+            None::<(u64, ())>,
+            &lossy.held,
+            None::<()>,
+            std::collections::BTreeMap::<String, Vec<f32>>::new(),
+        );
         let restores_old = |version: u32, record: Vec<u8>| {
             let mut bytes = CHECKPOINT_MAGIC.to_vec();
             bytes.extend_from_slice(&version.to_le_bytes());
-            let mut bytes = postcard::to_extend(&(&progress, site.stored_memory()), bytes).unwrap();
+            let mut bytes = postcard::to_extend(&(&progress, &fields), bytes).unwrap();
             bytes.extend_from_slice(&record);
             std::fs::write(&files.checkpoint, bytes).unwrap();
             let dir = tempfile::tempdir().unwrap();
@@ -481,7 +510,7 @@ mod tests {
         files.next.set(0);
         let other = tempfile::tempdir().unwrap();
 
-        // Version 5, as `write` writes it from a site whose residual and held broadcast wait in
+        // Version 6, as `write` writes it from a site whose residual and held broadcast wait in
         // files: read back into a fresh site, they go to its own files, bit for bit. Model
         // files a crash left before a checkpoint named them go too, or are written over, even
         // read-only (as the agent leaves its model files).
@@ -596,7 +625,8 @@ mod tests {
         // So is a checkpoint whose bytes changed (here a value of the memory: its own sum is
         // the only check that sees it), or that has bytes after its sum.
         let mut bytes = whole.clone();
-        let at = bytes.len() / 2;
+        let value = (-1.25f32).to_le_bytes();
+        let at = bytes.windows(4).position(|w| w == value).expect("a held value");
         bytes[at] ^= 0x10;
         std::fs::write(&files.checkpoint, bytes).unwrap();
         let e = err(&files);
@@ -611,7 +641,7 @@ mod tests {
         let mut bytes = whole.clone();
         bytes[4..8].copy_from_slice(&9u32.to_le_bytes());
         std::fs::write(&files.checkpoint, bytes).unwrap();
-        assert!(err(&files).contains("format version 9 is not 5"));
+        assert!(err(&files).contains("format version 9 is not 6"));
         std::fs::remove_file(&files.checkpoint).unwrap();
         assert_eq!(
             files.restore(&spec, &mut fresh(other.path())).unwrap(),

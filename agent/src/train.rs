@@ -158,7 +158,7 @@ impl AgentConfig {
     /// The device of `backend`; a GPU backend first gets the site's kernel cache
     /// ([`kernel_cache`](Self::kernel_cache)). A cache that cannot be set (an unwritable folder,
     /// settings already read in this process) costs tuning time, not the site: it is logged.
-    pub fn device(&self, backend: Backend) -> Result<Device, String> {
+    pub fn device(&self, backend: Backend) -> Result<Device, unifed_models::backend::BackendError> {
         if backend.is_gpu()
             && let Err(e) = unifed_models::backend::use_kernel_cache(&self.kernel_cache())
         {

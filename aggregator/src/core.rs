@@ -11,14 +11,16 @@ use crate::spoolround::SpoolRound;
 use crate::store::{
     AuditEntry, ClosedRound, FORMAT_VERSION, SpoolEntry, SpoolTensor, State, Store, StoreError,
 };
-use crate::strategy::{self, Checked, Contributions, ReadError, Setup, Strategy, sum_squares};
+use crate::strategy::{
+    self, Checked, Contributions, ReadError, Setup, Strategy, StrategyError, sum_squares,
+};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
-use unifed_protocol::auth::Keyring;
+use unifed_protocol::auth::{AuthError, Keyring};
 use unifed_protocol::chunking::{Cut, payload_hash};
 use unifed_protocol::encoding::{
     EncodedTensor, EncodedTensorRef, Encoding, Values, decode_add, encode_leaving_error,
@@ -237,6 +239,78 @@ pub enum CoreError {
     Read(#[from] ReadError),
 }
 
+/// Why a site's message was not admitted ([`Admission::admit`]); logged, never answered.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AdmitError {
+    /// It does not decode, is not signed by an enrolled and unrevoked key, or its signature
+    /// fails.
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    /// It is signed by another site than the one whose topic it came on.
+    #[error("signed by `{signer}` but sent on the topic of `{topic}`")]
+    WrongTopic {
+        /// The signer.
+        signer: String,
+        /// The site whose topic it came on.
+        topic: String,
+    },
+    /// It belongs to another federation.
+    #[error("federation `{got}` is not `{want}`")]
+    OtherFederation {
+        /// The federation it names.
+        got: String,
+        /// This federation.
+        want: String,
+    },
+}
+
+/// Why a combined model or strategy state is never committed (the round is discarded).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+enum Uncommittable {
+    /// A tensor of the model holds NaN or infinity.
+    #[error("`{tensor}` holds {value}")]
+    NotFinite {
+        /// The tensor.
+        tensor: String,
+        /// The value.
+        value: f32,
+    },
+    /// A BN running variance holds a negative value.
+    #[error("`{0}` holds a negative variance")]
+    NegativeVariance(String),
+    /// The strategy's state holds a value it may not.
+    #[error(transparent)]
+    State(#[from] StrategyError),
+}
+
+/// Why the data directory does not fit the configuration or itself, as [`CoreError::Mismatch`]
+/// reports it (a storage failure stays [`CoreError::Store`]).
+#[derive(Debug, thiserror::Error)]
+enum Disagreement {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The stored strategy state does not fit the configured algorithm or the model.
+    #[error(transparent)]
+    Strategy(#[from] StrategyError),
+    /// Anything else, in words.
+    #[error("{0}")]
+    Message(String),
+}
+
+impl Disagreement {
+    /// The core's error for this disagreement about the directory `dir`.
+    fn at(self, dir: &std::path::Path) -> CoreError {
+        match self {
+            Disagreement::Store(e) => CoreError::Store(e),
+            other => CoreError::Mismatch {
+                dir: dir.display().to_string(),
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
 /// The keys and federation a site's message is opened against ([`Aggregator::admission`]).
 #[derive(Debug, Clone)]
 pub struct Admission {
@@ -261,8 +335,8 @@ impl Admission {
         topic_site: &Id,
         bytes: &'a [u8],
         limit: usize,
-    ) -> Result<EnvelopeRef<'a>, String> {
-        let env = self.keyring.open(bytes, limit).map_err(|e| e.to_string())?;
+    ) -> Result<EnvelopeRef<'a>, AdmitError> {
+        let env = self.keyring.open(bytes, limit)?;
         self.belongs(topic_site, env)
     }
 
@@ -274,11 +348,8 @@ impl Admission {
         topic_site: &Id,
         bytes: &'a [u8],
         limit: usize,
-    ) -> Result<EnvelopeRef<'a>, String> {
-        let env = self
-            .keyring
-            .open_signed_in_chunks(bytes, limit)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<EnvelopeRef<'a>, AdmitError> {
+        let env = self.keyring.open_signed_in_chunks(bytes, limit)?;
         self.belongs(topic_site, env)
     }
 
@@ -287,18 +358,18 @@ impl Admission {
         &self,
         topic_site: &Id,
         env: EnvelopeRef<'a>,
-    ) -> Result<EnvelopeRef<'a>, String> {
+    ) -> Result<EnvelopeRef<'a>, AdmitError> {
         if &env.sender != topic_site {
-            return Err(format!(
-                "signed by `{}` but sent on the topic of `{topic_site}`",
-                env.sender
-            ));
+            return Err(AdmitError::WrongTopic {
+                signer: env.sender.to_string(),
+                topic: topic_site.to_string(),
+            });
         }
         if env.federation != self.federation {
-            return Err(format!(
-                "federation `{}` is not `{}`",
-                env.federation, self.federation
-            ));
+            return Err(AdmitError::OtherFederation {
+                got: env.federation.to_string(),
+                want: self.federation.to_string(),
+            });
         }
         Ok(env)
     }
@@ -397,12 +468,7 @@ impl Aggregator {
             sites: cfg.sites.len(),
         };
         let strategy =
-            Self::committed_strategy(&store, &cfg, &setup, &state, &hash).map_err(|m| {
-                CoreError::Mismatch {
-                    dir: dir.display().to_string(),
-                    message: m,
-                }
-            })?;
+            Self::committed_strategy(&store, &cfg, &setup, &state, &hash).map_err(|d| d.at(dir))?;
         let accepted = if state.round > 0 {
             store.spool_sites(state.round)?.into_iter().collect()
         } else {
@@ -464,7 +530,7 @@ impl Aggregator {
                         hex(&hash)
                     )));
                 }
-                Self::check_spool_against(store, &s).map_err(mismatch)?;
+                Self::check_spool_against(store, &s).map_err(|d| d.at(dir))?;
                 let model = store.load_model(s.model_version, &hash.0)?;
                 (s, model)
             }
@@ -519,18 +585,18 @@ impl Aggregator {
     /// Refuses a `state.json` that disagrees with the spool on disk (an older copy put back):
     /// updates of a round after the open one, or accepted updates of an earlier round that
     /// the state does not record as folded, would otherwise be dropped silently.
-    fn check_spool_against(store: &Store, s: &State) -> Result<(), String> {
-        for r in store.spool_rounds().map_err(|e| e.to_string())? {
-            let sites = store.spool_sites(r).map_err(|e| e.to_string())?;
+    fn check_spool_against(store: &Store, s: &State) -> Result<(), Disagreement> {
+        for r in store.spool_rounds()? {
+            let sites = store.spool_sites(r)?;
             if sites.is_empty() {
                 continue;
             }
             if r > s.round {
-                return Err(format!(
+                return Err(Disagreement::Message(format!(
                     "state.json names round {} but the spool holds accepted updates of round \
                      {r}: the state is older than the spool (restore the newer state.json)",
                     s.round
-                ));
+                )));
             }
             let folded = s
                 .recent
@@ -538,12 +604,12 @@ impl Aggregator {
                 .find(|c| c.round == r)
                 .is_some_and(|c| sites.iter().all(|x| c.accepted.contains(x)));
             if r < s.round && !folded {
-                return Err(format!(
+                return Err(Disagreement::Message(format!(
                     "state.json names round {} but round {r}'s accepted updates ({}) were never \
                      folded into a model: the state does not belong with this spool",
                     s.round,
                     sites.join(", ")
-                ));
+                )));
             }
         }
         Ok(())
@@ -558,18 +624,16 @@ impl Aggregator {
         setup: &Setup,
         state: &State,
         hash: &SpecHash,
-    ) -> Result<Box<dyn Strategy>, String> {
-        let stored = store
-            .load_strategy(state.model_version, &hash.0)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<Box<dyn Strategy>, Disagreement> {
+        let stored = store.load_strategy(state.model_version, &hash.0)?;
         if stored.is_none() && state.model_version > 0 && cfg.algorithm.is_stateful() {
-            return Err(format!(
+            return Err(Disagreement::Message(format!(
                 "models/v{}.strategy is missing: the state of `{}` cannot be resumed",
                 state.model_version,
                 cfg.algorithm.name()
-            ));
+            )));
         }
-        strategy::from_config(&cfg.algorithm, setup, stored)
+        Ok(strategy::from_config(&cfg.algorithm, setup, stored)?)
     }
 
     /// The current global model, every tensor in spec order.
@@ -1353,7 +1417,7 @@ impl Aggregator {
         );
         self.strategy =
             Self::committed_strategy(&self.store, &self.cfg, &self.setup, &self.state, &self.hash)
-                .map_err(CoreError::Model)?;
+                .map_err(|d| d.at(self.store.dir()))?;
         Ok(())
     }
 
@@ -1407,7 +1471,8 @@ impl Aggregator {
             self.strategy.aggregate(&reader, &mut targets)?;
         }
         let next = self.strategy.state();
-        let version = match self.check_model().and_then(|()| next.check()) {
+        let checked = self.check_model();
+        let version = match checked.and_then(|()| Ok(next.check()?)) {
             Ok(()) => {
                 let version = self.state.model_version + 1;
                 self.store.save_model(version, &self.hash.0, &self.model)?;
@@ -1417,7 +1482,7 @@ impl Aggregator {
             }
             Err(problem) => {
                 tracing::error!(round, %problem, "combined model refused; round discarded");
-                self.audit(now_ms, round, "-", "round-discarded", problem)?;
+                self.audit(now_ms, round, "-", "round-discarded", problem.to_string())?;
                 self.restore_committed()?;
                 // ... re-published as a new version: the sites that trained in the discarded
                 // round hold their own trained weights, and a new version makes every site
@@ -1472,13 +1537,14 @@ impl Aggregator {
 
     /// Checks the model before it is committed: every value finite, every BN running variance
     /// non-negative. Names the first problem.
-    fn check_model(&self) -> Result<(), String> {
+    fn check_model(&self) -> Result<(), Uncommittable> {
         for (t, v) in self.spec.tensors.iter().zip(self.model.iter()) {
-            if let Some(x) = v.iter().find(|x| !x.is_finite()) {
-                return Err(format!("`{}` holds {x}", t.name));
+            if let Some(&value) = v.iter().find(|x| !x.is_finite()) {
+                let tensor = t.name.clone();
+                return Err(Uncommittable::NotFinite { tensor, value });
             }
             if t.kind == TensorKind::BnRunningVar && v.iter().any(|&x| x < 0.0) {
-                return Err(format!("`{}` holds a negative variance", t.name));
+                return Err(Uncommittable::NegativeVariance(t.name.clone()));
             }
         }
         Ok(())

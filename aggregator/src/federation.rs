@@ -395,6 +395,7 @@ impl Federation {
             .core
             .admission()
             .admit(&site, payload, 1 << 20)
+            .map_err(|e| e.to_string())
             .and_then(|e| e.payload_as().map_err(|e| e.to_string()))
         {
             Ok(r) => r,

@@ -6,13 +6,34 @@
 //! spread over up to [`INGEST_SHARDS`] threads ([`spawn_sharded`]): opening and writing a
 //! 57 MB upload takes about 40 ms of a core, and on a GPU every site's upload arrives at once.
 
-use crate::core::Admission;
-use crate::uploads::{Received, SpooledUploads};
+use crate::core::{Admission, AdmitError};
+use crate::uploads::{Received, SpooledUploads, UploadError};
 use tokio::sync::{mpsc, watch};
 use unifed_net::NetEvent;
+use unifed_protocol::envelope::DecodeError;
 use unifed_protocol::envelope::MessageKind;
-use unifed_protocol::ids::Id;
+use unifed_protocol::ids::{Id, IdError};
 use unifed_protocol::messages::{ChunkRef, UpdateReceipt};
+
+/// Why an update chunk was dropped (logged; the site's window stalls until it re-sends).
+#[derive(Debug, thiserror::Error)]
+enum Dropped {
+    /// Its topic names no valid site.
+    #[error("the topic's site: {0}")]
+    Site(#[from] IdError),
+    /// It was not admitted (signature, sender, federation).
+    #[error(transparent)]
+    Admit(#[from] AdmitError),
+    /// It is another kind of message.
+    #[error("a {0:?} message where an update chunk was expected")]
+    NotAChunk(MessageKind),
+    /// Its payload does not decode as a chunk.
+    #[error("its payload: {0}")]
+    Payload(#[from] DecodeError),
+    /// The upload refused it.
+    #[error(transparent)]
+    Upload(#[from] UploadError),
+}
 
 /// A site's update whose chunks have all arrived, still on disk: the core's loop reads it
 /// when it takes it, so updates waiting for the core cost no memory.
@@ -62,7 +83,7 @@ impl Ingest {
             // A chunk is checked before it takes any disk: signature, sender, federation.
             let opened = {
                 let admission = self.admission.borrow();
-                Id::new(site).map_err(|e| e.to_string()).and_then(|id| {
+                Id::new(site).map_err(Dropped::from).and_then(|id| {
                     let env = admission.admit(&id, &payload, self.limit)?;
                     Ok((id, env))
                 })
@@ -71,12 +92,9 @@ impl Ingest {
                 // Only a chunk's bytes are its update's: the core takes a complete set as
                 // signed in its chunks (`Arrival::SignedChunks`).
                 if env.kind != MessageKind::UpdateChunk {
-                    return Err(format!(
-                        "a {:?} message where an update chunk was expected",
-                        env.kind
-                    ));
+                    return Err(Dropped::NotAChunk(env.kind));
                 }
-                let c = env.payload_as::<ChunkRef>().map_err(|e| e.to_string())?;
+                let c = env.payload_as::<ChunkRef>()?;
                 let r = UpdateReceipt {
                     round: env.round,
                     payload_hash: c.payload_hash,
@@ -84,10 +102,8 @@ impl Ingest {
                 };
                 // Inline: one positioned write of a chunk into the page cache (a quarter of a
                 // millisecond), on a thread that does nothing else.
-                self.uploads
-                    .insert(&id, c, now)
-                    .map(|done| (id, r, done))
-                    .map_err(|e| e.to_string())
+                let done = self.uploads.insert(&id, c, now)?;
+                Ok((id, r, done))
             });
             self.uploads.expire(now);
             match taken {

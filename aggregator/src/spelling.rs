@@ -123,8 +123,8 @@ mod tests {
         bn_policy: BnPolicy,
     }
 
-    fn read(text: &str) -> Result<Cfg, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+    fn read(text: &str) -> Result<Cfg, toml::de::Error> {
+        toml::from_str(text)
     }
 
     #[test]
@@ -188,17 +188,23 @@ mod tests {
 
     #[test]
     fn a_misspelt_encoding_or_policy_is_refused_naming_the_choices() {
-        let e = read("encoding = \"f64\"\nbn_policy = \"local\"").unwrap_err();
+        let e = read("encoding = \"f64\"\nbn_policy = \"local\"")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("unknown encoding `f64`") && e.contains("ternaryq8"),
             "{e}"
         );
-        let e = read("encoding = \"f32\"\nbn_policy = \"LOCAL\"").unwrap_err();
+        let e = read("encoding = \"f32\"\nbn_policy = \"LOCAL\"")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("unknown bn_policy `LOCAL`") && e.contains("global"),
             "{e}"
         );
-        let e = read("encoding = { Ternary = { block = 3 } }\nbn_policy = \"local\"").unwrap_err();
+        let e = read("encoding = { Ternary = { block = 3 } }\nbn_policy = \"local\"")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("block"), "{e}");
     }
 }

@@ -36,15 +36,9 @@ fn streamed_fold_is_the_fold_of_the_read_delta(store: &Store, round: u64, site: 
         .unwrap_err()
         .to_string();
     assert!(err.contains(&format!("not {}", longer[0])), "{err}");
-    let err = fold_one(
-        store,
-        round,
-        site,
-        |n| n as f64,
-        &mut Fold::new(&lens[1..]),
-    )
-    .unwrap_err()
-    .to_string();
+    let err = fold_one(store, round, site, |n| n as f64, &mut Fold::new(&lens[1..]))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("delta tensors where the model has"), "{err}");
 }
 

@@ -21,6 +21,8 @@
 //! - [`checkpoint`]: safetensors files (PyTorch-compatible).
 //! - [`train`]: local SGD training and evaluation with a progress hook.
 //! - [`objective`]: local objectives' gradient terms (FedProx's proximal term).
+//! - [`client`]: each algorithm's part on a site (its state, what its term needs, what it sends
+//!   beside the delta), one module per algorithm, chosen by the round's plan.
 //! - [`data`]: image folders, CSV manifests, MNIST IDX, built-in domains, site partitioner.
 //! - [`site`]: one federated site (apply a broadcast, train, encode its update).
 //! - [`worker`]: the site driver's worker over a [`site::Site`] (one for the agent and the
@@ -35,6 +37,7 @@
 pub mod backend;
 pub mod bn;
 pub mod checkpoint;
+pub mod client;
 pub mod data;
 pub mod error;
 mod memory;

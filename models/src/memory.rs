@@ -1,83 +1,83 @@
 //! What a site carries from round to round besides its model ([`Memory`]), and how a site
 //! reads it back from a checkpoint with its two model-sized parts streamed into files.
 
+use crate::client::ClientState;
 use crate::park::{Kept, Stash};
 use serde::de::{DeserializeSeed, Error as _, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-/// What a site carries from round to round besides its model, by tensor name: error-feedback
-/// residuals, SCAFFOLD's and FedDC's control variates, MOON's previous local model and FedDC's
-/// drift. Persisted beside the checkpoint. `T` is how the two parts a lossy encoding keeps (the
-/// residual and the held broadcast, each model-sized) are kept: outside a site always in memory;
-/// inside one, in files between uses when it parks
-/// ([`crate::site::Site::park_base_in`]).
+/// What a site carries from round to round besides its model: the error-feedback residuals and
+/// the broadcast a lossy encoding keeps, and its algorithm's state ([`ClientState`]). Persisted
+/// beside the checkpoint. `T` is how the two parts a lossy encoding keeps (the residual and the
+/// held broadcast, each model-sized) are kept: outside a site always in memory; inside one, in
+/// files between uses when it parks ([`crate::site::Site::park_base_in`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Memory<T = BTreeMap<String, Vec<f32>>> {
     /// Error-feedback residual of each tensor, as of the last accepted update.
     pub residual: T,
-    /// The site's control variate `c_i` as the server knows it (its accepted deltas summed);
-    /// absent tensors are zero.
-    pub control: BTreeMap<String, Vec<f32>>,
-    /// The server control variate `c` of the model version applied last, and that version.
-    pub server_control: Option<(u64, BTreeMap<String, Vec<f32>>)>,
     /// Under a lossy encoding, the broadcast tensors of the model version applied last, as the
     /// aggregator sent them (before any local training), and that version: the next model
     /// arrives as a delta to add to them.
     pub held: Option<(u64, T)>,
-    /// Under MOON, every tensor of the model the site trained in its last accepted round (its
-    /// previous local model, BN included); absent under other objectives and before the first.
-    pub previous: Option<BTreeMap<String, Vec<f32>>>,
-    /// FedDC's local drift `h_i`: the sum of the site's accepted deltas as the server decoded
-    /// them, per trainable averaged tensor; absent tensors are zero.
-    pub drift: BTreeMap<String, Vec<f32>>,
+    /// The algorithm's state (SCAFFOLD's and FedDC's variates, MOON's previous local model,
+    /// FedDC's drift), as of the last accepted update.
+    pub algorithm: ClientState,
 }
 
 impl Memory<Kept> {
-    /// Every tensor's values held in memory but the held broadcast's, in one fixed order (field
-    /// by field, names in order).
+    /// Every tensor's values held in memory but the held broadcast's, in one fixed order (the
+    /// residual's, then the algorithm's).
     pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
         self.residual
             .values_mut()
-            .chain(self.control.values_mut())
-            .chain(
-                self.server_control
-                    .iter_mut()
-                    .flat_map(|(_, c)| c.values_mut()),
-            )
-            .chain(self.previous.iter_mut().flat_map(|p| p.values_mut()))
-            .chain(self.drift.values_mut())
+            .chain(self.algorithm.values_mut())
     }
 
     /// The memory with every part in memory.
     pub(crate) fn load(&self) -> std::io::Result<Memory> {
         Ok(Memory {
             residual: self.residual.load()?,
-            control: self.control.clone(),
-            server_control: self.server_control.clone(),
             held: match &self.held {
                 Some((v, h)) => Some((*v, h.load()?)),
                 None => None,
             },
-            previous: self.previous.clone(),
-            drift: self.drift.clone(),
+            algorithm: self.algorithm.clone(),
         })
     }
 }
 
-/// Deserialises a [`Memory`] from its serialised form (a checkpoint's) with the residual and the
-/// held broadcast written to stash files at the given paths as their values are read (a block
-/// at a time, never whole in memory), or kept in memory without a path.
+/// How a checkpoint lays out a [`Memory`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryLayout {
+    /// The residual, the held broadcast and the typed [`ClientState`] (agent checkpoints from
+    /// format version 6 on).
+    Typed,
+    /// The residual, `c_i`, the server's `c`, the held broadcast, MOON's previous model and
+    /// FedDC's drift, each a field of its own (format versions 3 to 5): read into the
+    /// [`ClientState`] of the one algorithm they hold ([`ClientState::from_fields`]).
+    Fields,
+}
+
+/// Deserialises a [`Memory`] from its serialised form (a checkpoint's, laid out as `layout`
+/// says) with the residual and the held broadcast written to stash files at the given paths as
+/// their values are read (a block at a time, never whole in memory), or kept in memory without
+/// a path.
 pub(crate) struct MemorySeed {
     /// Where the residual goes.
     pub(crate) residual: Option<PathBuf>,
     /// Where the held broadcast goes.
     pub(crate) held: Option<PathBuf>,
+    /// How the memory is laid out.
+    pub(crate) layout: MemoryLayout,
 }
 
 /// [`Memory`]'s fields, in order.
-const FIELDS: [&str; 6] = [
+const FIELDS: [&str; 3] = ["residual", "held", "algorithm"];
+
+/// The fields of a memory laid out as [`MemoryLayout::Fields`], in order.
+const OLD_FIELDS: [&str; 6] = [
     "residual",
     "control",
     "server_control",
@@ -90,7 +90,10 @@ impl<'de> DeserializeSeed<'de> for MemorySeed {
     type Value = Memory<Kept>;
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Memory<Kept>, D::Error> {
-        d.deserialize_struct("Memory", &FIELDS, self)
+        match self.layout {
+            MemoryLayout::Typed => d.deserialize_struct("Memory", &FIELDS, self),
+            MemoryLayout::Fields => d.deserialize_struct("Memory", &OLD_FIELDS, self),
+        }
     }
 }
 
@@ -102,18 +105,30 @@ impl<'de> Visitor<'de> for MemorySeed {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Memory<Kept>, A::Error> {
-        let missing = |i: usize| A::Error::invalid_length(i, &"the six fields of a memory");
+        let missing = |i: usize| A::Error::invalid_length(i, &"the fields of a memory");
+        let residual = seq
+            .next_element_seed(KeptSeed(self.residual))?
+            .ok_or_else(|| missing(0))?;
+        if self.layout == MemoryLayout::Typed {
+            return Ok(Memory {
+                residual,
+                held: seq
+                    .next_element_seed(HeldSeed(self.held))?
+                    .ok_or_else(|| missing(1))?,
+                algorithm: seq.next_element()?.ok_or_else(|| missing(2))?,
+            });
+        }
+        let control = seq.next_element()?.ok_or_else(|| missing(1))?;
+        let server = seq.next_element()?.ok_or_else(|| missing(2))?;
+        let held = seq
+            .next_element_seed(HeldSeed(self.held))?
+            .ok_or_else(|| missing(3))?;
+        let previous = seq.next_element()?.ok_or_else(|| missing(4))?;
+        let drift = seq.next_element()?.ok_or_else(|| missing(5))?;
         Ok(Memory {
-            residual: seq
-                .next_element_seed(KeptSeed(self.residual))?
-                .ok_or_else(|| missing(0))?,
-            control: seq.next_element()?.ok_or_else(|| missing(1))?,
-            server_control: seq.next_element()?.ok_or_else(|| missing(2))?,
-            held: seq
-                .next_element_seed(HeldSeed(self.held))?
-                .ok_or_else(|| missing(3))?,
-            previous: seq.next_element()?.ok_or_else(|| missing(4))?,
-            drift: seq.next_element()?.ok_or_else(|| missing(5))?,
+            residual,
+            held,
+            algorithm: ClientState::from_fields(control, server, previous, drift),
         })
     }
 }

@@ -15,7 +15,7 @@ use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use std::collections::HashMap;
-use unifed_protocol::Objective;
+use unifed_protocol::{Objective, ObjectiveError};
 
 /// The trainable tensors a term covers, as they were when local training started (the round's
 /// global model for every averaged tensor), keyed by parameter.
@@ -281,6 +281,22 @@ impl<N: Net> Default for SiteState<'_, N> {
     }
 }
 
+/// Why an objective's term cannot be prepared.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TermError {
+    /// The objective's parameters are invalid.
+    #[error(transparent)]
+    Objective(#[from] ObjectiveError),
+    /// The site lacks state the round's term needs.
+    #[error("a {algorithm} round needs {what}")]
+    Missing {
+        /// The algorithm.
+        algorithm: &'static str,
+        /// What it needs.
+        what: &'static str,
+    },
+}
+
 impl<N: Net> Term<N> {
     /// Prepares `objective` for training that starts from `net`; `scope` selects the tensors
     /// the federation averages (a term covers the trainable ones among them). SCAFFOLD needs
@@ -291,7 +307,7 @@ impl<N: Net> Term<N> {
         net: &N,
         scope: Select,
         state: SiteState<'_, N>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, TermError> {
         objective.validate()?;
         Ok(match *objective {
             Objective::CrossEntropy => Term::None,
@@ -302,18 +318,20 @@ impl<N: Net> Term<N> {
                 reference: Reference::of(net, scope),
             },
             Objective::Scaffold => {
-                let values = state
-                    .correction
-                    .ok_or("a SCAFFOLD round needs the control-variate correction c - c_i")?;
+                let values = state.correction.ok_or(TermError::Missing {
+                    algorithm: "SCAFFOLD",
+                    what: "the control-variate correction c - c_i",
+                })?;
                 Term::Control {
                     correction: Reference::from_values(net, values, scope),
                 }
             }
             Objective::Drift { alpha } => {
                 let (Some(correction), Some(anchor)) = (state.correction, state.anchor) else {
-                    return Err(
-                        "a FedDC round needs the correction c - c_i and the anchor w - h_i".into(),
-                    );
+                    return Err(TermError::Missing {
+                        algorithm: "FedDC",
+                        what: "the correction c - c_i and the anchor w - h_i",
+                    });
                 };
                 Term::Drift {
                     alpha,

@@ -3,17 +3,17 @@
 //! locally and encodes its update envelope. The agent service and the in-process runner share it.
 
 use crate::backend::Device;
+use crate::client::{After, Before, Versioned, for_plan};
 use crate::data::Dataset;
 use crate::error::{StateError, TrainError};
-pub use crate::memory::Memory;
-use crate::objective::{SiteState, Term};
+pub use crate::memory::{Memory, MemoryLayout};
+use crate::objective::Term;
 use crate::park::{Kept, KeptWriter, Parked, Spilled, Stash};
 use crate::state::{
     NamedTensor, Select, StateDict, export, export_layout, import, import_into, stand_in, subtract,
 };
 use crate::train::{
-    EVAL_BATCH, EvalReport, TrainConfig, TrainEvent, evaluate, personalise, train_objective,
-    train_owned,
+    EVAL_BATCH, EvalReport, TrainConfig, TrainEvent, evaluate, train_objective, train_owned,
 };
 use crate::update::UpdateError;
 use crate::zoo::Net;
@@ -23,7 +23,7 @@ use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, Value
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    BnPolicy, Download, LocalReport, ModelDelta, Objective, RoundManifest, RoundPlan, ServerExtras,
+    BnPolicy, Download, LocalReport, ModelDelta, RoundManifest, RoundPlan, ServerExtras,
     SiteExtras, SiteUpdate,
 };
 use unifed_protocol::{ModelSpec, TensorKind};
@@ -48,6 +48,9 @@ pub enum SiteError {
     /// Training or evaluation failed.
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// The round's objective cannot be prepared.
+    #[error(transparent)]
+    Term(#[from] crate::objective::TermError),
     /// Training left a tensor with NaN or infinity; nothing is sent.
     #[error("training left non-finite values in `{0}`; the update is not sent")]
     NonFinite(String),
@@ -160,14 +163,12 @@ fn check_memory(m: &Memory<Kept>, spec: &ModelSpec) -> Result<(), SiteError> {
             .map(|n| (n.to_string(), k.len_of(n).unwrap_or(0)))
             .collect()
     };
-    let map = |m: &BTreeMap<String, Vec<f32>>| -> Vec<(String, usize)> {
-        m.iter().map(|(n, v)| (n.clone(), v.len())).collect()
-    };
-    let mut others = map(&m.control);
-    others.extend(m.server_control.iter().flat_map(|(_, c)| map(c)));
+    let mut others: Vec<(String, usize)> = m
+        .algorithm
+        .tensors()
+        .map(|(n, v)| (n.clone(), v.len()))
+        .collect();
     others.extend(m.held.iter().flat_map(|(_, h)| lens(h)));
-    others.extend(m.previous.iter().flat_map(map));
-    others.extend(map(&m.drift));
     let bad = lens(&m.residual)
         .into_iter()
         .find(|(n, len)| !fits(n, *len, true))
@@ -209,9 +210,6 @@ fn remove_stale_stashes(park: &std::path::Path) {
         }
     }
 }
-
-/// Tensors by name, with the model version they are of.
-type Versioned = (u64, BTreeMap<String, Vec<f32>>);
 
 /// One site: its own model (and so its own BN layers), data and error-feedback residuals.
 #[derive(Debug)]
@@ -373,7 +371,9 @@ impl<N: Net> Site<N> {
                     .map(|h| (download.model_version(), h));
             }
         }
-        self.memory.server_control = control;
+        let algorithm = std::mem::take(&mut self.memory.algorithm);
+        self.memory.algorithm = for_plan::<N>(&m.plan.objective).adopt(algorithm);
+        self.memory.algorithm.set_server_control(control);
         Ok(())
     }
 
@@ -468,12 +468,7 @@ impl<N: Net> Site<N> {
         match (&m.plan.objective, download.extras()) {
             (o, ServerExtras::Control(tensors)) if o.uses_control() => {
                 let c = crate::state::from_encoded(spec, tensors)?;
-                let want: Vec<&str> = spec
-                    .tensors
-                    .iter()
-                    .filter(|t| select.keeps(t.kind) && !t.kind.is_bn_stat())
-                    .map(|t| t.name.as_str())
-                    .collect();
+                let want = crate::client::scaffold::covered(spec, select);
                 let got: Vec<&str> = c.tensors.iter().map(|t| t.name.as_str()).collect();
                 if want != got {
                     return Err(SiteError::Plan {
@@ -520,51 +515,34 @@ impl<N: Net> Site<N> {
             seed: round_seed(tc.seed, m.round),
             ..tc.clone()
         };
-        let server_c = match m.plan.objective.uses_control() {
-            true => Some(self.server_control(m)?.clone()),
-            false => None,
-        };
-        let correction = server_c.as_ref().map(|c| self.correction(spec, select, c));
-        let contrastive = matches!(m.plan.objective, Objective::Contrastive { .. });
-        let drifting = matches!(m.plan.objective, Objective::Drift { .. });
-        let anchor = drifting.then(|| self.anchor(spec, select));
-        let state = SiteState {
-            correction: correction.as_ref(),
-            previous: if contrastive {
-                self.previous_net(spec)?
-            } else {
-                None
-            },
-            anchor: anchor.as_ref(),
-        };
-        let term = Term::new(&m.plan.objective, &self.net, select, state)
-            .map_err(TrainError::BadConfig)?;
+        // The round's algorithm, with its state (a restored site may hold another's).
+        let client = for_plan::<N>(&m.plan.objective);
+        let held = std::mem::take(&mut self.memory.algorithm);
+        self.memory.algorithm = client.adopt(held);
+        let mut inputs = client.inputs(&Before {
+            net: &self.net,
+            spec,
+            select,
+            manifest: m,
+            state: &self.memory.algorithm,
+        })?;
+        let term = Term::new(&m.plan.objective, &self.net, select, inputs.site_state())?;
+        drop(inputs);
         let (net, rep, parked) = self.train_parked(spec, &tc, &term, device, &mut progress)?;
+        drop(term);
         let encoding = std::time::Instant::now();
-        // Nothing else is made of the delta (no variate, drift or previous model), so it may go
-        // straight from the trained model and the parked file.
-        let plain = !drifting && !contrastive && server_c.is_none();
+        let plain = client.streams_update();
         let (mut d, streamed) = self.delta(net, parked, spec, federation, m, &rep, plain)?;
-        // What an accepted update advances: the residuals, the site's control variate and,
-        // under MOON, the previous local model (the one just trained).
-        let mut next = Memory {
-            control: self.memory.control.clone(),
-            previous: contrastive.then(|| {
-                export(&self.net, spec, Select::All)
-                    .tensors
-                    .into_iter()
-                    .map(|t| (t.name, t.data))
-                    .collect()
-            }),
-            ..Memory::default()
-        };
-        let extras = match &server_c {
-            Some(c) => {
-                let lr = tc.lr / (1.0 - tc.momentum);
-                SiteExtras::Control(advance_control(&d, c, rep.steps, lr, m, &mut next)?)
-            }
-            None => SiteExtras::None,
-        };
+        // What an accepted update advances: the residuals and the algorithm's state.
+        let (extras, mut algorithm) = client.after_delta(&After {
+            net: &self.net,
+            spec,
+            delta: &d,
+            steps: rep.steps,
+            lr: tc.lr / (1.0 - tc.momentum),
+            manifest: m,
+            state: &self.memory.algorithm,
+        })?;
         let (owned, residual) = self.encode_fed(&mut d, m)?;
         let encoded: Vec<EncodedTensorRef> = d
             .tensors
@@ -577,11 +555,12 @@ impl<N: Net> Site<N> {
                     .expect("borrowed only on a little-endian machine"),
             })
             .collect();
-        next.residual = residual;
-        if drifting {
-            next.drift = self.memory.drift.clone();
-            advance_drift(spec, &encoded, &mut next)?;
-        }
+        client.after_encoding(spec, &encoded, &mut algorithm)?;
+        let next = Memory {
+            residual,
+            held: None,
+            algorithm,
+        };
         self.pending = Some((m.round, next));
         let report = local_report(&rep);
         self.report = Some((m.round, report));
@@ -886,95 +865,6 @@ impl<N: Net> Site<N> {
         self.encode_seconds
     }
 
-    /// The server control variate `c` of the manifest's model version.
-    fn server_control(&self, m: &RoundManifest) -> Result<&BTreeMap<String, Vec<f32>>, SiteError> {
-        match &self.memory.server_control {
-            Some((v, c)) if *v == m.model_version => Ok(c),
-            _ => Err(SiteError::Plan {
-                round: m.round,
-                message: format!(
-                    "no server control variate of model v{} was applied",
-                    m.model_version
-                ),
-            }),
-        }
-    }
-
-    /// FedDC's anchor `w - h_i`: the site's current tensors that `select` keeps (the round's
-    /// model, before training) less its drift, for the trainable ones.
-    fn anchor(&self, spec: &ModelSpec, select: Select) -> StateDict {
-        let mut sd = export(&self.net, spec, select);
-        sd.tensors.retain(|t| !t.kind.is_bn_stat());
-        for t in &mut sd.tensors {
-            if let Some(h) = self.memory.drift.get(&t.name) {
-                t.data.iter_mut().zip(h).for_each(|(w, h)| *w -= h);
-            }
-        }
-        sd
-    }
-
-    /// MOON's previous local model, built from the memory (`None` before the site's first
-    /// accepted MOON round). A memory that lacks a tensor of the spec is an error naming it.
-    fn previous_net(&self, spec: &ModelSpec) -> Result<Option<N>, SiteError> {
-        let Some(previous) = &self.memory.previous else {
-            return Ok(None);
-        };
-        let tensors = spec
-            .tensors
-            .iter()
-            .map(|t| match previous.get(&t.name) {
-                Some(data) if data.len() == t.numel() => Ok(NamedTensor {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    kind: t.kind,
-                    data: data.clone(),
-                }),
-                _ => Err(SiteError::Memory(format!(
-                    "the previous local model lacks `{}`",
-                    t.name
-                ))),
-            })
-            .collect::<Result<_, _>>()?;
-        let sd = StateDict {
-            spec_hash: spec.hash(),
-            tensors,
-        };
-        Ok(Some(import(&self.net, spec, &sd, Select::All)?))
-    }
-
-    /// SCAFFOLD's (and FedDC's) correction `c - c_i` for the trainable tensors of `spec` that `select` keeps.
-    fn correction(
-        &self,
-        spec: &ModelSpec,
-        select: Select,
-        c: &BTreeMap<String, Vec<f32>>,
-    ) -> StateDict {
-        let tensors = spec
-            .tensors
-            .iter()
-            .filter(|t| select.keeps(t.kind) && !t.kind.is_bn_stat())
-            .filter_map(|t| {
-                let c = c.get(&t.name)?;
-                let ci = self.memory.control.get(&t.name);
-                let data = c
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &c)| c - ci.and_then(|ci| ci.get(k)).copied().unwrap_or(0.0))
-                    .collect();
-                Some(NamedTensor {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    kind: t.kind,
-                    data,
-                })
-            })
-            .collect();
-        StateDict {
-            spec_hash: spec.hash(),
-            tensors,
-        }
-    }
-
     /// The aggregator answered the update of `round`: an accepted update advances the
     /// error-feedback residual and the control variate, a rejected one leaves them as they
     /// were.
@@ -983,9 +873,7 @@ impl<N: Net> Site<N> {
             if r == round && accepted {
                 // The server's c stays whatever was applied last (a newer model may have come).
                 self.memory.residual = next.residual;
-                self.memory.control = next.control;
-                self.memory.previous = next.previous;
-                self.memory.drift = next.drift;
+                self.memory.algorithm.accept(next.algorithm);
             } else if r != round {
                 self.pending = Some((r, next));
             }
@@ -1004,7 +892,10 @@ impl<N: Net> Site<N> {
     /// The site's control variate `c_i` of tensor `name` as of the last accepted update (empty
     /// before the first).
     pub fn control(&self, name: &str) -> &[f32] {
-        self.memory.control.get(name).map_or(&[], Vec::as_slice)
+        let controls = self.memory.algorithm.controls();
+        controls
+            .and_then(|c| c.control.get(name))
+            .map_or(&[], Vec::as_slice)
     }
 
     /// A copy of the site's memory (residuals and control variates) as of the last accepted
@@ -1030,11 +921,8 @@ impl<N: Net> Site<N> {
     pub fn restore_memory(&mut self, m: Memory, spec: &ModelSpec) -> Result<(), SiteError> {
         let mut m = Memory {
             residual: Kept::Here(m.residual),
-            control: m.control,
-            server_control: m.server_control,
             held: m.held.map(|(v, h)| (v, Kept::Here(h))),
-            previous: m.previous,
-            drift: m.drift,
+            algorithm: m.algorithm,
         };
         check_memory(&m, spec)?;
         file_kept(&mut m.residual, self.stash_path("residual"))?;
@@ -1054,11 +942,13 @@ impl<N: Net> Site<N> {
         &mut self,
         r: R,
         spec: &ModelSpec,
+        layout: MemoryLayout,
     ) -> Result<R, SiteError> {
         use serde::de::DeserializeSeed;
         let seed = crate::memory::MemorySeed {
             residual: self.stash_path("residual"),
             held: self.stash_path("held"),
+            layout,
         };
         // Room for the longest tensor name.
         let mut scratch = vec![0u8; 1 << 12];
@@ -1132,96 +1022,9 @@ impl<N: Net> Site<N> {
         device: &Device,
     ) -> Result<EvalReport, SiteError> {
         let classes = spec.classes.len();
-        let personal = match plan.objective {
-            Objective::Meta { alpha, .. } => Some(personalise(
-                net,
-                &self.train,
-                classes,
-                alpha,
-                tc.batch_size,
-                tc.seed,
-                device,
-            )?),
-            _ => None,
-        };
+        let client = for_plan::<N>(&plan.objective);
+        let personal = client.personalise(net, &self.train, classes, tc, device)?;
         let net = personal.as_ref().unwrap_or(net);
         Ok(evaluate(net, data, classes, EVAL_BATCH, device)?)
     }
-}
-
-/// The control-variate delta of SCAFFOLD option II (and FedDC) for the delta `d` after `steps`
-/// local steps of effective learning rate `lr`, encoded as `m` says; `next`'s variate moves by
-/// what the server will add: the decoded delta.
-fn advance_control(
-    d: &StateDict,
-    c: &BTreeMap<String, Vec<f32>>,
-    steps: usize,
-    lr: f64,
-    m: &RoundManifest,
-    next: &mut Memory<Kept>,
-) -> Result<Vec<EncodedTensor>, SiteError> {
-    let dc = control_delta(d, c, steps, lr);
-    let mut sent = Vec::with_capacity(dc.len());
-    for t in &dc {
-        let e = t.encode(encoding_for(t.kind, m.encoding), None);
-        let back = decode(&e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
-        let ci = next
-            .control
-            .entry(t.name.clone())
-            .or_insert_with(|| vec![0.0; back.len()]);
-        ci.iter_mut().zip(&back).for_each(|(c, d)| *c += d);
-        sent.push(e);
-    }
-    Ok(sent)
-}
-
-/// FedDC's drift moves by what the server will add to its sum: the decoded delta of every
-/// trainable tensor of `encoded`.
-fn advance_drift(
-    spec: &ModelSpec,
-    encoded: &[EncodedTensorRef<'_>],
-    next: &mut Memory<Kept>,
-) -> Result<(), SiteError> {
-    for e in encoded {
-        if spec.tensor(&e.name).is_none_or(|t| t.kind.is_bn_stat()) {
-            continue;
-        }
-        let back = decode(e).map_err(|e| SiteError::NonFinite(e.to_string()))?;
-        let h = next
-            .drift
-            .entry(e.name.clone())
-            .or_insert_with(|| vec![0.0; back.len()]);
-        h.iter_mut().zip(&back).for_each(|(h, d)| *h += d);
-    }
-    Ok(())
-}
-
-/// SCAFFOLD option II: the change of a site's control variate after `steps` local steps of
-/// learning rate `lr` that moved its trainable tensors by `delta` (`y_i - x`):
-/// `c_i+ - c_i = -c + (x - y_i) / (K lr) = -c - delta / (K lr)`, for every trainable tensor of
-/// `delta` that `c` covers (BN running statistics never). Option II assumes plain SGD; a site
-/// training with heavy-ball momentum `beta` passes its effective step `lr / (1 - beta)` (our
-/// extension: the paper's experiments use plain SGD).
-pub fn control_delta(
-    delta: &StateDict,
-    c: &BTreeMap<String, Vec<f32>>,
-    steps: usize,
-    lr: f64,
-) -> Vec<NamedTensor> {
-    let k_lr = steps.max(1) as f64 * lr;
-    delta
-        .tensors
-        .iter()
-        .filter(|t| !t.kind.is_bn_stat())
-        .filter_map(|t| {
-            let c = c.get(&t.name)?;
-            let data = t
-                .data
-                .iter()
-                .zip(c)
-                .map(|(&d, &c)| (-(c as f64) - d as f64 / k_lr) as f32)
-                .collect();
-            Some(NamedTensor { data, ..t.clone() })
-        })
-        .collect()
 }

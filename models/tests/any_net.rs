@@ -82,6 +82,6 @@ fn a_spec_that_no_model_fits_is_refused_with_the_reason() {
     assert!(net_from_spec(&spec, &d, 0).is_err());
     let mut spec = spec_of(&net, &classes(2), &Input::Features { len: 12 });
     spec.architecture = "vgg16(in=3x32x32)".into();
-    let err = net_from_spec(&spec, &d, 0).unwrap_err();
+    let err = net_from_spec(&spec, &d, 0).unwrap_err().to_string();
     assert!(err.contains("vgg16"), "{err}");
 }

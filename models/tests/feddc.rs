@@ -5,7 +5,8 @@
 mod common;
 
 use common::*;
-use unifed_models::objective::{SiteState, Term};
+use unifed_models::client::ClientState;
+use unifed_models::objective::{SiteState, Term, TermError};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, train_objective};
@@ -14,6 +15,14 @@ use unifed_protocol::messages::{
     BnPolicy, Download, Objective, ServerBroadcast, ServerExtras, SiteExtras,
 };
 use unifed_protocol::{Encoding, Envelope, Id, ModelSpec, SiteUpdate};
+
+/// FedDC's drift in the site's memory (empty when it keeps none).
+fn drift<N: unifed_models::zoo::Net>(
+    site: &Site<N>,
+) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let memory = site.memory().unwrap();
+    memory.algorithm.drift().cloned().unwrap_or_default()
+}
 
 #[test]
 fn a_feddc_step_adds_alpha_times_the_drift_and_the_correction_to_the_gradient() {
@@ -68,7 +77,16 @@ fn a_feddc_step_adds_alpha_times_the_drift_and_the_correction_to_the_gradient() 
         ..SiteState::default()
     };
     let err = Term::new(&objective, &net0, Select::NonBn, half).unwrap_err();
-    assert!(err.contains("FedDC"), "{err}");
+    assert!(
+        matches!(
+            err,
+            TermError::Missing {
+                algorithm: "FedDC",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 fn update(bytes: &[u8]) -> SiteUpdate {
@@ -133,15 +151,9 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
             .unwrap(),
     );
     assert!(matches!(u.extras, SiteExtras::Control(_)));
-    assert!(
-        site.memory().unwrap().drift.is_empty(),
-        "advanced before the answer"
-    );
+    assert!(drift(&site).is_empty(), "advanced before the answer");
     site.answered(1, false);
-    assert!(
-        site.memory().unwrap().drift.is_empty(),
-        "a rejected update advanced it"
-    );
+    assert!(drift(&site).is_empty(), "a rejected update advanced it");
     let u1 = update(
         &site
             .train_round(&spec, &fed, &m(1), &tc, &device(), |_| {})
@@ -156,9 +168,9 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
         .into_iter()
         .map(|t| t.name)
         .collect();
-    assert_eq!(site.memory().unwrap().drift.len(), names.len());
+    assert_eq!(drift(&site).len(), names.len());
     for n in &names {
-        assert_eq!(site.memory().unwrap().drift[n], decoded(&u1, n), "{n}");
+        assert_eq!(drift(&site)[n], decoded(&u1, n), "{n}");
     }
 
     // Round 2 from model v1, after what the agent's checkpoint keeps is restored into a new
@@ -191,12 +203,14 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
             .zip(decoded(&u2, n))
             .map(|(a, b)| a + b)
             .collect();
-        assert_eq!(site.memory().unwrap().drift[n], want, "{n}");
+        assert_eq!(drift(&site)[n], want, "{n}");
     }
     // The drift steers training: the same site with another drift sends other bytes.
     let mut other = kept;
-    other
-        .drift
+    let ClientState::FedDc { drift, .. } = &mut other.algorithm else {
+        panic!("FedDC's state is {:?}", other.algorithm);
+    };
+    drift
         .values_mut()
         .for_each(|h| h.iter_mut().for_each(|v| *v += 1.0));
     assert_ne!(
@@ -207,7 +221,10 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
     );
     // A drift of the wrong length is refused, naming the tensor.
     let mut short = site.memory().unwrap();
-    short.drift.get_mut(&names[0]).unwrap().pop();
+    let ClientState::FedDc { drift, .. } = &mut short.algorithm else {
+        panic!("FedDC's state is {:?}", short.algorithm);
+    };
+    drift.get_mut(&names[0]).unwrap().pop();
     let err = Site::new("a", net, tiny_data(16), tiny_data(8))
         .unwrap()
         .restore_memory(short, &spec)

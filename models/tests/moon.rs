@@ -8,11 +8,13 @@ use burn::module::Module;
 use burn::tensor::{Tensor, TensorData};
 use common::*;
 use unifed_models::bn::BnPass;
-use unifed_models::objective::{SiteState, Term, contrastive_loss, cosine_rows};
+use unifed_models::client::ClientState;
+use unifed_models::objective::{SiteState, Term, TermError, contrastive_loss, cosine_rows};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, batch_tensors, train_objective};
 use unifed_models::zoo::{Mlp, Net};
+use unifed_protocol::ObjectiveError;
 use unifed_protocol::messages::{
     BnPolicy, Download, Objective, RoundManifest, ServerBroadcast, ServerExtras,
 };
@@ -184,7 +186,10 @@ fn a_moon_step_is_cross_entropy_until_there_is_a_previous_model_and_then_pulls_a
         SiteState::default(),
     )
     .unwrap_err();
-    assert!(err.contains("temperature"), "{err}");
+    assert!(
+        matches!(err, TermError::Objective(ObjectiveError::Temperature(t)) if t == 0.0),
+        "{err}"
+    );
 }
 
 fn manifest(round: u64, objective: Objective) -> RoundManifest {
@@ -232,12 +237,12 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
         .unwrap();
     assert_eq!(a, b);
     assert!(
-        site.memory().unwrap().previous.is_none(),
+        site.memory().unwrap().algorithm.previous().is_none(),
         "kept before the answer"
     );
     site.answered(1, false);
     assert!(
-        site.memory().unwrap().previous.is_none(),
+        site.memory().unwrap().algorithm.previous().is_none(),
         "a rejected update kept it"
     );
     site.train_round(&spec, &fed, &manifest(1, moon(1.0)), &tc, &device(), |_| {})
@@ -246,13 +251,19 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
     plain.answered(1, true);
     // The previous model is the trained one, every tensor (BN included).
     let trained = export(&site.net, &spec, Select::All);
-    let previous = site.memory().unwrap().previous.clone().unwrap();
+    let previous = site
+        .memory()
+        .unwrap()
+        .algorithm
+        .previous()
+        .cloned()
+        .unwrap();
     assert_eq!(previous.len(), spec.tensors.len());
     for t in &trained.tensors {
         assert_eq!(previous[&t.name], t.data, "{}", t.name);
     }
     // Plain cross-entropy keeps no previous model.
-    assert!(plain.memory().unwrap().previous.is_none());
+    assert!(plain.memory().unwrap().algorithm.previous().is_none());
 
     // Round 2 from the server's model v1: what the agent's checkpoint holds after applying it
     // (the model and the memory), restored into a new process's site, trains the same bytes.
@@ -293,13 +304,10 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
     // A previous model that does not fit the spec is refused, naming the tensor.
     let mut short = site.memory().unwrap();
     let name = spec.tensors[0].name.clone();
-    short
-        .previous
-        .as_mut()
-        .unwrap()
-        .get_mut(&name)
-        .unwrap()
-        .pop();
+    let ClientState::Moon { previous: Some(p) } = &mut short.algorithm else {
+        panic!("MOON's state is {:?}", short.algorithm);
+    };
+    p.get_mut(&name).unwrap().pop();
     let err = Site::new("a", net.clone(), tiny_data(16), tiny_data(8))
         .unwrap()
         .restore_memory(short, &spec)
@@ -307,7 +315,10 @@ fn only_an_accepted_moon_update_makes_the_trained_model_the_previous_one_and_it_
     assert!(err.to_string().contains(&name), "{err}");
     // One that lacks a tensor cannot train, and says which.
     let mut partial = site.memory().unwrap();
-    partial.previous.as_mut().unwrap().remove(&name);
+    let ClientState::Moon { previous: Some(p) } = &mut partial.algorithm else {
+        panic!("MOON's state is {:?}", partial.algorithm);
+    };
+    p.remove(&name);
     let mut lacking = Site::new("a", net, tiny_data(16), tiny_data(8)).unwrap();
     lacking.restore_memory(partial, &spec).unwrap();
     let err = lacking

@@ -8,6 +8,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use common::*;
+use unifed_models::client::ClientState;
 use unifed_models::data::Dataset;
 use unifed_models::objective::{Reference, SiteState, Term, add_proximal};
 use unifed_models::site::Site;
@@ -438,7 +439,7 @@ fn a_scaffold_step_follows_the_gradient_corrected_by_c_minus_c_i() {
 #[test]
 fn the_site_variate_change_is_minus_c_minus_the_delta_over_k_lr() {
     use std::collections::BTreeMap;
-    use unifed_models::site::control_delta;
+    use unifed_models::client::scaffold::control_delta;
     use unifed_models::state::{NamedTensor, StateDict};
     use unifed_protocol::TensorKind;
     let t = |name: &str, kind, data: Vec<f32>| NamedTensor {
@@ -541,7 +542,10 @@ fn only_an_accepted_scaffold_update_advances_the_site_variate_and_it_survives_a_
     assert_eq!(again.control(w), &ci[..]);
     // A control variate of the wrong length is refused (it would index out of range).
     let mut short = site.memory().unwrap();
-    short.control.get_mut(w.as_str()).unwrap().pop();
+    let ClientState::Scaffold(controls) = &mut short.algorithm else {
+        panic!("SCAFFOLD's state is {:?}", short.algorithm);
+    };
+    controls.control.get_mut(w.as_str()).unwrap().pop();
     assert!(
         Site::new("a", tiny().0, data(16), data(8))
             .unwrap()

@@ -347,7 +347,7 @@ fn a_digits_cnn_config_is_read_back_from_its_spec_and_a_foreign_spec_is_refused(
         &classes(2),
         &unifed_protocol::Input::Features { len: 100 },
     );
-    let err = DigitsCnnConfig::from_spec(&spec).unwrap_err();
+    let err = DigitsCnnConfig::from_spec(&spec).unwrap_err().to_string();
     assert!(err.contains("not a digits-CNN spec"), "{err}");
 }
 

@@ -105,18 +105,26 @@ impl BrokerConfig {
     /// TLS when `ca_file` is set and a client certificate when `cert_file` and `key_file` are.
     /// Fails when a file cannot be read or holds no PEM item of its kind, or when the TLS
     /// settings are incomplete.
-    pub fn options(&self, client_id: &str, will: Option<LastWill>) -> Result<MqttOptions, String> {
+    pub fn options(
+        &self,
+        client_id: &str,
+        will: Option<LastWill>,
+    ) -> Result<MqttOptions, OptionsError> {
         let mut o = MqttOptions::new(client_id, self.host.clone(), self.port);
-        let pem = |path: &std::path::Path, what: &str, marker: &str| {
-            let b = std::fs::read(path)
-                .map_err(|e| format!("reading the {what} {}: {e}", path.display()))?;
+        let pem = |path: &std::path::Path, what: &'static str, marker: &'static str| {
+            let b = std::fs::read(path).map_err(|error| OptionsError::Read {
+                what,
+                path: path.into(),
+                error,
+            })?;
             if String::from_utf8_lossy(&b).contains(marker) {
                 Ok(b)
             } else {
-                Err(format!(
-                    "the {what} {} holds no PEM {marker}",
-                    path.display()
-                ))
+                Err(OptionsError::NoPem {
+                    what,
+                    path: path.into(),
+                    marker,
+                })
             }
         };
         let client_auth = match (&self.cert_file, &self.key_file) {
@@ -125,7 +133,7 @@ impl BrokerConfig {
                 pem(c, "client certificate", "CERTIFICATE-----")?,
                 pem(k, "client key", "PRIVATE KEY-----")?,
             )),
-            _ => return Err("mutual TLS needs both cert_file and key_file".into()),
+            _ => return Err(OptionsError::HalfMutualTls),
         };
         if let Some(ca) = &self.ca_file {
             let ca = pem(ca, "CA file", "CERTIFICATE-----")?;
@@ -139,7 +147,7 @@ impl BrokerConfig {
                 },
             ));
         } else if client_auth.is_some() {
-            return Err("a client certificate needs TLS: set ca_file too".into());
+            return Err(OptionsError::ClientCertWithoutTls);
         }
         o.set_max_packet_size(self.max_packet_bytes + 4096, self.max_packet_bytes + 4096);
         o.set_keep_alive(Duration::from_secs(self.keep_alive_secs.max(5)));
@@ -153,6 +161,44 @@ impl BrokerConfig {
             o.set_last_will(w);
         }
         Ok(o)
+    }
+}
+
+/// Why [`BrokerConfig::options`] cannot make the client's options: a TLS file that cannot be
+/// read or holds no PEM item of its kind, or incomplete TLS settings.
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    /// A TLS file cannot be read.
+    #[error("reading the {what} {}: {error}", path.display())]
+    Read {
+        /// Which file: `CA file`, `client certificate` or `client key`.
+        what: &'static str,
+        /// Its path.
+        path: std::path::PathBuf,
+        /// Why it cannot be read.
+        error: std::io::Error,
+    },
+    /// A TLS file holds no PEM item of the kind it should.
+    #[error("the {what} {} holds no PEM {marker}", path.display())]
+    NoPem {
+        /// Which file: `CA file`, `client certificate` or `client key`.
+        what: &'static str,
+        /// Its path.
+        path: std::path::PathBuf,
+        /// The end of the PEM header looked for, e.g. `CERTIFICATE-----`.
+        marker: &'static str,
+    },
+    /// Only one of `cert_file` and `key_file` is set.
+    #[error("mutual TLS needs both cert_file and key_file")]
+    HalfMutualTls,
+    /// A client certificate is set without `ca_file`, that is without TLS.
+    #[error("a client certificate needs TLS: set ca_file too")]
+    ClientCertWithoutTls,
+}
+
+impl From<OptionsError> for String {
+    fn from(e: OptionsError) -> String {
+        e.to_string()
     }
 }
 
@@ -321,5 +367,84 @@ mod tests {
         .expect("the starting thread");
         let status = child.wait().expect("waiting for sleep");
         assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    }
+}
+
+#[cfg(test)]
+mod options_tests {
+    use super::{BrokerConfig, OptionsError};
+    use std::path::PathBuf;
+
+    fn broker() -> BrokerConfig {
+        BrokerConfig::new("127.0.0.1", 1883)
+    }
+
+    #[test]
+    fn plain_tcp_options_need_no_files() {
+        assert!(broker().options("site-a", None).is_ok());
+    }
+
+    #[test]
+    fn incomplete_or_unreadable_tls_settings_are_refused_with_what_is_wrong() {
+        let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+        let mut b = broker();
+        b.cert_file = Some(manifest.clone());
+        assert!(matches!(
+            b.options("site-a", None),
+            Err(OptionsError::HalfMutualTls)
+        ));
+
+        let mut b = broker();
+        b.ca_file = Some(manifest.with_file_name("no-such-ca.pem"));
+        let err = b.options("site-a", None).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                OptionsError::Read {
+                    what: "CA file",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().starts_with("reading the CA file "), "{err}");
+
+        let mut b = broker();
+        b.ca_file = Some(manifest.clone());
+        let err = b.options("site-a", None).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                OptionsError::NoPem {
+                    marker: "CERTIFICATE-----",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            String::from(err),
+            format!(
+                "the CA file {} holds no PEM CERTIFICATE-----",
+                manifest.display()
+            )
+        );
+    }
+
+    #[test]
+    fn a_client_certificate_without_tls_is_refused() {
+        let pem =
+            std::env::temp_dir().join(format!("unifed-net-options-{}.pem", std::process::id()));
+        std::fs::write(
+            &pem,
+            "-----BEGIN CERTIFICATE-----\n-----BEGIN PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        let mut b = broker();
+        b.cert_file = Some(pem.clone());
+        b.key_file = Some(pem.clone());
+        let result = b.options("site-a", None);
+        std::fs::remove_file(&pem).unwrap();
+        assert!(matches!(result, Err(OptionsError::ClientCertWithoutTls)));
     }
 }

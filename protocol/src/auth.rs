@@ -69,15 +69,33 @@ impl fmt::Debug for PublicKey {
 }
 
 impl core::str::FromStr for PublicKey {
-    type Err = String;
+    type Err = PublicKeyError;
 
-    fn from_str(s: &str) -> Result<Self, String> {
-        let hex = s.trim().strip_prefix("ed25519:").ok_or_else(|| {
-            format!("a public key is `ed25519:` and 64 hex digits, got `{s}` (no `ed25519:`)")
-        })?;
+    fn from_str(s: &str) -> Result<Self, PublicKeyError> {
+        let hex = s
+            .trim()
+            .strip_prefix("ed25519:")
+            .ok_or_else(|| PublicKeyError::NoPrefix(s.into()))?;
         parse_hex32(hex)
             .map(PublicKey)
-            .ok_or_else(|| format!("a public key is `ed25519:` and 64 hex digits, got `{s}`"))
+            .ok_or_else(|| PublicKeyError::BadHex(s.into()))
+    }
+}
+
+/// Why a text is not a [`PublicKey`]: a key is written `ed25519:` and 64 hex digits.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PublicKeyError {
+    /// The text does not start with `ed25519:`.
+    #[error("a public key is `ed25519:` and 64 hex digits, got `{0}` (no `ed25519:`)")]
+    NoPrefix(String),
+    /// What follows `ed25519:` is not 64 hex digits.
+    #[error("a public key is `ed25519:` and 64 hex digits, got `{0}`")]
+    BadHex(String),
+}
+
+impl From<PublicKeyError> for String {
+    fn from(e: PublicKeyError) -> String {
+        format!("{e}")
     }
 }
 
@@ -692,8 +710,14 @@ mod tests {
         let text = p.to_string();
         assert!(text.starts_with("ed25519:") && text.len() == 8 + 64);
         assert_eq!(text.parse::<PublicKey>(), Ok(p));
-        assert!("ed25519:00".parse::<PublicKey>().is_err());
-        assert!(text[8..].parse::<PublicKey>().is_err());
+        assert!(matches!(
+            "ed25519:00".parse::<PublicKey>(),
+            Err(PublicKeyError::BadHex(t)) if t == "ed25519:00"
+        ));
+        assert!(matches!(
+            text[8..].parse::<PublicKey>(),
+            Err(PublicKeyError::NoPrefix(_))
+        ));
         let f = p.fingerprint();
         assert_eq!(f.len(), 19);
         assert_ne!(f, key(8).public().fingerprint());

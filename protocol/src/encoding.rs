@@ -54,29 +54,23 @@ pub const TERNARY_BLOCK: u16 = 256;
 pub const TERNARY_BLOCKS: core::ops::RangeInclusive<u16> = 16..=4096;
 
 impl core::str::FromStr for Encoding {
-    type Err = String;
+    type Err = EncodingParseError;
 
     /// Parses `f32`, `f16`, `q8`, `ternary`, `ternaryq8`, `topk<per-mille>` (e.g. `topk100`
     /// keeps 10%) or `topkq8<per-mille>` (the same with q8 values); `ternary` and `ternaryq8`
     /// take an optional `b<block>` (e.g. `ternaryq8b64`: a scale per 64 values).
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, EncodingParseError> {
         let per_mille = |t: &str, digits: &str| {
-            digits.parse::<u16>().map_err(|_| {
-                alloc::format!(
-                    "`{t}`: topk<per-mille> or topkq8<per-mille>, e.g. topk100 keeps 10%"
-                )
-            })
+            digits
+                .parse::<u16>()
+                .map_err(|_| EncodingParseError::BadPerMille(t.into()))
         };
         let block = |t: &str, rest: &str| match rest {
             "" => Ok(TERNARY_BLOCK),
             b => b
                 .strip_prefix('b')
                 .and_then(|d| d.parse::<u16>().ok())
-                .ok_or_else(|| {
-                    alloc::format!(
-                        "`{t}`: ternary or ternaryq8 with an optional b<block>, e.g. ternaryq8b64"
-                    )
-                }),
+                .ok_or_else(|| EncodingParseError::BadBlock(t.into())),
         };
         let e = match s {
             "f32" => Encoding::F32,
@@ -94,14 +88,45 @@ impl core::str::FromStr for Encoding {
             t if t.starts_with("topk") => Encoding::TopK {
                 per_mille: per_mille(t, &t[4..])?,
             },
-            other => {
-                return Err(alloc::format!(
-                    "unknown encoding `{other}`: f32, f16, q8, ternary[b<block>], ternaryq8[b<block>], topk<per-mille> or topkq8<per-mille>"
-                ));
-            }
+            other => return Err(EncodingParseError::Unknown(other.into())),
         };
-        e.validate().map_err(String::from)?;
+        e.validate()
+            .map_err(|reason| EncodingParseError::OutOfRange {
+                name: s.into(),
+                reason,
+            })?;
         Ok(e)
+    }
+}
+
+/// Why an encoding's name cannot be parsed into an [`Encoding`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodingParseError {
+    /// The name is none of the known encodings.
+    #[error(
+        "unknown encoding `{0}`: f32, f16, q8, ternary[b<block>], ternaryq8[b<block>], topk<per-mille> or topkq8<per-mille>"
+    )]
+    Unknown(String),
+    /// A `topk` or `topkq8` name whose per-mille fraction is not a number.
+    #[error("`{0}`: topk<per-mille> or topkq8<per-mille>, e.g. topk100 keeps 10%")]
+    BadPerMille(String),
+    /// A `ternary` or `ternaryq8` name whose block suffix is not `b` and a number.
+    #[error("`{0}`: ternary or ternaryq8 with an optional b<block>, e.g. ternaryq8b64")]
+    BadBlock(String),
+    /// The name parses, but its fraction or block size is outside the accepted range
+    /// ([`Encoding::validate`]).
+    #[error("{reason}")]
+    OutOfRange {
+        /// The encoding's name as given.
+        name: String,
+        /// Which parameter is out of range.
+        reason: &'static str,
+    },
+}
+
+impl From<EncodingParseError> for String {
+    fn from(e: EncodingParseError) -> String {
+        alloc::format!("{e}")
     }
 }
 
@@ -1643,6 +1668,38 @@ mod tests {
                 "seed {seed}"
             );
         }
+    }
+
+    #[test]
+    fn a_bad_encoding_name_is_refused_with_what_is_wrong() {
+        let parse = |s: &str| s.parse::<Encoding>().unwrap_err();
+        assert!(matches!(parse("f64"), EncodingParseError::Unknown(n) if n == "f64"));
+        assert!(matches!(parse("topkx"), EncodingParseError::BadPerMille(_)));
+        assert!(matches!(
+            parse("topkq8"),
+            EncodingParseError::BadPerMille(_)
+        ));
+        assert!(matches!(
+            parse("ternaryq8x64"),
+            EncodingParseError::BadBlock(_)
+        ));
+        assert!(matches!(
+            parse("topk1001"),
+            EncodingParseError::OutOfRange { ref name, .. } if name == "topk1001"
+        ));
+        assert!(matches!(
+            parse("ternaryb8"),
+            EncodingParseError::OutOfRange { .. }
+        ));
+        assert_eq!(
+            String::from(parse("topk0")),
+            "top-k per_mille must be between 1 and 1000"
+        );
+        assert!(
+            parse("f64")
+                .to_string()
+                .starts_with("unknown encoding `f64`: f32, f16")
+        );
     }
 
     #[test]

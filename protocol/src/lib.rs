@@ -60,20 +60,21 @@ pub mod spec;
 pub mod topics;
 
 #[cfg(feature = "std")]
-pub use auth::{AuthError, KeyFileError, Keyring, PublicKey, SigningKey};
+pub use auth::{AuthError, KeyFileError, Keyring, PublicKey, PublicKeyError, SigningKey};
 pub use chunking::{ChunkError, Cut, PayloadSource, Reassembler, payload_hash, split};
 pub use encoding::{
-    EncodedTensor, EncodedTensorRef, Encoding, TensorError, Values, check, decode, decode_add,
-    encode, encode_leaving_error,
+    EncodedTensor, EncodedTensorRef, Encoding, EncodingParseError, TensorError, Values, check,
+    decode, decode_add, encode, encode_leaving_error,
 };
 pub use envelope::{DecodeError, Envelope, EnvelopeRef, MAGIC, MessageKind, PROTOCOL_VERSION};
 pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, SiteId};
 pub use messages::{
-    Answer, BnPolicy, BnSharing, Chunk, ChunkRef, ChunkRequest, DeltaInfo, Download, Downloaded,
-    LocalReport, ModelDelta, Objective, OnboardError, OnboardReply, OnboardRequest, PackageInfo,
-    Payload, RegistryEntry, RejectReason, RoundManifest, RoundPlan, Sealing, ServerBroadcast,
-    ServerExtras, SiteExtras, SiteState, SiteStatus, SiteUpdate, SiteUpdateRef, UpdateAnswer,
-    UpdateReceipt, max_broadcast_bytes, max_registry_entry_bytes,
+    Answer, BnPolicy, BnSharing, BnSharingError, Chunk, ChunkRef, ChunkRequest, DeltaInfo,
+    Download, Downloaded, LocalReport, ModelDelta, Objective, ObjectiveError, OnboardError,
+    OnboardReply, OnboardRequest, PackageInfo, Payload, RegistryEntry, RejectReason, RoundManifest,
+    RoundPlan, Sealing, ServerBroadcast, ServerExtras, SiteExtras, SiteState, SiteStatus,
+    SiteUpdate, SiteUpdateRef, UpdateAnswer, UpdateReceipt, max_broadcast_bytes,
+    max_registry_entry_bytes,
 };
 #[cfg(feature = "std")]
 pub use spec::spec_path;

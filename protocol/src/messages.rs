@@ -58,17 +58,29 @@ impl BnSharing {
 }
 
 impl core::str::FromStr for BnSharing {
-    type Err = String;
+    type Err = BnSharingError;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, BnSharingError> {
         match s {
             "none" => Ok(BnSharing::None),
             "affine" => Ok(BnSharing::Affine),
             "affine+stats" => Ok(BnSharing::AffineStats),
-            o => Err(alloc::format!(
-                "unknown BN sharing policy `{o}`: expected none, affine or affine+stats"
-            )),
+            o => Err(BnSharingError::Unknown(o.into())),
         }
+    }
+}
+
+/// Why a BN sharing policy's name cannot be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BnSharingError {
+    /// The name is none of `none`, `affine` and `affine+stats`.
+    #[error("unknown BN sharing policy `{0}`: expected none, affine or affine+stats")]
+    Unknown(String),
+}
+
+impl From<BnSharingError> for String {
+    fn from(e: BnSharingError) -> String {
+        alloc::format!("{e}")
     }
 }
 
@@ -132,38 +144,29 @@ pub enum Objective {
 
 impl Objective {
     /// Checks the objective's parameters, naming the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ObjectiveError> {
         match *self {
             Objective::CrossEntropy | Objective::Scaffold => Ok(()),
             Objective::Proximal { mu } if mu.is_finite() && mu >= 0.0 => Ok(()),
-            Objective::Proximal { mu } => Err(alloc::format!(
-                "FedProx mu must be finite and non-negative, got {mu}"
-            )),
-            Objective::Contrastive { mu, .. } if !(mu.is_finite() && mu >= 0.0) => Err(
-                alloc::format!("MOON mu must be finite and non-negative, got {mu}"),
-            ),
+            Objective::Proximal { mu } => Err(ObjectiveError::ProximalMu(mu)),
+            Objective::Contrastive { mu, .. } if !(mu.is_finite() && mu >= 0.0) => {
+                Err(ObjectiveError::ContrastiveMu(mu))
+            }
             Objective::Contrastive { temperature, .. }
                 if !(temperature.is_finite() && temperature > 0.0) =>
             {
-                Err(alloc::format!(
-                    "MOON temperature must be finite and positive, got {temperature}"
-                ))
+                Err(ObjectiveError::Temperature(temperature))
             }
             Objective::Contrastive { .. } => Ok(()),
             Objective::Drift { alpha } if alpha.is_finite() && alpha >= 0.0 => Ok(()),
-            Objective::Drift { alpha } => Err(alloc::format!(
-                "FedDC alpha must be finite and non-negative, got {alpha}"
-            )),
-            Objective::Meta { alpha, beta } => {
-                for (name, v) in [("alpha", alpha), ("beta", beta)] {
-                    if !(v.is_finite() && v > 0.0) {
-                        return Err(alloc::format!(
-                            "Per-FedAvg {name} must be positive and finite, got {v}"
-                        ));
-                    }
-                }
-                Ok(())
+            Objective::Drift { alpha } => Err(ObjectiveError::DriftAlpha(alpha)),
+            Objective::Meta { alpha, .. } if !(alpha.is_finite() && alpha > 0.0) => {
+                Err(ObjectiveError::MetaAlpha(alpha))
             }
+            Objective::Meta { beta, .. } if !(beta.is_finite() && beta > 0.0) => {
+                Err(ObjectiveError::MetaBeta(beta))
+            }
+            Objective::Meta { .. } => Ok(()),
         }
     }
 
@@ -172,6 +175,36 @@ impl Objective {
     /// the site's variate in [`SiteExtras::Control`].
     pub fn uses_control(&self) -> bool {
         matches!(self, Objective::Scaffold | Objective::Drift { .. })
+    }
+}
+
+/// Why an [`Objective`]'s parameters are refused by [`Objective::validate`]. Each variant
+/// carries the value that was given.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum ObjectiveError {
+    /// FedProx's `mu` is negative or not finite.
+    #[error("FedProx mu must be finite and non-negative, got {0}")]
+    ProximalMu(f64),
+    /// MOON's `mu` is negative or not finite.
+    #[error("MOON mu must be finite and non-negative, got {0}")]
+    ContrastiveMu(f64),
+    /// MOON's temperature is not positive or not finite.
+    #[error("MOON temperature must be finite and positive, got {0}")]
+    Temperature(f64),
+    /// FedDC's `alpha` is negative or not finite.
+    #[error("FedDC alpha must be finite and non-negative, got {0}")]
+    DriftAlpha(f64),
+    /// Per-FedAvg's inner step `alpha` is not positive or not finite.
+    #[error("Per-FedAvg alpha must be positive and finite, got {0}")]
+    MetaAlpha(f64),
+    /// Per-FedAvg's outer step `beta` is not positive or not finite.
+    #[error("Per-FedAvg beta must be positive and finite, got {0}")]
+    MetaBeta(f64),
+}
+
+impl From<ObjectiveError> for String {
+    fn from(e: ObjectiveError) -> String {
+        alloc::format!("{e}")
     }
 }
 
@@ -738,4 +771,56 @@ pub enum OnboardReply {
     },
     /// The request was refused.
     Error(OnboardError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::string::ToString;
+
+    #[test]
+    fn an_unknown_bn_sharing_policy_is_named_in_the_error() {
+        let err = "stats".parse::<BnSharing>().unwrap_err();
+        assert!(matches!(&err, BnSharingError::Unknown(name) if name == "stats"));
+        assert_eq!(
+            String::from(err),
+            "unknown BN sharing policy `stats`: expected none, affine or affine+stats"
+        );
+    }
+
+    #[test]
+    fn objective_validation_names_the_bad_parameter() {
+        assert_eq!(Objective::Scaffold.validate(), Ok(()));
+        assert_eq!(Objective::Proximal { mu: 0.01 }.validate(), Ok(()));
+        assert!(matches!(
+            Objective::Proximal { mu: -1.0 }.validate(),
+            Err(ObjectiveError::ProximalMu(_))
+        ));
+        let moon = |mu, temperature| Objective::Contrastive { mu, temperature }.validate();
+        assert_eq!(moon(5.0, 0.5), Ok(()));
+        assert!(matches!(
+            moon(f64::NAN, 0.5),
+            Err(ObjectiveError::ContrastiveMu(_))
+        ));
+        assert!(matches!(
+            moon(1.0, 0.0),
+            Err(ObjectiveError::Temperature(_))
+        ));
+        assert!(matches!(
+            Objective::Drift {
+                alpha: f64::INFINITY
+            }
+            .validate(),
+            Err(ObjectiveError::DriftAlpha(_))
+        ));
+        let meta = |alpha, beta| Objective::Meta { alpha, beta }.validate();
+        assert_eq!(meta(0.01, 0.001), Ok(()));
+        assert!(matches!(meta(0.0, 0.0), Err(ObjectiveError::MetaAlpha(_))));
+        let err = meta(0.01, -1.0).unwrap_err();
+        assert!(matches!(err, ObjectiveError::MetaBeta(b) if b == -1.0));
+        assert_eq!(
+            err.to_string(),
+            "Per-FedAvg beta must be positive and finite, got -1"
+        );
+    }
 }

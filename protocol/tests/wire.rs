@@ -271,6 +271,7 @@ fn bn_sharing_policies_parse_and_select_their_tensors() {
         "stats"
             .parse::<BnSharing>()
             .unwrap_err()
+            .to_string()
             .contains("affine+stats")
     );
     let kinds = [

@@ -14,7 +14,7 @@ use crate::upload::Upload;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use unifed_protocol::SpecHash;
-use unifed_protocol::auth::{Keyring, PublicKey, SigningKey};
+use unifed_protocol::auth::{AuthError, Keyring, PublicKey, SigningKey};
 use unifed_protocol::chunking::{Reassembler, fetch_window};
 use unifed_protocol::envelope::{Envelope, EnvelopeRef, MessageKind};
 use unifed_protocol::ids::{AGGREGATOR_ID, Id};
@@ -374,7 +374,7 @@ impl SiteEngine {
 
     /// The envelope of a message, signed by the pinned aggregator (checked before anything else
     /// is looked at) for this federation and model spec; why not, otherwise.
-    fn open<'a>(&self, payload: &'a [u8]) -> Result<EnvelopeRef<'a>, String> {
+    fn open<'a>(&self, payload: &'a [u8]) -> Result<EnvelopeRef<'a>, Unopened> {
         open_from_aggregator(
             &self.keyring,
             (
@@ -390,7 +390,7 @@ impl SiteEngine {
     fn on_message(&mut self, topic: &str, payload: &[u8], now_ms: u64, out: &mut Vec<Action>) {
         let env = match self.open(payload) {
             Ok(e) => e,
-            Err(why) => return drop_msg(topic, &why),
+            Err(why) => return drop_msg(topic, &why.to_string()),
         };
         let expected = if topic == self.topics.manifest() {
             &[MessageKind::RoundManifest][..]
@@ -457,7 +457,7 @@ impl SiteEngine {
                 d.from_version, d.chunk_count, d.payload_len
             ))
         } else if let Err(e) = m.plan.objective.validate() {
-            Some(e)
+            Some(e.to_string())
         } else if self
             .manifest
             .as_ref()
@@ -720,20 +720,35 @@ fn open_from_aggregator<'a>(
     keyring: &Keyring,
     (federation, spec_hash, max_packet): (&Id, SpecHash, usize),
     payload: &'a [u8],
-) -> Result<EnvelopeRef<'a>, String> {
-    let env = keyring
-        .open(payload, max_packet + 4096)
-        .map_err(|e| e.to_string())?;
+) -> Result<EnvelopeRef<'a>, Unopened> {
+    let env = keyring.open(payload, max_packet + 4096)?;
     if env.federation != *federation {
-        return Err(format!("federation `{}`", env.federation));
+        return Err(Unopened::Federation(env.federation));
     }
     if env.sender.as_str() != AGGREGATOR_ID {
-        return Err(format!("sender `{}` is not the aggregator", env.sender));
+        return Err(Unopened::Sender(env.sender));
     }
     if env.spec_hash != spec_hash {
-        return Err(format!("model spec {} is not this site's", env.spec_hash));
+        return Err(Unopened::Spec(env.spec_hash));
     }
     Ok(env)
+}
+
+/// Why a message was not taken as the aggregator's (it is dropped and logged).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Unopened {
+    /// It does not decode, or is not signed by the pinned aggregator key.
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    /// It names another federation.
+    #[error("federation `{0}`")]
+    Federation(Id),
+    /// Its sender is not the aggregator.
+    #[error("sender `{0}` is not the aggregator")]
+    Sender(Id),
+    /// It is of another model spec.
+    #[error("model spec {0} is not this site's")]
+    Spec(SpecHash),
 }
 
 /// Which model chunks a site drops unread now ([`SiteEngine::chunk_filter`]): every chunk on

@@ -14,6 +14,7 @@ use unifed_aggregator::store::Store;
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, serial};
 use unifed_models::checkpoint;
+use unifed_models::client::ClientState;
 use unifed_models::site::Memory;
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
@@ -41,12 +42,12 @@ struct Outcome {
     sites: Vec<(Vec<Vec<u32>>, Memory)>,
 }
 
-/// The memory (residuals, control variates) in a site's `checkpoint.bin`: magic and version 5,
+/// The memory (residuals, the algorithm's state) in a site's `checkpoint.bin`: magic and version 6,
 /// then the postcard of (progress, memory, (model file's number, its length, its sum)), then
 /// the file's sum.
 fn memory(dir: &std::path::Path) -> Memory {
     let bytes = std::fs::read(dir.join("checkpoint.bin")).unwrap();
-    assert_eq!(&bytes[..8], b"UFSC\x05\0\0\0");
+    assert_eq!(&bytes[..8], b"UFSC\x06\0\0\0");
     type Progress = (Option<u64>, Vec<u64>);
     type ModelFile = (u64, u64, [u8; 16]);
     let body = &bytes[8..bytes.len() - 16];
@@ -186,8 +187,11 @@ fn scaffold_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
     // Every site holds its control variate and the server's of the final model (SCAFFOLD
     // ran, not FedAvg).
     for (_, m) in &want.sites {
-        assert!(!m.control.is_empty() && m.control.values().flatten().any(|&v| v != 0.0));
-        assert_eq!(m.server_control.as_ref().map(|(v, _)| *v), Some(3));
+        let ClientState::Scaffold(c) = &m.algorithm else {
+            panic!("a site's state is {:?}", m.algorithm);
+        };
+        assert!(!c.control.is_empty() && c.control.values().flatten().any(|&v| v != 0.0));
+        assert_eq!(c.server.as_ref().map(|(v, _)| *v), Some(3));
     }
 }
 
@@ -204,7 +208,7 @@ fn moon_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
     // Every site ends holding the model it trained in the last round as its previous one: its
     // own BN, as in its model file, beside non-BN weights that the final model replaced there.
     for (model, m) in &want.sites {
-        let previous = m.previous.as_ref().expect("no previous local model");
+        let previous = m.algorithm.previous().expect("no previous local model");
         let mut replaced = 0;
         for (k, (name, bn)) in want.tensors.iter().enumerate() {
             let kept: Vec<u32> = previous[name].iter().map(|v| v.to_bits()).collect();
@@ -238,13 +242,16 @@ fn feddc_with_global_bn_killed_agent_and_aggregator_ends_bit_identical() {
     // Every site holds a drift (its accepted deltas summed) and a variate (FedDC ran): under
     // global BN they cover the BN affine tensors, never the running statistics.
     for (_, m) in &want.sites {
-        assert!(m.drift.values().flatten().any(|&v| v != 0.0));
+        let ClientState::FedDc { controls, drift } = &m.algorithm else {
+            panic!("a site's state is {:?}", m.algorithm);
+        };
+        assert!(drift.values().flatten().any(|&v| v != 0.0));
         assert!(
-            m.drift
+            drift
                 .keys()
                 .any(|k| k.ends_with(".weight") && k.contains("bn"))
         );
-        assert!(!m.drift.keys().any(|k| k.contains("running")));
-        assert!(!m.control.is_empty());
+        assert!(!drift.keys().any(|k| k.contains("running")));
+        assert!(!controls.control.is_empty());
     }
 }

@@ -19,7 +19,8 @@
 //! `global`); BN running statistics take the plain mean.
 
 use super::{
-    Contributions, Extras, ReadError, Scaffold, ScaffoldConfig, Setup, Strategy, StrategyState,
+    Contributions, Extras, ReadError, Scaffold, ScaffoldConfig, Setup, Strategy, StrategyError,
+    StrategyState,
 };
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{Objective, RejectReason, RoundPlan, ServerExtras, SiteUpdateRef};
@@ -50,7 +51,7 @@ impl FedDcConfig {
     }
 
     /// Checks every value, naming the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), StrategyError> {
         self.objective().validate()?;
         self.scaffold().validate()
     }
@@ -80,7 +81,7 @@ impl FedDc {
         cfg: FedDcConfig,
         setup: &Setup,
         state: Option<StrategyState>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StrategyError> {
         cfg.validate()?;
         let (scaffold, drift) = match state {
             Some(StrategyState::FedDc { c, known, n, drift }) => {
@@ -93,7 +94,12 @@ impl FedDc {
                 (s, drift)
             }
             None => (Scaffold::new(cfg.scaffold(), setup, None)?, setup.zeros()),
-            Some(other) => return Err(format!("FedDC cannot resume from {}", other.name())),
+            Some(other) => {
+                return Err(StrategyError::StateOfAnother {
+                    stored: other.name(),
+                    algorithm: "feddc",
+                });
+            }
         };
         Ok(FedDc {
             cfg,

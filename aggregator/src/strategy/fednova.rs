@@ -22,7 +22,10 @@
 //! delta, `max_samples` on the weight) still hold for each update as sent; a count of 0 is
 //! refused.
 
-use super::{Contributions, Extras, ReadError, Setup, Strategy, StrategyState, no_extras, step_by};
+use super::{
+    Contributions, Extras, ReadError, Setup, Strategy, StrategyError, StrategyState, no_extras,
+    parameter, step_by,
+};
 use crate::fold::Fold;
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{RejectReason, SiteUpdateRef};
@@ -38,14 +41,9 @@ pub struct FedNovaConfig {
 
 impl FedNovaConfig {
     /// Checks the momentum, naming it when it is out of range.
-    pub fn validate(&self) -> Result<(), String> {
-        if !(0.0..1.0).contains(&self.momentum) {
-            return Err(format!(
-                "momentum must lie in [0, 1), got {}",
-                self.momentum
-            ));
-        }
-        Ok(())
+    pub fn validate(&self) -> Result<(), StrategyError> {
+        let rho = self.momentum;
+        parameter((0.0..1.0).contains(&rho), "momentum", "lie in [0, 1)", rho)
     }
 
     /// `||a_i||_1` of a site that took `steps` local steps.
@@ -138,11 +136,13 @@ mod tests {
         let m = FedNovaConfig { momentum: 0.5 };
         assert!((m.update_size(3) - 4.25).abs() < 1e-12);
         assert!(m.validate().is_ok());
-        assert!(
-            FedNovaConfig { momentum: 1.0 }
-                .validate()
-                .unwrap_err()
-                .contains("momentum")
-        );
+        assert!(matches!(
+            FedNovaConfig { momentum: 1.0 }.validate(),
+            Err(StrategyError::Parameter {
+                name: "momentum",
+                value: 1.0,
+                ..
+            })
+        ));
     }
 }

@@ -17,7 +17,8 @@
 //! state continues with the same bits.
 
 use super::{
-    Contributions, Extras, ReadError, Setup, Strategy, StrategyState, lens, no_extras, step_by,
+    Contributions, Extras, ReadError, Setup, Strategy, StrategyError, StrategyState, lens,
+    no_extras, parameter, step_by,
 };
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{RejectReason, SiteUpdateRef};
@@ -51,22 +52,19 @@ impl Default for FedOptConfig {
 
 impl FedOptConfig {
     /// Checks every value, naming the bad one.
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.server_lr.is_finite() && self.server_lr > 0.0) {
-            return Err(format!(
-                "server_lr must be positive and finite, got {}",
-                self.server_lr
-            ));
-        }
+    pub fn validate(&self) -> Result<(), StrategyError> {
+        let positive = "be positive and finite";
+        let lr = self.server_lr;
+        parameter(lr.is_finite() && lr > 0.0, "server_lr", positive, lr)?;
         for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
-            if !(0.0..1.0).contains(&b) {
-                return Err(format!("{name} must lie in [0, 1), got {b}"));
-            }
+            parameter((0.0..1.0).contains(&b), name, "lie in [0, 1)", b)?;
         }
-        if !(self.tau.is_finite() && self.tau > 0.0) {
-            return Err(format!("tau must be positive and finite, got {}", self.tau));
-        }
-        Ok(())
+        parameter(
+            self.tau.is_finite() && self.tau > 0.0,
+            "tau",
+            positive,
+            self.tau,
+        )
     }
 }
 
@@ -134,7 +132,7 @@ impl FedOpt {
         cfg: FedOptConfig,
         setup: &Setup,
         state: Option<StrategyState>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StrategyError> {
         cfg.validate()?;
         let (m, v) = match state {
             Some(StrategyState::FedOpt { m, v }) => {
@@ -147,7 +145,12 @@ impl FedOpt {
                 let v = setup.trainable().map(|t| vec![tau2; t.numel()]).collect();
                 (setup.zeros(), v)
             }
-            Some(other) => return Err(format!("FedOpt cannot resume from {}", other.name())),
+            Some(other) => {
+                return Err(StrategyError::StateOfAnother {
+                    stored: other.name(),
+                    algorithm: "fedopt",
+                });
+            }
         };
         Ok(FedOpt {
             rule,
@@ -261,16 +264,28 @@ mod tests {
             beta1: 1.0,
             ..Default::default()
         };
-        assert!(bad.validate().unwrap_err().contains("beta1"));
+        assert!(matches!(
+            bad.validate(),
+            Err(StrategyError::Parameter { name: "beta1", .. })
+        ));
         let bad = FedOptConfig {
             tau: 0.0,
             ..Default::default()
         };
-        assert!(bad.validate().unwrap_err().contains("tau"));
+        assert!(matches!(
+            bad.validate(),
+            Err(StrategyError::Parameter { name: "tau", .. })
+        ));
         let bad = FedOptConfig {
             server_lr: f64::NAN,
             ..Default::default()
         };
-        assert!(bad.validate().unwrap_err().contains("server_lr"));
+        assert!(matches!(
+            bad.validate(),
+            Err(StrategyError::Parameter {
+                name: "server_lr",
+                ..
+            })
+        ));
     }
 }

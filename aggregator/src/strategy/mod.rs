@@ -46,8 +46,86 @@ use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
 use unifed_protocol::encoding::{EncodedTensor, Encoding, decode, exact_le_bytes};
 use unifed_protocol::messages::{
-    Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdateRef,
+    Objective, ObjectiveError, RejectReason, RoundPlan, ServerExtras, SiteExtras, SiteUpdateRef,
 };
+
+/// Why an algorithm's parameters, its name or a strategy's stored state were refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum StrategyError {
+    /// A server parameter lies outside its range.
+    #[error("{name} must {must}, got {value}")]
+    Parameter {
+        /// The parameter's name in configs.
+        name: &'static str,
+        /// Its range, in words (`be positive and finite`, `lie in [0, 1)`).
+        must: &'static str,
+        /// The value given.
+        value: f64,
+    },
+    /// A parameter of the sites' local objective is invalid.
+    #[error(transparent)]
+    Objective(#[from] ObjectiveError),
+    /// No algorithm has this name.
+    #[error("unknown algorithm `{name}`: {known}")]
+    Unknown {
+        /// The name given.
+        name: String,
+        /// Every algorithm's name, comma-separated.
+        known: String,
+    },
+    /// The stored state is another algorithm's.
+    #[error(
+        "the stored strategy state ({stored}) is not that of the configured algorithm \
+         `{algorithm}`"
+    )]
+    StateOfAnother {
+        /// The stored state's name ([`StrategyState::name`]).
+        stored: &'static str,
+        /// The configured algorithm's name.
+        algorithm: &'static str,
+    },
+    /// A stored state's tensors do not fit the model's trainable tensors.
+    #[error(
+        "the stored {what} does not fit the model's trainable tensors ({tensors} tensors, \
+         {values} values; the model has {want_tensors}, {want_values})"
+    )]
+    StateShape {
+        /// Which part of the state.
+        what: &'static str,
+        /// Its tensors.
+        tensors: usize,
+        /// Its values.
+        values: usize,
+        /// The model's trainable tensors.
+        want_tensors: usize,
+        /// Their values.
+        want_values: usize,
+    },
+    /// A state about to be committed holds a value that is not finite.
+    #[error("the {what} holds {value}")]
+    NotFinite {
+        /// Which part of the state.
+        what: &'static str,
+        /// The value.
+        value: f32,
+    },
+    /// FedOpt's second moment holds a negative value.
+    #[error("the second moment holds {0} < 0")]
+    NegativeMoment(f32),
+}
+
+/// `Err(StrategyError::Parameter)` unless `ok`.
+pub(crate) fn parameter(
+    ok: bool,
+    name: &'static str,
+    must: &'static str,
+    value: f64,
+) -> Result<(), StrategyError> {
+    match ok {
+        true => Ok(()),
+        false => Err(StrategyError::Parameter { name, must, value }),
+    }
+}
 
 /// The federation's algorithm and its server-side parameters, as configured. FedBN is
 /// [`Algorithm::FedAvg`] with BN policy `local`.
@@ -87,18 +165,18 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Checks the parameters, naming the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), StrategyError> {
         match self {
             Algorithm::FedAvg => Ok(()),
-            Algorithm::FedProx { mu } => Objective::Proximal { mu: *mu }.validate(),
+            Algorithm::FedProx { mu } => Ok(Objective::Proximal { mu: *mu }.validate()?),
             Algorithm::FedAdam(c) | Algorithm::FedYogi(c) | Algorithm::FedAdagrad(c) => {
                 c.validate()
             }
             Algorithm::Scaffold(c) => c.validate(),
             Algorithm::FedNova(c) => c.validate(),
-            Algorithm::Moon(c) => c.objective().validate(),
+            Algorithm::Moon(c) => Ok(c.objective().validate()?),
             Algorithm::FedDc(c) => c.validate(),
-            Algorithm::PerFedAvg(c) => c.objective().validate(),
+            Algorithm::PerFedAvg(c) => Ok(c.objective().validate()?),
         }
     }
 
@@ -138,13 +216,16 @@ impl Algorithm {
 
     /// The algorithm called `name` in configs ([`Algorithm::name`]), with its default
     /// parameters; an error listing every name otherwise.
-    pub fn named(name: &str) -> Result<Algorithm, String> {
+    pub fn named(name: &str) -> Result<Algorithm, StrategyError> {
         Self::all()
             .into_iter()
             .find(|a| a.name() == name)
             .ok_or_else(|| {
                 let names: Vec<&str> = Self::all().iter().map(Algorithm::name).collect();
-                format!("unknown algorithm `{name}`: {}", names.join(", "))
+                StrategyError::Unknown {
+                    name: name.to_string(),
+                    known: names.join(", "),
+                }
             })
     }
 
@@ -217,10 +298,9 @@ pub enum StrategyState {
 impl StrategyState {
     /// Checks the state before it is committed: every value finite, second moments
     /// non-negative. Names the first problem.
-    pub fn check(&self) -> Result<(), String> {
-        let finite = |what: &str, t: &[Vec<f32>]| match t.iter().flatten().find(|v| !v.is_finite())
-        {
-            Some(v) => Err(format!("the {what} holds {v}")),
+    pub fn check(&self) -> Result<(), StrategyError> {
+        let finite = |what, t: &[Vec<f32>]| match t.iter().flatten().find(|v| !v.is_finite()) {
+            Some(&value) => Err(StrategyError::NotFinite { what, value }),
             None => Ok(()),
         };
         match self {
@@ -229,7 +309,7 @@ impl StrategyState {
                 finite("first moment", m)?;
                 finite("second moment", v)?;
                 match v.iter().flatten().find(|x| **x < 0.0) {
-                    Some(x) => Err(format!("the second moment holds {x} < 0")),
+                    Some(&x) => Err(StrategyError::NegativeMoment(x)),
                     None => Ok(()),
                 }
             }
@@ -282,20 +362,19 @@ impl Setup {
     }
 
     /// Checks that `tensors` are shaped like [`Setup::trainable`], naming `what` on a mismatch.
-    fn check_shapes(&self, what: &str, tensors: &[Vec<f32>]) -> Result<(), String> {
+    fn check_shapes(&self, what: &'static str, tensors: &[Vec<f32>]) -> Result<(), StrategyError> {
         let want: Vec<usize> = self.trainable().map(|t| t.numel()).collect();
         let got: Vec<usize> = tensors.iter().map(Vec::len).collect();
         if want == got {
             Ok(())
         } else {
-            Err(format!(
-                "the stored {what} does not fit the model's trainable tensors ({} tensors, {} \
-                 values; the model has {}, {})",
-                got.len(),
-                got.iter().sum::<usize>(),
-                want.len(),
-                want.iter().sum::<usize>()
-            ))
+            Err(StrategyError::StateShape {
+                what,
+                tensors: got.len(),
+                values: got.iter().sum(),
+                want_tensors: want.len(),
+                want_values: want.iter().sum(),
+            })
         }
     }
 }
@@ -338,13 +417,12 @@ pub fn from_config(
     algorithm: &Algorithm,
     setup: &Setup,
     state: Option<StrategyState>,
-) -> Result<Box<dyn Strategy>, String> {
+) -> Result<Box<dyn Strategy>, StrategyError> {
     let mismatch = |s: &StrategyState| {
-        Err(format!(
-            "the stored strategy state ({}) is not that of the configured algorithm `{}`",
-            s.name(),
-            algorithm.name()
-        ))
+        Err(StrategyError::StateOfAnother {
+            stored: s.name(),
+            algorithm: algorithm.name(),
+        })
     };
     match (algorithm, state) {
         (Algorithm::FedAvg, None | Some(StrategyState::Stateless)) => {
@@ -601,7 +679,8 @@ mod tests {
         assert_eq!((names.len(), labels.len()), (all.len(), all.len()));
         let err = Algorithm::named("fedsgd").unwrap_err();
         assert!(
-            err.contains("`fedsgd`") && err.contains("perfedavg"),
+            matches!(&err, StrategyError::Unknown { name, known }
+                if name == "fedsgd" && known.ends_with("perfedavg")),
             "{err}"
         );
     }

@@ -23,8 +23,8 @@
 //! under `global`; BN running statistics never (under `global` they take the plain mean).
 
 use super::{
-    Contribution, Contributions, Extras, ReadError, Setup, Strategy, StrategyState, dense, exact,
-    step_by,
+    Contribution, Contributions, Extras, ReadError, Setup, Strategy, StrategyError, StrategyState,
+    dense, exact, parameter, step_by,
 };
 use serde::{Deserialize, Serialize};
 use unifed_protocol::TensorSpec;
@@ -55,14 +55,12 @@ impl Default for ScaffoldConfig {
 
 impl ScaffoldConfig {
     /// Checks every value, naming the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), StrategyError> {
         for (name, v) in [
             ("server_lr", self.server_lr),
             ("max_control_norm", self.max_control_norm),
         ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(format!("{name} must be positive and finite, got {v}"));
-            }
+            parameter(v.is_finite() && v > 0.0, name, "be positive and finite", v)?;
         }
         Ok(())
     }
@@ -102,7 +100,7 @@ impl Scaffold {
         cfg: ScaffoldConfig,
         setup: &Setup,
         state: Option<StrategyState>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StrategyError> {
         cfg.validate()?;
         let (c, known, n) = match state {
             Some(StrategyState::Scaffold { c, known, n }) => {
@@ -110,7 +108,12 @@ impl Scaffold {
                 (c, known, n)
             }
             None => (setup.zeros(), Vec::new(), 0),
-            Some(other) => return Err(format!("SCAFFOLD cannot resume from {}", other.name())),
+            Some(other) => {
+                return Err(StrategyError::StateOfAnother {
+                    stored: other.name(),
+                    algorithm: "scaffold",
+                });
+            }
         };
         Ok(Scaffold {
             cfg,

@@ -190,20 +190,11 @@ impl Domain {
     }
 
     /// Parses a short name.
-    pub fn parse(s: &str) -> Result<Domain, String> {
+    pub fn parse(s: &str) -> Result<Domain, DomainError> {
         Domain::all()
             .into_iter()
             .find(|d| d.name() == s)
-            .ok_or_else(|| {
-                format!(
-                    "unknown domain `{s}`: expected one of {}",
-                    Domain::all()
-                        .iter()
-                        .map(|d| d.name())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            })
+            .ok_or_else(|| DomainError::Unknown(s.into()))
     }
 
     /// True for the never-seen domains.
@@ -255,6 +246,29 @@ impl Domain {
         };
         to_rgb(&rgb)
     }
+}
+
+/// Why a text is not a [`Domain`]'s short name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DomainError {
+    /// The name is none of the built-in domains'.
+    #[error("unknown domain `{0}`: expected one of {names}", names = domain_names())]
+    Unknown(String),
+}
+
+impl From<DomainError> for String {
+    fn from(e: DomainError) -> String {
+        e.to_string()
+    }
+}
+
+/// Every domain's short name, training first, separated by commas.
+fn domain_names() -> String {
+    Domain::all()
+        .iter()
+        .map(|d| d.name())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Sizes of a domain's splits; a field left out of a config takes its default.
@@ -916,4 +930,23 @@ fn speckle(g: &[f32], rng: &mut ChaCha8Rng) -> [Vec<f32>; 3] {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn domains_parse_by_name_and_an_unknown_name_lists_them_all() {
+        for d in Domain::all() {
+            assert_eq!(Domain::parse(d.name()), Ok(d));
+        }
+        let err = Domain::parse("sepia").unwrap_err();
+        assert!(matches!(&err, DomainError::Unknown(name) if name == "sepia"));
+        assert_eq!(
+            String::from(err),
+            "unknown domain `sepia`: expected one of grey, texture, lowres, fonts, noisy, \
+             morpho, inverted, speckle"
+        );
+    }
 }

@@ -23,9 +23,9 @@ pub fn partition(
     sites: usize,
     how: Partition,
     seed: u64,
-) -> Result<Vec<Vec<usize>>, String> {
+) -> Result<Vec<Vec<usize>>, PartitionError> {
     if sites == 0 {
-        return Err("the number of sites must be at least 1".into());
+        return Err(PartitionError::NoSites);
     }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = vec![Vec::new(); sites];
@@ -38,8 +38,8 @@ pub fn partition(
             }
         }
         Partition::Dirichlet { alpha } => {
-            let gamma = Gamma::new(alpha, 1.0)
-                .map_err(|e| format!("Dirichlet alpha {alpha} is invalid: {e}"))?;
+            let gamma =
+                Gamma::new(alpha, 1.0).map_err(|error| PartitionError::Alpha { alpha, error })?;
             let classes = labels.iter().copied().max().map_or(0, |m| m + 1);
             for c in 0..classes {
                 let mut idx: Vec<usize> = (0..labels.len()).filter(|&i| labels[i] == c).collect();
@@ -65,6 +65,28 @@ pub fn partition(
         site.sort_unstable();
     }
     Ok(out)
+}
+
+/// Why samples cannot be split by [`partition`].
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum PartitionError {
+    /// Zero sites were asked for.
+    #[error("the number of sites must be at least 1")]
+    NoSites,
+    /// The Dirichlet concentration is not positive (or not a number).
+    #[error("Dirichlet alpha {alpha} is invalid: {error}")]
+    Alpha {
+        /// The concentration given.
+        alpha: f64,
+        /// Why the Gamma distribution refused it.
+        error: rand_distr::GammaError,
+    },
+}
+
+impl From<PartitionError> for String {
+    fn from(e: PartitionError) -> String {
+        e.to_string()
+    }
 }
 
 #[cfg(test)]
@@ -104,6 +126,16 @@ mod tests {
             })
             .fold(0.0, f64::max);
         assert!(max_share > 0.4, "max class share {max_share}");
-        assert!(partition(&labels, 5, Partition::Dirichlet { alpha: -1.0 }, 3).is_err());
+        assert!(matches!(
+            partition(&labels, 5, Partition::Dirichlet { alpha: -1.0 }, 3),
+            Err(PartitionError::Alpha { alpha, .. }) if alpha == -1.0
+        ));
+    }
+
+    #[test]
+    fn zero_sites_are_refused() {
+        let err = partition(&[0, 1, 2], 0, Partition::Iid, 0).unwrap_err();
+        assert_eq!(err, PartitionError::NoSites);
+        assert_eq!(String::from(err), "the number of sites must be at least 1");
     }
 }

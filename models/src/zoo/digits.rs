@@ -60,16 +60,16 @@ impl DigitsCnnConfig {
     /// The widths and input a digits-CNN spec describes (read from its tensor shapes), so a
     /// model file with its spec can be loaded without repeating its widths. The caller checks
     /// the rebuilt model's spec hash against the file's.
-    pub fn from_spec(spec: &unifed_protocol::ModelSpec) -> Result<Self, String> {
-        let dim = |name: &str, i: usize| -> Result<usize, String> {
+    pub fn from_spec(spec: &unifed_protocol::ModelSpec) -> Result<Self, DigitsCnnError> {
+        let dim = |name: &str, i: usize| {
             spec.tensors
                 .iter()
                 .find(|t| t.name == name)
                 .and_then(|t| t.shape.get(i).copied())
-                .ok_or_else(|| format!("not a digits-CNN spec: no tensor `{name}`"))
+                .ok_or_else(|| DigitsCnnError::MissingTensor(name.into()))
         };
         let unifed_protocol::Input::Image { height, width, .. } = spec.input else {
-            return Err("not a digits-CNN spec: its input is not an image".into());
+            return Err(DigitsCnnError::NotImage);
         };
         let cfg = DigitsCnnConfig {
             in_channels: dim("conv1.weight", 1)?,
@@ -86,23 +86,20 @@ impl DigitsCnnConfig {
         Ok(cfg)
     }
 
-    /// Checks the sizes, returning a message naming the bad value.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the sizes, returning an error naming the bad value.
+    pub fn validate(&self) -> Result<(), DigitsCnnError> {
         if !self.size[0].is_multiple_of(4)
             || !self.size[1].is_multiple_of(4)
             || self.size.contains(&0)
         {
-            return Err(format!(
-                "digits CNN input size {:?} must be non-zero multiples of 4",
-                self.size
-            ));
+            return Err(DigitsCnnError::Size(self.size));
         }
         if self.in_channels == 0
             || self.classes == 0
             || self.conv.contains(&0)
             || self.fc.contains(&0)
         {
-            return Err("digits CNN widths, channels and classes must be non-zero".into());
+            return Err(DigitsCnnError::Zero);
         }
         Ok(())
     }
@@ -137,6 +134,30 @@ impl DigitsCnnConfig {
     }
 }
 
+/// Why a digits-CNN configuration is refused, or cannot be read from a model spec
+/// ([`DigitsCnnConfig::validate`], [`DigitsCnnConfig::from_spec`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DigitsCnnError {
+    /// The input size is zero or not a multiple of 4 (the CNN has two 2x2 max-pools).
+    #[error("digits CNN input size {0:?} must be non-zero multiples of 4")]
+    Size([usize; 2]),
+    /// A width, the input channels or the class count is zero.
+    #[error("digits CNN widths, channels and classes must be non-zero")]
+    Zero,
+    /// The spec lacks a tensor of the digits CNN (or the tensor has too few dimensions).
+    #[error("not a digits-CNN spec: no tensor `{0}`")]
+    MissingTensor(String),
+    /// The spec's input is not an image.
+    #[error("not a digits-CNN spec: its input is not an image")]
+    NotImage,
+}
+
+impl From<DigitsCnnError> for String {
+    fn from(e: DigitsCnnError) -> String {
+        e.to_string()
+    }
+}
+
 impl crate::zoo::Net for DigitsCnn {
     fn architecture(&self) -> String {
         let [c, h, w] = self.shape;
@@ -166,5 +187,49 @@ impl crate::zoo::Net for DigitsCnn {
 
     fn head(&self, h: Tensor<2>) -> Tensor<2> {
         self.fc3.forward(h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_digits_configuration_is_refused_naming_the_value() {
+        assert_eq!(DigitsCnnConfig::default().validate(), Ok(()));
+        let odd = DigitsCnnConfig {
+            size: [30, 28],
+            ..Default::default()
+        };
+        let err = odd.validate().unwrap_err();
+        assert!(matches!(err, DigitsCnnError::Size([30, 28])));
+        assert_eq!(
+            String::from(err),
+            "digits CNN input size [30, 28] must be non-zero multiples of 4"
+        );
+        let narrow = DigitsCnnConfig {
+            fc: [0, 512],
+            ..Default::default()
+        };
+        assert!(matches!(narrow.validate(), Err(DigitsCnnError::Zero)));
+    }
+
+    #[test]
+    fn a_spec_without_the_digits_tensors_is_not_a_digits_spec() {
+        let spec = unifed_protocol::ModelSpec {
+            architecture: "fedbn-digits-cnn(64,64,128,2048,512)".into(),
+            tensors: vec![],
+            classes: vec!["0".into()],
+            input: unifed_protocol::Input::Image {
+                channels: 3,
+                height: 28,
+                width: 28,
+                scaling: unifed_protocol::Scaling::ZeroToOne,
+            },
+        };
+        assert!(matches!(
+            DigitsCnnConfig::from_spec(&spec),
+            Err(DigitsCnnError::MissingTensor(t)) if t == "conv1.weight"
+        ));
     }
 }

@@ -10,10 +10,10 @@ mod digits;
 mod mlp;
 mod resnet;
 
-pub use any::{AnyNet, net_from_spec};
-pub use digits::{DigitsCnn, DigitsCnnConfig};
+pub use any::{AnyNet, ArchError, SpecNetError, net_from_spec};
+pub use digits::{DigitsCnn, DigitsCnnConfig, DigitsCnnError};
 pub use mlp::{Mlp, MlpConfig};
-pub use resnet::{BasicBlock, Downsample, ResNet, ResNetConfig, Stem};
+pub use resnet::{BasicBlock, Downsample, ResNet, ResNetConfig, ResNetConfigError, Stem};
 
 use crate::bn::BnPass;
 use burn::module::Module;

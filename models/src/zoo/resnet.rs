@@ -59,13 +59,13 @@ impl ResNetConfig {
         }
     }
 
-    /// Checks the values, returning a message naming the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the values, returning an error naming the bad one.
+    pub fn validate(&self) -> Result<(), ResNetConfigError> {
         if self.split > 4 {
-            return Err(format!("ResNet split stage {} must be 0..=4", self.split));
+            return Err(ResNetConfigError::Split(self.split));
         }
         if self.in_channels == 0 || self.classes == 0 || self.width == 0 || self.size.contains(&0) {
-            return Err("ResNet channels, classes, width and size must be non-zero".into());
+            return Err(ResNetConfigError::Zero);
         }
         Ok(())
     }
@@ -108,6 +108,23 @@ impl ResNetConfig {
                 matches!(self.stem, Stem::Imagenet) as usize,
             ],
         }
+    }
+}
+
+/// Why a [`ResNetConfig`] is refused by [`ResNetConfig::validate`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResNetConfigError {
+    /// The split stage is past the last stage (4).
+    #[error("ResNet split stage {0} must be 0..=4")]
+    Split(usize),
+    /// The input channels, classes, width or an input side is zero.
+    #[error("ResNet channels, classes, width and size must be non-zero")]
+    Zero,
+}
+
+impl From<ResNetConfigError> for String {
+    fn from(e: ResNetConfigError) -> String {
+        e.to_string()
     }
 }
 
@@ -236,5 +253,27 @@ impl crate::zoo::Net for ResNet {
         burn_path
             .replace(".downsample.conv.", ".downsample.0.")
             .replace(".downsample.bn.", ".downsample.1.")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_resnet_configuration_is_refused_naming_the_value() {
+        let ok = ResNetConfig::new(3, [32, 32], 10);
+        assert_eq!(ok.validate(), Ok(()));
+        let split = ResNetConfig {
+            split: 5,
+            ..ok.clone()
+        };
+        assert_eq!(split.validate(), Err(ResNetConfigError::Split(5)));
+        let zero = ResNetConfig { classes: 0, ..ok };
+        assert!(matches!(zero.validate(), Err(ResNetConfigError::Zero)));
+        assert_eq!(
+            String::from(ResNetConfigError::Zero),
+            "ResNet channels, classes, width and size must be non-zero"
+        );
     }
 }
