@@ -626,7 +626,10 @@ mod tests {
         // the only check that sees it), or that has bytes after its sum.
         let mut bytes = whole.clone();
         let value = (-1.25f32).to_le_bytes();
-        let at = bytes.windows(4).position(|w| w == value).expect("a held value");
+        let at = bytes
+            .windows(4)
+            .position(|w| w == value)
+            .expect("a held value");
         bytes[at] ^= 0x10;
         std::fs::write(&files.checkpoint, bytes).unwrap();
         let e = err(&files);

@@ -21,10 +21,10 @@ use unifed_protocol::topics::Topics;
 use unifed_site::driver::BoxError;
 use unifed_site::{ChunkFilter, Note, Outbox, Progress};
 
+use crate::config::AgentConfig;
 use crate::files::SiteFiles;
 use crate::progress::{Phase, Report, training_bar};
 use crate::registry::{Identity, Owner};
-use crate::train::AgentConfig;
 
 /// What the driver's thread and the task that receives messages share.
 #[derive(Debug, Default)]

@@ -1,6 +1,7 @@
 //! The library side of `unifed-agent`: the MQTT trainer and the initial model, shared with the
 //! one-command demo (`unifed-demo`), which runs agents as processes of its own binary.
 
+pub mod config;
 mod files;
 mod host;
 pub mod model;

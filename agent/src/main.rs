@@ -178,7 +178,7 @@ fn main() -> Result<()> {
         Cmd::Singleset(args) => singleset::run(backend, &args),
         Cmd::Calibrate(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;
-            onboard::calibrate_cmd(&args, &device)
+            onboard_net::calibrate_cmd(&args, &device)
         }
         Cmd::FetchCalibrated(args) => {
             let device = backend.device().map_err(anyhow::Error::msg)?;

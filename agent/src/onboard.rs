@@ -247,7 +247,7 @@ fn reestimate(
                 batch_size: a.batch_size,
                 start: start(&a.start, BnStart::FirstBatch)?,
             };
-            unifed_models::bn::calibrate(net, images, device, &cfg, |done, total| {
+            unifed_models::calibrate::calibrate(net, images, device, &cfg, |done, total| {
                 pb.set_length(total as u64);
                 pb.set_position(done as u64);
             })?
@@ -376,11 +376,9 @@ pub fn predict_cmd(a: &PredictArgs, device: &Device) -> Result<()> {
     Ok(())
 }
 
-/// Runs `unifed-agent calibrate`.
-pub fn calibrate_cmd(a: &CalibrateArgs, device: &Device) -> Result<()> {
-    if let Some(config) = &a.config {
-        return crate::onboard_net::calibrate_from_federation(a, config, device);
-    }
+/// Runs `unifed-agent calibrate` on a model file (`--config` absent: see
+/// `onboard_net::calibrate_cmd`).
+pub fn calibrate_local(a: &CalibrateArgs, device: &Device) -> Result<()> {
     let (net, spec) = load_model(model_arg(&a.source)?, device)?;
     let out = a
         .out

@@ -16,6 +16,15 @@ use unifed_models::zoo::AnyNet;
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::{ModelSpec, PackageInfo};
 
+/// Runs `unifed-agent calibrate`: from the federation with `--config`, on a model file
+/// otherwise.
+pub fn calibrate_cmd(a: &CalibrateArgs, device: &Device) -> Result<()> {
+    match &a.config {
+        Some(config) => calibrate_from_federation(a, config, device),
+        None => crate::onboard::calibrate_local(a, device),
+    }
+}
+
 /// A device of the site named by an agent config: its model, spec, identity and key.
 struct SiteDevice {
     cfg: AgentConfig,

@@ -2,7 +2,7 @@
 //! model so that a GPU backend tunes and compiles every kernel a round uses into the site's
 //! kernel cache. A service runs it at install time; its first round then starts tuned.
 
-use crate::train::{load_config, load_data};
+use crate::config::{load_config, load_data};
 use anyhow::Result;
 use serde::Serialize;
 use std::path::Path;

@@ -1,31 +1,12 @@
 //! Federation configuration, validated as one.
 
 use crate::strategy::Algorithm;
+pub use crate::strategy::Weighting;
 use serde::{Deserialize, Serialize};
 use unifed_protocol::auth::{Keyring, PublicKey};
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{BnPolicy, BnSharing};
-
-/// How updates are weighted in the mean.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Weighting {
-    /// By each update's sample count (FedAvg).
-    Samples,
-    /// Every update counts the same.
-    Uniform,
-}
-
-impl Weighting {
-    /// The weight in a mean of an update of `samples` training samples: the count, or 1.
-    pub fn weight(self, samples: u64) -> f64 {
-        match self {
-            Weighting::Samples => samples as f64,
-            Weighting::Uniform => 1.0,
-        }
-    }
-}
 
 /// The default bound on an update's norm relative to the model's: as large as the model itself.
 pub fn default_max_relative_norm() -> f64 {

@@ -79,7 +79,7 @@ impl Ingest {
             let Some(site) = topic.strip_prefix(&self.prefix) else {
                 continue;
             };
-            let now = crate::service::now_ms();
+            let now = crate::clock::now_ms();
             // A chunk is checked before it takes any disk: signature, sender, federation.
             let opened = {
                 let admission = self.admission.borrow();

@@ -31,8 +31,10 @@
 
 pub mod bnshare;
 mod broadcast;
+mod clock;
 pub mod config;
 pub mod core;
+mod disk;
 pub mod federation;
 pub mod fold;
 pub mod ingest;

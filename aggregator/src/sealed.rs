@@ -9,7 +9,7 @@
 //! SHA instructions: a model-sized file was hashed five times a round. Files written before
 //! that end with a SHA-256 and are still read.
 
-use crate::store::{FORMAT_VERSION, StoreError, commit, corrupt, io};
+use crate::disk::{FORMAT_VERSION, StoreError, commit, corrupt, io};
 use sha2::Digest;
 use std::fs::File;
 use std::io::{BufReader, Read, Write};

@@ -2,6 +2,7 @@
 //! (`unifed_net`); this task feeds the core with updates and ticks, publishes the retained
 //! manifest, serves model chunks on request and answers every update on the site's ack topic.
 
+use crate::clock::now_ms;
 use crate::config::FederationConfig;
 use crate::core::{Aggregator, Arrival, Event, GlobalModel, Incoming, VET_WIDTH};
 use crate::federation::{Done, Federation, Outgoing, Sealer, Step};
@@ -9,7 +10,7 @@ use crate::uploads::SpooledUploads;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 use unifed_net::report::{self, Phase, Report};
 use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop_with_side};
 use unifed_protocol::auth::SigningKey;
@@ -110,14 +111,6 @@ pub fn load_model(model: &Path) -> Result<GlobalModel> {
         );
     }
     Ok(GlobalModel { spec, tensors })
-}
-
-/// Milliseconds since the Unix epoch.
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// How long the first requests for a new model are gathered before its chunks are shared,

@@ -25,11 +25,48 @@
 //! ([`Exact`]) reads each twice instead, its values by range and its sum whole, on several
 //! threads.
 
+use crate::disk::{StoreError, corrupt, io};
 use crate::sealed::{CHECKSUM_LEN, Sealed, SealedFile, Sum, trailer_of};
-use crate::store::{SpoolEntry, SpoolTensor, StoreError, corrupt, io};
+use crate::strategy::Extras;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+
+/// An accepted update as [`crate::store::Store::spool_put`] keeps it: the delta as it arrived (in the order
+/// the core hands to the strategy), the rest as [`crate::strategy::Contribution`] holds it.
+#[derive(Debug)]
+pub struct SpoolEntry<'a> {
+    /// The message the update arrived in. Exact tensors that are slices of it are spooled as
+    /// where they lie in it, and it is kept whole at the head of the spool file (empty: none).
+    pub message: &'a [u8],
+    /// A file of the data directory's file system that holds `message` and nothing else (a
+    /// reassembled upload): it becomes the spool file, so the message is not written again.
+    /// It is renamed away when it is adopted, and left alone otherwise.
+    pub staged: Option<&'a Path>,
+    /// Training samples behind it.
+    pub samples: u64,
+    /// The site's report of its local training.
+    pub report: &'a unifed_protocol::LocalReport,
+    /// Its algorithm tensors, decoded.
+    pub extras: &'a Extras,
+    /// The delta, one tensor per averaged tensor in the strategy's order.
+    pub delta: &'a [SpoolTensor<'a>],
+    /// The BN tensors the sharing policy lets leave the site (values).
+    pub bn: &'a [Vec<f32>],
+}
+
+/// One tensor of a spooled delta: exact values, or a lossy tensor in its wire form (what the
+/// spool keeps of it: under ternary-q8 a seventeenth of its values' bytes).
+#[derive(Debug, Clone, Copy)]
+pub enum SpoolTensor<'a> {
+    /// The values of an exact tensor.
+    Values(&'a [f32]),
+    /// The values of an exact tensor as little-endian bytes (as it arrived): spooled exactly as
+    /// [`SpoolTensor::Values`] of the same values.
+    Le(&'a [u8]),
+    /// A lossy tensor as it arrived (read in place from the message).
+    Wire(&'a unifed_protocol::EncodedTensorRef<'a>),
+}
 
 /// The spool files' magic (all formats).
 pub(crate) const MAGIC: &[u8; 4] = b"UFES";

@@ -4,10 +4,11 @@
 //! ([`fold_round`]). The store keeps the files; this module only reads them.
 
 use crate::config::Weighting;
+use crate::disk::{StoreError, corrupt, io};
 use crate::fold::Fold;
 use crate::sealed::{SpooledTensor, read_open};
 use crate::spoolfile::{self, Placed};
-use crate::store::{Store, StoreError, corrupt, footer_fits, footer_sound, io, spool_head};
+use crate::store::{Store, footer_fits, footer_sound, spool_head};
 use crate::strategy::{Contribution, Contributions, Extras, ReadError};
 use std::fs::File;
 

@@ -17,11 +17,14 @@
 //! audit.log                  append-only JSON lines: every accept and reject with its reason
 //! ```
 
+pub use crate::disk::{FORMAT_VERSION, StoreError, write_atomic};
+use crate::disk::{corrupt, io};
 use crate::sealed::{
     Reader, Sealed, SealedFile, SpooledTensor, read_open, read_sealed, read_sealed_optional,
     write_sealed,
 };
 use crate::spoolfile::{self, Placed};
+pub use crate::spoolfile::{SpoolEntry, SpoolTensor};
 use crate::strategy::{Contribution, Extras, StrategyState};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
@@ -32,8 +35,6 @@ use std::path::{Path, PathBuf};
 /// Where files never read again wait to be deleted ([`Store::discard`]).
 const TRASH: &str = "trash";
 
-/// Format version of every file in the data directory: 2 added the checksums.
-pub const FORMAT_VERSION: u32 = 2;
 const MODEL_MAGIC: &[u8; 4] = b"UFEM";
 /// Format versions of spool files: 2 added the typed report and algorithm extras of protocol 2;
 /// 3 keeps the extras decoded (SCAFFOLD's control-variate delta); 4 added the checksum; 5 keeps
@@ -44,97 +45,6 @@ const STRATEGY_MAGIC: &[u8; 4] = b"UFSS";
 const SHARE_MAGIC: &[u8; 4] = b"UFEB";
 const ENTRY_MAGIC: &[u8; 4] = b"UFER";
 const HELD_MAGIC: &[u8; 4] = b"UFEH";
-/// An accepted update as [`Store::spool_put`] keeps it: the delta as it arrived (in the order
-/// the core hands to the strategy), the rest as [`Contribution`] holds it.
-#[derive(Debug)]
-pub struct SpoolEntry<'a> {
-    /// The message the update arrived in. Exact tensors that are slices of it are spooled as
-    /// where they lie in it, and it is kept whole at the head of the spool file (empty: none).
-    pub message: &'a [u8],
-    /// A file of the data directory's file system that holds `message` and nothing else (a
-    /// reassembled upload): it becomes the spool file, so the message is not written again.
-    /// It is renamed away when it is adopted, and left alone otherwise.
-    pub staged: Option<&'a Path>,
-    /// Training samples behind it.
-    pub samples: u64,
-    /// The site's report of its local training.
-    pub report: &'a unifed_protocol::LocalReport,
-    /// Its algorithm tensors, decoded.
-    pub extras: &'a Extras,
-    /// The delta, one tensor per averaged tensor in the strategy's order.
-    pub delta: &'a [SpoolTensor<'a>],
-    /// The BN tensors the sharing policy lets leave the site (values).
-    pub bn: &'a [Vec<f32>],
-}
-
-/// One tensor of a spooled delta: exact values, or a lossy tensor in its wire form (what the
-/// spool keeps of it: under ternary-q8 a seventeenth of its values' bytes).
-#[derive(Debug, Clone, Copy)]
-pub enum SpoolTensor<'a> {
-    /// The values of an exact tensor.
-    Values(&'a [f32]),
-    /// The values of an exact tensor as little-endian bytes (as it arrived): spooled exactly as
-    /// [`SpoolTensor::Values`] of the same values.
-    Le(&'a [u8]),
-    /// A lossy tensor as it arrived (read in place from the message).
-    Wire(&'a unifed_protocol::EncodedTensorRef<'a>),
-}
-
-/// Errors of the data directory, naming the file.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// An OS error on a file.
-    #[error("{path}: {message}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        message: String,
-    },
-    /// A file that is not what it should be.
-    #[error("{path}: {message}")]
-    Corrupt {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        message: String,
-    },
-}
-
-pub(crate) fn io(path: &Path, e: impl ToString) -> StoreError {
-    StoreError::Io {
-        path: path.into(),
-        message: e.to_string(),
-    }
-}
-
-pub(crate) fn corrupt(path: &Path, m: impl Into<String>) -> StoreError {
-    StoreError::Corrupt {
-        path: path.into(),
-        message: m.into(),
-    }
-}
-
-/// Writes `bytes` to `path` atomically and durably.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let tmp = path.with_extension("tmp");
-    {
-        let mut f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| io(&tmp, e))?;
-        f.sync_all().map_err(|e| io(&tmp, e))?;
-    }
-    commit(&tmp, path)
-}
-
-/// Puts the synced temporary file `tmp` in place as `path` and syncs their folder.
-pub(crate) fn commit(tmp: &Path, path: &Path) -> Result<(), StoreError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    fs::rename(tmp, path).map_err(|e| io(path, e))?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io(dir, e))
-}
-
 /// A site's answer remembered for re-sends after its round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClosedRound {

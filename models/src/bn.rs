@@ -9,7 +9,7 @@
 //!   in sequence; during each batch's forward pass every BN layer updates
 //!   `mu <- tau*mu + (1-tau)*mean(batch)`, `var <- tau*var + (1-tau)*var(batch)` (biased batch
 //!   variance) and normalises *that* batch with the updated estimate;
-//! - `calibrate` ([`calibrate`], FedBN appendix G, onboarding a site): each layer's population
+//! - `calibrate` ([`crate::calibrate::calibrate`], FedBN appendix G, onboarding a site): each layer's population
 //!   mean and biased variance over all the site's images, layer by layer in forward order,
 //!   pooled exactly (default) or as the tau-EMA over batches; the result is stored in the model.
 //!
@@ -19,10 +19,9 @@
 //! the weight on the new batch, i.e. `1 - tau`.
 
 use crate::error::BnError;
-use crate::zoo::Net;
-use burn::module::{ModuleMapper, Param, ParamId};
+use burn::module::ParamId;
 use burn::nn::BatchNorm;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::Tensor;
 use std::collections::HashMap;
 
 /// Where an estimate starts before the first batch is seen.
@@ -93,7 +92,7 @@ impl Default for CalibrateConfig {
 }
 
 #[derive(Debug, Clone)]
-enum Mode {
+pub(crate) enum Mode {
     Standard,
     Stream { tau: f64, start: BnStart },
     Collect { target: usize },
@@ -101,7 +100,7 @@ enum Mode {
 
 /// Per-channel moments accumulated in f64 (Chan's parallel update), exact over batches.
 #[derive(Debug, Clone, Default)]
-struct Moments {
+pub(crate) struct Moments {
     n: f64,
     mean: Vec<f64>,
     m2: Vec<f64>,
@@ -123,12 +122,16 @@ impl Moments {
         self.n = total;
     }
 
-    fn finish(&self) -> (Vec<f32>, Vec<f32>) {
+    pub(crate) fn finish(&self) -> (Vec<f32>, Vec<f32>) {
         let mean = self.mean.iter().map(|&m| m as f32).collect();
         let var = self.m2.iter().map(|&m| (m / self.n) as f32).collect();
         (mean, var)
     }
 }
+
+/// The container type burn gives a BatchNorm layer's module (how a visitor tells BN tensors
+/// apart).
+pub const BN_CONTAINER: &str = "Struct:BatchNorm";
 
 /// The state of one forward pass through a model's BN layers: how they normalise and the
 /// statistics they carry between batches. Layers are keyed by their gamma's parameter id, so
@@ -137,9 +140,9 @@ impl Moments {
 pub struct BnPass {
     mode: Mode,
     cursor: usize,
-    order: Vec<ParamId>,
-    stats: HashMap<ParamId, (Tensor<1>, Tensor<1>)>,
-    collected: Moments,
+    pub(crate) order: Vec<ParamId>,
+    pub(crate) stats: HashMap<ParamId, (Tensor<1>, Tensor<1>)>,
+    pub(crate) collected: Moments,
 }
 
 impl BnPass {
@@ -148,7 +151,7 @@ impl BnPass {
         Self::with_mode(Mode::Standard)
     }
 
-    fn with_mode(mode: Mode) -> Self {
+    pub(crate) fn with_mode(mode: Mode) -> Self {
         BnPass {
             mode,
             cursor: 0,
@@ -163,7 +166,7 @@ impl BnPass {
         self.order.len()
     }
 
-    fn begin(&mut self) {
+    pub(crate) fn begin(&mut self) {
         self.cursor = 0;
     }
 
@@ -292,7 +295,7 @@ fn check_tau(tau: f64) -> Result<(), BnError> {
 /// each returns that batch's logits, normalised with the statistics updated by that batch.
 #[derive(Debug, Clone)]
 pub struct StreamEstimator {
-    pass: BnPass,
+    pub(crate) pass: BnPass,
 }
 
 impl StreamEstimator {
@@ -302,148 +305,6 @@ impl StreamEstimator {
         Ok(StreamEstimator {
             pass: BnPass::with_mode(Mode::Stream { tau, start }),
         })
-    }
-
-    /// Runs one batch `[n, features]` (n >= 2) through `net` in inference mode, updating every
-    /// BN layer's estimate on the way, and returns its logits.
-    pub fn forward<N: Net>(&mut self, net: &N, x: Tensor<2>) -> Result<Tensor<2>, BnError> {
-        let [n, f] = x.dims();
-        if n < 2 {
-            return Err(BnError::SingleImage);
-        }
-        let expected = net.input_numel();
-        if f != expected {
-            return Err(BnError::WrongInput { expected, found: f });
-        }
-        self.pass.begin();
-        Ok(net.forward(x, &mut self.pass))
-    }
-
-    /// Writes the current estimates into a copy of `net` as its stored running statistics.
-    pub fn store_into<N: Net>(&self, net: &N) -> N {
-        write_stats(net, &self.pass.stats)
-    }
-}
-
-/// `calibrate` re-estimation: returns a copy of `net` (inference mode) whose every BN layer
-/// stores the statistics of the site's `images` (`[n, features]` rows of the model's input),
-/// estimated layer by layer in forward order. Non-BN tensors and BN affine parameters are
-/// left bit-identical.
-pub fn calibrate<N: Net>(
-    net: &N,
-    images: &[f32],
-    device: &Device,
-    cfg: &CalibrateConfig,
-    mut progress: impl FnMut(usize, usize),
-) -> Result<N, BnError> {
-    let f = net.input_numel();
-    if images.is_empty() {
-        return Err(BnError::NoImages);
-    }
-    if !images.len().is_multiple_of(f) {
-        return Err(BnError::WrongInput {
-            expected: f,
-            found: images.len(),
-        });
-    }
-    let n = images.len() / f;
-    let batches = bn_batches(n, cfg.batch_size)?;
-    let net = net.valid();
-    let device = device.clone().without_autodiff();
-    let batch = |r: &std::ops::Range<usize>| {
-        Tensor::<2>::from_data(
-            TensorData::new(images[r.start * f..r.end * f].to_vec(), [r.len(), f]),
-            &device,
-        )
-    };
-    match cfg.estimator {
-        Estimator::Ema { tau } => {
-            let mut est = StreamEstimator::new(tau, cfg.start)?;
-            for (b, r) in batches.iter().enumerate() {
-                est.forward(&net, batch(r))?;
-                progress(b + 1, batches.len());
-            }
-            Ok(est.store_into(&net))
-        }
-        Estimator::Exact => {
-            // Discover the number of BN layers with one small pass.
-            let mut probe = BnPass::standard();
-            probe.begin();
-            let _ = net.forward(batch(&batches[0]), &mut probe);
-            let layers = probe.layers_seen();
-            let total = layers * batches.len();
-            let mut stats: HashMap<ParamId, (Tensor<1>, Tensor<1>)> = HashMap::new();
-            for target in 0..layers {
-                let mut pass = BnPass::with_mode(Mode::Collect { target });
-                pass.stats = stats.clone();
-                for (b, r) in batches.iter().enumerate() {
-                    pass.begin();
-                    let _ = net.forward(batch(r), &mut pass);
-                    progress(target * batches.len() + b + 1, total);
-                }
-                let (mean, var) = pass.collected.finish();
-                let c = mean.len();
-                let id = pass.order[target];
-                stats.insert(
-                    id,
-                    (
-                        Tensor::from_data(TensorData::new(mean, [c]), &device),
-                        Tensor::from_data(TensorData::new(var, [c]), &device),
-                    ),
-                );
-            }
-            Ok(write_stats(&net, &stats))
-        }
-    }
-}
-
-/// Returns an independent copy of `net` whose BN layers (keyed by gamma id) store `stats` as
-/// running mean and variance.
-fn write_stats<N: Net>(net: &N, stats: &HashMap<ParamId, (Tensor<1>, Tensor<1>)>) -> N {
-    // `valid()` syncs pending running-state updates and gives fresh, unshared running states,
-    // so the in-place write below cannot reach the caller's model.
-    let copy = net.valid();
-    let mut w = StatsWriter {
-        stats,
-        current: None,
-        field: String::new(),
-    };
-    copy.map(&mut w)
-}
-
-struct StatsWriter<'a> {
-    stats: &'a HashMap<ParamId, (Tensor<1>, Tensor<1>)>,
-    current: Option<ParamId>,
-    field: String,
-}
-
-impl ModuleMapper for StatsWriter<'_> {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
-        if container_type == crate::state::BN_CONTAINER {
-            self.field = name.to_string();
-        } else {
-            self.field.clear();
-        }
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        match self.field.as_str() {
-            "gamma" => {
-                self.current = Some(param.id);
-                param
-            }
-            "running_mean" | "running_var" => {
-                let Some((m, v)) = self.current.and_then(|id| self.stats.get(&id)) else {
-                    return param;
-                };
-                let src = if self.field == "running_mean" { m } else { v };
-                param.map(|t| {
-                    let dims = t.dims();
-                    src.clone().to_device(&t.device()).reshape(dims)
-                })
-            }
-            _ => param,
-        }
     }
 }
 

@@ -189,3 +189,60 @@ pub enum DataError {
     #[error("{0}")]
     Invalid(String),
 }
+
+/// Errors of a site's federated work.
+#[derive(Debug, thiserror::Error)]
+pub enum SiteError {
+    /// The site id is not valid.
+    #[error("site id `{0}`: {1}")]
+    Id(String, String),
+    /// Moving tensors in or out of the model failed.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// Training or evaluation failed.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    /// The round's objective cannot be prepared.
+    #[error(transparent)]
+    Term(#[from] TermError),
+    /// Training left a tensor with NaN or infinity; nothing is sent.
+    #[error("training left non-finite values in `{0}`; the update is not sent")]
+    NonFinite(String),
+    /// A broadcast does not fit the round's plan (a SCAFFOLD round without the server's
+    /// control variate, or one that does not cover the averaged trainable tensors).
+    #[error("the model of round {round} does not fit its plan: {message}")]
+    Plan {
+        /// The round.
+        round: u64,
+        /// What is wrong.
+        message: String,
+    },
+    /// The memory kept in the site's checkpoint does not fit its model.
+    #[error("the site's memory: {0}")]
+    Memory(String),
+    /// The starting model or the site's memory could not be parked in, or read back from, its
+    /// file while training.
+    #[error("the state parked in {path} while training: {source}")]
+    Park {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+}
+
+/// Why an objective's term cannot be prepared.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TermError {
+    /// The objective's parameters are invalid.
+    #[error(transparent)]
+    Objective(#[from] unifed_protocol::ObjectiveError),
+    /// The site lacks state the round's term needs.
+    #[error("a {algorithm} round needs {what}")]
+    Missing {
+        /// The algorithm.
+        algorithm: &'static str,
+        /// What it needs.
+        what: &'static str,
+    },
+}

@@ -16,7 +16,9 @@
 //!
 //! # Layout
 //! - [`zoo`]: the models and the [`zoo::Net`] trait (`features` / `head`).
-//! - [`bn`]: the BN hook every model uses, `stream` and `calibrate` re-estimation.
+//! - [`net`]: the [`net::Net`] trait every model implements (re-exported by [`zoo`]).
+//! - [`bn`]: the BN hook every model's layers go through.
+//! - [`calibrate`]: BN re-estimation over a whole model (`stream` batches, `calibrate`).
 //! - [`state`]: flat named `f32` tensors in PyTorch names; export, import, delta, apply non-BN.
 //! - [`checkpoint`]: safetensors files (PyTorch-compatible).
 //! - [`train`]: local SGD training and evaluation with a progress hook.
@@ -36,11 +38,13 @@
 
 pub mod backend;
 pub mod bn;
+pub mod calibrate;
 pub mod checkpoint;
 pub mod client;
 pub mod data;
 pub mod error;
 mod memory;
+pub mod net;
 pub mod objective;
 mod park;
 pub mod site;

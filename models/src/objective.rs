@@ -9,13 +9,14 @@
 //! cross-entropy before backpropagation.
 
 use crate::bn::BnPass;
+pub use crate::error::TermError;
 use crate::state::{Select, StateDict, Walker, burn_tensor};
 use crate::zoo::Net;
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use std::collections::HashMap;
-use unifed_protocol::{Objective, ObjectiveError};
+use unifed_protocol::Objective;
 
 /// The trainable tensors a term covers, as they were when local training started (the round's
 /// global model for every averaged tensor), keyed by parameter.
@@ -279,22 +280,6 @@ impl<N: Net> Default for SiteState<'_, N> {
             anchor: None,
         }
     }
-}
-
-/// Why an objective's term cannot be prepared.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum TermError {
-    /// The objective's parameters are invalid.
-    #[error(transparent)]
-    Objective(#[from] ObjectiveError),
-    /// The site lacks state the round's term needs.
-    #[error("a {algorithm} round needs {what}")]
-    Missing {
-        /// The algorithm.
-        algorithm: &'static str,
-        /// What it needs.
-        what: &'static str,
-    },
 }
 
 impl<N: Net> Term<N> {

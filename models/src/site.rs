@@ -5,7 +5,8 @@
 use crate::backend::Device;
 use crate::client::{After, Before, Versioned, for_plan};
 use crate::data::Dataset;
-use crate::error::{StateError, TrainError};
+pub use crate::error::SiteError;
+use crate::error::StateError;
 pub use crate::memory::{Memory, MemoryLayout};
 use crate::objective::Term;
 use crate::park::{Kept, KeptWriter, Parked, Spilled, Stash};
@@ -16,9 +17,11 @@ use crate::train::{
     EVAL_BATCH, EvalReport, TrainConfig, TrainEvent, evaluate, train_objective, train_owned,
 };
 use crate::update::UpdateError;
+pub use crate::update::encoding_for;
 use crate::zoo::Net;
 use serde::Serialize;
 use std::collections::BTreeMap;
+use unifed_protocol::ModelSpec;
 use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, Values, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
@@ -26,7 +29,6 @@ use unifed_protocol::messages::{
     BnPolicy, Download, LocalReport, ModelDelta, RoundManifest, RoundPlan, ServerExtras,
     SiteExtras, SiteUpdate,
 };
-use unifed_protocol::{ModelSpec, TensorKind};
 
 /// What a round's training reports to the aggregator: its local steps and last epoch's loss.
 fn local_report(rep: &crate::train::TrainReport) -> LocalReport {
@@ -34,47 +36,6 @@ fn local_report(rep: &crate::train::TrainReport) -> LocalReport {
         local_steps: rep.steps as u64,
         train_loss: *rep.epoch_losses.last().unwrap_or(&f64::NAN),
     }
-}
-
-/// Errors of a site's federated work.
-#[derive(Debug, thiserror::Error)]
-pub enum SiteError {
-    /// The site id is not valid.
-    #[error("site id `{0}`: {1}")]
-    Id(String, String),
-    /// Moving tensors in or out of the model failed.
-    #[error(transparent)]
-    State(#[from] StateError),
-    /// Training or evaluation failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
-    /// The round's objective cannot be prepared.
-    #[error(transparent)]
-    Term(#[from] crate::objective::TermError),
-    /// Training left a tensor with NaN or infinity; nothing is sent.
-    #[error("training left non-finite values in `{0}`; the update is not sent")]
-    NonFinite(String),
-    /// A broadcast does not fit the round's plan (a SCAFFOLD round without the server's
-    /// control variate, or one that does not cover the averaged trainable tensors).
-    #[error("the model of round {round} does not fit its plan: {message}")]
-    Plan {
-        /// The round.
-        round: u64,
-        /// What is wrong.
-        message: String,
-    },
-    /// The memory kept in the site's checkpoint does not fit its model.
-    #[error("the site's memory: {0}")]
-    Memory(String),
-    /// The starting model or the site's memory could not be parked in, or read back from, its
-    /// file while training.
-    #[error("the state parked in {path} while training: {source}")]
-    Park {
-        /// The file.
-        path: std::path::PathBuf,
-        /// What failed.
-        source: std::io::Error,
-    },
 }
 
 /// Which tensors travel under a BN policy.
@@ -89,17 +50,6 @@ pub fn select_for(bn: BnPolicy) -> Select {
 /// runner share (`seed` is the site's configured training seed).
 pub fn round_seed(seed: u64, round: u64) -> u64 {
     seed ^ round
-}
-
-/// The encoding a tensor of `kind` travels in when the federation's update encoding is
-/// `encoding`: BN running statistics always go as exact f32 without error feedback (a lossy
-/// or error-fed variance can fold to a negative value and give NaN at inference).
-pub fn encoding_for(kind: TensorKind, encoding: Encoding) -> Encoding {
-    if kind.is_bn_stat() {
-        Encoding::F32
-    } else {
-        encoding
-    }
 }
 
 /// The error of a parked model's file at `path`.

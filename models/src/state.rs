@@ -10,15 +10,14 @@
 //! one update stale; every function here first calls `valid()`, which folds pending updates in
 //! and returns unshared running states, so reads are current and writes reach only the copy.
 
+use crate::bn::BN_CONTAINER;
 use crate::error::StateError;
-use crate::zoo::Net;
+use crate::net::Net;
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
 use std::collections::{BTreeMap, HashMap};
 use unifed_protocol::{EncodedTensor, ModelSpec, SpecHash, TensorKind, TensorSpec};
 
-/// The container type burn's visitor reports for parameters owned by a BatchNorm layer.
-pub const BN_CONTAINER: &str = "Struct:BatchNorm";
 const LINEAR_CONTAINER: &str = "Struct:Linear";
 
 /// One tensor in PyTorch name and layout, with its values.

@@ -7,10 +7,22 @@ use crate::park::Parked;
 use crate::state::{READ_BLOCK, Select, export_blocks_in_order};
 use crate::zoo::Net;
 use unifed_protocol::SpecHash;
-use unifed_protocol::encoding::{EncodedTensorRef, Values};
+use unifed_protocol::TensorKind;
+use unifed_protocol::encoding::{EncodedTensorRef, Encoding, Values};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::SiteUpdate;
+
+/// The encoding a tensor of `kind` travels in when the federation's update encoding is
+/// `encoding`: BN running statistics always go as exact f32 without error feedback (a lossy
+/// or error-fed variance can fold to a negative value and give NaN at inference).
+pub fn encoding_for(kind: TensorKind, encoding: Encoding) -> Encoding {
+    if kind.is_bn_stat() {
+        Encoding::F32
+    } else {
+        encoding
+    }
+}
 
 /// Why [`exact_update`] wrote no envelope.
 #[derive(Debug)]

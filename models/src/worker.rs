@@ -212,7 +212,7 @@ impl<N: Net, H: Host<N>> Worker for ModelWorker<N, H> {
         }
         site.net = host
             .compute(|| {
-                crate::bn::calibrate(
+                crate::calibrate::calibrate(
                     &site.net,
                     &site.train.x,
                     &cfg.device,

@@ -11,7 +11,8 @@
 mod common;
 
 use common::device;
-use unifed_models::bn::{CalibrateConfig, StreamConfig, calibrate};
+use unifed_models::bn::{CalibrateConfig, StreamConfig};
+use unifed_models::calibrate::calibrate;
 use unifed_models::data::{BuiltinData, Dataset, Domain, SplitSizes};
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{TrainConfig, evaluate, evaluate_stream, train_local};

@@ -39,7 +39,7 @@ pub use fedavg::{FedAvg, MoonConfig, PerFedAvgConfig};
 pub use feddc::{FedDc, FedDcConfig};
 pub use fednova::{FedNova, FedNovaConfig};
 pub use fedopt::{FedOpt, FedOptConfig, Rule};
-pub use round::{Contribution, Contributions, Extras, InMemory, ReadError};
+pub use round::{Contribution, Contributions, Extras, InMemory, ReadError, Weighting};
 pub use scaffold::{Scaffold, ScaffoldConfig};
 
 use serde::{Deserialize, Serialize};

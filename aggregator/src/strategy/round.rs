@@ -4,10 +4,29 @@
 //! so a strategy is tested, or run by a tool, without files. A read that fails is a typed
 //! [`ReadError`] the strategy hands back untouched.
 
-use crate::config::Weighting;
 use crate::fold::Fold;
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::LocalReport;
+
+/// How updates are weighted in the mean.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Weighting {
+    /// By each update's sample count (FedAvg).
+    Samples,
+    /// Every update counts the same.
+    Uniform,
+}
+
+impl Weighting {
+    /// The weight in a mean of an update of `samples` training samples: the count, or 1.
+    pub fn weight(self, samples: u64) -> f64 {
+        match self {
+            Weighting::Samples => samples as f64,
+            Weighting::Uniform => 1.0,
+        }
+    }
+}
 
 /// A contribution's algorithm tensors, decoded and checked by the strategy (what the spool
 /// keeps of [`unifed_protocol::SiteExtras`]).

@@ -4,7 +4,7 @@
 //! as the server decodes it, once the update is accepted.
 
 use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, scaffold};
-use crate::site::SiteError;
+use crate::error::SiteError;
 use crate::state::{StateDict, export};
 use crate::zoo::Net;
 use unifed_protocol::ModelSpec;

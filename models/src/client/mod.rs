@@ -21,8 +21,8 @@ pub mod scaffold;
 
 use crate::backend::Device;
 use crate::data::Dataset;
+use crate::error::SiteError;
 use crate::objective::SiteState;
-use crate::site::SiteError;
 use crate::state::{Select, StateDict};
 use crate::train::TrainConfig;
 use crate::zoo::Net;

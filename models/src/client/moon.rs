@@ -3,7 +3,7 @@
 //! tensor of the model trained in the last accepted round, is this client's state.
 
 use super::{After, Before, ClientAlgorithm, ClientState, Inputs, Tensors};
-use crate::site::SiteError;
+use crate::error::SiteError;
 use crate::state::{NamedTensor, Select, StateDict, export, import};
 use crate::zoo::Net;
 use unifed_protocol::ModelSpec;

@@ -5,7 +5,7 @@
 use super::{ClientAlgorithm, ClientState};
 use crate::backend::Device;
 use crate::data::Dataset;
-use crate::site::SiteError;
+use crate::error::SiteError;
 use crate::train::{TrainConfig, personalise};
 use crate::zoo::Net;
 

@@ -5,8 +5,9 @@
 //! version applied last (it comes beside the model).
 
 use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Tensors};
-use crate::site::{SiteError, encoding_for};
+use crate::error::SiteError;
 use crate::state::{NamedTensor, Select, StateDict};
+use crate::update::encoding_for;
 use crate::zoo::Net;
 use unifed_protocol::ModelSpec;
 use unifed_protocol::encoding::{EncodedTensor, decode};
