@@ -192,6 +192,9 @@ pub struct SiteEngine {
     /// An [`Action::Train`] is out and not yet reported.
     training: Option<u64>,
     pending: Option<Upload>,
+    /// Since when the pending update's round has been closed without its answer
+    /// ([`SiteEngine::settle`]).
+    settling_since: Option<u64>,
     /// The last accepted update, kept until its round closes in case the aggregator asks for
     /// it again ([`Answer::Resend`]).
     delivered: Option<Upload>,
@@ -224,6 +227,7 @@ impl SiteEngine {
             applying: None,
             training: None,
             pending: None,
+            settling_since: None,
             delivered: None,
             skipped: None,
             finished: false,
@@ -567,6 +571,34 @@ impl SiteEngine {
         }
     }
 
+    /// Whether to keep asking for the answer to the pending update, whose round has closed (a
+    /// later round's manifest, or the final one, came first): an aggregator that crashed after
+    /// it spooled the update and before it answered folds it after its restart, and the
+    /// answer is what settles the site's state (its error-feedback residual, SCAFFOLD's `c_i`,
+    /// FedDC's drift). A re-send of a closed round is answered from the aggregator's record of
+    /// it (accepted when it was folded, `RoundClosed` otherwise), so the site re-sends it at
+    /// once, then as usual, for up to three re-send periods before it takes the update as
+    /// moot; nothing is trained meanwhile. False (and the update dropped) once that has passed.
+    fn settle(&mut self, now_ms: u64) -> bool {
+        let since = match self.settling_since {
+            Some(t) => t,
+            None => {
+                tracing::warn!("a round closed without this site's answer; asking for it");
+                if let Some(p) = &mut self.pending {
+                    p.restart();
+                }
+                *self.settling_since.insert(now_ms)
+            }
+        };
+        if now_ms.saturating_sub(since) <= 3 * self.cfg.resend_ms {
+            return true;
+        }
+        tracing::warn!("no answer to this site's update of a closed round; it is moot");
+        self.pending = None;
+        self.settling_since = None;
+        false
+    }
+
     fn on_answer(&mut self, a: UpdateAnswer, out: &mut Vec<Action>) {
         if a.answer == Answer::Resend {
             if let Some(mut up) = self.delivered.take_if(|d| d.round == a.round) {
@@ -586,6 +618,7 @@ impl SiteEngine {
             .is_some_and(|p| p.round == a.round && p.hash() == a.update_hash)
         {
             let up = self.pending.take();
+            self.settling_since = None;
             if a.answer == Answer::Accepted {
                 self.delivered = up;
             }
@@ -669,20 +702,14 @@ impl SiteEngine {
             }
             return;
         }
-        if m.finished {
-            if !self.finished {
-                self.finished = true;
-                out.push(Action::Finished { manifest: m });
-            }
-            return;
-        }
-        let sampled = m.sampled.is_empty() || m.sampled.contains(&self.cfg.site);
-        if let Some(p) = &mut self.pending {
-            if p.round != m.round {
-                // A new round opened without an answer: the old update is moot.
-                self.pending = None;
-            } else {
+        if self.pending.is_some() {
+            let closed = self
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.round != m.round || m.finished);
+            if !closed || self.settle(now_ms) {
                 let topic = self.topics.update(&self.cfg.site);
+                let p = self.pending.as_mut().expect("pending");
                 for payload in p.pump(now_ms, self.cfg.resend_ms) {
                     out.push(Action::Publish {
                         topic: topic.clone(),
@@ -692,6 +719,14 @@ impl SiteEngine {
                 return;
             }
         }
+        if m.finished {
+            if !self.finished {
+                self.finished = true;
+                out.push(Action::Finished { manifest: m });
+            }
+            return;
+        }
+        let sampled = m.sampled.is_empty() || m.sampled.contains(&self.cfg.site);
         if sampled
             && !self.progress.answered_rounds.contains(&m.round)
             && self.skipped != Some(m.round)

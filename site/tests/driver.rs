@@ -80,6 +80,8 @@ impl Worker for Scripted {
 struct Kept {
     sent: Vec<(String, Vec<u8>)>,
     notes: Vec<Note>,
+    /// Rounds whose update [`round`] has answered.
+    answered: Vec<u64>,
 }
 
 impl Outbox for Kept {
@@ -94,6 +96,22 @@ impl Outbox for Kept {
 }
 
 impl Kept {
+    /// The last update sent, if its round closes with the manifest of `round` (`finished`)
+    /// and it has not been answered yet (each is answered once).
+    fn unanswered(&mut self, round: u64, finished: bool) -> Option<Vec<u8>> {
+        let (_, update) = self
+            .sent
+            .iter()
+            .rev()
+            .find(|(t, _)| *t == topics().update(&id("a")))?;
+        let r = Envelope::decode(update).unwrap().round;
+        if (r < round || (r == round && finished)) && !self.answered.contains(&r) {
+            self.answered.push(r);
+            return Some(update.clone());
+        }
+        None
+    }
+
     /// The rounds of the updates sent.
     fn updates(&self) -> Vec<u64> {
         self.sent
@@ -119,6 +137,20 @@ fn round(
     out: &mut Kept,
     (m, chunks): &(RoundManifest, Vec<Chunk>),
 ) -> Result<Option<f64>, unifed_site::DriverError> {
+    // The aggregator answers an update before it opens the next round (or finishes).
+    if let Some(update) = out.unanswered(m.round, m.finished) {
+        let env = Envelope::decode(&update).unwrap();
+        let answer = UpdateAnswer {
+            round: env.round,
+            update_hash: unifed_protocol::chunking::payload_hash(&update),
+            answer: Answer::Accepted,
+        };
+        let ack = msg(
+            topics().ack(&id("a")),
+            agg(MessageKind::UpdateAnswer, env.round, 0, &answer),
+        );
+        d.handle(ack, 0, out)?;
+    }
     let mut last = d.handle(manifest_msg(m), 0, out);
     for c in chunks {
         last = d.handle(chunk_msg(m, c), 1, out);
@@ -194,6 +226,8 @@ fn every_trained_model_is_evaluated_before_the_site_trains_from_it_and_the_initi
             &[
                 "apply v0",
                 "train r1",
+                "answered r1 true",
+                "checkpoint Some(0)",
                 "apply v1",
                 "evaluate v1",
                 "train r2",
@@ -205,6 +239,8 @@ fn every_trained_model_is_evaluated_before_the_site_trains_from_it_and_the_initi
                 "apply v0",
                 "evaluate v0",
                 "train r1",
+                "answered r1 true",
+                "checkpoint Some(0)",
                 "apply v1",
                 "evaluate v1",
                 "train r2",

@@ -716,3 +716,71 @@ fn a_model_overtaken_while_applied_is_checkpointed_and_the_newer_one_fetched() {
             .all(|a| !matches!(a, Action::Checkpoint))
     );
 }
+
+/// True when `acts` send `sent` on the site's update topic.
+fn sends(acts: &[Action], sent: &[u8]) -> bool {
+    acts.iter().any(|a| {
+        matches!(a, Action::Publish { topic, payload }
+            if topic == &topics().update(&id("a")) && payload == sent)
+    })
+}
+
+/// True when `acts` train `round`.
+fn trains(acts: &[Action], round: u64) -> bool {
+    acts.iter()
+        .any(|a| matches!(a, Action::Train { manifest } if manifest.round == round))
+}
+
+/// An engine whose round-1 update is unanswered when round 2 opens and its model (v1) is
+/// applied; the actions of the apply, and the update's bytes.
+fn round_closed_unanswered() -> (SiteEngine, Vec<Action>, Vec<u8>) {
+    let (mut e, sent) = sent_round_one();
+    let (m2, chunks2) = model(2, 1, &[]);
+    e.handle(manifest_msg(&m2), 3);
+    deliver(&mut e, &m2, &chunks2);
+    let acts = e.handle(Event::Applied { version: 1 }, 4);
+    (e, acts, sent)
+}
+
+#[test]
+fn an_update_whose_round_closed_unanswered_is_asked_about_before_the_next_round_trains() {
+    // An aggregator that crashed after it spooled the update and before it answered folds it
+    // after its restart: the answer settles the site's residual and variates.
+    let (mut e, acts, sent) = round_closed_unanswered();
+    assert!(sends(&acts, &sent), "{acts:?}");
+    assert!(!trains(&acts, 2), "{acts:?}");
+    assert!(!trains(&e.handle(Event::Tick, 5), 2));
+    // The aggregator's record of round 1: accepted. Settled, then round 2 trains.
+    let mut acts = e.handle(answer(1, payload_hash(&sent), Answer::Accepted), 6);
+    assert!(
+        matches!(
+            &acts[..],
+            [
+                Action::Answered {
+                    round: 1,
+                    answer: Answer::Accepted
+                },
+                Action::Checkpoint,
+                ..
+            ]
+        ),
+        "{acts:?}"
+    );
+    assert_eq!(e.progress().answered_rounds, vec![1]);
+    acts.extend(e.handle(Event::Tick, 7));
+    assert!(trains(&acts, 2), "{acts:?}");
+}
+
+#[test]
+fn an_unanswered_update_of_a_closed_round_is_let_go_after_three_resend_periods() {
+    let (mut e, _, sent) = round_closed_unanswered();
+    // Asked again once a re-send period has passed, and nothing trains ...
+    let acts = e.handle(Event::Tick, 4 + 10_001);
+    assert!(sends(&acts, &sent) && !trains(&acts, 2), "{acts:?}");
+    assert!(!trains(&e.handle(Event::Tick, 4 + 30_000), 2));
+    // ... until three have passed: the update is moot, round 2 trains, round 1 stays
+    // unanswered.
+    let acts = e.handle(Event::Tick, 4 + 30_001);
+    assert!(trains(&acts, 2), "{acts:?}");
+    assert!(e.progress().answered_rounds.is_empty());
+}
