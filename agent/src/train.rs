@@ -223,7 +223,7 @@ async fn listen(
                     .await?;
                 Event::Connected
             }
-            Some(NetEvent::Disconnected(_)) => continue,
+            Some(NetEvent::Disconnected(_) | NetEvent::Subscribed) => continue,
             Some(NetEvent::Message { topic, payload }) => {
                 let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(f) = &s.filter {

@@ -535,6 +535,10 @@ impl Service {
                 revoked = revoked.len(),
                 "revocation list reloaded; other changes take effect at the next start"
             );
+            unifed_net::report::Report::Revocations {
+                revoked: revoked.len(),
+            }
+            .emit();
             self.federation.set_sharing(revoked.is_empty());
             self.federation.core_mut().set_revoked(revoked);
             self.admission
@@ -596,7 +600,7 @@ impl Service {
                     self.wire.send_all(vec![m]).await?;
                 }
             }
-            NetEvent::Disconnected(_) => {}
+            NetEvent::Disconnected(_) | NetEvent::Subscribed => {}
             NetEvent::Message { topic, payload } => {
                 if let Some(site) = topic.strip_prefix(&self.prefixes.update) {
                     // Whole updates (chunks go to the ingest threads): the core opens them

@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 use unifed_agent::progress::{Phase, Report};
@@ -356,7 +356,6 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         BnPolicy::Global => ("FedAvg", "global"),
     };
     let sites = sites(opts)?;
-    let encoding: Encoding = opts.encoding.parse().map_err(anyhow::Error::msg)?;
     let backend = agent_backend(opts)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = opts.threads.unwrap_or((cores / sites.len()).max(1));
@@ -371,117 +370,16 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         .map_or(0, |d| d.as_millis() as u64);
     let mut kids = Children::new();
 
-    // The broker on a free loopback port; its first line names the port.
-    kids.spawn(
-        "broker",
-        &["broker", "--listen", "127.0.0.1:0"],
-        &work.join("broker.log"),
-        &[],
-    )?;
-    let port = loop {
-        match kids.rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(Line::Out { who, text }) if who == "broker" => {
-                if let Some(p) = text.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
-                    break p;
-                }
-            }
-            Ok(_) => {}
-            Err(_) => bail!(
-                "the broker did not start (see {})",
-                work.join("broker.log").display()
-            ),
-        }
-    };
-    let broker = BrokerConfig::new("127.0.0.1", port);
+    let port = start_broker(&mut kids, &work)?;
 
-    // The initial model: the same seed for both runs.
-    let device = unifed_models::backend::Backend::Flex
-        .device()
-        .map_err(anyhow::Error::msg)?;
-    let model = work.join("init.safetensors");
-    unifed_agent::model::write_initial("digits", &Default::default(), opts.seed, &device, &model)?;
-    // The supervisor holds nothing of the model from here on.
-    unifed_net::release_free_memory();
-
-    // Identities as a real deployment makes them: each party's key on its own disk, only the
-    // public keys exchanged (sites enrolled with the aggregator, the aggregator pinned by sites).
-    let agg_key_path = work.join("aggregator.key");
-    let agg_key = SigningKey::load_or_create(&agg_key_path)?;
-    let mut enrolled = Vec::new();
-    for (id, _) in &sites {
-        std::fs::create_dir_all(work.join(id))?;
-        let key = SigningKey::load_or_create(&work.join(id).join("identity.key"))?;
-        enrolled.push(EnrolledSite::new(id, key.public()));
-    }
-    let mut fc = FederationConfig::new(
-        &format!("demo-{policy}"),
-        opts.rounds,
-        sites.len(),
-        enrolled,
-    );
-    fc.deadline_secs = 3600;
-    fc.encoding = encoding;
-    fc.bn_policy = bn;
-    let agg = ServiceConfig {
-        data_dir: work.join("aggregator"),
-        model: model.clone(),
-        key: agg_key_path,
-        chunk_bytes: unifed_protocol::chunking::CHUNK_BYTES,
-        linger_secs: 3600,
-        manifest_every_secs: 30,
-        // Spooled on disk as chunks arrive: room for every site's largest update.
-        max_upload_bytes: 4 << 30,
-        broker: broker.clone(),
-        federation: fc.clone(),
-    };
-    let agg_toml = work.join("aggregator.toml");
-    std::fs::write(&agg_toml, toml::to_string(&agg)?)?;
-    kids.spawn(
-        "aggregator",
-        &["aggregator", "--config", &agg_toml.to_string_lossy()],
-        &work.join("aggregator.log"),
-        &[("UNIFED_REPORT", "1")],
+    launch(
+        &mut kids,
+        &work,
+        opts,
+        &sites,
+        (bn, policy),
+        (port, &backend.to_string(), threads),
     )?;
-    for (id, domain) in &sites {
-        let cfg = AgentConfig {
-            site: id.clone(),
-            federation: fc.federation.clone(),
-            state_dir: work.join(id),
-            // Outside the run's folder, which each run wipes: a GPU tunes once per site.
-            kernel_cache: Some(opts.work.join("kernels").join(id)),
-            backend: backend.to_string(),
-            // The spec written beside the initial model decides every site's model.
-            spec: Some(unifed_protocol::spec_path(&model)),
-            model: Default::default(),
-            train: unifed_models::train::TrainConfig {
-                epochs: opts.epochs,
-                seed: opts.seed,
-                ..Default::default()
-            },
-            resend_secs: 120,
-            threads: Some(threads),
-            evaluate_each_model: true,
-            evaluate_at: opts.evaluate_at,
-            join_bn: Default::default(),
-            site_key: None,
-            identity: work.join(id).join("identity.key"),
-            aggregator_key: agg_key.public(),
-            broker: broker.clone(),
-            data: DataConfig {
-                builtin: Some(domain.name().into()),
-                folder: None,
-                train_samples: opts.train_samples,
-            },
-        };
-        let path = work.join(format!("{id}.toml"));
-        std::fs::write(&path, toml::to_string(&cfg)?)?;
-        kids.spawn(
-            id,
-            &["agent", "--config", &path.to_string_lossy()],
-            &work.join(format!("{id}.log")),
-            &[("UNIFED_REPORT", "1")],
-        )?;
-    }
 
     // Progress: one bar for the rounds, one per site.
     let mp = MultiProgress::new();
@@ -626,65 +524,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     continue;
                 };
                 let site = results.get_mut(&who).expect("known site");
-                match r {
-                    Report::Training {
-                        round,
-                        epoch,
-                        done,
-                        steps,
-                    } => {
-                        bar.set_length(steps as u64);
-                        bar.set_position(done as u64);
-                        bar.set_message(format!("round {round}: training, epoch {}", epoch + 1));
-                    }
-                    Report::Uploaded {
-                        round,
-                        bytes,
-                        messages,
-                    } => {
-                        site.upload_bytes.push(bytes);
-                        site.upload_messages.push(messages);
-                        bar.set_message(format!(
-                            "round {round}: sent {:.1} MB in {messages} messages",
-                            bytes as f64 / 1e6
-                        ));
-                    }
-                    Report::Answered { round, accepted } => {
-                        if !accepted {
-                            bail!("the aggregator rejected {who}'s round-{round} update");
-                        }
-                        bar.set_message(format!("round {round}: accepted, waiting for the others"));
-                    }
-                    Report::Applied {
-                        version,
-                        bytes,
-                        seconds,
-                    } => {
-                        site.download_bytes.push(bytes);
-                        bar.set_message(format!(
-                            "model v{version}: fetched {:.1} MB in {seconds:.1} s",
-                            bytes as f64 / 1e6
-                        ));
-                    }
-                    Report::Evaluated { version, accuracy } => {
-                        if site.accuracy.len() as u64 == version {
-                            site.accuracy.push(accuracy);
-                        }
-                        site.final_accuracy = accuracy;
-                        bar.set_message(format!(
-                            "model v{version}: {:.2}% test accuracy",
-                            100.0 * accuracy
-                        ));
-                    }
-                    Report::Phase {
-                        round,
-                        phase,
-                        seconds,
-                        peak_bytes,
-                        ended_ms,
-                    } => record(&who, (round, phase, seconds, peak_bytes, ended_ms)),
-                    // The aggregator's.
-                    Report::RoundClosed { .. } => {}
+                if let Some(p) = site_report(&who, r, site, bar)? {
+                    record(&who, p);
                 }
             }
         }
@@ -727,6 +568,205 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         phase_peak_bytes,
         spans,
     })
+}
+
+/// Writes the initial model, every party's identity and config, and starts the aggregator and
+/// one agent per site (`threads` each, on `backend`) against the broker on `port`.
+fn launch(
+    kids: &mut Children,
+    work: &Path,
+    opts: &Options,
+    sites: &[(String, Domain)],
+    (bn, policy): (BnPolicy, &str),
+    (port, backend, threads): (u16, &str, usize),
+) -> Result<()> {
+    let broker = BrokerConfig::new("127.0.0.1", port);
+    let encoding: Encoding = opts.encoding.parse().map_err(anyhow::Error::msg)?;
+    // The initial model: the same seed for both runs.
+    let device = unifed_models::backend::Backend::Flex
+        .device()
+        .map_err(anyhow::Error::msg)?;
+    let model = work.join("init.safetensors");
+    unifed_agent::model::write_initial("digits", &Default::default(), opts.seed, &device, &model)?;
+    // The supervisor holds nothing of the model from here on.
+    unifed_net::release_free_memory();
+
+    // Identities as a real deployment makes them: each party's key on its own disk, only the
+    // public keys exchanged (sites enrolled with the aggregator, the aggregator pinned by sites).
+    let agg_key_path = work.join("aggregator.key");
+    let agg_key = SigningKey::load_or_create(&agg_key_path)?;
+    let mut enrolled = Vec::new();
+    for (id, _) in sites {
+        std::fs::create_dir_all(work.join(id))?;
+        let key = SigningKey::load_or_create(&work.join(id).join("identity.key"))?;
+        enrolled.push(EnrolledSite::new(id, key.public()));
+    }
+    let mut fc = FederationConfig::new(
+        &format!("demo-{policy}"),
+        opts.rounds,
+        sites.len(),
+        enrolled,
+    );
+    fc.deadline_secs = 3600;
+    fc.encoding = encoding;
+    fc.bn_policy = bn;
+    let agg = ServiceConfig {
+        data_dir: work.join("aggregator"),
+        model: model.clone(),
+        key: agg_key_path,
+        chunk_bytes: unifed_protocol::chunking::CHUNK_BYTES,
+        linger_secs: 3600,
+        manifest_every_secs: 30,
+        // Spooled on disk as chunks arrive: room for every site's largest update.
+        max_upload_bytes: 4 << 30,
+        broker: broker.clone(),
+        federation: fc.clone(),
+    };
+    let agg_toml = work.join("aggregator.toml");
+    std::fs::write(&agg_toml, toml::to_string(&agg)?)?;
+    kids.spawn(
+        "aggregator",
+        &["aggregator", "--config", &agg_toml.to_string_lossy()],
+        &work.join("aggregator.log"),
+        &[("UNIFED_REPORT", "1")],
+    )?;
+    for (id, domain) in sites {
+        let cfg = AgentConfig {
+            site: id.clone(),
+            federation: fc.federation.clone(),
+            state_dir: work.join(id),
+            // Outside the run's folder, which each run wipes: a GPU tunes once per site.
+            kernel_cache: Some(opts.work.join("kernels").join(id)),
+            backend: backend.to_string(),
+            // The spec written beside the initial model decides every site's model.
+            spec: Some(unifed_protocol::spec_path(&model)),
+            model: Default::default(),
+            train: unifed_models::train::TrainConfig {
+                epochs: opts.epochs,
+                seed: opts.seed,
+                ..Default::default()
+            },
+            resend_secs: 120,
+            threads: Some(threads),
+            evaluate_each_model: true,
+            evaluate_at: opts.evaluate_at,
+            join_bn: Default::default(),
+            site_key: None,
+            identity: work.join(id).join("identity.key"),
+            aggregator_key: agg_key.public(),
+            broker: broker.clone(),
+            data: DataConfig {
+                builtin: Some(domain.name().into()),
+                folder: None,
+                train_samples: opts.train_samples,
+            },
+        };
+        let path = work.join(format!("{id}.toml"));
+        std::fs::write(&path, toml::to_string(&cfg)?)?;
+        kids.spawn(
+            id,
+            &["agent", "--config", &path.to_string_lossy()],
+            &work.join(format!("{id}.log")),
+            &[("UNIFED_REPORT", "1")],
+        )?;
+    }
+    Ok(())
+}
+
+/// Starts the broker on a free loopback port and gives the port its first line names.
+fn start_broker(kids: &mut Children, work: &Path) -> Result<u16> {
+    // The broker on a free loopback port; its first line names the port.
+    kids.spawn(
+        "broker",
+        &["broker", "--listen", "127.0.0.1:0"],
+        &work.join("broker.log"),
+        &[],
+    )?;
+    loop {
+        match kids.rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Line::Out { who, text }) if who == "broker" => {
+                if let Some(p) = text.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()) {
+                    return Ok(p);
+                }
+            }
+            Ok(_) => {}
+            Err(_) => bail!(
+                "the broker did not start (see {})",
+                work.join("broker.log").display()
+            ),
+        }
+    }
+}
+
+/// Takes one typed report of the agent `who` into its results and progress bar; gives a phase
+/// report back for the timeline. A rejected update ends the demo.
+fn site_report(
+    who: &str,
+    r: Report,
+    site: &mut SiteResult,
+    bar: &ProgressBar,
+) -> Result<Option<PhaseReport>> {
+    match r {
+        Report::Training {
+            round,
+            epoch,
+            done,
+            steps,
+        } => {
+            bar.set_length(steps as u64);
+            bar.set_position(done as u64);
+            bar.set_message(format!("round {round}: training, epoch {}", epoch + 1));
+        }
+        Report::Uploaded {
+            round,
+            bytes,
+            messages,
+        } => {
+            site.upload_bytes.push(bytes);
+            site.upload_messages.push(messages);
+            bar.set_message(format!(
+                "round {round}: sent {:.1} MB in {messages} messages",
+                bytes as f64 / 1e6
+            ));
+        }
+        Report::Answered { round, accepted } => {
+            if !accepted {
+                bail!("the aggregator rejected {who}'s round-{round} update");
+            }
+            bar.set_message(format!("round {round}: accepted, waiting for the others"));
+        }
+        Report::Applied {
+            version,
+            bytes,
+            seconds,
+        } => {
+            site.download_bytes.push(bytes);
+            bar.set_message(format!(
+                "model v{version}: fetched {:.1} MB in {seconds:.1} s",
+                bytes as f64 / 1e6
+            ));
+        }
+        Report::Evaluated { version, accuracy } => {
+            if site.accuracy.len() as u64 == version {
+                site.accuracy.push(accuracy);
+            }
+            site.final_accuracy = accuracy;
+            bar.set_message(format!(
+                "model v{version}: {:.2}% test accuracy",
+                100.0 * accuracy
+            ));
+        }
+        Report::Phase {
+            round,
+            phase,
+            seconds,
+            peak_bytes,
+            ended_ms,
+        } => return Ok(Some((round, phase, seconds, peak_bytes, ended_ms))),
+        // The aggregator's.
+        Report::RoundClosed { .. } | Report::Connection { .. } | Report::Revocations { .. } => {}
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -209,6 +209,9 @@ pub enum NetEvent {
     Connected,
     /// The connection dropped; the loop is backing off before reconnecting.
     Disconnected(String),
+    /// The broker answered a subscription (one per topic filter subscribed after each
+    /// connection).
+    Subscribed,
     /// A message arrived.
     Message {
         /// Its topic.
@@ -267,7 +270,17 @@ pub fn spawn_event_loop_with_side(
                             tracing::warn!(topic = %s, error = %e, "subscribe failed");
                         }
                     }
+                    report::Report::Connection {
+                        up: true,
+                        error: None,
+                    }
+                    .emit();
                     if tx.send(NetEvent::Connected).is_err() {
+                        break;
+                    }
+                }
+                Ok(Event::Incoming(Packet::SubAck(_))) => {
+                    if tx.send(NetEvent::Subscribed).is_err() {
                         break;
                     }
                 }
@@ -290,6 +303,11 @@ pub fn spawn_event_loop_with_side(
                     if backoff == Duration::from_millis(100) {
                         // First failure after a good connection (or at start): say why once.
                         tracing::warn!(error = %e, "MQTT connection failed or lost; retrying with backoff");
+                        report::Report::Connection {
+                            up: false,
+                            error: Some(e.to_string()),
+                        }
+                        .emit();
                     } else {
                         tracing::debug!(error = %e, backoff_ms = backoff.as_millis() as u64, "MQTT connection failed; backing off");
                     }

@@ -131,6 +131,20 @@ pub enum Report {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ended_ms: Option<u64>,
     },
+    /// The MQTT connection came up (`error` absent), or failed or was lost (`error` says why).
+    Connection {
+        /// Whether it is up.
+        up: bool,
+        /// Why it is down.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+    /// The aggregator re-read its revocation list: messages signed by one of `revoked` keys are
+    /// refused from now on.
+    Revocations {
+        /// Keys revoked now.
+        revoked: usize,
+    },
     /// The aggregator closed `round` with the updates of `sites`, giving `model_version`.
     RoundClosed {
         /// The round.

@@ -2,8 +2,17 @@
 //! agents' config files, and their processes (each logging to a file in the test's folder).
 
 use crate::{Guard, binary};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use unifed_agent::config::{AgentConfig, DataConfig};
+use unifed_aggregator::service::ServiceConfig;
+use unifed_aggregator::{Algorithm, EnrolledSite, FederationConfig, Weighting};
+use unifed_models::train::TrainConfig;
+use unifed_models::zoo::DigitsCnnConfig;
+use unifed_net::BrokerConfig;
+use unifed_net::report::Report;
+use unifed_protocol::messages::{BnPolicy, BnSharing};
 
 /// Mosquitto's config for the tests and for sites that run their own: loopback listener,
 /// password file, packet limit, a deep queue (the default of 1000 queued messages drops
@@ -45,23 +54,23 @@ pub struct Fed {
     /// Broker username and password.
     pub credentials: Option<(String, String)>,
     /// Digits CNN conv widths.
-    pub conv: Vec<usize>,
+    pub conv: [usize; 3],
     /// Digits CNN fc widths.
-    pub fc: Vec<usize>,
+    pub fc: [usize; 2],
     /// Rounds.
     pub rounds: u64,
     /// Sites a round waits for.
     pub min_sites: usize,
     /// Round deadline in seconds.
     pub deadline_secs: u64,
-    /// `Local` or `Global`.
-    pub bn_policy: String,
+    /// The BN policy.
+    pub bn_policy: BnPolicy,
     /// The federation's encoding, both ways.
     pub encoding: unifed_protocol::Encoding,
-    /// The algorithm as a TOML inline table (default `{ name = "fedavg" }`).
-    pub algorithm: String,
-    /// BN sharing policy: `none`, `affine` or `affine+stats`.
-    pub bn_sharing: String,
+    /// The algorithm (default FedAvg).
+    pub algorithm: Algorithm,
+    /// The BN sharing policy.
+    pub bn_sharing: BnSharing,
     /// Seconds the aggregator keeps serving after the last round.
     pub linger_secs: u64,
     /// Seconds between the aggregator's re-publications of the retained manifest.
@@ -78,18 +87,14 @@ pub struct Fed {
     pub samples: std::collections::BTreeMap<String, usize>,
     /// The built-in domain of particular sites (others: the domain the site is named after).
     pub domains: std::collections::BTreeMap<String, String>,
-    /// Lines added at the top of particular sites' agent configs.
-    pub agent_extra: std::collections::BTreeMap<String, String>,
-    /// Lines added to the `[train]` table of particular sites' agent configs.
-    pub train_extra: std::collections::BTreeMap<String, String>,
+    /// Typed edits of particular sites' agent configs, made after every other setting.
+    pub agent_edits: BTreeMap<String, fn(&mut AgentConfig)>,
     /// The sites enrolled with the aggregator (each with its key from [`Fed::key_file`]).
     pub sites: Vec<String>,
     /// Sites whose keys the aggregator's config revokes.
     pub revoked: Vec<String>,
-    /// Lines added to the aggregator's `[federation]` table.
-    pub federation_extra: String,
-    /// Lines added at the top of the aggregator's config (service settings).
-    pub service_extra: String,
+    /// A typed edit of the aggregator's config, made after every other setting.
+    pub service_edit: Option<fn(&mut ServiceConfig)>,
     /// Mutual TLS: a folder with `{who}.pem` and `{who}.key`, the client certificate of each
     /// site and of `aggregator`.
     pub client_certs: Option<PathBuf>,
@@ -103,15 +108,15 @@ impl Fed {
             port,
             max_packet,
             credentials: None,
-            conv: vec![4, 6, 8],
-            fc: vec![64, 16],
+            conv: [4, 6, 8],
+            fc: [64, 16],
             rounds: 3,
             min_sites: 3,
             deadline_secs: 300,
-            bn_policy: "Local".into(),
+            bn_policy: BnPolicy::Local,
             encoding: unifed_protocol::Encoding::F32,
-            algorithm: "{ name = \"fedavg\" }".into(),
-            bn_sharing: "none".into(),
+            algorithm: Algorithm::FedAvg,
+            bn_sharing: BnSharing::None,
             linger_secs: 3,
             manifest_every_secs: 30,
             chunk_bytes: 8192,
@@ -119,13 +124,11 @@ impl Fed {
             resend_secs: 30,
             samples: Default::default(),
             domains: Default::default(),
-            agent_extra: Default::default(),
-            train_extra: Default::default(),
+            agent_edits: Default::default(),
             ca_file: None,
             sites: ["grey", "texture", "lowres"].map(String::from).to_vec(),
             revoked: Vec::new(),
-            federation_extra: String::new(),
-            service_extra: String::new(),
+            service_edit: None,
             client_certs: None,
         }
     }
@@ -138,15 +141,6 @@ impl Fed {
         let p = dir.join(format!("{who}.key"));
         unifed_protocol::SigningKey::load_or_create(&p).expect("key file");
         p
-    }
-
-    /// The agent config lines naming `site`'s identity key and pinning the aggregator's.
-    pub fn identity_toml(&self, site: &str) -> String {
-        format!(
-            "identity = \"{}\"\naggregator_key = \"{}\"\n",
-            self.key_file(site).display(),
-            self.key("aggregator").public()
-        )
     }
 
     /// The signing key of `who` (a site, or `aggregator`).
@@ -184,33 +178,28 @@ impl Fed {
         serde_json::from_slice(&std::fs::read(p).expect("spec file")).expect("spec json")
     }
 
-    /// The `[broker]` table of `who`'s config (a site, or `aggregator`): with its client
+    /// The broker settings of `who`'s config (a site, or `aggregator`): with its client
     /// certificate under mutual TLS.
-    pub fn broker_toml_for(&self, who: &str) -> String {
-        let mut s = self.broker_toml();
+    pub fn broker_for(&self, who: &str) -> BrokerConfig {
+        let mut b = self.broker();
         if let Some(d) = &self.client_certs {
-            s += &format!(
-                "cert_file = \"{}\"\nkey_file = \"{}\"\n",
-                d.join(format!("{who}.pem")).display(),
-                d.join(format!("{who}.key")).display()
-            );
+            b.cert_file = Some(d.join(format!("{who}.pem")));
+            b.key_file = Some(d.join(format!("{who}.key")));
         }
-        s
+        b
     }
 
-    /// The `[broker]` table of a config for this federation's broker.
-    pub fn broker_toml(&self) -> String {
-        let mut s = format!(
-            "[broker]\nhost = \"127.0.0.1\"\nport = {}\nmax_packet_bytes = {}\nkeep_alive_secs = 5\n",
-            self.port, self.max_packet
-        );
+    /// The broker settings of a config for this federation's broker.
+    pub fn broker(&self) -> BrokerConfig {
+        let mut b = BrokerConfig::new("127.0.0.1", self.port);
+        b.max_packet_bytes = self.max_packet;
+        b.keep_alive_secs = 5;
         if let Some((u, p)) = &self.credentials {
-            s += &format!("username = \"{u}\"\npassword = \"{p}\"\n");
+            b.username = Some(u.clone());
+            b.password = Some(p.clone());
         }
-        if let Some(ca) = &self.ca_file {
-            s += &format!("ca_file = \"{}\"\n", ca.display());
-        }
-        s
+        b.ca_file = self.ca_file.clone();
+        b
     }
 
     /// The aggregator's data directory.
@@ -229,42 +218,49 @@ impl Fed {
         )
     }
 
-    /// Writes the aggregator's config (`agg.toml`) and returns its path.
+    /// The aggregator's config: this federation's settings, then [`Fed::service_edit`].
+    pub fn service_config(&self) -> ServiceConfig {
+        let sites = self
+            .sites
+            .iter()
+            .map(|id| EnrolledSite::new(id, self.key(id).public()))
+            .collect();
+        let mut federation = FederationConfig::new("e2e", self.rounds, self.min_sites, sites);
+        federation.algorithm = self.algorithm;
+        federation.deadline_secs = self.deadline_secs;
+        federation.revoked = self
+            .revoked
+            .iter()
+            .map(|id| self.key(id).public())
+            .collect();
+        federation.encoding = self.encoding;
+        federation.bn_policy = self.bn_policy;
+        federation.bn_sharing = self.bn_sharing;
+        federation.weighting = Weighting::Samples;
+        federation.keep_versions = 8;
+        federation.max_update_bytes = 256 << 20;
+        let mut cfg = ServiceConfig {
+            data_dir: self.agg_dir(),
+            model: self.model(),
+            key: self.key_file("aggregator"),
+            chunk_bytes: self.chunk_bytes,
+            linger_secs: self.linger_secs,
+            manifest_every_secs: self.manifest_every_secs,
+            max_upload_bytes: 1 << 30,
+            broker: self.broker_for("aggregator"),
+            federation,
+        };
+        if let Some(edit) = self.service_edit {
+            edit(&mut cfg);
+        }
+        cfg
+    }
+
+    /// Writes the aggregator's config (`agg.toml`, serialised from
+    /// [`Fed::service_config`]) and returns its path.
     pub fn aggregator_config(&self) -> PathBuf {
         let cfg = self.dir.join("agg.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "data_dir = \"{}\"\nmodel = \"{}\"\nkey = \"{}\"\nchunk_bytes = {}\nlinger_secs = {}\nmanifest_every_secs = {}\n{}{}\n[federation]\nfederation = \"e2e\"\nalgorithm = {}\nrounds = {}\nmin_sites = {}\ndeadline_secs = {}\nfraction = 1.0\nsites = [{}]\nrevoked = [{}]\nencoding = {}\nbn_policy = \"{}\"\nbn_sharing = \"{}\"\nweighting = \"samples\"\nkeep_versions = 8\nmax_update_bytes = 268435456\nseed = 0\n{}",
-                self.agg_dir().display(),
-                self.model().display(),
-                self.key_file("aggregator").display(),
-                self.chunk_bytes,
-                self.linger_secs,
-                self.manifest_every_secs,
-                self.service_extra,
-                self.broker_toml_for("aggregator"),
-                self.algorithm,
-                self.rounds,
-                self.min_sites,
-                self.deadline_secs,
-                self.sites
-                    .iter()
-                    .map(|id| format!("{{ id = \"{id}\", key = \"{}\" }}", self.key(id).public()))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                self.revoked
-                    .iter()
-                    .map(|id| format!("\"{}\"", self.key(id).public()))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                toml_encoding(self.encoding),
-                self.bn_policy,
-                self.bn_sharing,
-                self.federation_extra,
-            ),
-        )
-        .expect("aggregator config");
+        write_toml(&cfg, &self.service_config());
         cfg
     }
 
@@ -291,41 +287,78 @@ impl Fed {
         v
     }
 
+    /// The sites the aggregator folded into `round`, sorted, as its typed `RoundClosed` report
+    /// says (empty before the round closed). Unlike [`Fed::accepted`] it also names an update
+    /// spooled by an aggregator killed before it audited it, which its restart folds.
+    pub fn folded(&self, round: u64) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .reports("agg")
+            .into_iter()
+            .find_map(|r| match r {
+                Report::RoundClosed {
+                    round: c, sites, ..
+                } if c == round => Some(sites),
+                _ => None,
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
     /// The state folder of `site`'s agent.
     pub fn site_dir(&self, site: &str) -> PathBuf {
         self.dir.join(site)
     }
 
-    /// Writes the config of one device of `site` (data: the built-in domain of that name):
-    /// `<device>.toml`, with state folder `<device>/` and the site key file `key` if given.
+    /// The config of one device of `site` (data: the built-in domain of that name): state
+    /// folder `<device>/`, the site key file `key` if given, then [`Fed::agent_edits`] of
+    /// `site`.
+    pub fn agent_config(&self, site: &str, device: &str, key: Option<&Path>) -> AgentConfig {
+        let mut cfg = AgentConfig {
+            site: site.into(),
+            federation: "e2e".into(),
+            state_dir: self.site_dir(device),
+            kernel_cache: None,
+            backend: "flex".into(),
+            spec: None,
+            model: DigitsCnnConfig {
+                conv: self.conv,
+                fc: self.fc,
+                ..DigitsCnnConfig::default()
+            },
+            train: TrainConfig {
+                batch_size: 16,
+                ..TrainConfig::default()
+            },
+            resend_secs: self.resend_secs,
+            threads: Some(1),
+            evaluate_each_model: false,
+            evaluate_at: None,
+            join_bn: Default::default(),
+            site_key: key.map(Path::to_path_buf),
+            identity: self.key_file(site),
+            aggregator_key: self.key("aggregator").public(),
+            broker: self.broker_for(site),
+            data: DataConfig {
+                builtin: Some(self.domains.get(site).map_or(site, |d| d.as_str()).into()),
+                folder: None,
+                train_samples: self
+                    .samples
+                    .get(site)
+                    .copied()
+                    .unwrap_or(self.train_samples),
+            },
+        };
+        if let Some(edit) = self.agent_edits.get(site) {
+            edit(&mut cfg);
+        }
+        cfg
+    }
+
+    /// Writes [`Fed::agent_config`] as `<device>.toml` and returns its path.
     pub fn device_config(&self, site: &str, device: &str, key: Option<&Path>) -> PathBuf {
         let cfg = self.dir.join(format!("{device}.toml"));
-        let list = |v: &[usize]| {
-            v.iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let key = key.map_or(String::new(), |k| {
-            format!("site_key = \"{}\"\n", k.display())
-        });
-        std::fs::write(
-            &cfg,
-            format!(
-                "site = \"{site}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nresend_secs = {}\nthreads = 1\n{}{}{key}[model]\nconv = [{}]\nfc = [{}]\n[train]\nbatch_size = 16\n{}\n{}\n[data]\nbuiltin = \"{}\"\ntrain_samples = {}\n",
-                self.site_dir(device).display(),
-                self.resend_secs,
-                self.agent_extra.get(site).map_or("", |x| x.as_str()),
-                self.identity_toml(site),
-                list(&self.conv),
-                list(&self.fc),
-                self.train_extra.get(site).map_or("", |x| x.as_str()),
-                self.broker_toml_for(site),
-                self.domains.get(site).map_or(site, |d| d.as_str()),
-                self.samples.get(site).copied().unwrap_or(self.train_samples),
-            ),
-        )
-        .expect("agent config");
+        write_toml(&cfg, &self.agent_config(site, device, key));
         cfg
     }
 
@@ -352,27 +385,58 @@ impl Fed {
         );
     }
 
-    /// Waits up to `limit` for a line containing `needle` in the log `<name>.log`.
-    pub fn wait_line(&self, name: &str, needle: &str, limit: std::time::Duration) -> bool {
-        self.wait_any(&[name], needle, limit)
+    /// Every typed report line ([`Report`]) in the log `<name>.log` so far.
+    pub fn reports(&self, name: &str) -> Vec<Report> {
+        std::fs::read_to_string(self.dir.join(format!("{name}.log")))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(Report::parse)
+            .collect()
     }
 
-    /// Waits up to `limit` for a line containing `needle` in any of the logs `<name>.log`
-    /// (each checked at least once).
-    pub fn wait_any(&self, names: &[&str], needle: &str, limit: std::time::Duration) -> bool {
+    /// Waits up to `limit` for a typed report that `wanted` picks in any of the logs
+    /// `<name>.log` (each read at least once), and gives the first log's name and the report.
+    pub fn wait_report<'n>(
+        &self,
+        names: &[&'n str],
+        wanted: impl Fn(&Report) -> bool,
+        limit: std::time::Duration,
+    ) -> Option<(&'n str, Report)> {
         let t0 = std::time::Instant::now();
         loop {
-            let found = names.iter().any(|n| {
-                std::fs::read_to_string(self.dir.join(format!("{n}.log")))
-                    .is_ok_and(|t| t.contains(needle))
-            });
-            if found {
-                return true;
+            for n in names {
+                if let Some(r) = self.reports(n).into_iter().find(&wanted) {
+                    return Some((n, r));
+                }
             }
             if t0.elapsed() >= limit {
-                return false;
+                return None;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Waits up to `limit` for `wanted` in every one of the logs `<name>.log` after its first
+    /// `after[i]` reports (a restarted process's log goes on after the killed one's); fails
+    /// the test with every log otherwise.
+    pub fn wait_each(
+        &self,
+        names: &[&str],
+        after: &[usize],
+        wanted: impl Fn(&Report) -> bool,
+        limit: std::time::Duration,
+    ) {
+        let t0 = std::time::Instant::now();
+        for (i, n) in names.iter().enumerate() {
+            let skip = after.get(i).copied().unwrap_or(0);
+            while !self.reports(n).iter().skip(skip).any(&wanted) {
+                assert!(
+                    t0.elapsed() < limit,
+                    "{n} never reported what the test waits for\n{}",
+                    self.logs()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
         }
     }
 
@@ -417,16 +481,8 @@ fn spawn(cmd: &mut Command, log: &Path) -> Guard {
     )
 }
 
-/// An encoding as the aggregator's TOML config spells it.
-fn toml_encoding(e: unifed_protocol::Encoding) -> String {
-    use unifed_protocol::Encoding::*;
-    match e {
-        F32 => "\"F32\"".into(),
-        F16 => "\"F16\"".into(),
-        Q8 => "\"Q8\"".into(),
-        Ternary { block } => format!("{{ Ternary = {{ block = {block} }} }}"),
-        TernaryQ8 { block } => format!("{{ TernaryQ8 = {{ block = {block} }} }}"),
-        TopK { per_mille } => format!("{{ TopK = {{ per_mille = {per_mille} }} }}"),
-        TopKQ8 { per_mille } => format!("{{ TopKQ8 = {{ per_mille = {per_mille} }} }}"),
-    }
+/// Writes `value` as TOML to `path`.
+pub fn write_toml(path: &Path, value: &impl serde::Serialize) {
+    let text = toml::to_string(value).expect("a config serialises as TOML");
+    std::fs::write(path, text).expect("writing a config");
 }

@@ -117,18 +117,13 @@ fn a_resnet18_federation_of_image_folders_with_named_classes_learns_over_mqtt() 
     let mut agents = Vec::new();
     for s in SITES {
         let cfg = fed.dir.join(format!("{s}.toml"));
-        std::fs::write(
-            &cfg,
-            format!(
-                "site = \"{s}\"\nfederation = \"e2e\"\nstate_dir = \"{}\"\nspec = \"{}\"\nthreads = 1\nresend_secs = 30\n{}[train]\nbatch_size = 16\nlr = 0.1\nepochs = 3\n{}\n[data]\nfolder = \"{}\"\n",
-                fed.site_dir(s).display(),
-                unifed_protocol::spec_path(&init).display(),
-                fed.identity_toml(s),
-                fed.broker_toml(),
-                data.join(s).display(),
-            ),
-        )
-        .unwrap();
+        let mut agent = fed.agent_config(s, s, None);
+        agent.spec = Some(unifed_protocol::spec_path(&init));
+        agent.train.lr = 0.1;
+        agent.train.epochs = 3;
+        agent.data.builtin = None;
+        agent.data.folder = Some(data.join(s));
+        unifed_e2e::fed::write_toml(&cfg, &agent);
         agents.push(unifed_e2e::Guard(
             Command::new(binary("unifed-agent"))
                 .args(["train", "--config"])

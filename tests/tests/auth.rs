@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, Erased, serial};
+use unifed_net::report::Report;
 use unifed_protocol::auth::{Keyring, SigningKey};
 use unifed_protocol::chunking::payload_hash;
 use unifed_protocol::encoding::{Encoding, encode};
@@ -75,7 +76,7 @@ struct Sent {
 /// signed with its own key; one from the unenrolled `mallory`; `rogue`'s updates with huge
 /// values and with 2^64 - 1 samples; and replays of grey's update of the round before, as it
 /// was and moved to another federation.
-fn attack(fed: Fed, stop: Arc<AtomicBool>) -> Sent {
+fn attack(fed: Fed, stop: Arc<AtomicBool>, connected: Arc<AtomicBool>) -> Sent {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -122,6 +123,9 @@ fn attack(fed: Fed, stop: Arc<AtomicBool>) -> Sent {
                 Ok(None) => break,
                 Err(_) => continue,
             };
+            if matches!(ev, unifed_net::NetEvent::Connected) {
+                connected.store(true, Ordering::Relaxed);
+            }
             let unifed_net::NetEvent::Message { topic, payload } = ev else {
                 continue;
             };
@@ -240,11 +244,17 @@ fn a_hostile_client_changes_nothing_the_honest_federation_computes() {
     fed.manifest_every_secs = 2;
     let mut agg = fed.aggregator();
     let stop = Arc::new(AtomicBool::new(false));
+    let connected = Arc::new(AtomicBool::new(false));
     let attacker = {
-        let (fed, stop) = (fed.clone(), stop.clone());
-        std::thread::spawn(move || attack(fed, stop))
+        let (fed, stop, connected) = (fed.clone(), stop.clone(), connected.clone());
+        std::thread::spawn(move || attack(fed, stop, connected))
     };
-    std::thread::sleep(Duration::from_secs(1));
+    // The sites start once the attacker is on the broker.
+    let t0 = std::time::Instant::now();
+    while !connected.load(Ordering::Relaxed) {
+        assert!(t0.elapsed() < LONG, "the attacker never connected");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
     for (a, s) in agents.iter_mut().zip(SITES) {
         fed.wait_ok(a, s, LONG);
@@ -328,32 +338,36 @@ fn a_site_revoked_while_everything_runs_is_refused_from_its_next_update() {
     // ... then the coordinator revokes its key in the config; nothing is restarted.
     fed.revoked = vec!["lowres".into()];
     fed.aggregator_config();
+    let reloaded = |r: &Report| matches!(r, Report::Revocations { revoked: 1 });
     assert!(
-        fed.wait_line("agg", "revocation list reloaded", LONG),
+        fed.wait_report(&["agg"], reloaded, LONG).is_some(),
         "{}",
         fed.logs()
     );
     // The others report; round 1 closes with what was accepted before the revocation, and
     // lowres's next update (round 2's) is refused by name.
     let mut agents: Vec<_> = ["grey", "texture"].iter().map(|s| fed.agent(s)).collect();
-    let fingerprint = fed.key("lowres").public().fingerprint();
-    assert!(
-        fed.wait_line(
-            "agg",
-            &format!("the key of `lowres` ({fingerprint}) is revoked"),
-            LONG
-        ),
-        "{}",
-        fed.logs()
-    );
     for (a, s) in agents.iter_mut().zip(["grey", "texture"]) {
         fed.wait_ok(a, s, LONG);
     }
     fed.wait_ok(&mut agg, "aggregator", LONG);
     assert_eq!(fed.accepted(1), ["grey", "lowres", "texture"]);
     assert_eq!(fed.accepted(2), ["grey", "texture"]);
+    // What lowres sent after the revocation was refused, and the aggregator's log says why,
+    // naming the key.
+    let fingerprint = fed.key("lowres").public().fingerprint();
+    let agg_log = std::fs::read_to_string(dir.path().join("agg.log")).unwrap();
+    assert!(
+        agg_log.contains(&format!("the key of `lowres` ({fingerprint}) is revoked")),
+        "{}",
+        fed.logs()
+    );
     // The revoked site is cut off: it is served nothing more, so it never gets the new model.
     lowres.kill();
-    let lowres = std::fs::read_to_string(dir.path().join("lowres.log")).unwrap();
-    assert!(!lowres.contains("applied model v2"), "{lowres}");
+    let applied_2 = |r: &Report| matches!(r, Report::Applied { version: 2, .. });
+    assert!(
+        !fed.reports("lowres").iter().any(applied_2),
+        "{}",
+        fed.logs()
+    );
 }

@@ -5,18 +5,10 @@
 
 use std::collections::BTreeMap;
 use std::time::Duration;
+use unifed_agent::config::EvaluateAt;
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, serial};
 use unifed_net::report::{Phase, Report};
-
-/// The reports in `site`'s log.
-fn reports(fed: &Fed, site: &str) -> Vec<Report> {
-    std::fs::read_to_string(fed.dir.join(format!("{site}.log")))
-        .unwrap()
-        .lines()
-        .filter_map(Report::parse)
-        .collect()
-}
 
 /// Each model version's reported accuracy, in the order reported.
 fn accuracies(reports: &[Report]) -> Vec<(u64, f64)> {
@@ -39,12 +31,14 @@ fn an_agent_evaluating_while_it_uploads_reports_what_one_evaluating_before_train
     fed.sites = vec!["grey".into(), "twin".into()];
     fed.min_sites = 2;
     fed.domains.insert("twin".into(), "grey".into());
-    for (site, at) in [("grey", "before-training"), ("twin", "while-uploading")] {
-        fed.agent_extra.insert(
-            site.into(),
-            format!("evaluate_each_model = true\nevaluate_at = \"{at}\"\n"),
-        );
-    }
+    fed.agent_edits.insert("grey".into(), |c| {
+        c.evaluate_each_model = true;
+        c.evaluate_at = Some(EvaluateAt::BeforeTraining);
+    });
+    fed.agent_edits.insert("twin".into(), |c| {
+        c.evaluate_each_model = true;
+        c.evaluate_at = Some(EvaluateAt::WhileUploading);
+    });
     let mut agg = fed.aggregator();
     let mut agents = [fed.agent("grey"), fed.agent("twin")];
     for (a, s) in agents.iter_mut().zip(["grey", "twin"]) {
@@ -52,7 +46,7 @@ fn an_agent_evaluating_while_it_uploads_reports_what_one_evaluating_before_train
     }
     fed.wait_ok(&mut agg, "aggregator", Duration::from_secs(60));
 
-    let (before, aside) = (reports(&fed, "grey"), reports(&fed, "twin"));
+    let (before, aside) = (fed.reports("grey"), fed.reports("twin"));
     let want: Vec<u64> = (0..=fed.rounds).collect();
     let versions = |r: &[Report]| -> Vec<u64> { accuracies(r).iter().map(|a| a.0).collect() };
     assert_eq!(versions(&before), want);

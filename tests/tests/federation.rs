@@ -16,20 +16,20 @@ use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::messages::{
-    Answer, Chunk, ModelDelta, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
+    Answer, BnPolicy, Chunk, ModelDelta, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
 };
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
 
 /// Runs the federation and returns its folder and the captured packets.
-fn run(kind: BrokerKind, bn: &str, max_packet: usize) -> (tempfile::TempDir, Fed, Vec<Packet>) {
+fn run(kind: BrokerKind, bn: BnPolicy, max_packet: usize) -> (tempfile::TempDir, Fed, Vec<Packet>) {
     run_with(kind, bn, max_packet, Encoding::F32)
 }
 
 /// [`run`] with the federation's encoding.
 fn run_with(
     kind: BrokerKind,
-    bn: &str,
+    bn: BnPolicy,
     max_packet: usize,
     encoding: Encoding,
 ) -> (tempfile::TempDir, Fed, Vec<Packet>) {
@@ -38,7 +38,7 @@ fn run_with(
     let proxy = Proxy::start(broker.port);
     let mut fed = Fed::new(dir.path(), proxy.port, max_packet);
     fed.credentials = broker.credentials.clone();
-    fed.bn_policy = bn.into();
+    fed.bn_policy = bn;
     fed.encoding = encoding;
     let mut agg = fed.aggregator();
     let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
@@ -67,7 +67,7 @@ fn sent_to(p: &Packet, site: &str) -> bool {
 
 /// Checks everything the judged test asks from the captured packets and the agents' files.
 fn check(fed: &Fed, packets: &[Packet]) {
-    let local = fed.bn_policy == "Local";
+    let local = fed.bn_policy == BnPolicy::Local;
     let spec = fed.spec();
     let rounds = fed.rounds;
     let init = checkpoint::load(&fed.model(), &spec).unwrap();
@@ -289,7 +289,7 @@ fn check(fed: &Fed, packets: &[Packet]) {
 #[test]
 fn local_bn_three_agents_three_rounds_on_the_embedded_broker() {
     let _one = serial();
-    let (_dir, fed, packets) = run(BrokerKind::Embedded, "Local", 32 << 10);
+    let (_dir, fed, packets) = run(BrokerKind::Embedded, BnPolicy::Local, 32 << 10);
     check(&fed, &packets);
     common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
 }
@@ -297,7 +297,7 @@ fn local_bn_three_agents_three_rounds_on_the_embedded_broker() {
 #[test]
 fn global_bn_three_agents_three_rounds_on_the_embedded_broker() {
     let _one = serial();
-    let (_dir, fed, packets) = run(BrokerKind::Embedded, "Global", 32 << 10);
+    let (_dir, fed, packets) = run(BrokerKind::Embedded, BnPolicy::Global, 32 << 10);
     check(&fed, &packets);
     common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
 }
@@ -308,7 +308,7 @@ fn local_bn_three_agents_three_rounds_on_mosquitto() {
         return;
     }
     let _one = serial();
-    let (_dir, fed, packets) = run(BrokerKind::Mosquitto, "Local", 32 << 10);
+    let (_dir, fed, packets) = run(BrokerKind::Mosquitto, BnPolicy::Local, 32 << 10);
     check(&fed, &packets);
 }
 
@@ -320,7 +320,7 @@ fn local_bn_three_agents_three_rounds_on_mosquitto() {
 fn under_a_lossy_encoding_agents_fetch_deltas_that_add_up_to_the_model_they_end_with() {
     let _one = serial();
     let enc = Encoding::TopKQ8 { per_mille: 100 };
-    let (_dir, fed, packets) = run_with(BrokerKind::Embedded, "Local", 32 << 10, enc);
+    let (_dir, fed, packets) = run_with(BrokerKind::Embedded, BnPolicy::Local, 32 << 10, enc);
     let spec = fed.spec();
     let manifests: Vec<RoundManifest> = packets
         .iter()

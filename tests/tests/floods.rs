@@ -190,7 +190,7 @@ fn run(kind: Flood) -> Measured {
         "rogue".into(),
     ];
     fed.resend_secs = 2;
-    fed.service_extra = format!("max_upload_bytes = {UPLOAD_CAP}\n");
+    fed.service_edit = Some(|c| c.max_upload_bytes = UPLOAD_CAP);
     let mut agg = fed.aggregator();
     let pid = agg.0.id();
     let stop = Arc::new(AtomicBool::new(false));

@@ -40,12 +40,19 @@ async fn connect(
         b.key_file = Some(certs.join(format!("{w}.key")));
     }
     let id = format!("probe-{}", who.unwrap_or("none"));
+    let subs_len = subs.len();
     let (client, mut rx) = unifed_net::spawn_event_loop(b.options(&id, None)?, subs);
+    let subs = subs_len;
     let end = tokio::time::Instant::now() + wait;
     let mut last = String::from("no answer");
+    let (mut connected, mut subscribed) = (false, 0);
     loop {
+        if connected && subscribed == subs {
+            return Ok((client, rx));
+        }
         match tokio::time::timeout_at(end, rx.recv()).await {
-            Ok(Some(NetEvent::Connected)) => return Ok((client, rx)),
+            Ok(Some(NetEvent::Connected)) => connected = true,
+            Ok(Some(NetEvent::Subscribed)) => subscribed += 1,
             Ok(Some(NetEvent::Disconnected(e))) => last = e,
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => {
@@ -193,8 +200,6 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
         )
         .await
         .unwrap();
-        // `Connected` comes at the ConnAck; the subscriptions follow it.
-        tokio::time::sleep(Duration::from_secs(1)).await;
         let publish = |c: &Client, topic: &str, text: &str| {
             let (c, topic, text) = (c.clone(), topic.to_string(), text.to_string());
             async move {

@@ -17,7 +17,7 @@ use unifed_protocol::ModelSpec;
 use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::decode;
 use unifed_protocol::envelope::{Envelope, MessageKind};
-use unifed_protocol::messages::{Chunk, SiteUpdate};
+use unifed_protocol::messages::{BnSharing, Chunk, SiteUpdate};
 
 const SITES: [&str; 2] = ["grey", "texture"];
 const NEW: &str = "morpho";
@@ -130,7 +130,7 @@ struct Run {
 }
 
 /// A two-site federation under `sharing`, finished, with its aggregator still serving.
-fn federation(sharing: &str, rounds: u64) -> Run {
+fn federation(sharing: BnSharing, rounds: u64) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let broker = Broker::start(BrokerKind::Embedded, 32 << 10);
     let proxy = Proxy::start(broker.port);
@@ -138,7 +138,7 @@ fn federation(sharing: &str, rounds: u64) -> Run {
     // The new site is enrolled before it onboards: only enrolled sites are served.
     fed.sites = vec![SITES[0].into(), SITES[1].into(), NEW.into()];
     fed.credentials = broker.credentials.clone();
-    fed.bn_sharing = sharing.into();
+    fed.bn_sharing = sharing;
     fed.rounds = rounds;
     fed.min_sites = SITES.len();
     fed.linger_secs = 600;
@@ -159,7 +159,7 @@ fn federation(sharing: &str, rounds: u64) -> Run {
 #[test]
 fn under_affine_a_new_site_calibrates_registers_sealed_and_its_other_devices_fetch_it() {
     let _one = serial();
-    let mut run = federation("affine", 2);
+    let mut run = federation(BnSharing::Affine, 2);
     let fed = run.fed.clone();
     let spec = fed.spec();
     let key = fed.dir.join("morpho.key");
@@ -290,7 +290,7 @@ fn under_affine_a_new_site_calibrates_registers_sealed_and_its_other_devices_fet
 #[test]
 fn under_none_no_bn_tensor_of_any_site_is_on_the_wire_and_bad_requests_are_named() {
     let _one = serial();
-    let run = federation("none", 1);
+    let run = federation(BnSharing::None, 1);
     let fed = run.fed.clone();
     let spec = fed.spec();
 

@@ -33,8 +33,8 @@ fn a_diverging_site_and_a_late_joiner_end_the_same_over_mqtt_as_in_process() {
     // has: which sites a round folds does not depend on who is faster.
     fed.min_sites = all.len();
     fed.deadline_secs = 30;
-    fed.train_extra
-        .insert(DIVERGING.into(), format!("lr = {DIVERGING_LR:e}"));
+    fed.agent_edits
+        .insert(DIVERGING.into(), |c| c.train.lr = DIVERGING_LR);
     let mut agg = fed.aggregator();
     let mut agents: Vec<_> = [STEADY[0], STEADY[1], DIVERGING]
         .iter()
@@ -42,7 +42,8 @@ fn a_diverging_site_and_a_late_joiner_end_the_same_over_mqtt_as_in_process() {
         .collect();
     let round_1 = |r: &Report| matches!(r, Report::RoundClosed { round: 1, .. });
     assert!(
-        common::wait_report(&fed, "agg", round_1, Duration::from_secs(120)).is_some(),
+        fed.wait_report(&["agg"], round_1, Duration::from_secs(120))
+            .is_some(),
         "round 1 did not close\n{}",
         fed.logs()
     );
@@ -94,7 +95,7 @@ fn a_diverging_site_and_a_late_joiner_end_the_same_over_mqtt_as_in_process() {
     }
     // The diverging site sent nothing and the late joiner trained only round 2.
     let uploaded = |site: &str| -> Vec<u64> {
-        common::reports(&fed, site)
+        fed.reports(site)
             .into_iter()
             .filter_map(|r| match r {
                 Report::Uploaded { round, .. } => Some(round),

@@ -42,6 +42,10 @@ fn picked_messages_reach_only_the_side_receiver_in_order() {
             Ok(Some(NetEvent::Connected)) => {}
             other => panic!("not connected: {other:?}"),
         }
+        match tokio::time::timeout(Duration::from_secs(20), main.recv()).await {
+            Ok(Some(NetEvent::Subscribed)) => {}
+            other => panic!("not subscribed: {other:?}"),
+        }
         let sent = [
             ("t/chunk/a", b"1".to_vec()),
             ("t/whole/a", b"2".to_vec()),

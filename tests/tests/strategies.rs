@@ -16,6 +16,8 @@ use unifed_e2e::{Broker, BrokerKind, serial};
 use unifed_models::checkpoint;
 use unifed_models::client::ClientState;
 use unifed_models::site::Memory;
+use unifed_net::report::Report;
+use unifed_protocol::messages::BnPolicy;
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
 const PACKET: usize = 32 << 10;
@@ -23,13 +25,34 @@ const LONG: Duration = Duration::from_secs(300);
 
 /// `lowres` trains on more images than the others, so it is still training when the others
 /// have reported.
-fn fed_for(dir: &std::path::Path, port: u16, algorithm: &str, bn: &str) -> Fed {
+fn fed_for(dir: &std::path::Path, port: u16, algorithm: Algorithm, bn: BnPolicy) -> Fed {
     let mut fed = Fed::new(dir, port, PACKET);
     fed.resend_secs = 2;
     fed.samples.insert("lowres".into(), 743);
-    fed.algorithm = algorithm.into();
-    fed.bn_policy = bn.into();
+    fed.algorithm = algorithm;
+    fed.bn_policy = bn;
     fed
+}
+
+/// A memory in short: each part's tensor count and the first value of each (a failure's
+/// message).
+fn summary(m: &Memory) -> String {
+    let first = |t: &std::collections::BTreeMap<String, Vec<f32>>| -> Vec<f32> {
+        t.values()
+            .map(|v| v.first().copied().unwrap_or(0.0))
+            .collect()
+    };
+    match &m.algorithm {
+        ClientState::FedDc { controls, drift } => format!(
+            "residual {} held {:?} c_i {:?} server {:?} drift {:?}",
+            m.residual.len(),
+            m.held.as_ref().map(|h| h.0),
+            first(&controls.control),
+            controls.server.as_ref().map(|(v, c)| (*v, first(c))),
+            first(drift)
+        ),
+        other => format!("{other:?}"),
+    }
 }
 
 /// What a finished federation left on disk, compared bit for bit.
@@ -99,7 +122,7 @@ fn outcome(fed: &Fed) -> Outcome {
     }
 }
 
-fn uninterrupted(algorithm: &str, typed: Algorithm, bn: &str) -> Outcome {
+fn uninterrupted(algorithm: Algorithm, bn: BnPolicy) -> Outcome {
     let _one = serial();
     let dir = tempfile::tempdir().unwrap();
     let broker = Broker::start(BrokerKind::Embedded, PACKET);
@@ -110,11 +133,11 @@ fn uninterrupted(algorithm: &str, typed: Algorithm, bn: &str) -> Outcome {
         fed.wait_ok(a, s, LONG);
     }
     fed.wait_ok(&mut agg, "aggregator", LONG);
-    common::same_as_in_process(&fed, &SITES, typed);
+    common::same_as_in_process(&fed, &SITES, algorithm);
     outcome(&fed)
 }
 
-fn disturbed(algorithm: &str, bn: &str) -> Outcome {
+fn disturbed(algorithm: Algorithm, bn: BnPolicy) -> Outcome {
     let _one = serial();
     let dir = tempfile::tempdir().unwrap();
     let broker = Broker::start(BrokerKind::Embedded, PACKET);
@@ -124,23 +147,32 @@ fn disturbed(algorithm: &str, bn: &str) -> Outcome {
     let mut texture = fed.agent("texture");
     let mut lowres = fed.agent("lowres");
     // An agent killed while it trains round 2: it restarts from its checkpoint and memory.
+    let training = |r: &Report| matches!(r, Report::Training { round: 2, .. });
     assert!(
-        fed.wait_line("lowres", "training round 2 ", LONG),
+        fed.wait_report(&["lowres"], training, LONG).is_some(),
         "{}",
         fed.logs()
     );
     lowres.kill();
-    std::thread::sleep(Duration::from_millis(500));
     let mut lowres = fed.agent("lowres");
     // The aggregator killed with round 3 half collected: it restarts from its spool, its
     // committed model and the strategy state stored with it.
+    let accepted = |r: &Report| {
+        matches!(
+            r,
+            Report::Answered {
+                round: 3,
+                accepted: true
+            }
+        )
+    };
     assert!(
-        fed.wait_any(&["grey", "texture"], "update for round 3 accepted", LONG),
+        fed.wait_report(&["grey", "texture"], accepted, LONG)
+            .is_some(),
         "{}",
         fed.logs()
     );
     agg.kill();
-    std::thread::sleep(Duration::from_millis(500));
     let mut agg = fed.aggregator();
     for (g, s) in [
         (&mut grey, "grey"),
@@ -162,9 +194,8 @@ fn disturbed(algorithm: &str, bn: &str) -> Outcome {
 
 #[test]
 fn fedadam_with_global_bn_killed_agent_and_aggregator_ends_bit_identical() {
-    let alg = "{ name = \"fedadam\" }";
-    let want = uninterrupted(alg, Algorithm::FedAdam(Default::default()), "Global");
-    let got = disturbed(alg, "Global");
+    let want = uninterrupted(Algorithm::FedAdam(Default::default()), BnPolicy::Global);
+    let got = disturbed(Algorithm::FedAdam(Default::default()), BnPolicy::Global);
     assert!(got.model == want.model, "the global model differs");
     assert!(got.strategy == want.strategy, "the server moments differ");
     assert!(got.sites == want.sites, "a site's model or memory differs");
@@ -172,9 +203,8 @@ fn fedadam_with_global_bn_killed_agent_and_aggregator_ends_bit_identical() {
 
 #[test]
 fn scaffold_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
-    let alg = "{ name = \"scaffold\" }";
-    let want = uninterrupted(alg, Algorithm::Scaffold(Default::default()), "Local");
-    let got = disturbed(alg, "Local");
+    let want = uninterrupted(Algorithm::Scaffold(Default::default()), BnPolicy::Local);
+    let got = disturbed(Algorithm::Scaffold(Default::default()), BnPolicy::Local);
     assert!(got.model == want.model, "the global model differs");
     assert!(
         got.strategy == want.strategy,
@@ -197,9 +227,8 @@ fn scaffold_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
 
 #[test]
 fn moon_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
-    let alg = "{ name = \"moon\" }";
-    let want = uninterrupted(alg, Algorithm::Moon(Default::default()), "Local");
-    let got = disturbed(alg, "Local");
+    let want = uninterrupted(Algorithm::Moon(Default::default()), BnPolicy::Local);
+    let got = disturbed(Algorithm::Moon(Default::default()), BnPolicy::Local);
     assert!(got.model == want.model, "the global model differs");
     assert!(
         got.sites == want.sites,
@@ -227,18 +256,23 @@ fn moon_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
 
 #[test]
 fn feddc_with_global_bn_killed_agent_and_aggregator_ends_bit_identical() {
-    let alg = "{ name = \"feddc\" }";
-    let want = uninterrupted(alg, Algorithm::FedDc(Default::default()), "Global");
-    let got = disturbed(alg, "Global");
+    let want = uninterrupted(Algorithm::FedDc(Default::default()), BnPolicy::Global);
+    let got = disturbed(Algorithm::FedDc(Default::default()), BnPolicy::Global);
     assert!(got.model == want.model, "the global model differs");
     assert!(
         got.strategy == want.strategy,
         "the server's variate or drift sum differs"
     );
-    assert!(
-        got.sites == want.sites,
-        "a site's model, variate or drift differs"
-    );
+    for (k, (g, w)) in got.sites.iter().zip(&want.sites).enumerate() {
+        assert!(g.0 == w.0, "site {}: its model differs", SITES[k]);
+        assert!(
+            g.1 == w.1,
+            "site {}: its memory differs\n{:?}\n{:?}",
+            SITES[k],
+            summary(&g.1),
+            summary(&w.1)
+        );
+    }
     // Every site holds a drift (its accepted deltas summed) and a variate (FedDC ran): under
     // global BN they cover the BN affine tensors, never the running statistics.
     for (_, m) in &want.sites {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use unifed_aggregator::store::Store;
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, certificates, mosquitto_available, serial};
+use unifed_net::report::Report;
 
 #[test]
 fn a_federation_over_tls_checks_the_broker_against_the_ca_file() {
@@ -26,8 +27,10 @@ fn a_federation_over_tls_checks_the_broker_against_the_ca_file() {
     let mut wrong = fed.clone();
     wrong.ca_file = Some(other_ca);
     let mut refused = wrong.agent("lowres");
+    let certificate = |r: &Report| matches!(r, Report::Connection { up: false, error: Some(e) } if e.contains("certificate"));
     assert!(
-        fed.wait_line("lowres", "certificate", Duration::from_secs(60)),
+        fed.wait_report(&["lowres"], certificate, Duration::from_secs(60))
+            .is_some(),
         "{}",
         fed.logs()
     );

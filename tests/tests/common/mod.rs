@@ -3,7 +3,6 @@
 
 use unifed_e2e::fed::Fed;
 use unifed_models::checkpoint;
-use unifed_protocol::messages::BnPolicy;
 
 /// Runs the federation `fed` describes (sites `sites`, algorithm `algorithm`) in process: the
 /// aggregator core and one site driver per site over an in-memory transport. Checks that every
@@ -52,8 +51,8 @@ pub fn in_process(
     };
     let data = BuiltinData::load().unwrap();
     let model = DigitsCnnConfig {
-        conv: fed.conv.clone().try_into().unwrap(),
-        fc: fed.fc.clone().try_into().unwrap(),
+        conv: fed.conv,
+        fc: fed.fc,
         ..Default::default()
     };
     let mut in_process: Vec<_> = sites
@@ -73,13 +72,8 @@ pub fn in_process(
             .unwrap()
         })
         .collect();
-    let bn_policy = if fed.bn_policy == "Local" {
-        BnPolicy::Local
-    } else {
-        BnPolicy::Global
-    };
     let cfg = unifed_aggregator::FederationConfig {
-        bn_policy,
+        bn_policy: fed.bn_policy,
         algorithm,
         encoding: fed.encoding,
         ..unifed_aggregator::FederationConfig::new("e2e", fed.rounds, fed.min_sites, Vec::new())
@@ -123,34 +117,5 @@ pub fn same_models(fed: &Fed, in_process: &[unifed_sim::Site<unifed_models::zoo:
                 a.name
             );
         }
-    }
-}
-
-/// Every typed report line (`unifed_net::report`) in the log `<name>.log` so far.
-pub fn reports(fed: &Fed, name: &str) -> Vec<unifed_net::report::Report> {
-    std::fs::read_to_string(fed.dir.join(format!("{name}.log")))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(unifed_net::report::Report::parse)
-        .collect()
-}
-
-/// Waits up to `limit` for a typed report in the log `<name>.log` that `wanted` picks, and
-/// returns it.
-pub fn wait_report(
-    fed: &Fed,
-    name: &str,
-    wanted: impl Fn(&unifed_net::report::Report) -> bool,
-    limit: std::time::Duration,
-) -> Option<unifed_net::report::Report> {
-    let t0 = std::time::Instant::now();
-    loop {
-        if let Some(r) = reports(fed, name).into_iter().find(&wanted) {
-            return Some(r);
-        }
-        if t0.elapsed() >= limit {
-            return None;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
