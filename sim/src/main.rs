@@ -16,17 +16,16 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use std::path::{Path, PathBuf};
+use unifed_aggregator::Algorithm;
 use unifed_aggregator::strategy::FedOptConfig;
-use unifed_aggregator::{Algorithm, FederationConfig};
-use unifed_models::backend::{Backend, cap_cpu_threads};
-use unifed_models::data::{BuiltinData, Domain, SplitSizes};
-use unifed_models::train::TrainConfig;
-use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, ModelConfig, seeded, spec_of};
+use unifed_models::backend::cap_cpu_threads;
+use unifed_models::data::{BuiltinData, SplitSizes};
+use unifed_models::zoo::DigitsCnnConfig;
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::messages::BnPolicy;
+use unifed_sim::RoundRecord;
 use unifed_sim::chart::{Series, line_chart};
-use unifed_sim::experiment::{mean_std, method_name};
-use unifed_sim::{OnRound, RoundRecord, Site, Sites, run_federation};
+use unifed_sim::experiment::{Preset, mean_std, method_name};
 
 #[derive(Parser)]
 #[command(
@@ -251,65 +250,51 @@ fn earlier_runs(common: &Common, seeds: u64, encoding: &str) -> Result<Vec<Metho
     Ok(out)
 }
 
-fn run_one(
+/// Runs every method of `methods` with seeds 0..`seeds` under `encoding` through the experiment
+/// runner (the one in-process runner: its finished runs are kept in
+/// `<out>/runs/<encoding>/runs`, so a stopped comparison resumes), on the built-in training
+/// domains with FedBN's digits CNN.
+fn compare(
     data: &BuiltinData,
-    c: &Common,
-    algorithm: Algorithm,
-    bn: BnPolicy,
+    common: &Common,
+    seeds: u64,
     encoding: Encoding,
-    seed: u64,
-) -> Result<Run> {
-    let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
-    let mc = ModelConfig::fedbn_digits();
-    let init = || seeded(&device, seed, |d| DigitsCnnConfig::default().init(d));
-    let net0 = init();
-    let spec = spec_of(&net0, &mc.classes, &mc.input);
-    let sizes = SplitSizes {
-        train: c.train_samples,
-        ..SplitSizes::default()
-    };
-    let mut sites: Vec<Site<DigitsCnn>> = Vec::new();
-    for d in Domain::TRAINING {
-        let dd = data.domain(d, &sizes, 0)?;
-        // Every site starts from its own copy of the same initial model.
-        sites.push(Site::new(
-            d.name(),
-            init(),
-            dd.train.dataset(&format!("{}/train", d.name()), &spec)?,
-            dd.test.dataset(&format!("{}/test", d.name()), &spec)?,
-        )?);
+    methods: &[(Algorithm, BnPolicy)],
+) -> Result<Vec<Method>> {
+    let mut out = Vec::new();
+    for &(algorithm, bn) in methods {
+        let preset = Preset {
+            name: "compare".into(),
+            algorithms: vec![algorithm],
+            policies: vec![bn],
+            seeds,
+            rounds: common.rounds,
+            epochs: common.epochs,
+            sizes: SplitSizes {
+                train: common.train_samples,
+                ..SplitSizes::default()
+            },
+            model: DigitsCnnConfig::default(),
+            data: Default::default(),
+            external: None,
+            fraction: 1.0,
+            encoding,
+        };
+        let dir = common.out.join("runs").join(encoding.to_string());
+        let mut bars = progress::Bars::for_stderr();
+        let done = unifed_sim::experiment::run(&preset, data, &dir, 1, |e| bars.show(e));
+        bars.finish();
+        done?;
+        let runs = unifed_sim::experiment::results(&preset, &dir)?
+            .into_iter()
+            .map(|r| Run {
+                records: r.rounds,
+                sites: r.sites,
+            })
+            .collect();
+        out.push((algorithm, bn, runs));
     }
-    let initial = unifed_sim::initial_model(&net0, &spec);
-    let cfg = FederationConfig {
-        algorithm,
-        bn_policy: bn,
-        encoding,
-        ..FederationConfig::new("sim", c.rounds, sites.len(), Vec::new())
-    };
-    let tc = TrainConfig {
-        epochs: c.epochs,
-        seed,
-        ..TrainConfig::default()
-    };
-    let label = method_name(&algorithm, bn);
-    let records = run_federation(
-        cfg,
-        initial,
-        Sites::new(&mut sites, &tc, &device),
-        &mut OnRound(|r: &RoundRecord| {
-            let mean = r.accuracy.iter().sum::<f64>() / r.accuracy.len() as f64;
-            eprintln!(
-                "{label} seed {seed} round {:>3}: mean acc {:.2}% ({:.0} s)",
-                r.round,
-                100.0 * mean,
-                r.seconds
-            );
-        }),
-    )?;
-    Ok(Run {
-        records,
-        sites: sites.iter().map(|s| s.id.to_string()).collect(),
-    })
+    Ok(out)
 }
 
 const COLOURS: [&str; 8] = [
@@ -344,22 +329,7 @@ fn write_compare(
         "\n{} rounds x {} local epoch(s), {} seeds, encoding {encoding}, FedProx mu {mu}: final test accuracy per site, mean (std) over seeds\n",
         common.rounds, common.epochs, seeds
     );
-    println!("| site | {} |", names.join(" | "));
-    println!("|---|{}", "---:|".repeat(names.len()));
-    let mut table = Vec::new();
-    for (k, s) in sites.iter().enumerate() {
-        let mut cells = Vec::new();
-        let mut row = serde_json::Map::new();
-        row.insert("site".into(), json!(s));
-        for ((_, _, rs), name) in runs.iter().zip(&names) {
-            let v: Vec<f64> = rs.iter().map(|r| last(r)[k]).collect();
-            let (m, sd) = mean_std(&v);
-            cells.push(format!("{:.2} ({:.2})", 100.0 * m, 100.0 * sd));
-            row.insert(name.clone(), json!(v));
-        }
-        println!("| {s} | {} |", cells.join(" | "));
-        table.push(serde_json::Value::Object(row));
-    }
+    let table = final_table(&sites, &names, runs);
     let site_mean = |r: &Run| {
         r.records
             .iter()
@@ -400,32 +370,7 @@ fn write_compare(
         }));
     }
     println!("| **mean over sites** | {} |", cells.join(" | "));
-    // The gain of client-specific BN per algorithm (UniFed Table 2's shape), seed by seed.
-    let mut gains = Vec::new();
-    for (a, bn, local) in runs {
-        if *bn != BnPolicy::Local {
-            continue;
-        }
-        let Some((_, _, global)) = runs
-            .iter()
-            .find(|(b, p, _)| b.name() == a.name() && *p == BnPolicy::Global)
-        else {
-            continue;
-        };
-        let d: Vec<f64> = local
-            .iter()
-            .zip(global)
-            .map(|(l, g)| mean_last(l) - mean_last(g))
-            .collect();
-        let (m, s) = mean_std(&d);
-        println!(
-            "local - global BN, {}: {:+.2} ({:.2}) points",
-            a.name(),
-            100.0 * m,
-            100.0 * s
-        );
-        gains.push(json!({"algorithm": a.name(), "local_minus_global_per_seed": d}));
-    }
+    let gains = local_minus_global(runs);
     let svg = line_chart(
         &format!("Algorithms x BN policy on the built-in domains ({seeds} seeds)"),
         "mean test accuracy over sites",
@@ -456,6 +401,58 @@ fn write_compare(
     Ok(())
 }
 
+/// Prints each site's final accuracy per method (mean and std over seeds) and gives the rows.
+fn final_table(sites: &[String], names: &[String], runs: &[Method]) -> Vec<serde_json::Value> {
+    println!("| site | {} |", names.join(" | "));
+    println!("|---|{}", "---:|".repeat(names.len()));
+    let mut table = Vec::new();
+    for (k, s) in sites.iter().enumerate() {
+        let mut cells = Vec::new();
+        let mut row = serde_json::Map::new();
+        row.insert("site".into(), json!(s));
+        for ((_, _, rs), name) in runs.iter().zip(names) {
+            let v: Vec<f64> = rs.iter().map(|r| last(r)[k]).collect();
+            let (m, sd) = mean_std(&v);
+            cells.push(format!("{:.2} ({:.2})", 100.0 * m, 100.0 * sd));
+            row.insert(name.clone(), json!(v));
+        }
+        println!("| {s} | {} |", cells.join(" | "));
+        table.push(serde_json::Value::Object(row));
+    }
+    table
+}
+
+/// Prints and gives the gain of client-specific BN per algorithm run under both policies
+/// (UniFed Table 2's shape), seed by seed.
+fn local_minus_global(runs: &[Method]) -> Vec<serde_json::Value> {
+    let mut gains = Vec::new();
+    for (a, bn, local) in runs {
+        if *bn != BnPolicy::Local {
+            continue;
+        }
+        let Some((_, _, global)) = runs
+            .iter()
+            .find(|(b, p, _)| b.name() == a.name() && *p == BnPolicy::Global)
+        else {
+            continue;
+        };
+        let d: Vec<f64> = local
+            .iter()
+            .zip(global)
+            .map(|(l, g)| mean_last(l) - mean_last(g))
+            .collect();
+        let (m, s) = mean_std(&d);
+        println!(
+            "local - global BN, {}: {:+.2} ({:.2}) points",
+            a.name(),
+            100.0 * m,
+            100.0 * s
+        );
+        gains.push(json!({"algorithm": a.name(), "local_minus_global_per_seed": d}));
+    }
+    gains
+}
+
 /// Counts heap bytes, so `aggregator-memory` can tell the aggregator's share of the process.
 #[global_allocator]
 static HEAP: unifed_sim::heap::Counting = unifed_sim::heap::Counting;
@@ -477,27 +474,7 @@ fn main() -> Result<()> {
             out,
             jobs,
             report,
-        } => {
-            let p = unifed_sim::experiment::Preset::load(&preset)?;
-            let out = out.unwrap_or_else(|| PathBuf::from("results/experiments").join(&p.name));
-            let done = match report {
-                true => unifed_sim::experiment::report(&p, &data, &out)?,
-                false => {
-                    let mut bars = progress::Bars::for_stderr();
-                    let done = unifed_sim::experiment::run(&p, &data, &out, jobs, |e| bars.show(e));
-                    bars.finish();
-                    done?
-                }
-            };
-            println!(
-                "{}: {} run(s) trained, {} reused, {} still to run; tables in {}",
-                p.name,
-                done.trained,
-                done.reused,
-                done.missing,
-                out.join("internal.md").display()
-            );
-        }
+        } => experiment_cmd(&data, &preset, out, jobs, report),
         Cmd::Compare {
             common,
             seeds,
@@ -509,36 +486,20 @@ fn main() -> Result<()> {
             merge,
             render_only,
         } => {
-            if render_only {
-                let runs = earlier_runs(&common, seeds, &encoding)?;
-                anyhow::ensure!(!runs.is_empty(), "no earlier results to render");
-                return write_compare(&common, seeds, &encoding, mu, &runs);
-            }
-            let enc = parse_encoding(&encoding)?;
+            let c = CompareArgs {
+                seeds,
+                encoding,
+                mu,
+                merge,
+                render_only,
+            };
             let mut methods = Vec::new();
             for a in &algorithms {
                 for p in &policies {
                     methods.push((parse_algorithm(a, mu, fedopt_lr)?, parse_policy(p)?));
                 }
             }
-            std::fs::create_dir_all(&common.out)?;
-            let mut runs: Vec<Method> = Vec::new();
-            if merge {
-                runs = earlier_runs(&common, seeds, &encoding)?;
-                runs.retain(|(a, bn, _)| {
-                    !methods.iter().any(|(b, p)| b.name() == a.name() && p == bn)
-                });
-                eprintln!("kept {} method(s) of the earlier results", runs.len());
-            }
-            for &(a, bn) in &methods {
-                let mut rs = Vec::new();
-                for seed in 0..seeds {
-                    rs.push(run_one(&data, &common, a, bn, enc, seed)?);
-                }
-                runs.push((a, bn, rs));
-                // Written after every method, so a long run cut short keeps what it finished.
-                write_compare(&common, seeds, &encoding, mu, &runs)?;
-            }
+            compare_cmd(&data, &common, &c, &methods)
         }
         Cmd::AggregatorMemory {
             one: Some(n),
@@ -552,6 +513,7 @@ fn main() -> Result<()> {
             let together = *a == HandOver::Together;
             let row = unifed_sim::memory::measure(n, parse_encoding(e)?, together)?;
             println!("{}", serde_json::to_string(&row)?);
+            Ok(())
         }
         Cmd::AggregatorMemory {
             sites,
@@ -559,14 +521,14 @@ fn main() -> Result<()> {
             arrivals,
             out,
             one: None,
-        } => aggregator_memory(&sites, &encodings, &arrivals, &out)?,
+        } => aggregator_memory(&sites, &encodings, &arrivals, &out),
         Cmd::IngestSpeed {
             sites,
             shards,
             repeats,
             dir,
             out,
-        } => ingest_speed(sites, &shards, repeats, dir, &out)?,
+        } => ingest_speed(sites, &shards, repeats, dir, &out),
         Cmd::Encodings {
             common,
             encodings,
@@ -574,49 +536,126 @@ fn main() -> Result<()> {
             merge,
             merge_from,
             report,
-        } => {
-            std::fs::create_dir_all(&common.out)?;
-            let mut rows: Vec<EncodingRow> = Vec::new();
-            if merge {
-                let files = std::iter::once(common.out.join("encodings.json")).chain(merge_from);
-                for file in files {
-                    for row in earlier_encodings(&file, &common, seeds)? {
-                        match rows.iter_mut().find(|r| r.encoding == row.encoding) {
-                            Some(r) => *r = row,
-                            None => rows.push(row),
-                        }
-                    }
-                }
-                if !report {
-                    rows.retain(|r| !encodings.contains(&r.encoding));
-                }
-                eprintln!("kept {} encoding(s) of the earlier results", rows.len());
-            }
-            for e in encodings.iter().filter(|_| !report) {
-                let enc = parse_encoding(e)?;
-                let mut row = EncodingRow {
-                    encoding: e.clone(),
-                    ..Default::default()
-                };
-                for seed in 0..seeds {
-                    let run = run_one(
-                        &data,
-                        &common,
-                        Algorithm::FedAvg,
-                        BnPolicy::Local,
-                        enc,
-                        seed,
-                    )?;
-                    row.add(run.records);
-                    // Written after every run, so a long run cut short keeps what it finished.
-                    write_encodings(&common, seeds, &rows, Some(&row))?;
-                }
-                rows.push(row);
-            }
-            let md = write_encodings(&common, seeds, &rows, None)?;
-            print!("{md}");
-        }
+        } => encodings_cmd(
+            &data,
+            &common,
+            &encodings,
+            seeds,
+            (merge, merge_from),
+            report,
+        ),
     }
+}
+
+/// Runs `unifed-sim experiment` (or, with `report`, writes the tables of what has finished).
+fn experiment_cmd(
+    data: &BuiltinData,
+    preset: &Path,
+    out: Option<PathBuf>,
+    jobs: usize,
+    report: bool,
+) -> Result<()> {
+    let p = Preset::load(preset)?;
+    let out = out.unwrap_or_else(|| PathBuf::from("results/experiments").join(&p.name));
+    let done = match report {
+        true => unifed_sim::experiment::report(&p, data, &out)?,
+        false => {
+            let mut bars = progress::Bars::for_stderr();
+            let done = unifed_sim::experiment::run(&p, data, &out, jobs, |e| bars.show(e));
+            bars.finish();
+            done?
+        }
+    };
+    println!(
+        "{}: {} run(s) trained, {} reused, {} still to run; tables in {}",
+        p.name,
+        done.trained,
+        done.reused,
+        done.missing,
+        out.join("internal.md").display()
+    );
+    Ok(())
+}
+
+/// `unifed-sim compare`'s settings besides the common ones and the methods.
+struct CompareArgs {
+    seeds: u64,
+    encoding: String,
+    mu: f64,
+    merge: bool,
+    render_only: bool,
+}
+
+/// Runs `unifed-sim compare`: every method, then its table, JSON and chart.
+fn compare_cmd(
+    data: &BuiltinData,
+    common: &Common,
+    c: &CompareArgs,
+    methods: &[(Algorithm, BnPolicy)],
+) -> Result<()> {
+    if c.render_only {
+        let runs = earlier_runs(common, c.seeds, &c.encoding)?;
+        anyhow::ensure!(!runs.is_empty(), "no earlier results to render");
+        return write_compare(common, c.seeds, &c.encoding, c.mu, &runs);
+    }
+    let enc = parse_encoding(&c.encoding)?;
+    std::fs::create_dir_all(&common.out)?;
+    let mut runs: Vec<Method> = Vec::new();
+    if c.merge {
+        runs = earlier_runs(common, c.seeds, &c.encoding)?;
+        runs.retain(|(a, bn, _)| !methods.iter().any(|(b, p)| b.name() == a.name() && p == bn));
+        eprintln!("kept {} method(s) of the earlier results", runs.len());
+    }
+    runs.extend(compare(data, common, c.seeds, enc, methods)?);
+    write_compare(common, c.seeds, &c.encoding, c.mu, &runs)
+}
+
+/// Runs `unifed-sim encodings`: FedBN under each encoding over the seeds, merged with earlier
+/// results (`merge`: this folder's and `merge.1`'s files), then the table.
+fn encodings_cmd(
+    data: &BuiltinData,
+    common: &Common,
+    encodings: &[String],
+    seeds: u64,
+    (merge, merge_from): (bool, Vec<PathBuf>),
+    report: bool,
+) -> Result<()> {
+    std::fs::create_dir_all(&common.out)?;
+    let mut rows: Vec<EncodingRow> = Vec::new();
+    if merge {
+        let files = std::iter::once(common.out.join("encodings.json")).chain(merge_from);
+        for file in files {
+            for row in earlier_encodings(&file, common, seeds)? {
+                match rows.iter_mut().find(|r| r.encoding == row.encoding) {
+                    Some(r) => *r = row,
+                    None => rows.push(row),
+                }
+            }
+        }
+        if !report {
+            rows.retain(|r| !encodings.contains(&r.encoding));
+        }
+        eprintln!("kept {} encoding(s) of the earlier results", rows.len());
+    }
+    for e in encodings.iter().filter(|_| !report) {
+        let enc = parse_encoding(e)?;
+        let mut row = EncodingRow {
+            encoding: e.clone(),
+            ..Default::default()
+        };
+        let fedbn = [(Algorithm::FedAvg, BnPolicy::Local)];
+        for (_, _, runs) in compare(data, common, seeds, enc, &fedbn)? {
+            for run in runs {
+                row.add(run.records);
+            }
+        }
+        rows.push(row);
+        // Written after every encoding, so a long run cut short keeps what it finished (its
+        // runs stay in their folder too).
+        write_encodings(common, seeds, &rows, None)?;
+    }
+    let md = write_encodings(common, seeds, &rows, None)?;
+    print!("{md}");
     Ok(())
 }
 

@@ -36,6 +36,7 @@ use unifed_models::data::{BuiltinData, SplitSizes};
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{EVAL_BATCH, TrainConfig, evaluate, evaluate_stream};
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, seeded};
+use unifed_protocol::encoding::Encoding;
 use unifed_protocol::messages::BnPolicy;
 
 mod data;
@@ -85,6 +86,18 @@ pub struct Preset {
     /// five of ten); every site evaluates every round's model.
     #[serde(default = "all")]
     pub fraction: f64,
+    /// The encoding of the sites' updates and the model deltas (`f32` by default; as the
+    /// aggregator's config spells it).
+    #[serde(
+        default = "f32",
+        deserialize_with = "unifed_aggregator::spelling::read_encoding",
+        serialize_with = "unifed_aggregator::spelling::write_encoding"
+    )]
+    pub encoding: Encoding,
+}
+
+fn f32() -> Encoding {
+    Encoding::F32
 }
 
 fn all() -> f64 {
@@ -169,7 +182,7 @@ impl Preset {
     /// What a finished run must share with this preset to be reused: everything but the lists
     /// of algorithms, policies and seeds.
     fn settings(&self) -> serde_json::Value {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "rounds": self.rounds,
             "epochs": self.epochs,
             "sizes": self.sizes,
@@ -177,7 +190,13 @@ impl Preset {
             "data": self.data,
             "stream": self.external.as_ref().map(|e| e.stream),
             "fraction": self.fraction,
-        })
+        });
+        // Only a lossy encoding is named, so that runs made before presets had one (all f32)
+        // are still reused.
+        if self.encoding != Encoding::F32 {
+            v["encoding"] = serde_json::json!(self.encoding.to_string());
+        }
+        v
     }
 }
 
@@ -385,6 +404,23 @@ fn plan(preset: &Preset, data: &BuiltinData, out: &Path, train: bool) -> Result<
     })
 }
 
+/// The finished internal runs of `preset` in `out`, in the preset's order: algorithm, then BN
+/// policy, then seed.
+pub fn results(preset: &Preset, out: &Path) -> Result<Vec<RunResult>> {
+    let settings = preset.settings();
+    let mut v = Vec::new();
+    for a in &preset.algorithms {
+        for &bn in &preset.policies {
+            for seed in 0..preset.seeds {
+                let file = run_file(out, a, bn, seed, None);
+                let same = |r: &RunResult| r.settings == settings && r.algorithm == *a;
+                v.extend(finished(&file, same)?);
+            }
+        }
+    }
+    Ok(v)
+}
+
 /// Writes the tables of whatever runs have finished in `out`, training nothing: the rows of
 /// methods with missing runs say how many seeds they hold, and a method with none is listed as
 /// not run. Returns the finished and missing counts as [`Outcome::reused`] and
@@ -463,15 +499,7 @@ pub fn run(
             }
             let (spec, site_data) = loaded.as_ref().context("the sites' data was not loaded")?;
             let t = &todo[k];
-            let held = t.held_out.map(|h| &site_data[h]);
-            let label = format!(
-                "[{}/{}] {} seed {}{}",
-                k + 1,
-                todo.len(),
-                method_name(&t.algorithm, t.bn),
-                t.seed,
-                held.map_or(String::new(), |d| format!(", {} held out", d.name))
-            );
+            let label = run_label(k, todo.len(), t, t.held_out.map(|h| &site_data[h]));
             let on_round = |round: u64, mean: f64| {
                 let mut s = lock();
                 s.rounds_done += 1;
@@ -500,20 +528,9 @@ pub fn run(
     // A job's error or panic is recorded as it happens, so the other jobs stop after their
     // current run instead of working through the list.
     let worker = |job: usize| {
-        let failure = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job_loop(job)))
-        {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => e,
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                anyhow::anyhow!("a run panicked: {what}")
-            }
-        };
-        lock().failed.get_or_insert(failure);
+        if let Some(failure) = failure_of(|| job_loop(job)) {
+            lock().failed.get_or_insert(failure);
+        }
     };
     let worker = &worker;
     std::thread::scope(|s| {
@@ -537,6 +554,33 @@ pub fn run(
         reused,
         missing: 0,
     })
+}
+
+/// The progress label of run `k` of `n`: `[k/n] <method> seed <s>[, <domain> held out]`.
+fn run_label(k: usize, n: usize, t: &Todo, held: Option<&SiteData>) -> String {
+    format!(
+        "[{}/{n}] {} seed {}{}",
+        k + 1,
+        method_name(&t.algorithm, t.bn),
+        t.seed,
+        held.map_or(String::new(), |d| format!(", {} held out", d.name))
+    )
+}
+
+/// `f`'s error, or its panic as an error; `None` when it succeeded.
+fn failure_of(f: impl FnOnce() -> Result<()>) -> Option<anyhow::Error> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Some(anyhow::anyhow!("a run panicked: {what}"))
+        }
+    }
 }
 
 /// Writes the internal tables and, when the preset has `[external]`, the external table over
@@ -723,6 +767,7 @@ fn run_one(
     let cfg = FederationConfig {
         algorithm,
         bn_policy: bn,
+        encoding: preset.encoding,
         fraction: preset.fraction,
         seed,
         ..FederationConfig::new("experiment", preset.rounds, sampled, Vec::new())

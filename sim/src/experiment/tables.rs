@@ -53,7 +53,6 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             methods.push((*a, bn, runs));
         }
     }
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let pct = |(m, s): (f64, f64)| format!("{:.2} ({:.2})", 100.0 * m, 100.0 * s);
     let mut md = format!(
         "# {}: internal accuracy\n\n{} rounds x {} local epoch(s), {} seeds; {} training, {} \
@@ -142,147 +141,18 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             values: stats.iter().map(|x| x.0).collect(),
             band: stats.iter().map(|x| x.1).collect(),
         });
-        // Losses per round: the training loss the sites that trained reported, the test loss
-        // of every site; per site and as the mean over sites, each the mean over seeds.
-        let train = |r: &RunResult, k: usize| -> Vec<f64> {
-            r.rounds
-                .iter()
-                .map(|x| x.train_loss.get(k).copied().flatten().unwrap_or(f64::NAN))
-                .collect()
-        };
-        let test = |r: &RunResult, k: usize| -> Vec<f64> {
-            r.rounds
-                .iter()
-                .map(|x| x.test_loss.get(k).copied().unwrap_or(f64::NAN))
-                .collect()
-        };
-        let over_seeds = |f: &dyn Fn(&RunResult, usize) -> Vec<f64>, k: usize| -> Vec<f64> {
-            (0..preset.rounds as usize)
-                .map(|i| nan_mean(&runs.iter().map(|r| f(r, k)[i]).collect::<Vec<_>>()))
-                .collect()
-        };
-        let per_site = |f: &dyn Fn(&RunResult, usize) -> Vec<f64>| -> Vec<Vec<f64>> {
-            (0..sites.len()).map(|k| over_seeds(f, k)).collect()
-        };
-        let (train_sites, test_sites) = (per_site(&train), per_site(&test));
-        let site_mean = |v: &[Vec<f64>]| -> Vec<f64> {
-            (0..preset.rounds as usize)
-                .map(|i| nan_mean(&v.iter().map(|s| s[i]).collect::<Vec<_>>()))
-                .collect()
-        };
-        let train_mean = site_mean(&train_sites);
-        entry["train_loss_per_round"] =
-            serde_json::json!({"per_site": train_sites, "mean": train_mean});
-        entry["test_loss_per_round"] =
-            serde_json::json!({"per_site": test_sites, "mean": site_mean(&test_sites)});
+        let (train_sites, train_mean) =
+            losses(preset.rounds as usize, sites.len(), runs, &mut entry);
         loss_series.push(Series {
             name: name.clone(),
             colour: (*colour).into(),
             values: train_mean,
             band: Vec::new(),
         });
-        // Per site: accuracy and training loss, each the mean over seeds.
-        let accuracy_sites: Vec<Vec<f64>> = (0..sites.len())
-            .map(|k| {
-                (0..preset.rounds as usize)
-                    .map(|i| {
-                        mean(
-                            &runs
-                                .iter()
-                                .map(|r| r.rounds[i].accuracy[k])
-                                .collect::<Vec<_>>(),
-                        )
-                    })
-                    .collect()
-            })
-            .collect();
-        let slug: String = name
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() {
-                    c.to_ascii_lowercase()
-                } else {
-                    '-'
-                }
-            })
-            .collect::<String>()
-            .split('-')
-            .filter(|p| !p.is_empty())
-            .collect::<Vec<_>>()
-            .join("-");
-        for (values, what, scale, file) in [
-            (
-                &accuracy_sites,
-                "test accuracy",
-                Scale::Percent,
-                format!("{slug}.svg"),
-            ),
-            (
-                &train_sites,
-                "training loss",
-                Scale::Plain,
-                format!("{slug}-loss.svg"),
-            ),
-        ] {
-            let lines: Vec<Series> = sites
-                .iter()
-                .zip(values)
-                .zip(COLOURS.iter().cycle())
-                .map(|((site, v), c)| Series {
-                    name: site.clone(),
-                    colour: (*c).into(),
-                    values: v.clone(),
-                    band: Vec::new(),
-                })
-                .collect();
-            let svg = chart(&format!("{name}: {what} per site"), what, &lines, scale);
-            write_atomic(&out.join("charts").join(file), svg.as_bytes())?;
-        }
+        site_charts(out, &name, &sites, runs, &train_sites)?;
         json_methods.push(entry);
     }
-    // The gain of client-specific BN per algorithm, seed by seed (UniFed Table 2's last rows).
-    let mut gains = Vec::new();
-    md.push_str(
-        "\n| algorithm | paired seeds | local - global, best on validation | local - global, \
-         final |\n|---|---:|---:|---:|\n",
-    );
-    for a in &preset.algorithms {
-        let find = |bn| methods.iter().find(|(b, p, _)| b == a && *p == bn);
-        let (Some((_, _, local)), Some((_, _, global))) =
-            (find(BnPolicy::Local), find(BnPolicy::Global))
-        else {
-            continue;
-        };
-        // Seed by seed, over the seeds both policies have finished.
-        let pairs: Vec<(&RunResult, &RunResult)> = local
-            .iter()
-            .filter_map(|l| global.iter().find(|g| g.seed == l.seed).map(|g| (*l, *g)))
-            .collect();
-        if pairs.is_empty() {
-            continue;
-        }
-        let diff = |pick: fn(&RunResult) -> Vec<f64>| -> Vec<f64> {
-            pairs
-                .iter()
-                .map(|(l, g)| mean(&pick(l)) - mean(&pick(g)))
-                .collect()
-        };
-        let (best, last) = (diff(RunResult::best_on_val), diff(RunResult::last));
-        let signed = |(m, s): (f64, f64)| format!("{:+.2} ({:.2})", 100.0 * m, 100.0 * s);
-        md.push_str(&format!(
-            "| {} | {} | {} | {} |\n",
-            a.name(),
-            pairs.len(),
-            signed(mean_std(&best)),
-            signed(mean_std(&last))
-        ));
-        gains.push(serde_json::json!({
-            "algorithm": a.name(),
-            "seeds": pairs.iter().map(|(l, _)| l.seed).collect::<Vec<_>>(),
-            "best_on_val_per_seed": best,
-            "final_per_seed": last,
-        }));
-    }
+    let gains = bn_gains(preset, &methods, &mut md);
     let json = serde_json::json!({
         "experiment": preset.name,
         "preset": preset,
@@ -411,6 +281,11 @@ pub(super) fn write_external(
 }
 
 /// The mean of the finite values (NaN when there is none).
+/// The mean of `v` (0 when empty).
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
 fn nan_mean(v: &[f64]) -> f64 {
     let finite: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
     if finite.is_empty() {
@@ -428,4 +303,172 @@ fn write_table(out: &Path, stem: &str, md: &str, json: &serde_json::Value) -> Re
         &serde_json::to_vec_pretty(json)?,
     )?;
     Ok(())
+}
+
+/// The training loss the sites that trained reported and the test loss of every site, per
+/// round: per site and as the mean over sites, each the mean over the seeds of `runs`; written
+/// into `entry`. Gives the training loss per site and its mean over sites.
+fn losses(
+    rounds: usize,
+    sites: usize,
+    runs: &[&RunResult],
+    entry: &mut serde_json::Value,
+) -> (Vec<Vec<f64>>, Vec<f64>) {
+    // Losses per round: the training loss the sites that trained reported, the test loss
+    // of every site; per site and as the mean over sites, each the mean over seeds.
+    let train = |r: &RunResult, k: usize| -> Vec<f64> {
+        r.rounds
+            .iter()
+            .map(|x| x.train_loss.get(k).copied().flatten().unwrap_or(f64::NAN))
+            .collect()
+    };
+    let test = |r: &RunResult, k: usize| -> Vec<f64> {
+        r.rounds
+            .iter()
+            .map(|x| x.test_loss.get(k).copied().unwrap_or(f64::NAN))
+            .collect()
+    };
+    let over_seeds = |f: &dyn Fn(&RunResult, usize) -> Vec<f64>, k: usize| -> Vec<f64> {
+        (0..rounds)
+            .map(|i| nan_mean(&runs.iter().map(|r| f(r, k)[i]).collect::<Vec<_>>()))
+            .collect()
+    };
+    let per_site = |f: &dyn Fn(&RunResult, usize) -> Vec<f64>| -> Vec<Vec<f64>> {
+        (0..sites).map(|k| over_seeds(f, k)).collect()
+    };
+    let (train_sites, test_sites) = (per_site(&train), per_site(&test));
+    let site_mean = |v: &[Vec<f64>]| -> Vec<f64> {
+        (0..rounds)
+            .map(|i| nan_mean(&v.iter().map(|s| s[i]).collect::<Vec<_>>()))
+            .collect()
+    };
+    let train_mean = site_mean(&train_sites);
+    entry["train_loss_per_round"] =
+        serde_json::json!({"per_site": train_sites, "mean": train_mean});
+    entry["test_loss_per_round"] =
+        serde_json::json!({"per_site": test_sites, "mean": site_mean(&test_sites)});
+    (train_sites, train_mean)
+}
+
+/// Writes method `name`'s per-site charts: test accuracy and training loss (`train_sites`) per
+/// round, each the mean over the seeds of `runs`.
+fn site_charts(
+    out: &Path,
+    name: &str,
+    sites: &[String],
+    runs: &[&RunResult],
+    train_sites: &[Vec<f64>],
+) -> Result<()> {
+    let rounds = runs.first().map_or(0, |r| r.rounds.len());
+    // Per site: accuracy and training loss, each the mean over seeds.
+    let accuracy_sites: Vec<Vec<f64>> = (0..sites.len())
+        .map(|k| {
+            (0..rounds)
+                .map(|i| {
+                    mean(
+                        &runs
+                            .iter()
+                            .map(|r| r.rounds[i].accuracy[k])
+                            .collect::<Vec<_>>(),
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    let slug: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect::<String>()
+        .split('-')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-");
+    for (values, what, scale, file) in [
+        (
+            accuracy_sites.as_slice(),
+            "test accuracy",
+            Scale::Percent,
+            format!("{slug}.svg"),
+        ),
+        (
+            train_sites,
+            "training loss",
+            Scale::Plain,
+            format!("{slug}-loss.svg"),
+        ),
+    ] {
+        let lines: Vec<Series> = sites
+            .iter()
+            .zip(values)
+            .zip(COLOURS.iter().cycle())
+            .map(|((site, v), c)| Series {
+                name: site.clone(),
+                colour: (*c).into(),
+                values: v.clone(),
+                band: Vec::new(),
+            })
+            .collect();
+        let svg = chart(&format!("{name}: {what} per site"), what, &lines, scale);
+        write_atomic(&out.join("charts").join(file), svg.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// The gain of client-specific BN per algorithm run under both policies, seed by seed (UniFed
+/// Table 2's last rows), appended to `md` as a table; gives its JSON rows.
+fn bn_gains(
+    preset: &Preset,
+    methods: &[(Algorithm, BnPolicy, Vec<&RunResult>)],
+    md: &mut String,
+) -> Vec<serde_json::Value> {
+    // The gain of client-specific BN per algorithm, seed by seed (UniFed Table 2's last rows).
+    let mut gains = Vec::new();
+    md.push_str(
+        "\n| algorithm | paired seeds | local - global, best on validation | local - global, \
+         final |\n|---|---:|---:|---:|\n",
+    );
+    for a in &preset.algorithms {
+        let find = |bn| methods.iter().find(|(b, p, _)| b == a && *p == bn);
+        let (Some((_, _, local)), Some((_, _, global))) =
+            (find(BnPolicy::Local), find(BnPolicy::Global))
+        else {
+            continue;
+        };
+        // Seed by seed, over the seeds both policies have finished.
+        let pairs: Vec<(&RunResult, &RunResult)> = local
+            .iter()
+            .filter_map(|l| global.iter().find(|g| g.seed == l.seed).map(|g| (*l, *g)))
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let diff = |pick: fn(&RunResult) -> Vec<f64>| -> Vec<f64> {
+            pairs
+                .iter()
+                .map(|(l, g)| mean(&pick(l)) - mean(&pick(g)))
+                .collect()
+        };
+        let (best, last) = (diff(RunResult::best_on_val), diff(RunResult::last));
+        let signed = |(m, s): (f64, f64)| format!("{:+.2} ({:.2})", 100.0 * m, 100.0 * s);
+        md.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            a.name(),
+            pairs.len(),
+            signed(mean_std(&best)),
+            signed(mean_std(&last))
+        ));
+        gains.push(serde_json::json!({
+            "algorithm": a.name(),
+            "seeds": pairs.iter().map(|(l, _)| l.seed).collect::<Vec<_>>(),
+            "best_on_val_per_seed": best,
+            "final_per_seed": last,
+        }));
+    }
+    gains
 }
