@@ -53,7 +53,6 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             methods.push((*a, bn, runs));
         }
     }
-    let pct = |(m, s): (f64, f64)| format!("{:.2} ({:.2})", 100.0 * m, 100.0 * s);
     let mut md = format!(
         "# {}: internal accuracy\n\n{} rounds x {} local epoch(s), {} seeds; {} training, {} \
          validation and {} test images per site. Each cell: test accuracy in %, mean (std) over \
@@ -98,33 +97,7 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
             json_methods.push(entry);
             continue;
         }
-        for (key, pick) in [
-            (
-                "best_on_val",
-                RunResult::best_on_val as fn(&RunResult) -> Vec<f64>,
-            ),
-            ("final", RunResult::last),
-        ] {
-            let per_run: Vec<Vec<f64>> = runs.iter().map(|r| pick(r)).collect();
-            let mut cells = Vec::new();
-            for k in 0..sites.len() {
-                cells.push(pct(mean_std(
-                    &per_run.iter().map(|v| v[k]).collect::<Vec<_>>(),
-                )));
-            }
-            let means: Vec<f64> = per_run.iter().map(|v| mean(v)).collect();
-            cells.push(format!("**{}**", pct(mean_std(&means))));
-            md.push_str(&format!(
-                "| {name} | {} | {} | {} |\n",
-                key.replace('_', " "),
-                runs.len(),
-                cells.join(" | ")
-            ));
-            entry[key] = serde_json::json!({
-                "per_seed_per_site": per_run,
-                "mean_over_sites_per_seed": means,
-            });
-        }
+        accuracy_rows(&name, runs, sites.len(), &mut md, &mut entry);
         let curves: Vec<Vec<f64>> = runs
             .iter()
             .map(|r| r.rounds.iter().map(|x| mean(&x.accuracy)).collect())
@@ -190,7 +163,6 @@ pub(super) fn write_external(
         Some(e) if !e.algorithms.is_empty() => &e.algorithms,
         _ => &preset.algorithms,
     };
-    let pct = |(m, s): (f64, f64)| format!("{:.2} ({:.2})", 100.0 * m, 100.0 * s);
     let mut md = format!(
         "# {}: external accuracy (leave one domain out)\n\nEach domain in turn is held out; \
          the others federate for {} rounds; the held-out test split is scored with the global \
@@ -281,6 +253,11 @@ pub(super) fn write_external(
 }
 
 /// The mean of the finite values (NaN when there is none).
+/// A mean and a standard deviation as percentages: `12.34 (0.56)`.
+fn pct((m, s): (f64, f64)) -> String {
+    format!("{:.2} ({:.2})", 100.0 * m, 100.0 * s)
+}
+
 /// The mean of `v` (0 when empty).
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
@@ -471,4 +448,43 @@ fn bn_gains(
         }));
     }
     gains
+}
+
+/// Appends method `name`'s rows to the internal table `md`, each site's test accuracy (mean
+/// and std over the seeds of `runs`) with the best-on-validation and the final round, and
+/// writes the same into the method's JSON `entry`.
+fn accuracy_rows(
+    name: &str,
+    runs: &[&RunResult],
+    sites: usize,
+    md: &mut String,
+    entry: &mut serde_json::Value,
+) {
+    for (key, pick) in [
+        (
+            "best_on_val",
+            RunResult::best_on_val as fn(&RunResult) -> Vec<f64>,
+        ),
+        ("final", RunResult::last),
+    ] {
+        let per_run: Vec<Vec<f64>> = runs.iter().map(|r| pick(r)).collect();
+        let mut cells = Vec::new();
+        for k in 0..sites {
+            cells.push(pct(mean_std(
+                &per_run.iter().map(|v| v[k]).collect::<Vec<_>>(),
+            )));
+        }
+        let means: Vec<f64> = per_run.iter().map(|v| mean(v)).collect();
+        cells.push(format!("**{}**", pct(mean_std(&means))));
+        md.push_str(&format!(
+            "| {name} | {} | {} | {} |\n",
+            key.replace('_', " "),
+            runs.len(),
+            cells.join(" | ")
+        ));
+        entry[key] = serde_json::json!({
+            "per_seed_per_site": per_run,
+            "mean_over_sites_per_seed": means,
+        });
+    }
 }
