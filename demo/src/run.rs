@@ -1,7 +1,7 @@
 //! One federation of the demo: broker, aggregator and agents started as processes, their
 //! reports followed with progress bars until the last round, and what they measured collected.
 
-use crate::supervise::{Children, Line};
+use crate::supervise::{Children, Line, Memory};
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -360,10 +360,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = opts.threads.unwrap_or((cores / sites.len()).max(1));
     let work = opts.work.join(policy);
-    if work.exists() {
-        std::fs::remove_dir_all(&work).with_context(|| format!("clearing {}", work.display()))?;
-    }
-    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    fresh_dir(&work)?;
     let t0 = Instant::now();
     let start_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -397,93 +394,21 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         opts.rounds,
         work.display()
     ));
-    let rounds_bar = mp.add(ProgressBar::new(opts.rounds).with_style(style(
-        "{prefix:>10} [{bar:30}] round {pos}/{len} {elapsed_precise} {msg}",
-    )));
-    rounds_bar.set_prefix(name);
-    let bars: BTreeMap<String, ProgressBar> = sites
-        .iter()
-        .map(|(id, _)| {
-            let b = mp.add(ProgressBar::new(1).with_style(style("{prefix:>10} [{bar:30}] {msg}")));
-            b.set_prefix(id.clone());
-            b.set_message("starting");
-            (id.clone(), b)
-        })
-        .collect();
-
-    let mut results: BTreeMap<String, SiteResult> = sites
-        .iter()
-        .map(|(id, d)| {
-            (
-                id.clone(),
-                SiteResult {
-                    site: id.clone(),
-                    domain: d.name().into(),
-                    accuracy: Vec::new(),
-                    final_accuracy: f64::NAN,
-                    upload_bytes: Vec::new(),
-                    upload_messages: Vec::new(),
-                    download_bytes: Vec::new(),
-                },
-            )
-        })
-        .collect();
-    let mut round_closed: Vec<f64> = Vec::new();
-    // Every process's CPU seconds when the first round starts, then at each close.
-    let mut cpu_closed = vec![kids.cpu_seconds()];
-    let mut phases: Vec<PhaseReport> = Vec::new();
-    let mut spans: Vec<Span> = Vec::new();
-    // The highest peak each process reported for a phase.
-    let mut reported_peaks: BTreeMap<String, u64> = BTreeMap::new();
-    // A phase report counts in its round's timeline and, when it says when it ended, as a span.
-    let mut record = |who: &str, p: PhaseReport| {
-        phases.push(p);
-        let (round, phase, seconds, peak, ended) = p;
-        let e = reported_peaks.entry(who.to_string()).or_default();
-        *e = (*e).max(peak.unwrap_or(0));
-        if let Some(ended) = ended {
-            let end = (ended as f64 - start_ms as f64) / 1000.0;
-            spans.push(Span {
-                who: who.to_string(),
-                round,
-                phase,
-                start: end - seconds,
-                end,
-            });
-        }
+    let (rounds_bar, bars) = progress_bars(&mp, name, opts.rounds, &sites);
+    let mut results = site_results(&sites);
+    let mut rec = Recorded {
+        start_ms,
+        cpu_closed: vec![kids.cpu_seconds()],
+        ..Recorded::default()
     };
     let mut done: BTreeMap<String, bool> = BTreeMap::new();
     while done.len() < sites.len() {
-        let line = match kids.rx.recv_timeout(Duration::from_millis(500)) {
-            Ok(l) => l,
-            Err(RecvTimeoutError::Timeout) => {
-                for who in ["broker", "aggregator"] {
-                    if let Some(st) = kids.exited(who) {
-                        bail!(
-                            "the {who} stopped ({st}); see {}",
-                            work.join(format!("{who}.log")).display()
-                        );
-                    }
-                }
-                continue;
-            }
-            Err(RecvTimeoutError::Disconnected) => bail!("every process stopped"),
+        let Some(line) = next_line(&mut kids, &work)? else {
+            continue;
         };
         match line {
             Line::Closed { who } if results.contains_key(&who) => {
-                // An agent ended: its exit status tells whether it finished.
-                let st = loop {
-                    if let Some(s) = kids.exited(&who) {
-                        break s;
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                };
-                if !st.success() {
-                    bail!(
-                        "agent {who} failed ({st}); see {}",
-                        work.join(format!("{who}.log")).display()
-                    );
-                }
+                agent_ended(&mut kids, &work, &who)?;
                 bars[&who].finish_with_message(format!(
                     "finished: {:.2}% test accuracy",
                     100.0 * results[&who].final_accuracy
@@ -502,8 +427,8 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     model_version,
                     sites,
                 }) => {
-                    round_closed.push(t0.elapsed().as_secs_f64());
-                    cpu_closed.push(kids.cpu_seconds());
+                    rec.round_closed.push(t0.elapsed().as_secs_f64());
+                    rec.cpu_closed.push(kids.cpu_seconds());
                     rounds_bar.inc(1);
                     say(format!(
                         "{name}: round {round} closed with {} update(s) -> model v{model_version}",
@@ -516,7 +441,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     seconds,
                     peak_bytes,
                     ended_ms,
-                }) => record("aggregator", (round, phase, seconds, peak_bytes, ended_ms)),
+                }) => rec.phase("aggregator", (round, phase, seconds, peak_bytes, ended_ms)),
                 _ => {}
             },
             Line::Out { who, text } => {
@@ -525,7 +450,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                 };
                 let site = results.get_mut(&who).expect("known site");
                 if let Some(p) = site_report(&who, r, site, bar)? {
-                    record(&who, p);
+                    rec.phase(&who, p);
                 }
             }
         }
@@ -533,41 +458,98 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     rounds_bar.finish();
     let memory = kids.memory();
     drop(kids);
-    let timeline = timelines(
-        opts.rounds,
-        start_ms,
-        &round_closed,
-        &cpu_closed,
-        &phases,
-        &spans,
-    );
-    let mut phase_peak_bytes: BTreeMap<Phase, u64> = BTreeMap::new();
-    for &(_, p, _, peak, _) in &phases {
-        let e = phase_peak_bytes.entry(p).or_default();
-        *e = (*e).max(peak.unwrap_or(0));
+    let sites = sites
+        .iter()
+        .filter_map(|(id, _)| results.remove(id))
+        .collect();
+    let mut run = rec.run_result(opts.rounds, memory, sites);
+    run.name = name.into();
+    run.bn_policy = policy.into();
+    run.wall_seconds = t0.elapsed().as_secs_f64();
+    run.threads_per_agent = threads;
+    Ok(run)
+}
+
+/// Empties the folder `dir` (made when missing): each run starts from nothing.
+fn fresh_dir(dir: &Path) -> Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
-    let round_seconds = timeline.iter().map(|t| t.wall_seconds).collect();
-    Ok(RunResult {
-        name: name.into(),
-        bn_policy: policy.into(),
-        rounds: opts.rounds,
-        sites: sites
-            .iter()
-            .filter_map(|(id, _)| results.remove(id))
-            .collect(),
-        round_seconds,
-        wall_seconds: t0.elapsed().as_secs_f64(),
-        peak_rss_total_bytes: memory.peak_total,
-        peak_rss_bytes: highest_peaks(memory.peak_each, &reported_peaks),
-        peak_rss_total_at: PeakMoment {
-            seconds: memory.peak_total_at.0.saturating_sub(start_ms) as f64 / 1000.0,
-            rss_bytes: memory.peak_total_at.1,
-        },
-        threads_per_agent: threads,
-        timeline,
-        phase_peak_bytes,
-        spans,
-    })
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+}
+
+/// What a run's processes reported about time and memory, gathered as they report it.
+#[derive(Default)]
+struct Recorded {
+    /// When the run started, ms since the Unix epoch.
+    start_ms: u64,
+    /// Seconds since the start when each round closed.
+    round_closed: Vec<f64>,
+    /// Every process's CPU seconds when the first round starts, then at each close.
+    cpu_closed: Vec<BTreeMap<String, f64>>,
+    /// Every phase report.
+    phases: Vec<PhaseReport>,
+    /// The phases that said when they ended, on the run's clock.
+    spans: Vec<Span>,
+    /// The highest peak each process reported for a phase.
+    reported_peaks: BTreeMap<String, u64>,
+}
+
+impl Recorded {
+    /// A phase report of `who`: it counts in its round's timeline and, when it says when it
+    /// ended, as a span.
+    fn phase(&mut self, who: &str, p: PhaseReport) {
+        self.phases.push(p);
+        let (round, phase, seconds, peak, ended) = p;
+        let e = self.reported_peaks.entry(who.to_string()).or_default();
+        *e = (*e).max(peak.unwrap_or(0));
+        if let Some(ended) = ended {
+            let end = (ended as f64 - self.start_ms as f64) / 1000.0;
+            self.spans.push(Span {
+                who: who.to_string(),
+                round,
+                phase,
+                start: end - seconds,
+                end,
+            });
+        }
+    }
+
+    /// The run's result from what was recorded, the processes' `memory` and the `sites`'
+    /// results (name, policy, wall time and threads left for the caller to fill in).
+    fn run_result(self, rounds: u64, memory: Memory, sites: Vec<SiteResult>) -> RunResult {
+        let timeline = timelines(
+            rounds,
+            self.start_ms,
+            &self.round_closed,
+            &self.cpu_closed,
+            &self.phases,
+            &self.spans,
+        );
+        let mut phase_peak_bytes: BTreeMap<Phase, u64> = BTreeMap::new();
+        for &(_, p, _, peak, _) in &self.phases {
+            let e = phase_peak_bytes.entry(p).or_default();
+            *e = (*e).max(peak.unwrap_or(0));
+        }
+        RunResult {
+            name: String::new(),
+            bn_policy: String::new(),
+            rounds,
+            sites,
+            round_seconds: timeline.iter().map(|t| t.wall_seconds).collect(),
+            wall_seconds: 0.0,
+            peak_rss_total_bytes: memory.peak_total,
+            peak_rss_bytes: highest_peaks(memory.peak_each, &self.reported_peaks),
+            peak_rss_total_at: PeakMoment {
+                seconds: memory.peak_total_at.0.saturating_sub(self.start_ms) as f64 / 1000.0,
+                rss_bytes: memory.peak_total_at.1,
+            },
+            threads_per_agent: 0,
+            timeline,
+            phase_peak_bytes,
+            spans: self.spans,
+        }
+    }
 }
 
 /// Writes the initial model, every party's identity and config, and starts the aggregator and
@@ -671,6 +653,87 @@ fn launch(
         )?;
     }
     Ok(())
+}
+
+/// The next line a process wrote, `None` after half a second of silence; an error once the
+/// broker or the aggregator stopped, or every process.
+fn next_line(kids: &mut Children, work: &Path) -> Result<Option<Line>> {
+    match kids.rx.recv_timeout(Duration::from_millis(500)) {
+        Ok(l) => Ok(Some(l)),
+        Err(RecvTimeoutError::Timeout) => {
+            for who in ["broker", "aggregator"] {
+                if let Some(st) = kids.exited(who) {
+                    bail!(
+                        "the {who} stopped ({st}); see {}",
+                        work.join(format!("{who}.log")).display()
+                    );
+                }
+            }
+            Ok(None)
+        }
+        Err(RecvTimeoutError::Disconnected) => bail!("every process stopped"),
+    }
+}
+
+/// The agent `who` closed its output: an error unless it exited successfully.
+fn agent_ended(kids: &mut Children, work: &Path, who: &str) -> Result<()> {
+    let st = loop {
+        if let Some(s) = kids.exited(who) {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if !st.success() {
+        bail!(
+            "agent {who} failed ({st}); see {}",
+            work.join(format!("{who}.log")).display()
+        );
+    }
+    Ok(())
+}
+
+/// The progress bars of a run: one for the rounds, one per site.
+fn progress_bars(
+    mp: &MultiProgress,
+    name: &str,
+    rounds: u64,
+    sites: &[(String, Domain)],
+) -> (ProgressBar, BTreeMap<String, ProgressBar>) {
+    let rounds_bar = mp.add(ProgressBar::new(rounds).with_style(style(
+        "{prefix:>10} [{bar:30}] round {pos}/{len} {elapsed_precise} {msg}",
+    )));
+    rounds_bar.set_prefix(name.to_string());
+    let bars = sites
+        .iter()
+        .map(|(id, _)| {
+            let b = mp.add(ProgressBar::new(1).with_style(style("{prefix:>10} [{bar:30}] {msg}")));
+            b.set_prefix(id.clone());
+            b.set_message("starting");
+            (id.clone(), b)
+        })
+        .collect();
+    (rounds_bar, bars)
+}
+
+/// Every site's results before its agent reports anything.
+fn site_results(sites: &[(String, Domain)]) -> BTreeMap<String, SiteResult> {
+    sites
+        .iter()
+        .map(|(id, d)| {
+            (
+                id.clone(),
+                SiteResult {
+                    site: id.clone(),
+                    domain: d.name().into(),
+                    accuracy: Vec::new(),
+                    final_accuracy: f64::NAN,
+                    upload_bytes: Vec::new(),
+                    upload_messages: Vec::new(),
+                    download_bytes: Vec::new(),
+                },
+            )
+        })
+        .collect()
 }
 
 /// Starts the broker on a free loopback port and gives the port its first line names.
