@@ -94,6 +94,10 @@ impl Contributions for SpoolRound<'_> {
         Ok(self.store.spool_get(self.round, site)?)
     }
 
+    fn summary(&self, site: &str) -> Result<Contribution, ReadError> {
+        Ok(self.store.spool_summary(self.round, site)?)
+    }
+
     fn mean_delta_into(
         &self,
         targets: &mut [&mut [f32]],

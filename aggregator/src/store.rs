@@ -561,6 +561,32 @@ impl Store {
         Ok(c)
     }
 
+    /// Reads a spooled contribution without its delta (`delta` empty): its file is read and
+    /// checked whole (checksum, format) as [`Store::spool_get`] does, but no delta value is
+    /// kept.
+    pub fn spool_summary(&self, round: u64, site: &str) -> Result<Contribution, StoreError> {
+        let p = self.spool_path(round, site);
+        let f = File::open(&p).map_err(|e| io(&p, e))?;
+        if spoolfile::starts_with_magic(&p, &f)? {
+            let mut c = self.spool_get(round, site)?;
+            c.delta = Vec::new();
+            return Ok(c);
+        }
+        let (footer, ()) = spoolfile::read(&p, f, round, |_| Ok(()), |_, _, _, _| Ok(()))?;
+        let (report, extras) =
+            postcard::from_bytes(&footer.typed).map_err(|e| corrupt(&p, e.to_string()))?;
+        if footer.bn.iter().flatten().any(|v| !v.is_finite()) {
+            return Err(corrupt(&p, "holds a value that is not finite"));
+        }
+        Ok(Contribution {
+            samples: footer.samples,
+            report,
+            extras,
+            delta: Vec::new(),
+            bn: footer.bn,
+        })
+    }
+
     /// Checks `site`'s spooled update of `round` in full (checksum, format, finite values)
     /// without keeping it.
     pub fn spool_check(&self, round: u64, site: &str) -> Result<(), StoreError> {

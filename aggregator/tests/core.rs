@@ -2329,3 +2329,68 @@ fn feddc_adds_the_mean_drift_of_all_sites_to_the_mean_and_keeps_scaffolds_variat
     let scaffold = Aggregator::open(dir.path(), scaffold_cfg(), initial(), 64).unwrap_err();
     assert!(scaffold.to_string().contains("scaffold"), "{scaffold}");
 }
+
+#[test]
+fn fedcd_refuses_bad_mask_gradients_alone_and_broadcasts_the_mean_after_a_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig {
+        algorithm: unifed_aggregator::Algorithm::named("fedcd").unwrap(),
+        ..scaffold_cfg()
+    };
+    let mut agg = open(dir.path(), cfg);
+    let start = agg.handle(Event::Start, 0).unwrap();
+    // No federation gradient before a round closed.
+    assert_eq!(
+        broadcast_of(&start).extras,
+        unifed_protocol::ServerExtras::None
+    );
+    let width = spec().head_width().unwrap();
+    let mask = |gradient: Vec<f32>, risk: f64| SiteExtras::MaskGradient { gradient, risk };
+    let refused = |agg: &mut Aggregator, extras: SiteExtras| {
+        let acts = send(agg, "a", with_extras("a", 1, 0, extras));
+        match &answers(&acts)[0].1 {
+            Answer::Rejected(r) => r.clone(),
+            other => panic!("accepted: {other:?}"),
+        }
+    };
+    assert!(matches!(
+        refused(&mut agg, SiteExtras::None),
+        RejectReason::UnexpectedExtras(_)
+    ));
+    assert!(matches!(
+        refused(&mut agg, mask(vec![0.1; width + 1], 0.5)),
+        RejectReason::Malformed(m) if m.contains("width")
+    ));
+    let mut nan = vec![0.1; width];
+    nan[1] = f32::NAN;
+    assert!(matches!(
+        refused(&mut agg, mask(nan, 0.5)),
+        RejectReason::NonFinite(_)
+    ));
+    assert!(matches!(
+        refused(&mut agg, mask(vec![1e6; width], 0.5)),
+        RejectReason::NormTooLarge { .. }
+    ));
+    for risk in [0.0, -1.0, f64::INFINITY] {
+        assert!(matches!(
+            refused(&mut agg, mask(vec![0.1; width], risk)),
+            RejectReason::Malformed(m) if m.contains("risk")
+        ));
+    }
+    send(
+        &mut agg,
+        "a",
+        with_extras("a", 1, 0, mask(vec![1.0; width], 0.5)),
+    );
+    let closed = send(
+        &mut agg,
+        "b",
+        with_extras("b", 1, 0, mask(vec![3.0; width], 1.5)),
+    );
+    assert_eq!(agg.model_version(), 1);
+    // Equal samples: g_g = ([1..] + [3..]) / 2.
+    assert_eq!(
+        broadcast_of(&closed).extras,
+        unifed_protocol::ServerExtras::MaskGradient(vec![2.0; width])
+    );
+}

@@ -7,8 +7,8 @@ use unifed_aggregator::Weighting;
 use unifed_aggregator::spoolround::SpoolRound;
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::strategy::{
-    Algorithm, Contribution, Contributions, Extras, InMemory, ReadError, Setup, StrategyState,
-    from_config,
+    Algorithm, Contribution, Contributions, Extras, FedCdConfig, InMemory, ReadError, Setup,
+    StrategyState, from_config, rea_weights,
 };
 use unifed_protocol::encoding::Encoding;
 use unifed_protocol::messages::LocalReport;
@@ -22,13 +22,19 @@ fn spec(name: &str, n: usize, kind: TensorKind) -> TensorSpec {
     }
 }
 
-/// Two trainable tensors and a BN running mean (as under BN policy `global`).
+/// Three trainable tensors (the last a linear classifier of width 3) and a BN running mean
+/// (as under BN policy `global`).
 fn setup(sites: usize) -> Setup {
     Setup {
         tensors: vec![
             spec("w", 5, TensorKind::NonBn),
             spec("bn.weight", 3, TensorKind::BnWeight),
             spec("bn.running_mean", 3, TensorKind::BnRunningMean),
+            TensorSpec {
+                name: "fc.weight".into(),
+                shape: vec![2, 3],
+                kind: TensorKind::NonBn,
+            },
         ],
         encoding: Encoding::F32,
         sites,
@@ -36,8 +42,8 @@ fn setup(sites: usize) -> Setup {
 }
 
 /// Site `i`'s contribution: deltas of irregular values, its own step count and sample count,
-/// and a control-variate delta when `control`.
-fn contribution(setup: &Setup, i: usize, control: bool) -> Contribution {
+/// and the extras `algorithm` asks for (a control-variate delta, a mask gradient and risk).
+fn contribution(setup: &Setup, i: usize, algorithm: &Algorithm) -> Contribution {
     let value = |k: usize, e: usize| ((i * 7 + k * 3 + e) as f32 * 0.37).sin() * 0.1;
     let delta: Vec<Vec<f32>> = setup
         .tensors
@@ -45,15 +51,19 @@ fn contribution(setup: &Setup, i: usize, control: bool) -> Contribution {
         .enumerate()
         .map(|(k, t)| (0..t.numel()).map(|e| value(k, e)).collect())
         .collect();
-    let extras = match control {
-        true => Extras::Control(
+    let extras = match algorithm {
+        Algorithm::Scaffold(_) | Algorithm::FedDc(_) => Extras::Control(
             setup
                 .trainable()
                 .enumerate()
                 .map(|(k, t)| (0..t.numel()).map(|e| value(k + 5, e) * 0.5).collect())
                 .collect(),
         ),
-        false => Extras::None,
+        Algorithm::FedCd(_) => Extras::MaskGradient {
+            gradient: (0..3).map(|e| value(9, e)).collect(),
+            risk: 0.3 + i as f64 * 0.2,
+        },
+        _ => Extras::None,
     };
     Contribution {
         samples: 10 + 13 * i as u64,
@@ -124,7 +134,6 @@ fn every_algorithm_combines_a_round_in_memory_as_it_combines_it_from_the_spool()
     let setup = setup(4);
     for weighting in [Weighting::Samples, Weighting::Uniform] {
         for algorithm in Algorithm::all() {
-            let control = matches!(algorithm, Algorithm::Scaffold(_) | Algorithm::FedDc(_));
             let mut memory = Vec::new();
             let mut spooled = Vec::new();
             for (r, sites) in [(1u64, [0usize, 2, 3].as_slice()), (2, &[1, 2])] {
@@ -133,7 +142,7 @@ fn every_algorithm_combines_a_round_in_memory_as_it_combines_it_from_the_spool()
                     .map(|&i| {
                         (
                             format!("site-{i}"),
-                            contribution(&setup, i + r as usize, control),
+                            contribution(&setup, i + r as usize, &algorithm),
                         )
                     })
                     .collect();
@@ -253,7 +262,7 @@ fn a_damaged_spool_file_is_a_damaged_read_naming_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path()).unwrap();
     let setup = setup(0);
-    let c = contribution(&setup, 1, false);
+    let c = contribution(&setup, 1, &Algorithm::FedAvg);
     spool(&store, 1, "a", &c);
     let path = dir.path().join("spool/r1/a.upd");
     let mut bytes = std::fs::read(&path).unwrap();
@@ -265,10 +274,71 @@ fn a_damaged_spool_file_is_a_damaged_read_naming_the_file() {
         round.get("a"),
         Err(ReadError::Damaged { what, .. }) if what.ends_with("a.upd")
     ));
+    assert!(matches!(
+        round.summary("a"),
+        Err(ReadError::Damaged { what, .. }) if what.ends_with("a.upd")
+    ));
     let mut strategy = from_config(&Algorithm::FedAvg, &setup, None).unwrap();
     let mut x = model(&setup);
     let err = strategy
         .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
         .unwrap_err();
     assert!(matches!(err, ReadError::Damaged { .. }), "{err}");
+}
+
+#[test]
+fn fedcd_shares_the_weighted_mask_gradient_and_weighs_deltas_by_rea() {
+    let setup = Setup {
+        tensors: vec![TensorSpec {
+            name: "fc.weight".into(),
+            shape: vec![1, 2],
+            kind: TensorKind::NonBn,
+        }],
+        encoding: Encoding::F32,
+        sites: 0,
+    };
+    let c = |samples, delta: [f32; 2], gradient: [f32; 2], risk| Contribution {
+        samples,
+        report: LocalReport::default(),
+        extras: Extras::MaskGradient {
+            gradient: gradient.to_vec(),
+            risk,
+        },
+        delta: vec![delta.to_vec()],
+        bn: Vec::new(),
+    };
+    let round = InMemory::new(
+        1,
+        Weighting::Samples,
+        [
+            ("a".to_string(), c(1, [1.0, 0.0], [1.0, -2.0], 1.0)),
+            ("b".into(), c(3, [0.0, 4.0], [3.0, 2.0], 3.0)),
+        ],
+    );
+    let run = |rea: bool| {
+        let algorithm = Algorithm::FedCd(FedCdConfig {
+            eta: 0.8,
+            rea,
+            ..FedCdConfig::default()
+        });
+        let mut strategy = from_config(&algorithm, &setup, None).unwrap();
+        let mut x = vec![vec![0.0f32, 0.0]];
+        strategy
+            .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
+            .unwrap();
+        (x, strategy.state())
+    };
+    // g_g = (1 [1, -2] + 3 [3, 2]) / 4 = [2.5, 1].
+    let want = StrategyState::FedCd {
+        gradient: Some(vec![2.5, 1.0]),
+    };
+    // SCI alone: FedAvg's mean, (1 [1, 0] + 3 [0, 4]) / 4 = [0.25, 3].
+    assert_eq!(run(false), (vec![vec![0.25f32, 3.0]], want.clone()));
+    // REA: w = (1, 1/3) / (4/3) = (0.75, 0.25); c = softmax(0.8 w + p) with p = (0.25, 0.75).
+    let (la, lb) = (0.8f64 * 0.75 + 0.25, 0.8f64 * 0.25 + 0.75);
+    let ca = la.exp() / (la.exp() + lb.exp());
+    assert_eq!(rea_weights(&[0.25, 0.75], &[1.0, 3.0], 0.8)[0], ca);
+    let (x, state) = run(true);
+    assert_eq!(state, want);
+    assert_eq!(x, vec![vec![ca as f32, (4.0 * (1.0 - ca)) as f32]]);
 }

@@ -43,6 +43,7 @@ pub mod checkpoint;
 pub mod client;
 pub mod data;
 pub mod error;
+pub mod invariant;
 mod memory;
 pub mod net;
 pub mod objective;

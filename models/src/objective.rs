@@ -10,6 +10,7 @@
 
 use crate::bn::BnPass;
 pub use crate::error::TermError;
+use crate::invariant::Intervener;
 use crate::state::{Select, StateDict, Walker, burn_tensor};
 use crate::zoo::Net;
 use burn::module::{ModuleVisitor, Param, ParamId};
@@ -258,6 +259,9 @@ pub enum Term<N: Net> {
         /// The outer step size.
         beta: f64,
     },
+    /// FedCD's SCI: the site's mask on the representation and the gradient-matching penalty
+    /// (`crate::invariant`).
+    Invariant(Intervener),
 }
 
 /// What a site keeps between rounds that an objective may train against.
@@ -270,6 +274,8 @@ pub struct SiteState<'a, N: Net> {
     /// FedDC's anchor `w_global - h_i`: the starting tensors less the site's local drift
     /// (PyTorch names and layouts).
     pub anchor: Option<&'a StateDict>,
+    /// FedCD's mask, penalty weight and federation mask gradient.
+    pub intervener: Option<Intervener>,
 }
 
 impl<N: Net> Default for SiteState<'_, N> {
@@ -278,6 +284,7 @@ impl<N: Net> Default for SiteState<'_, N> {
             correction: None,
             previous: None,
             anchor: None,
+            intervener: None,
         }
     }
 }
@@ -325,6 +332,12 @@ impl<N: Net> Term<N> {
                 }
             }
             Objective::Meta { alpha, beta } => Term::Meta { alpha, beta },
+            Objective::Invariant { .. } => {
+                Term::Invariant(state.intervener.ok_or(TermError::Missing {
+                    algorithm: "FedCD",
+                    what: "the site's mask",
+                })?)
+            }
             Objective::Contrastive { mu: 0.0, .. } => Term::None,
             Objective::Contrastive { mu, temperature } => match state.previous {
                 // The paper's code: with no previous model the only logit is the positive
@@ -343,7 +356,7 @@ impl<N: Net> Term<N> {
     /// Adjusts one step's gradients of `net`.
     pub fn apply(&self, net: &N, grads: &mut GradientsParams) {
         match self {
-            Term::None | Term::Contrastive(_) | Term::Meta { .. } => {}
+            Term::None | Term::Contrastive(_) | Term::Meta { .. } | Term::Invariant(_) => {}
             Term::Proximal { mu, reference } => add_proximal(net, grads, reference, *mu),
             Term::Control { correction } => add_correction(net, grads, correction),
             Term::Drift {
@@ -361,6 +374,14 @@ impl<N: Net> Term<N> {
     pub fn contrast(&self) -> Option<&Contrast<N>> {
         match self {
             Term::Contrastive(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// FedCD's SCI, if the term is it: training masks the representation and adds its penalty.
+    pub fn intervener(&self) -> Option<&Intervener> {
+        match self {
+            Term::Invariant(i) => Some(i),
             _ => None,
         }
     }

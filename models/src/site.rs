@@ -3,7 +3,7 @@
 //! locally and encodes its update envelope. The agent service and the in-process runner share it.
 
 use crate::backend::Device;
-use crate::client::{After, Before, Versioned, for_plan};
+use crate::client::{After, Before, for_plan};
 use crate::data::Dataset;
 pub use crate::error::SiteError;
 use crate::error::StateError;
@@ -14,7 +14,7 @@ use crate::state::{
     NamedTensor, Select, StateDict, export, export_layout, import, import_into, stand_in, subtract,
 };
 use crate::train::{
-    EVAL_BATCH, EvalReport, TrainConfig, TrainEvent, evaluate, train_objective, train_owned,
+    EVAL_BATCH, EvalReport, TrainConfig, TrainEvent, evaluate_masked, train_objective, train_owned,
 };
 use crate::update::UpdateError;
 pub use crate::update::encoding_for;
@@ -26,8 +26,7 @@ use unifed_protocol::encoding::{EncodedTensor, EncodedTensorRef, Encoding, Value
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
-    BnPolicy, Download, LocalReport, ModelDelta, RoundManifest, RoundPlan, ServerExtras,
-    SiteExtras, SiteUpdate,
+    BnPolicy, Download, LocalReport, ModelDelta, RoundManifest, RoundPlan, SiteExtras, SiteUpdate,
 };
 
 /// What a round's training reports to the aggregator: its local steps and last epoch's loss.
@@ -103,6 +102,7 @@ fn file_kept(k: &mut Kept, path: Option<std::path::PathBuf>) -> Result<(), SiteE
 /// Refuses a memory with a tensor whose name or length the spec does not know, naming it (a
 /// residual may be empty: nothing left behind).
 fn check_memory(m: &Memory<Kept>, spec: &ModelSpec) -> Result<(), SiteError> {
+    crate::client::fedcd::check(&m.algorithm, spec)?;
     let fits = |name: &str, len: usize, may_be_empty: bool| {
         spec.tensors
             .iter()
@@ -272,7 +272,9 @@ impl<N: Net> Site<N> {
         download: &Download<B>,
     ) -> Result<(), SiteError> {
         let select = select_for(m.bn_policy);
-        let control = self.control_of(spec, select, m, download)?;
+        let client = for_plan::<N>(&m.plan.objective);
+        let received =
+            client.received(spec, select, m, download.model_version(), download.extras())?;
         // Under a lossy encoding the site keeps what it applied for the next delta (in a file
         // when it parks, written as the model is).
         let lossy = !m.encoding.is_exact();
@@ -322,8 +324,8 @@ impl<N: Net> Site<N> {
             }
         }
         let algorithm = std::mem::take(&mut self.memory.algorithm);
-        self.memory.algorithm = for_plan::<N>(&m.plan.objective).adopt(algorithm);
-        self.memory.algorithm.set_server_control(control);
+        self.memory.algorithm = client.adopt(algorithm);
+        self.memory.algorithm.set_server(received);
         Ok(())
     }
 
@@ -407,44 +409,6 @@ impl<N: Net> Site<N> {
         Ok(sd)
     }
 
-    /// The server control variate the download carries, checked against the round's plan.
-    fn control_of<B: AsRef<[u8]>>(
-        &self,
-        spec: &ModelSpec,
-        select: Select,
-        m: &RoundManifest,
-        download: &Download<B>,
-    ) -> Result<Option<Versioned>, SiteError> {
-        match (&m.plan.objective, download.extras()) {
-            (o, ServerExtras::Control(tensors)) if o.uses_control() => {
-                let c = crate::state::from_encoded(spec, tensors)?;
-                let want = crate::client::scaffold::covered(spec, select);
-                let got: Vec<&str> = c.tensors.iter().map(|t| t.name.as_str()).collect();
-                if want != got {
-                    return Err(SiteError::Plan {
-                        round: m.round,
-                        message: "the server control variate does not cover the averaged \
-                                  trainable tensors in spec order"
-                            .into(),
-                    });
-                }
-                Ok(Some((
-                    download.model_version(),
-                    c.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
-                )))
-            }
-            (o, _) if o.uses_control() => Err(SiteError::Plan {
-                round: m.round,
-                message: "no server control variate beside the model".into(),
-            }),
-            (_, ServerExtras::None) => Ok(None),
-            (_, ServerExtras::Control(_)) => Err(SiteError::Plan {
-                round: m.round,
-                message: "a control variate the plan does not ask for".into(),
-            }),
-        }
-    }
-
     /// Trains locally for the round that `m` announces, from the current model, with the
     /// round's plan and the federation's policies, and returns the encoded update envelope.
     /// `tc.seed` is the site's seed; the round's is [`round_seed`]. Under `local` BN the update
@@ -490,6 +454,7 @@ impl<N: Net> Site<N> {
             delta: &d,
             steps: rep.steps,
             lr: tc.lr / (1.0 - tc.momentum),
+            report: &rep,
             manifest: m,
             state: &self.memory.algorithm,
         })?;
@@ -975,6 +940,14 @@ impl<N: Net> Site<N> {
         let client = for_plan::<N>(&plan.objective);
         let personal = client.personalise(net, &self.train, classes, tc, device)?;
         let net = personal.as_ref().unwrap_or(net);
-        Ok(evaluate(net, data, classes, EVAL_BATCH, device)?)
+        let mask = client.representation_mask(&self.memory.algorithm);
+        Ok(evaluate_masked(
+            net,
+            data,
+            classes,
+            EVAL_BATCH,
+            device,
+            mask.as_deref(),
+        )?)
     }
 }

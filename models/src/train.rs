@@ -6,6 +6,7 @@
 use crate::bn::{BnPass, StreamConfig, StreamEstimator};
 use crate::data::Dataset;
 use crate::error::{BnError, TrainError};
+use crate::invariant::{MaskOutcome, MaskRun};
 use crate::objective::Term;
 use crate::zoo::Net;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -90,6 +91,9 @@ pub struct TrainReport {
     pub samples: usize,
     /// Optimiser steps taken.
     pub steps: usize,
+    /// FedCD's trained mask, mask gradient and risk, when the run trained under SCI.
+    #[serde(default)]
+    pub mask: Option<MaskOutcome>,
 }
 
 /// Progress events for a progress bar.
@@ -331,7 +335,9 @@ fn run_epochs<N: Net>(
         epoch_losses: Vec::new(),
         samples: 0,
         steps: 0,
+        mask: None,
     };
+    let mut sci = term.intervener().map(|i| i.start(&ad));
     let mut order: Vec<usize> = (0..data.len()).collect();
     for epoch in 0..cfg.epochs {
         shuffle_epoch(&mut order, cfg.seed, epoch);
@@ -356,14 +362,28 @@ fn run_epochs<N: Net>(
             let (x, y) = batch_tensors(data, first, &ad);
             let mut pass = BnPass::standard();
             let z = model.features(x.clone(), &mut pass);
-            let loss = loss_fn.forward(model.head(z.clone()), y);
+            // FedCD's mask, a leaf of this step's graph, scales the representation.
+            let leaf = sci.as_ref().map(|s| s.leaf());
+            let logits = match &leaf {
+                Some(m) => model.head(z.clone() * m.clone()),
+                None => model.head(z.clone()),
+            };
+            let loss = loss_fn.forward(logits.clone(), y.clone());
             // The reported loss is the cross-entropy alone, comparable across objectives.
             losses.push(&loss, first.len());
             let loss = match term.contrast() {
-                Some(c) => loss + c.loss(z, &x),
+                Some(c) => loss + c.loss(z.clone(), &x),
                 None => loss,
             };
-            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            let loss = match &mut sci {
+                Some(s) => s.loss(&model, z, logits, y, loss),
+                None => loss,
+            };
+            let raw = loss.backward();
+            if let (Some(s), Some(leaf)) = (&mut sci, &leaf) {
+                s.step(leaf, &raw, cfg.lr);
+            }
+            let mut grads = GradientsParams::from_grads(raw, &model);
             term.apply(&model, &mut grads);
             model = match term.meta() {
                 None => optim.step(cfg.lr, model, grads),
@@ -398,6 +418,7 @@ fn run_epochs<N: Net>(
             break;
         }
     }
+    report.mask = sci.map(MaskRun::finish);
     (model, Ok(report))
 }
 
@@ -415,14 +436,42 @@ pub fn evaluate<N: Net>(
     batch_size: usize,
     device: &Device,
 ) -> Result<EvalReport, TrainError> {
+    evaluate_masked(net, data, classes, batch_size, device, None)
+}
+
+/// [`evaluate`] with the representation scaled by `mask` before the head (FedCD's), one value
+/// per input of the classifier; `None`: unmasked. A mask of another width is an error.
+pub fn evaluate_masked<N: Net>(
+    net: &N,
+    data: &Dataset,
+    classes: usize,
+    batch_size: usize,
+    device: &Device,
+    mask: Option<&[f32]>,
+) -> Result<EvalReport, TrainError> {
     check_data(net, data, classes)?;
     let net = net.valid();
     let device = device.clone().without_autodiff();
+    let mask =
+        mask.map(|m| Tensor::<2>::from_data(TensorData::new(m.to_vec(), [1, m.len()]), &device));
     let idx: Vec<usize> = (0..data.len()).collect();
     let mut scores = Scores::default();
     for chunk in idx.chunks(batch_size.max(1)) {
         let (x, y) = batch_tensors(data, chunk, &device);
-        let logits = net.forward(x, &mut BnPass::standard());
+        let logits = match &mask {
+            None => net.forward(x, &mut BnPass::standard()),
+            Some(m) => {
+                let h = net.features(x, &mut BnPass::standard());
+                if h.dims()[1] != m.dims()[1] {
+                    return Err(TrainError::BadConfig(format!(
+                        "a mask of {} values for a representation of {}",
+                        m.dims()[1],
+                        h.dims()[1]
+                    )));
+                }
+                net.head(h * m.clone())
+            }
+        };
         scores.push(logits, y, chunk.len());
     }
     Ok(scores.report())

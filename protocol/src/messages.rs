@@ -140,6 +140,18 @@ pub enum Objective {
         /// The outer (meta) step size.
         beta: f64,
     },
+    /// FedCD's SCI (Spurious Correlation Intervener): the site scales the representation in
+    /// front of its linear classifier by a mask of its own (initialised to ones, trained with
+    /// the model, never sent), and adds `lambda ||g_e - g_g||^2`, where `g_e` is the gradient of
+    /// the batch's cross-entropy with respect to the mask (in closed form, inside the graph) and
+    /// `g_g` the federation's mean of the sites' mask gradients (in the round's
+    /// [`ServerExtras::MaskGradient`]; none before the first round closes, when the site trains
+    /// on cross-entropy alone). The update carries the site's round-mean `g_e` and its training
+    /// risk in [`SiteExtras::MaskGradient`].
+    Invariant {
+        /// The weight `lambda` of the gradient-matching penalty (FedCD's grid: 0.5 to 1.0).
+        lambda: f64,
+    },
 }
 
 impl Objective {
@@ -167,6 +179,8 @@ impl Objective {
                 Err(ObjectiveError::MetaBeta(beta))
             }
             Objective::Meta { .. } => Ok(()),
+            Objective::Invariant { lambda } if lambda.is_finite() && lambda >= 0.0 => Ok(()),
+            Objective::Invariant { lambda } => Err(ObjectiveError::InvariantLambda(lambda)),
         }
     }
 
@@ -200,6 +214,9 @@ pub enum ObjectiveError {
     /// Per-FedAvg's outer step `beta` is not positive or not finite.
     #[error("Per-FedAvg beta must be positive and finite, got {0}")]
     MetaBeta(f64),
+    /// FedCD's `lambda` is negative or not finite.
+    #[error("FedCD lambda must be finite and non-negative, got {0}")]
+    InvariantLambda(f64),
 }
 
 impl From<ObjectiveError> for String {
@@ -237,6 +254,15 @@ pub enum SiteExtras {
     /// SCAFFOLD: the change of the site's control variate, `c_i+ - c_i`, one tensor per
     /// trainable averaged tensor (BN running statistics never), in the federation's encoding.
     Control(Vec<EncodedTensor>),
+    /// FedCD: the gradient of the site's cross-entropy with respect to its mask (one value per
+    /// input of the linear classifier), averaged over the round's samples, and its training
+    /// risk `R_e`, the mean over those samples of its whole local loss (penalty included).
+    MaskGradient {
+        /// The round-mean mask gradient `g_e`, exact.
+        gradient: Vec<f32>,
+        /// The training risk `R_e`.
+        risk: f64,
+    },
 }
 
 /// Algorithm tensors the server sends beside the model. One variant per algorithm that needs
@@ -250,6 +276,9 @@ pub enum ServerExtras {
     /// SCAFFOLD: the server control variate `c` of the model version, one tensor per trainable
     /// averaged tensor (BN running statistics never), in exact f32.
     Control(Vec<EncodedTensor>),
+    /// FedCD: the mean of the sites' mask gradients of the round that made the model,
+    /// `g_g = sum_e p_e g_e`, one value per input of the linear classifier, exact.
+    MaskGradient(Vec<f32>),
 }
 
 /// The small retained message that announces the current round and model.
@@ -822,5 +851,13 @@ mod tests {
             err.to_string(),
             "Per-FedAvg beta must be positive and finite, got -1"
         );
+        let sci = |lambda| Objective::Invariant { lambda }.validate();
+        assert_eq!(sci(0.7), Ok(()));
+        assert_eq!(sci(0.0), Ok(()));
+        assert!(matches!(sci(-0.5), Err(ObjectiveError::InvariantLambda(l)) if l == -0.5));
+        assert!(matches!(
+            sci(f64::NAN),
+            Err(ObjectiveError::InvariantLambda(_))
+        ));
     }
 }

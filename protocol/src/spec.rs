@@ -174,7 +174,23 @@ pub enum SpecError {
     DuplicateClass(String),
 }
 
+/// The width of the representation the linear classifier reads: the input dimension of the
+/// last linear weight among `tensors` (PyTorch layout `[classes, width]`; every model of the
+/// zoo ends in one linear layer). `None` when there is none.
+pub fn head_width(tensors: &[TensorSpec]) -> Option<usize> {
+    tensors
+        .iter()
+        .rev()
+        .find(|t| t.kind == TensorKind::NonBn && t.shape.len() == 2)
+        .map(|t| t.shape[1])
+}
+
 impl ModelSpec {
+    /// The width of the representation the linear classifier reads ([`head_width`]).
+    pub fn head_width(&self) -> Option<usize> {
+        head_width(&self.tensors)
+    }
+
     /// The stable hash: SHA-256 over a length-prefixed canonical encoding of every field, so
     /// it does not depend on serde or on the Rust version.
     pub fn hash(&self) -> SpecHash {

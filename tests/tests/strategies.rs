@@ -1,7 +1,7 @@
 //! Stateful strategies over MQTT with the real binaries: a FedAdam federation (server moments),
 //! a SCAFFOLD federation (control variates both ways), a MOON federation (each site's previous
-//! local model) and a FedDC federation (variates, each site's drift, the server's drift sum),
-//! each run once uninterrupted and once with an agent killed (SIGKILL) while it trains and the
+//! local model), a FedDC federation (variates, each site's drift, the server's drift sum) and a
+//! FedCD federation (each site's mask, the federation's mask gradient), each run once uninterrupted and once with an agent killed (SIGKILL) while it trains and the
 //! aggregator killed with a round half collected. Both must end bit-identical: the global
 //! model, the server's stored strategy state, and every site's model (BN included) and memory. The uninterrupted run
 //! must also equal the in-process run of the same federation.
@@ -288,4 +288,43 @@ fn feddc_with_global_bn_killed_agent_and_aggregator_ends_bit_identical() {
         assert!(!drift.keys().any(|k| k.contains("running")));
         assert!(!controls.control.is_empty());
     }
+}
+
+#[test]
+fn fedcd_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
+    let want = uninterrupted(Algorithm::named("fedcd").unwrap(), BnPolicy::Local);
+    let got = disturbed(Algorithm::named("fedcd").unwrap(), BnPolicy::Local);
+    assert!(got.model == want.model, "the global model differs");
+    assert!(
+        got.strategy == want.strategy,
+        "the server's mask gradient differs"
+    );
+    assert!(
+        got.sites == want.sites,
+        "a site's model, mask or federation mask gradient differs"
+    );
+    // Every site holds a trained mask of the classifier's width, its own, and the federation's
+    // mask gradient of the final model.
+    // The classifier is the last linear layer: its weight holds classes x width values.
+    let n = want.tensors.len();
+    let (weight, bias) = (&want.model[n - 2], &want.model[n - 1]);
+    assert!(want.tensors[n - 2].0.ends_with("weight") && !want.tensors[n - 2].1);
+    let width = weight.len() / bias.len();
+    let mut masks = Vec::new();
+    for (_, m) in &want.sites {
+        let ClientState::FedCd { mask, server } = &m.algorithm else {
+            panic!("a site's state is {:?}", m.algorithm);
+        };
+        let mask = mask.as_ref().expect("no trained mask");
+        assert_eq!(mask.len(), width);
+        assert!(mask.iter().any(|&v| v != 1.0));
+        let (version, g) = server.as_ref().expect("no federation mask gradient");
+        assert_eq!(*version, 3);
+        assert_eq!(g.values().next().map(Vec::len), Some(width));
+        masks.push(mask.clone());
+    }
+    assert!(
+        masks[0] != masks[1] && masks[1] != masks[2],
+        "the masks are shared"
+    );
 }

@@ -29,6 +29,7 @@
 //! control variate: they are averaged (FedOpt's NaN in peers came from Adam on variances).
 
 mod fedavg;
+mod fedcd;
 mod feddc;
 mod fednova;
 mod fedopt;
@@ -36,6 +37,7 @@ mod round;
 mod scaffold;
 
 pub use fedavg::{FedAvg, MoonConfig, PerFedAvgConfig};
+pub use fedcd::{FedCd, FedCdConfig, rea_weights};
 pub use feddc::{FedDc, FedDcConfig};
 pub use fednova::{FedNova, FedNovaConfig};
 pub use fedopt::{FedOpt, FedOptConfig, Rule};
@@ -161,6 +163,9 @@ pub enum Algorithm {
     /// Per-FedAvg, first order: FedAvg's mean of sites trained by meta-steps, each site
     /// personalising the model by one step before it evaluates (Fallah et al.).
     PerFedAvg(PerFedAvgConfig),
+    /// FedCD: sites mask their representation and match their mask gradient to the
+    /// federation's (SCI); the server weighs sites by their risks (REA) (Chen et al.).
+    FedCd(FedCdConfig),
 }
 
 impl Algorithm {
@@ -177,6 +182,7 @@ impl Algorithm {
             Algorithm::Moon(c) => Ok(c.objective().validate()?),
             Algorithm::FedDc(c) => c.validate(),
             Algorithm::PerFedAvg(c) => Ok(c.objective().validate()?),
+            Algorithm::FedCd(c) => c.validate(),
         }
     }
 
@@ -193,13 +199,14 @@ impl Algorithm {
             Algorithm::Moon(_) => "moon",
             Algorithm::FedDc(_) => "feddc",
             Algorithm::PerFedAvg(_) => "perfedavg",
+            Algorithm::FedCd(_) => "fedcd",
         }
     }
 
     /// Every algorithm with its default parameters (FedProx's `mu` at FedBN's digits setting,
     /// 0.01), in the order tables list them: the one list of algorithms names, config
     /// spellings and labels come from.
-    pub fn all() -> [Algorithm; 10] {
+    pub fn all() -> [Algorithm; 11] {
         [
             Algorithm::FedAvg,
             Algorithm::FedProx { mu: 0.01 },
@@ -211,6 +218,7 @@ impl Algorithm {
             Algorithm::Moon(MoonConfig::default()),
             Algorithm::FedDc(FedDcConfig::default()),
             Algorithm::PerFedAvg(PerFedAvgConfig::default()),
+            Algorithm::FedCd(FedCdConfig::default()),
         ]
     }
 
@@ -242,6 +250,8 @@ impl Algorithm {
             Algorithm::Moon(_) => "MOON",
             Algorithm::FedDc(_) => "FedDC",
             Algorithm::PerFedAvg(_) => "Per-FedAvg",
+            Algorithm::FedCd(c) if c.rea => "FedCD-SCI+REA",
+            Algorithm::FedCd(_) => "FedCD-SCI",
         }
     }
 
@@ -293,6 +303,12 @@ pub enum StrategyState {
         /// `H`, the sum of every site's drift `h_i`.
         drift: Vec<Vec<f32>>,
     },
+    /// FedCD's: the federation's mask gradient of the model version, one value per input of
+    /// the classifier (none before a round closed).
+    FedCd {
+        /// `g_g`, the sample-weighted mean of the round's mask gradients.
+        gradient: Option<Vec<f32>>,
+    },
 }
 
 impl StrategyState {
@@ -318,6 +334,7 @@ impl StrategyState {
                 finite("server control variate", c)?;
                 finite("drift sum", drift)
             }
+            StrategyState::FedCd { gradient } => finite("mask gradient", gradient.as_slice()),
         }
     }
 
@@ -328,6 +345,7 @@ impl StrategyState {
             StrategyState::FedOpt { .. } => "FedOpt moments",
             StrategyState::Scaffold { .. } => "SCAFFOLD control variate",
             StrategyState::FedDc { .. } => "FedDC control variate and drift",
+            StrategyState::FedCd { .. } => "FedCD mask gradient",
         }
     }
 }
@@ -455,6 +473,9 @@ pub fn from_config(
         (Algorithm::FedDc(c), s @ (None | Some(StrategyState::FedDc { .. }))) => {
             Ok(Box::new(FedDc::new(*c, setup, s)?))
         }
+        (Algorithm::FedCd(c), s @ (None | Some(StrategyState::FedCd { .. }))) => {
+            Ok(Box::new(FedCd::new(*c, setup, s)?))
+        }
         (_, Some(s)) => mismatch(&s),
     }
 }
@@ -465,6 +486,9 @@ pub(crate) fn no_extras(update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReas
         SiteExtras::None => Ok(Extras::None),
         SiteExtras::Control(_) => Err(RejectReason::UnexpectedExtras(
             "a control variate, which this federation's algorithm does not use".into(),
+        )),
+        SiteExtras::MaskGradient { .. } => Err(RejectReason::UnexpectedExtras(
+            "a mask gradient, which this federation's algorithm does not use".into(),
         )),
     }
 }
@@ -680,7 +704,7 @@ mod tests {
         let err = Algorithm::named("fedsgd").unwrap_err();
         assert!(
             matches!(&err, StrategyError::Unknown { name, known }
-                if name == "fedsgd" && known.ends_with("perfedavg")),
+                if name == "fedsgd" && known.ends_with("perfedavg, fedcd")),
             "{err}"
         );
     }

@@ -37,6 +37,13 @@ pub enum Extras {
     None,
     /// SCAFFOLD's change of the site's control variate, in [`super::Setup::trainable`] order.
     Control(Vec<Vec<f32>>),
+    /// FedCD's round-mean mask gradient and training risk.
+    MaskGradient {
+        /// The mask gradient `g_e`.
+        gradient: Vec<f32>,
+        /// The training risk `R_e`.
+        risk: f64,
+    },
 }
 
 /// One site's accepted contribution to a round.
@@ -91,6 +98,15 @@ pub trait Contributions: Sync {
 
     /// The contribution of `site` (one of [`Contributions::sites`]).
     fn get(&self, site: &str) -> Result<Contribution, ReadError>;
+
+    /// The contribution of `site` without its delta (`delta` empty), checked as
+    /// [`Contributions::get`] checks it: what a rule that weighs sites by their reports or
+    /// extras reads first, without holding a model-sized delta.
+    fn summary(&self, site: &str) -> Result<Contribution, ReadError> {
+        let mut c = self.get(site)?;
+        c.delta = Vec::new();
+        Ok(c)
+    }
 
     /// The weighted mean of the contributions' deltas handed to `each(target, mean)` a block of
     /// values at a time, with the part of `targets` (one slice per delta tensor, as long as it)

@@ -229,9 +229,11 @@ impl Strategy for Scaffold {
                 }
                 Ok(Extras::Control(dc))
             }
-            SiteExtras::None => Err(RejectReason::UnexpectedExtras(
-                "no control variate, which this algorithm's rounds need".into(),
-            )),
+            SiteExtras::None | SiteExtras::MaskGradient { .. } => {
+                Err(RejectReason::UnexpectedExtras(
+                    "no control variate, which this algorithm's rounds need".into(),
+                ))
+            }
         }
     }
 

@@ -3,13 +3,13 @@
 //! correction and the anchor `w - h_i` built here); the drift advances by the update's delta
 //! as the server decodes it, once the update is accepted.
 
-use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, scaffold};
+use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Versioned, scaffold};
 use crate::error::SiteError;
-use crate::state::{StateDict, export};
+use crate::state::{Select, StateDict, export};
 use crate::zoo::Net;
 use unifed_protocol::ModelSpec;
 use unifed_protocol::encoding::{EncodedTensorRef, decode};
-use unifed_protocol::messages::SiteExtras;
+use unifed_protocol::messages::{RoundManifest, ServerExtras, SiteExtras};
 
 /// FedDC's client.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +28,17 @@ impl<N: Net> ClientAlgorithm<N> for FedDc {
                 drift: Default::default(),
             },
         }
+    }
+
+    fn received(
+        &self,
+        spec: &ModelSpec,
+        select: Select,
+        m: &RoundManifest,
+        version: u64,
+        extras: &ServerExtras,
+    ) -> Result<Option<Versioned>, SiteError> {
+        scaffold::received(spec, select, m, version, extras)
     }
 
     fn inputs(&self, before: &Before<'_, N>) -> Result<Inputs<N>, SiteError> {

@@ -12,7 +12,9 @@
 //! | `Contrastive` | [`moon`] | the previous local model |
 //! | `Drift` | [`feddc`] | `c_i`, the server's `c` and the drift `h_i` |
 //! | `Meta` | [`perfedavg`] (personalises before it evaluates) | none |
+//! | `Invariant` | [`fedcd`] (masks its representation) | its mask, the server's mask gradient |
 
+pub mod fedcd;
 pub mod feddc;
 pub mod moon;
 pub mod perfedavg;
@@ -22,15 +24,16 @@ pub mod scaffold;
 use crate::backend::Device;
 use crate::data::Dataset;
 use crate::error::SiteError;
+use crate::invariant::Intervener;
 use crate::objective::SiteState;
 use crate::state::{Select, StateDict};
-use crate::train::TrainConfig;
+use crate::train::{TrainConfig, TrainReport};
 use crate::zoo::Net;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use unifed_protocol::ModelSpec;
 use unifed_protocol::encoding::EncodedTensorRef;
-use unifed_protocol::messages::{Objective, RoundManifest, SiteExtras};
+use unifed_protocol::messages::{Objective, RoundManifest, ServerExtras, SiteExtras};
 
 /// Tensors by name.
 pub type Tensors = BTreeMap<String, Vec<f32>>;
@@ -71,6 +74,15 @@ pub enum ClientState {
         /// The local drift `h_i`: the sum of the site's accepted deltas as the server decoded
         /// them, per trainable averaged tensor; absent tensors are zero.
         drift: Tensors,
+    },
+    /// FedCD's mask and the federation's mask gradient.
+    FedCd {
+        /// The site's mask on its representation, as of its last accepted update (`None`:
+        /// all ones, the paper's start).
+        mask: Option<Vec<f32>>,
+        /// The federation's mask gradient `g_g` that came with the model version applied last,
+        /// and that version (no tensor: none came, before the first round closed).
+        server: Option<Versioned>,
     },
 }
 
@@ -126,25 +138,34 @@ impl ClientState {
         }
     }
 
-    /// Sets the server's control variate of the model just applied (`None`: the plan uses
-    /// none), where the state keeps one.
-    pub(crate) fn set_server_control(&mut self, server: Option<Versioned>) {
-        if let Some(c) = self.controls_mut() {
-            c.server = server;
+    /// What the server sent beside the model applied last, where the state keeps it.
+    fn server_mut(&mut self) -> Option<&mut Option<Versioned>> {
+        match self {
+            ClientState::FedCd { server, .. } => Some(server),
+            other => other.controls_mut().map(|c| &mut c.server),
         }
     }
 
-    /// Takes what an accepted update advanced (`next`), keeping the server's control variate
-    /// applied last (a newer model may have come since the update was made).
+    /// Sets what the server sent beside the model just applied ([`ClientAlgorithm::received`]:
+    /// SCAFFOLD's control variate, FedCD's mask gradient), where the state keeps it.
+    pub(crate) fn set_server(&mut self, received: Option<Versioned>) {
+        if let Some(s) = self.server_mut() {
+            *s = received;
+        }
+    }
+
+    /// Takes what an accepted update advanced (`next`), keeping what the server sent beside
+    /// the model applied last (a newer model may have come since the update was made).
     pub(crate) fn accept(&mut self, mut next: ClientState) {
-        let server = self.controls_mut().and_then(|c| c.server.take());
-        if let Some(c) = next.controls_mut() {
-            c.server = server;
+        let server = self.server_mut().and_then(Option::take);
+        if let Some(s) = next.server_mut() {
+            *s = server;
         }
         *self = next;
     }
 
-    /// Every tensor it holds, by name, in one fixed order (for checks).
+    /// Every model tensor it holds, by name, in one fixed order (for checks against the spec;
+    /// FedCD's vectors, of the head's width, are checked by [`fedcd::check`]).
     pub(crate) fn tensors(&self) -> impl Iterator<Item = (&String, &Vec<f32>)> {
         let controls = self.controls();
         controls
@@ -169,6 +190,10 @@ impl ClientState {
             ClientState::FedDc { controls: c, drift } => {
                 Box::new(controls(c).chain(drift.values_mut()))
             }
+            ClientState::FedCd { mask, server } => Box::new(
+                mask.iter_mut()
+                    .chain(server.iter_mut().flat_map(|(_, s)| s.values_mut())),
+            ),
         }
     }
 }
@@ -195,6 +220,8 @@ pub struct Inputs<N: Net> {
     pub previous: Option<N>,
     /// FedDC's anchor `w - h_i`.
     pub anchor: Option<StateDict>,
+    /// FedCD's mask and the federation's mask gradient.
+    pub intervener: Option<Intervener>,
 }
 
 impl<N: Net> Default for Inputs<N> {
@@ -203,6 +230,7 @@ impl<N: Net> Default for Inputs<N> {
             correction: None,
             previous: None,
             anchor: None,
+            intervener: None,
         }
     }
 }
@@ -214,6 +242,7 @@ impl<N: Net> Inputs<N> {
             correction: self.correction.as_ref(),
             previous: self.previous.take(),
             anchor: self.anchor.as_ref(),
+            intervener: self.intervener.take(),
         }
     }
 }
@@ -230,6 +259,8 @@ pub struct After<'a, N: Net> {
     pub steps: usize,
     /// The effective learning rate of a step (`lr / (1 - momentum)`).
     pub lr: f64,
+    /// Training's report (FedCD's trained mask, mask gradient and risk are in it).
+    pub report: &'a TrainReport,
     /// The round.
     pub manifest: &'a RoundManifest,
     /// The algorithm's state as the round started.
@@ -243,6 +274,27 @@ pub trait ClientAlgorithm<N: Net> {
     /// shares with another algorithm's taken over (FedDC takes SCAFFOLD's variates), anything
     /// else started afresh.
     fn adopt(&self, held: ClientState) -> ClientState;
+
+    /// Checks what the server sent beside model `version` (the download's extras) against the
+    /// round's plan, before the site applies anything, and returns what the state keeps of it
+    /// ([`ClientState::set_server`]). Extras the algorithm does not use are
+    /// [`SiteError::Plan`].
+    fn received(
+        &self,
+        _spec: &ModelSpec,
+        _select: Select,
+        m: &RoundManifest,
+        _version: u64,
+        extras: &ServerExtras,
+    ) -> Result<Option<Versioned>, SiteError> {
+        match extras {
+            ServerExtras::None => Ok(None),
+            _ => Err(SiteError::Plan {
+                round: m.round,
+                message: "algorithm tensors beside the model that the plan does not ask for".into(),
+            }),
+        }
+    }
 
     /// What the objective's term needs from the state before training (a missing part the
     /// round needs is [`SiteError::Plan`]).
@@ -271,6 +323,12 @@ pub trait ClientAlgorithm<N: Net> {
         Ok(())
     }
 
+    /// The per-feature scale the site applies to its representation before the head, in
+    /// training and evaluation alike (FedCD's mask); `None`: none.
+    fn representation_mask(&self, _state: &ClientState) -> Option<Vec<f32>> {
+        None
+    }
+
     /// The model the site evaluates in place of `net`, when the algorithm personalises it
     /// first (Per-FedAvg); `None`: `net` itself.
     fn personalise(
@@ -293,6 +351,7 @@ pub fn for_plan<N: Net>(objective: &Objective) -> Box<dyn ClientAlgorithm<N>> {
         Objective::Contrastive { .. } => Box::new(moon::Moon),
         Objective::Drift { .. } => Box::new(feddc::FedDc),
         Objective::Meta { alpha, .. } => Box::new(perfedavg::PerFedAvg { alpha }),
+        Objective::Invariant { lambda } => Box::new(fedcd::FedCd { lambda }),
     }
 }
 

@@ -4,14 +4,14 @@
 //! under lossy encodings and re-sends. The state is `c_i` and the server's `c` of the model
 //! version applied last (it comes beside the model).
 
-use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Tensors};
+use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Tensors, Versioned};
 use crate::error::SiteError;
 use crate::state::{NamedTensor, Select, StateDict};
 use crate::update::encoding_for;
 use crate::zoo::Net;
 use unifed_protocol::ModelSpec;
 use unifed_protocol::encoding::{EncodedTensor, decode};
-use unifed_protocol::messages::{RoundManifest, SiteExtras};
+use unifed_protocol::messages::{RoundManifest, ServerExtras, SiteExtras};
 
 /// SCAFFOLD's client.
 #[derive(Debug, Clone, Copy)]
@@ -25,6 +25,17 @@ impl<N: Net> ClientAlgorithm<N> for Scaffold {
             }
             _ => ClientState::Scaffold(Controls::default()),
         }
+    }
+
+    fn received(
+        &self,
+        spec: &ModelSpec,
+        select: Select,
+        m: &RoundManifest,
+        version: u64,
+        extras: &ServerExtras,
+    ) -> Result<Option<Versioned>, SiteError> {
+        received(spec, select, m, version, extras)
     }
 
     fn inputs(&self, before: &Before<'_, N>) -> Result<Inputs<N>, SiteError> {
@@ -42,6 +53,36 @@ impl<N: Net> ClientAlgorithm<N> for Scaffold {
         let (extras, controls) = advance(after)?;
         Ok((extras, ClientState::Scaffold(controls)))
     }
+}
+
+/// The server control variate beside model `version`, checked: it must come, and cover the
+/// averaged trainable tensors of `spec` in spec order.
+pub(crate) fn received(
+    spec: &ModelSpec,
+    select: Select,
+    m: &RoundManifest,
+    version: u64,
+    extras: &ServerExtras,
+) -> Result<Option<Versioned>, SiteError> {
+    let plan = |message: &str| SiteError::Plan {
+        round: m.round,
+        message: message.into(),
+    };
+    let ServerExtras::Control(tensors) = extras else {
+        return Err(plan("no server control variate beside the model"));
+    };
+    let c = crate::state::from_encoded(spec, tensors)?;
+    let got: Vec<&str> = c.tensors.iter().map(|t| t.name.as_str()).collect();
+    if covered(spec, select) != got {
+        return Err(plan(
+            "the server control variate does not cover the averaged trainable tensors in spec \
+             order",
+        ));
+    }
+    Ok(Some((
+        version,
+        c.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
+    )))
 }
 
 /// The server control variate `c` of the manifest's model version, from `controls`.
