@@ -19,7 +19,7 @@
 //! `<out>/charts/`. Label skew (`data = { dirichlet = ... }`, with `fraction` of the sites
 //! sampled per round) runs the same way.
 
-use crate::{OnRound, RoundRecord, Site, Sites, initial_model, run_federation};
+use crate::{RoundRecord, Site, Sites, initial_model, run_federation};
 use anyhow::{Context, Result, bail};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -32,6 +32,7 @@ use unifed_models::backend::Backend;
 use unifed_models::bn::{CalibrateConfig, StreamConfig};
 use unifed_models::calibrate::calibrate;
 use unifed_models::checkpoint::write_atomic;
+use unifed_models::client::ClientState;
 use unifed_models::data::{BuiltinData, SplitSizes};
 use unifed_models::state::{Select, export, import};
 use unifed_models::train::{EVAL_BATCH, TrainConfig, evaluate, evaluate_stream};
@@ -221,6 +222,21 @@ pub struct RunResult {
     /// validation split within the round; empty since (the round's `seconds` include it).
     #[serde(default)]
     pub val_seconds: Vec<f64>,
+    /// Under FedCD, what each round did to its masks and what its sites sent; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fedcd: Vec<FedCdRound>,
+}
+
+/// One FedCD round of a run, per site in the run's site order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FedCdRound {
+    /// Each site's mean absolute mask value after the round (its L1 norm over its width; 1 at
+    /// the start, and for a site that has not trained): FedCD Fig. 3 says it falls.
+    pub mask_l1: Vec<f64>,
+    /// The L2 norm of each site's mask gradient `g_e` in its update (`None`: not sampled).
+    pub gradient_norm: Vec<Option<f64>>,
+    /// Each site's training risk `R_e` in its update (`None`: not sampled).
+    pub risk: Vec<Option<f64>>,
 }
 
 impl RunResult {
@@ -269,10 +285,24 @@ fn run_file(out: &Path, a: &Algorithm, bn: BnPolicy, seed: u64, held: Option<&st
         BnPolicy::Local => "local",
         BnPolicy::Global => "global",
     };
-    let stem = format!("{}-{policy}-seed{seed}", a.name());
+    let stem = format!("{}-{policy}-seed{seed}", algorithm_stem(a));
     match held {
         None => out.join("runs").join(format!("{stem}.json")),
         Some(d) => out.join("runs/external").join(format!("{stem}-{d}.json")),
+    }
+}
+
+/// An algorithm's part of a run's file name: its name, or its label's when the label is not its
+/// defaults' (FedCD-SCI beside FedCD-SCI+REA).
+fn algorithm_stem(a: &Algorithm) -> String {
+    match Algorithm::named(a.name()) {
+        Ok(d) if d.label() == a.label() => a.name().to_string(),
+        _ => a
+            .label()
+            .to_lowercase()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect(),
     }
 }
 
@@ -777,16 +807,29 @@ fn run_one(
         seed,
         ..TrainConfig::default()
     };
+    let mut masks = Masks {
+        fedcd: matches!(algorithm, Algorithm::FedCd(_)),
+        by_version: Default::default(),
+        sent: Default::default(),
+        on_round: |rec: &RoundRecord| {
+            let mean = rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64;
+            on_round(rec.round, mean);
+        },
+    };
     let rounds = run_federation(
         cfg,
         initial_model(&net0, spec),
         Sites::new(&mut sites, &tc, &device)
             .validation(data.iter().map(|d| d.val.clone()).collect()),
-        &mut OnRound(|rec: &RoundRecord| {
-            let mean = rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64;
-            on_round(rec.round, mean);
-        }),
+        &mut masks,
     )?;
+    let fedcd = match masks.fedcd {
+        false => Vec::new(),
+        true => rounds
+            .iter()
+            .map(|r| masks.round(r.round, &sites))
+            .collect(),
+    };
     // Every site evaluates its validation split with its test split, in the round's seconds.
     let val = rounds.iter().map(|r| r.validation.clone()).collect();
     let r = RunResult {
@@ -798,8 +841,82 @@ fn run_one(
         rounds,
         val,
         val_seconds: Vec::new(),
+        fedcd,
     };
     Ok((r, sites))
+}
+
+/// The run's observer: each round's record to `on_round`; under FedCD, the mean absolute value
+/// of each site's mask as it evaluates each model version, and the mask gradient's norm and the
+/// risk of each update.
+struct Masks<F> {
+    fedcd: bool,
+    by_version: std::collections::BTreeMap<u64, std::collections::BTreeMap<String, f64>>,
+    sent: std::collections::BTreeMap<(u64, String), (f64, f64)>,
+    on_round: F,
+}
+
+impl<F> Masks<F> {
+    /// Round `round`'s trace, in the order of `sites`.
+    fn round(&self, round: u64, sites: &[Site<DigitsCnn>]) -> FedCdRound {
+        let masks = self.by_version.get(&round);
+        let sent = |s: &Site<DigitsCnn>| self.sent.get(&(round, s.id.to_string()));
+        FedCdRound {
+            mask_l1: sites
+                .iter()
+                .map(|s| {
+                    masks
+                        .and_then(|m| m.get(s.id.as_str()).copied())
+                        .unwrap_or(1.0)
+                })
+                .collect(),
+            gradient_norm: sites.iter().map(|s| sent(s).map(|x| x.0)).collect(),
+            risk: sites.iter().map(|s| sent(s).map(|x| x.1)).collect(),
+        }
+    }
+}
+
+impl<F: FnMut(&RoundRecord)> crate::Observer<DigitsCnn> for Masks<F> {
+    fn evaluated(&mut self, site: &Site<DigitsCnn>, e: &crate::Evaluation) {
+        if !self.fedcd {
+            return;
+        }
+        let Ok(memory) = site.memory() else { return };
+        if let ClientState::FedCd { mask: Some(m), .. } = memory.algorithm {
+            let l1 = m.iter().map(|v| v.abs() as f64).sum::<f64>() / m.len().max(1) as f64;
+            self.by_version
+                .entry(e.version)
+                .or_default()
+                .insert(site.id.to_string(), l1);
+        }
+    }
+
+    fn message(&mut self, o: crate::Observed<'_>) {
+        use unifed_protocol::messages::{SiteExtras, SiteUpdateRef};
+        let crate::Observed::Update { site, bytes } = o else {
+            return;
+        };
+        if !self.fedcd {
+            return;
+        }
+        let Ok(envelope) = unifed_protocol::EnvelopeRef::read(bytes) else {
+            return;
+        };
+        if let Ok(u) = envelope.payload_as::<SiteUpdateRef>()
+            && let SiteExtras::MaskGradient { gradient, risk } = &u.extras
+        {
+            let norm = gradient
+                .iter()
+                .map(|g| (*g as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            self.sent.insert((u.round, site.to_string()), (norm, *risk));
+        }
+    }
+
+    fn round(&mut self, record: &RoundRecord) {
+        (self.on_round)(record)
+    }
 }
 
 #[cfg(test)]
@@ -837,6 +954,7 @@ mod tests {
             // a: best on validation in round 2; b: rounds 1 and 3 tie, the earliest wins.
             val: vec![vec![0.5, 0.8], vec![0.7, 0.6], vec![0.6, 0.8]],
             val_seconds: vec![],
+            fedcd: vec![],
         };
         assert_eq!(r.best_on_val(), vec![0.30, 0.10]);
         assert_eq!(r.last(), vec![0.90, 0.30]);

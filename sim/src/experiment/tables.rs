@@ -126,6 +126,7 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
         json_methods.push(entry);
     }
     let gains = bn_gains(preset, &methods, &mut md);
+    mask_rows(&methods, &mut md);
     let json = serde_json::json!({
         "experiment": preset.name,
         "preset": preset,
@@ -486,5 +487,51 @@ fn accuracy_rows(
             "per_seed_per_site": per_run,
             "mean_over_sites_per_seed": means,
         });
+    }
+}
+
+/// FedCD's rounds (FedCD Fig. 3's mask): per method whose runs recorded them, the mean over
+/// sites and seeds of each site's mean absolute mask value after each round, and of the norms
+/// of the mask gradients and the risks the sites sent.
+fn mask_rows(methods: &[(Algorithm, BnPolicy, Vec<&RunResult>)], md: &mut String) {
+    type Pick = fn(&super::FedCdRound) -> Vec<f64>;
+    let picks: [(&str, Pick); 3] = [
+        ("mask mean abs", |r| r.mask_l1.clone()),
+        ("mask gradient norm", |r| {
+            r.gradient_norm.iter().flatten().copied().collect()
+        }),
+        ("risk R_e", |r| r.risk.iter().flatten().copied().collect()),
+    ];
+    let traced: Vec<_> = methods
+        .iter()
+        .filter(|(_, _, runs)| !runs.is_empty() && runs.iter().all(|r| !r.fedcd.is_empty()))
+        .collect();
+    let Some(rounds) = traced
+        .iter()
+        .map(|(_, _, runs)| runs.iter().map(|r| r.fedcd.len()).min().unwrap_or(0))
+        .max()
+    else {
+        return;
+    };
+    md.push_str(
+        "\n## FedCD's rounds\n\nPer round, mean over sites and seeds: each site's mean \
+         absolute mask value after the round (its L1 norm over its width; 1 at the start), the L2 \
+         norm of the mask gradient it sent and its risk.\n\n| method | value |",
+    );
+    md.push_str(&(1..=rounds).map(|r| format!(" r{r} |")).collect::<String>());
+    md.push_str(&format!("\n|---|---|{}\n", "---:|".repeat(rounds)));
+    for (a, bn, runs) in traced {
+        for (what, pick) in picks {
+            md.push_str(&format!("| {} | {what} |", method_name(a, *bn)));
+            for i in 0..rounds {
+                let v: Vec<f64> = runs
+                    .iter()
+                    .filter_map(|r| r.fedcd.get(i))
+                    .flat_map(pick)
+                    .collect();
+                md.push_str(&format!(" {:.4} |", mean(&v)));
+            }
+            md.push('\n');
+        }
     }
 }
