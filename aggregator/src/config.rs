@@ -1,11 +1,11 @@
 //! Federation configuration, validated as one.
 
-use crate::strategy::Algorithm;
 pub use crate::strategy::Weighting;
+use crate::strategy::{Algorithm, StrategyError};
 use serde::{Deserialize, Serialize};
 use unifed_protocol::auth::{Keyring, PublicKey};
 use unifed_protocol::encoding::Encoding;
-use unifed_protocol::ids::Id;
+use unifed_protocol::ids::{Id, IdError};
 use unifed_protocol::messages::{BnPolicy, BnSharing};
 
 /// The default bound on an update's norm relative to the model's: as large as the model itself.
@@ -134,6 +134,86 @@ pub struct FederationConfig {
     pub seed: u64,
 }
 
+/// One problem of a federation's config, naming the field it is in.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigProblem {
+    /// The federation's id is not a valid id.
+    #[error("federation: {0}")]
+    Federation(IdError),
+    /// No site is enrolled.
+    #[error(
+        "sites: enrol at least one site (`{{ id = \"...\", key = \"ed25519:...\" }}`, the key \
+         from `unifed-agent identity` on the site)"
+    )]
+    NoSites,
+    /// A site's id is not a valid id.
+    #[error("site `{site}`: {error}")]
+    SiteId {
+        /// The id as written.
+        site: String,
+        /// What is wrong with it.
+        error: IdError,
+    },
+    /// A site has the aggregator's own id.
+    #[error("site `{0}`: the id is the aggregator's own; sites need another")]
+    AggregatorsId(String),
+    /// A site is enrolled twice.
+    #[error("site `{0}` is enrolled twice")]
+    EnrolledTwice(String),
+    /// A site's `max_samples` is 0.
+    #[error("site `{0}`: max_samples must be at least 1")]
+    SiteMaxSamples(String),
+    /// A number outside its range.
+    #[error("{field} must {must}, got {value}")]
+    OutOfRange {
+        /// The field's name in configs.
+        field: &'static str,
+        /// Its range, in words.
+        must: &'static str,
+        /// The value given.
+        value: f64,
+    },
+    /// More sites must report than a round samples.
+    #[error("min_sites {min_sites} exceeds the {sampled} sites sampled per round")]
+    MinSites {
+        /// The configured `min_sites`.
+        min_sites: usize,
+        /// Sites sampled per round.
+        sampled: usize,
+    },
+    /// A BN sharing policy other than `none` under global BN.
+    #[error(
+        "bn_sharing `{0}` needs bn_policy local (under global the model's BN is averaged \
+         already)"
+    )]
+    SharingNeedsLocal(&'static str),
+    /// The encoding's parameters are invalid.
+    #[error("encoding: {0}")]
+    Encoding(&'static str),
+    /// The algorithm's parameters are invalid.
+    #[error("algorithm: {0}")]
+    Algorithm(StrategyError),
+}
+
+/// Every problem of a federation's config, in the order they are found (the federation's id
+/// first); shown joined by `; `.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigProblems(pub Vec<ConfigProblem>);
+
+impl std::fmt::Display for ConfigProblems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (k, p) in self.0.iter().enumerate() {
+            if k > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigProblems {}
+
 impl FederationConfig {
     /// A config for `federation` of the enrolled `sites` with FedBN's defaults: all sites every
     /// round, f32 updates, `local` BN, weighted by samples.
@@ -163,98 +243,110 @@ impl FederationConfig {
     }
 
     /// Checks every field and reports every problem found.
-    pub fn validate(&self) -> Result<(), Vec<String>> {
+    pub fn validate(&self) -> Result<(), ConfigProblems> {
+        use ConfigProblem as P;
         let mut errs = Vec::new();
-        if let Err(e) = Id::new(&self.federation) {
-            errs.push(format!("federation: {e}"));
-        }
-        if self.sites.is_empty() {
-            errs.push(
-                "sites: enrol at least one site (`{ id = \"...\", key = \"ed25519:...\" }`, the \
-                 key from `unifed-agent identity` on the site)"
-                    .into(),
+        let mut range = |ok: bool, field, must, value: f64| {
+            if !ok {
+                errs.push(P::OutOfRange { field, must, value });
+            }
+        };
+        let n = self.max_relative_norm;
+        range(
+            n.is_finite() && n > 0.0,
+            "max_relative_norm",
+            "be positive and finite",
+            n,
+        );
+        range(
+            self.rounds > 0,
+            "rounds",
+            "be at least 1",
+            self.rounds as f64,
+        );
+        range(
+            self.min_sites > 0,
+            "min_sites",
+            "be at least 1",
+            self.min_sites as f64,
+        );
+        let d = self.deadline_secs;
+        range(d > 0, "deadline_secs", "be at least 1", d as f64);
+        let log = self.broker_update_log_bytes;
+        range(
+            log >= 1 << 20,
+            "broker_update_log_bytes",
+            "be at least 1 MiB (1048576)",
+            log as f64,
+        );
+        let f = self.fraction;
+        range(f > 0.0 && f <= 1.0, "fraction", "lie in (0, 1]", f);
+        if let Some(b) = self.norm_bound {
+            range(
+                b.is_finite() && b > 0.0,
+                "norm_bound",
+                "be positive and finite",
+                b,
             );
+        }
+        let m = self.max_samples;
+        range(m > 0, "max_samples", "be at least 1", m as f64);
+        let k = self.keep_versions;
+        range(k > 0, "keep_versions", "be at least 1", k as f64);
+        let u = self.max_update_bytes;
+        range(u >= 64, "max_update_bytes", "be at least 64", u as f64);
+        if let Err(e) = Id::new(&self.federation) {
+            errs.insert(0, P::Federation(e));
+        }
+        errs.extend(self.site_problems());
+        if !self.sites.is_empty() && self.min_sites > self.sampled_per_round() {
+            errs.push(P::MinSites {
+                min_sites: self.min_sites,
+                sampled: self.sampled_per_round(),
+            });
+        }
+        if self.bn_policy == BnPolicy::Global && self.bn_sharing != BnSharing::None {
+            errs.push(P::SharingNeedsLocal(self.bn_sharing.name()));
+        }
+        if let Err(e) = self.encoding.validate() {
+            errs.push(P::Encoding(e));
+        }
+        if let Err(e) = self.algorithm.validate() {
+            errs.push(P::Algorithm(e));
+        }
+        match errs.is_empty() {
+            true => Ok(()),
+            false => Err(ConfigProblems(errs)),
+        }
+    }
+
+    /// The problems of the enrolled sites: none enrolled, an invalid or reserved id, one
+    /// enrolled twice, a bound of 0 samples.
+    fn site_problems(&self) -> Vec<ConfigProblem> {
+        use ConfigProblem as P;
+        let mut errs = Vec::new();
+        if self.sites.is_empty() {
+            errs.push(P::NoSites);
         }
         let mut seen = std::collections::BTreeSet::new();
         for s in &self.sites {
-            if let Err(e) = Id::new(&s.id) {
-                errs.push(format!("site `{}`: {e}", s.id));
+            if let Err(error) = Id::new(&s.id) {
+                errs.push(P::SiteId {
+                    site: s.id.clone(),
+                    error,
+                });
             }
             if s.id == unifed_protocol::AGGREGATOR_ID {
-                errs.push(format!(
-                    "site `{}`: the id is the aggregator's own; sites need another",
-                    s.id
-                ));
+                errs.push(P::AggregatorsId(s.id.clone()));
             }
             if !seen.insert(&s.id) {
-                errs.push(format!("site `{}` is enrolled twice", s.id));
+                errs.push(P::EnrolledTwice(s.id.clone()));
             }
             if s.max_samples == Some(0) {
-                errs.push(format!("site `{}`: max_samples must be at least 1", s.id));
+                errs.push(P::SiteMaxSamples(s.id.clone()));
             }
         }
-        if !(self.max_relative_norm.is_finite() && self.max_relative_norm > 0.0) {
-            errs.push(format!(
-                "max_relative_norm must be positive and finite, got {}",
-                self.max_relative_norm
-            ));
-        }
-        if self.rounds == 0 {
-            errs.push("rounds must be at least 1".into());
-        }
-        if self.min_sites == 0 {
-            errs.push("min_sites must be at least 1".into());
-        }
-        if !self.sites.is_empty() && self.min_sites > self.sampled_per_round() {
-            errs.push(format!(
-                "min_sites {} exceeds the {} sites sampled per round",
-                self.min_sites,
-                self.sampled_per_round()
-            ));
-        }
-        if self.deadline_secs == 0 {
-            errs.push("deadline_secs must be at least 1".into());
-        }
-        if self.broker_update_log_bytes < 1 << 20 {
-            errs.push(format!(
-                "broker_update_log_bytes must be at least 1 MiB (1048576), got {}",
-                self.broker_update_log_bytes
-            ));
-        }
-        if !(self.fraction > 0.0 && self.fraction <= 1.0) {
-            errs.push(format!(
-                "fraction must lie in (0, 1], got {}",
-                self.fraction
-            ));
-        }
-        if self.bn_policy == BnPolicy::Global && self.bn_sharing != BnSharing::None {
-            errs.push(format!(
-                "bn_sharing `{}` needs bn_policy local (under global the model's BN is averaged \
-                 already)",
-                self.bn_sharing.name()
-            ));
-        }
-        if let Err(e) = self.encoding.validate() {
-            errs.push(format!("encoding: {e}"));
-        }
-        if let Some(b) = self.norm_bound
-            && !(b.is_finite() && b > 0.0)
-        {
-            errs.push(format!("norm_bound must be positive and finite, got {b}"));
-        }
-        if let Err(e) = self.algorithm.validate() {
-            errs.push(format!("algorithm: {e}"));
-        }
-        if self.max_samples == 0 {
-            errs.push("max_samples must be at least 1".into());
-        }
-        if self.keep_versions == 0 {
-            errs.push("keep_versions must be at least 1".into());
-        }
-        if self.max_update_bytes < 64 {
-            errs.push("max_update_bytes must be at least 64".into());
-        }
-        if errs.is_empty() { Ok(()) } else { Err(errs) }
+        errs
     }
 
     /// The keyring every message from a site is opened with: the enrolled sites' keys, less

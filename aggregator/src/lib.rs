@@ -50,7 +50,7 @@ pub mod store;
 pub mod strategy;
 pub mod uploads;
 
-pub use crate::config::{EnrolledSite, FederationConfig, Weighting};
+pub use crate::config::{ConfigProblem, ConfigProblems, EnrolledSite, FederationConfig, Weighting};
 pub use crate::core::{Action, Aggregator, Arrival, CoreError, Event, GlobalModel, Incoming};
 pub use crate::strategy::{Algorithm, Strategy};
 

@@ -176,7 +176,7 @@ pub fn read_config(path: &Path) -> Result<ServiceConfig> {
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     cfg.federation
         .validate()
-        .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.join("; ")))?;
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     Ok(cfg)
 }
 

@@ -4,7 +4,8 @@ use std::path::Path;
 use unifed_aggregator::core::AdmitError;
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::{
-    Action, Aggregator, Arrival, Event, FederationConfig, GlobalModel, Incoming, Weighting,
+    Action, Aggregator, Arrival, ConfigProblem, ConfigProblems, Event, FederationConfig,
+    GlobalModel, Incoming, Weighting,
 };
 use unifed_protocol::AuthError;
 use unifed_protocol::encoding::{Encoding, encode};
@@ -905,13 +906,23 @@ fn config_validation_reports_every_problem() {
         broker_update_log_bytes: 4096,
         ..FederationConfig::new("x", 1, 0, enrolled())
     };
-    let errs = cfg.validate().unwrap_err();
+    let ConfigProblems(errs) = cfg.validate().unwrap_err();
     assert_eq!(errs.len(), 5, "{errs:?}");
-    assert!(errs[0].contains("federation"));
-    assert!(
-        errs.iter()
-            .any(|e| e.contains("broker_update_log_bytes must be at least 1 MiB")),
-        "{errs:?}"
+    assert!(matches!(errs[0], ConfigProblem::Federation(_)), "{errs:?}");
+    let fields: Vec<&str> = errs
+        .iter()
+        .filter_map(|e| match e {
+            ConfigProblem::OutOfRange { field, .. } => Some(*field),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        fields,
+        ["rounds", "min_sites", "broker_update_log_bytes", "fraction"]
+    );
+    assert_eq!(
+        errs[3].to_string(),
+        "broker_update_log_bytes must be at least 1 MiB (1048576), got 4096"
     );
 }
 
@@ -1251,8 +1262,8 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
         "algorithm = { name = \"fedprox\", mu = -1.0 }",
     ))
     .unwrap();
-    let errs = bad.validate().unwrap_err();
-    assert!(errs.iter().any(|e| e.contains("mu")), "{errs:?}");
+    let errs = bad.validate().unwrap_err().0;
+    assert!(algorithm_named(&errs, "mu"), "{errs:?}");
     assert!(
         toml::from_str::<FederationConfig>(&fed.replace(
             "algorithm = { name = \"fedavg\" }",
@@ -1311,8 +1322,9 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
     let errs = with("algorithm = { name = \"fednova\", momentum = 1.0 }")
         .unwrap()
         .validate()
-        .unwrap_err();
-    assert!(errs.iter().any(|e| e.contains("momentum")), "{errs:?}");
+        .unwrap_err()
+        .0;
+    assert!(algorithm_named(&errs, "momentum"), "{errs:?}");
     use unifed_aggregator::strategy::MoonConfig;
     assert_eq!(
         with("algorithm = { name = \"moon\" }").unwrap().algorithm,
@@ -1351,20 +1363,23 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
     let errs = with("algorithm = { name = \"perfedavg\", alpha = 0.0 }")
         .unwrap()
         .validate()
-        .unwrap_err();
-    assert!(errs.iter().any(|e| e.contains("alpha")), "{errs:?}");
+        .unwrap_err()
+        .0;
+    assert!(algorithm_named(&errs, "alpha"), "{errs:?}");
     let errs = with("algorithm = { name = \"feddc\", alpha = -0.1 }")
         .unwrap()
         .validate()
-        .unwrap_err();
-    assert!(errs.iter().any(|e| e.contains("alpha")), "{errs:?}");
+        .unwrap_err()
+        .0;
+    assert!(algorithm_named(&errs, "alpha"), "{errs:?}");
     for bad in ["temperature = 0.0", "mu = -1.0"] {
         let errs = with(&format!("algorithm = {{ name = \"moon\", {bad} }}"))
             .unwrap()
             .validate()
-            .unwrap_err();
+            .unwrap_err()
+            .0;
         let field = bad.split(' ').next().unwrap();
-        assert!(errs.iter().any(|e| e.contains(field)), "{errs:?}");
+        assert!(algorithm_named(&errs, field), "{errs:?}");
     }
     // A misspelt parameter is an error, not a silent default.
     assert!(with("algorithm = { name = \"fedadam\", beta_1 = 0.5 }").is_err());
@@ -1372,8 +1387,28 @@ fn the_algorithm_is_read_from_the_config_and_validated() {
     let errs = with("algorithm = { name = \"fedadam\", beta2 = 1.5 }")
         .unwrap()
         .validate()
-        .unwrap_err();
-    assert!(errs.iter().any(|e| e.contains("beta2")), "{errs:?}");
+        .unwrap_err()
+        .0;
+    assert!(algorithm_named(&errs, "beta2"), "{errs:?}");
+}
+
+/// Whether `errs` holds an algorithm problem that names `field` (a parameter out of range, or
+/// the objective's).
+fn algorithm_named(errs: &[ConfigProblem], field: &str) -> bool {
+    use unifed_aggregator::strategy::StrategyError;
+    errs.iter().any(|e| match e {
+        ConfigProblem::Algorithm(StrategyError::Parameter { name, .. }) => *name == field,
+        ConfigProblem::Algorithm(StrategyError::Objective(o)) => {
+            use unifed_protocol::messages::ObjectiveError as O;
+            matches!(
+                (field, o),
+                ("mu", O::ProximalMu(_) | O::ContrastiveMu(_))
+                    | ("temperature", O::Temperature(_))
+                    | ("alpha", O::DriftAlpha(_) | O::MetaAlpha(_))
+            )
+        }
+        _ => false,
+    })
 }
 
 /// The broadcast payload a publish action carries.
@@ -1727,20 +1762,22 @@ fn under_global_bn_the_control_variate_covers_bn_affine_but_never_running_statis
 #[test]
 fn enrolment_is_required_unique_and_bounds_each_sites_sample_count() {
     let none = FederationConfig::new("fed1", 1, 1, Vec::new());
-    let errs = none.validate().unwrap_err();
-    assert!(errs[0].contains("enrol at least one site"), "{errs:?}");
+    let errs = none.validate().unwrap_err().0;
+    assert_eq!(errs, [ConfigProblem::NoSites]);
     let mut twice = enrolled()[..2].to_vec();
     twice.push(enrolled()[0].clone());
     twice[1].max_samples = Some(0);
     let errs = FederationConfig::new("fed1", 1, 1, twice)
         .validate()
-        .unwrap_err();
-    assert_eq!(errs.len(), 2, "{errs:?}");
-    assert!(
-        errs[0].contains("`b`: max_samples must be at least 1"),
-        "{errs:?}"
+        .unwrap_err()
+        .0;
+    assert_eq!(
+        errs,
+        [
+            ConfigProblem::SiteMaxSamples("b".into()),
+            ConfigProblem::EnrolledTwice("a".into())
+        ]
     );
-    assert!(errs[1].contains("`a` is enrolled twice"), "{errs:?}");
 
     // `b` enrolled with at most 50 samples: 51 is refused with that bound, 50 taken.
     let dir = tempfile::tempdir().unwrap();

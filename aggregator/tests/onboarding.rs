@@ -439,11 +439,12 @@ fn sharing_needs_local_bn() {
         bn_policy: unifed_protocol::BnPolicy::Global,
         ..FederationConfig::new("fed1", 3, 2, enrolled())
     };
-    let errs = cfg.validate().unwrap_err();
-    assert!(
-        errs.iter()
-            .any(|e| e.contains("bn_sharing `affine` needs bn_policy local")),
-        "{errs:?}"
+    let errs = cfg.validate().unwrap_err().0;
+    assert_eq!(
+        errs,
+        [unifed_aggregator::ConfigProblem::SharingNeedsLocal(
+            "affine"
+        )]
     );
 }
 

@@ -9,7 +9,7 @@ mod intake;
 
 use crate::bnshare;
 use crate::broadcast::ModelBroadcast;
-use crate::config::FederationConfig;
+use crate::config::{ConfigProblem, ConfigProblems, FederationConfig};
 use crate::sealed::Sealed;
 use crate::spoolround::SpoolRound;
 use crate::store::{
@@ -223,8 +223,8 @@ fn check_initial(initial: &GlobalModel) -> Result<(), CoreError> {
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
     /// The configuration is invalid.
-    #[error("invalid federation config: {}", .0.join("; "))]
-    Config(Vec<String>),
+    #[error("invalid federation config: {0}")]
+    Config(ConfigProblems),
     /// The initial model does not fit its spec.
     #[error("initial model: {0}")]
     Model(String),
@@ -335,8 +335,8 @@ impl Aggregator {
         chunk_bytes: usize,
     ) -> Result<Self, CoreError> {
         cfg.validate().map_err(CoreError::Config)?;
-        let federation =
-            Id::new(&cfg.federation).map_err(|e| CoreError::Config(vec![e.to_string()]))?;
+        let federation = Id::new(&cfg.federation)
+            .map_err(|e| CoreError::Config(ConfigProblems(vec![ConfigProblem::Federation(e)])))?;
         let spec = initial.spec.clone();
         check_initial(&initial)?;
         let hash = spec.hash();
