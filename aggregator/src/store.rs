@@ -28,8 +28,10 @@ pub use crate::spoolfile::{SpoolEntry, SpoolTensor};
 use crate::strategy::{Contribution, Extras, StrategyState};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// Where files never read again wait to be deleted ([`Store::discard`]).
@@ -663,18 +665,46 @@ impl Store {
         Ok(())
     }
 
-    /// Appends one line to the audit log and fsyncs it.
+    /// Appends one line to the audit log and fsyncs it, on a line of its own after the torn
+    /// last line a crash may have left.
     pub fn audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
         let p = self.dir.join("audit.log");
         let mut f = OpenOptions::new()
             .create(true)
+            .read(true)
             .append(true)
             .open(&p)
             .map_err(|e| io(&p, e))?;
-        let mut line = serde_json::to_vec(entry).expect("audit entry serialises");
+        let len = f.metadata().map_err(|e| io(&p, e))?.len();
+        let mut last = [b'\n'];
+        if len > 0 {
+            f.read_exact_at(&mut last, len - 1).map_err(|e| io(&p, e))?;
+        }
+        let mut line = Vec::new();
+        if last[0] != b'\n' {
+            line.push(b'\n');
+        }
+        serde_json::to_writer(&mut line, entry).expect("audit entry serialises");
         line.push(b'\n');
         f.write_all(&line).map_err(|e| io(&p, e))?;
         f.sync_data().map_err(|e| io(&p, e))
+    }
+
+    /// The sites the audit log says were accepted in `round`. Lines that do not parse (the
+    /// torn last line of a crash) are skipped: this is a restart's check, not a reader's.
+    pub fn audited_accepts(&self, round: u64) -> Result<BTreeSet<String>, StoreError> {
+        let p = self.dir.join("audit.log");
+        let text = match std::fs::read_to_string(&p) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(io(&p, e)),
+        };
+        Ok(text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<AuditEntry>(l).ok())
+            .filter(|e| e.round == round && e.event == "accepted")
+            .map(|e| e.site)
+            .collect())
     }
 
     /// Every audit entry so far.

@@ -2431,3 +2431,32 @@ fn fedcd_refuses_bad_mask_gradients_alone_and_broadcasts_the_mean_after_a_round(
         unifed_protocol::ServerExtras::MaskGradient(vec![2.0; width])
     );
 }
+
+#[test]
+fn an_update_spooled_without_its_audit_line_is_audited_once_at_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut agg = open(dir.path(), config(2, 3, BnPolicy::Local));
+        agg.handle(Event::Start, 0).unwrap();
+        send(&mut agg, "a", good("a", 1, 0, 100, BnPolicy::Local));
+        send(&mut agg, "b", good("b", 1, 0, 100, BnPolicy::Local));
+    }
+    // As if the process stopped after committing b's update, before writing its line (and
+    // tore the line it was writing).
+    let log = dir.path().join("audit.log");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    std::fs::write(&log, format!("{}\n{{\"v\":", lines[0])).unwrap();
+    let accepted_b = |agg: &Aggregator| {
+        let text = std::fs::read_to_string(agg.store().dir().join("audit.log")).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<unifed_aggregator::store::AuditEntry>(l).ok())
+            .filter(|e| e.site == "b" && e.event == "accepted" && e.round == 1)
+            .count()
+    };
+    for _ in 0..2 {
+        let agg = open(dir.path(), config(2, 3, BnPolicy::Local));
+        assert_eq!(accepted_b(&agg), 1);
+    }
+}

@@ -371,6 +371,7 @@ impl Aggregator {
         } else {
             BTreeSet::new()
         };
+        Self::audit_recovered(&store, state.round, &accepted)?;
         let cfg_keyring = cfg.keyring();
         let (held, delta) = if cfg.encoding.is_exact() {
             (None, None)
@@ -396,6 +397,34 @@ impl Aggregator {
             rejects: Default::default(),
             model_norm: Default::default(),
         })
+    }
+
+    /// Audits the updates of the open `round` found in the spool at start whose acceptance the
+    /// audit log lacks: a process stopped between committing an update and writing its line.
+    /// Its re-send is then answered as a duplicate, so without this line the log would never
+    /// say it was accepted.
+    fn audit_recovered(
+        store: &Store,
+        round: u64,
+        spooled: &BTreeSet<String>,
+    ) -> Result<(), CoreError> {
+        if spooled.is_empty() {
+            return Ok(());
+        }
+        let audited = store.audited_accepts(round)?;
+        for site in spooled.difference(&audited) {
+            store.audit(&AuditEntry {
+                v: FORMAT_VERSION,
+                at_ms: crate::clock::now_ms(),
+                round,
+                site: site.clone(),
+                event: "accepted".into(),
+                detail: "found in the spool at start: accepted before the aggregator stopped, \
+                         whose audit line was not written"
+                    .into(),
+            })?;
+        }
+        Ok(())
     }
 
     /// The state and model of the federation in `store` (the config's federation and the
