@@ -2405,8 +2405,8 @@ fn fedcd_refuses_bad_mask_gradients_alone_and_broadcasts_the_mean_after_a_round(
         RejectReason::NonFinite(_)
     ));
     assert!(matches!(
-        refused(&mut agg, mask(vec![1e6; width], 0.5)),
-        RejectReason::NormTooLarge { .. }
+        refused(&mut agg, mask(vec![1.0; width], 0.5)),
+        RejectReason::NormTooLarge { bound: 1.0, .. }
     ));
     for risk in [0.0, -1.0, f64::INFINITY] {
         assert!(matches!(
@@ -2417,18 +2417,18 @@ fn fedcd_refuses_bad_mask_gradients_alone_and_broadcasts_the_mean_after_a_round(
     send(
         &mut agg,
         "a",
-        with_extras("a", 1, 0, mask(vec![1.0; width], 0.5)),
+        with_extras("a", 1, 0, mask(vec![0.125; width], 0.5)),
     );
     let closed = send(
         &mut agg,
         "b",
-        with_extras("b", 1, 0, mask(vec![3.0; width], 1.5)),
+        with_extras("b", 1, 0, mask(vec![0.375; width], 1.5)),
     );
     assert_eq!(agg.model_version(), 1);
-    // Equal samples: g_g = ([1..] + [3..]) / 2.
+    // Equal samples: g_g = ([0.125..] + [0.375..]) / 2.
     assert_eq!(
         broadcast_of(&closed).extras,
-        unifed_protocol::ServerExtras::MaskGradient(vec![2.0; width])
+        unifed_protocol::ServerExtras::MaskGradient(vec![0.25; width])
     );
 }
 

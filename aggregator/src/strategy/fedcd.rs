@@ -17,6 +17,8 @@
 //!
 //! A mask gradient whose L2 norm exceeds `max_gradient_norm` is refused (one absurd `g_e`
 //! would enter `g_g` and every site's penalty), as is a risk that is not positive and finite.
+//! Within the bound a site still moves `g_g` by its share: a robust mean of the gradients
+//! belongs with the robust rules of the aggregator.
 
 use super::{
     Contributions, Extras, ReadError, Setup, Strategy, StrategyError, StrategyState, parameter,
@@ -39,7 +41,9 @@ pub struct FedCdConfig {
     pub eta: f64,
     /// Whether the server weighs sites by REA (false: SCI alone, FedAvg's mean).
     pub rea: bool,
-    /// The largest L2 norm of a site's mask gradient that is accepted.
+    /// The largest L2 norm of a site's mask gradient that is accepted (default 1: honest sites
+    /// of the digits CNN sent 0.008 to 0.031 over 12 rounds, and a site that sent 1000 would
+    /// pull `g_g` to a penalty that makes every honest site diverge).
     pub max_gradient_norm: f64,
 }
 
@@ -49,7 +53,7 @@ impl Default for FedCdConfig {
             lambda: 0.7,
             eta: 0.5,
             rea: true,
-            max_gradient_norm: 1e3,
+            max_gradient_norm: 1.0,
         }
     }
 }
