@@ -436,13 +436,13 @@ fn bn_gains(
         let signed = |(m, s): (f64, f64)| format!("{:+.2} ({:.2})", 100.0 * m, 100.0 * s);
         md.push_str(&format!(
             "| {} | {} | {} | {} |\n",
-            a.name(),
+            a.label(),
             pairs.len(),
             signed(mean_std(&best)),
             signed(mean_std(&last))
         ));
         gains.push(serde_json::json!({
-            "algorithm": a.name(),
+            "algorithm": a,
             "seeds": pairs.iter().map(|(l, _)| l.seed).collect::<Vec<_>>(),
             "best_on_val_per_seed": best,
             "final_per_seed": last,
