@@ -235,7 +235,7 @@ fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes()
     let j = json(&out);
     assert_eq!(j["sites"], serde_json::json!(["hospital-a", "hospital-b"]));
     let gain = &j["local_minus_global"][0];
-    assert_eq!(gain["algorithm"], "fedavg");
+    assert_eq!(gain["algorithm"]["name"], "fedavg");
     let r: RunResult =
         serde_json::from_slice(&std::fs::read(out.join("runs/fedavg-local-seed0.json")).unwrap())
             .unwrap();
@@ -480,7 +480,7 @@ fn runs_trained_two_at_a_time_equal_runs_trained_one_at_a_time_and_a_report_show
     // local - global pairs runs by seed: FedAvg's only pair is seed 1; FedProx has none.
     let gains = j["local_minus_global"].as_array().unwrap();
     assert_eq!(gains.len(), 1);
-    assert_eq!(gains[0]["algorithm"], "fedavg");
+    assert_eq!(gains[0]["algorithm"]["name"], "fedavg");
     assert_eq!(gains[0]["seeds"], serde_json::json!([1]));
     let last = |stem: &str| mean(&read(&one, stem).rounds[1].accuracy);
     let gain: Vec<f64> = serde_json::from_value(gains[0]["final_per_seed"].clone()).unwrap();
@@ -494,7 +494,7 @@ fn runs_trained_two_at_a_time_equal_runs_trained_one_at_a_time_and_a_report_show
         md.contains("| FedProx (global BN) | not run yet | 0 |"),
         "{md}"
     );
-    assert!(md.contains("| fedavg | 1 |"), "{md}");
+    assert!(md.contains("| FedAvg | 1 |"), "{md}");
 }
 
 #[test]
