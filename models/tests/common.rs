@@ -175,3 +175,39 @@ pub fn tiny_manifest(
         finished: false,
     }
 }
+
+/// A new process's site restored from what an agent's checkpoint keeps of a site: its model's
+/// every tensor (`state`, imported into a model shaped like `like`) and its `memory`, with the
+/// given data.
+pub fn restored<N: Net>(
+    like: &N,
+    spec: &ModelSpec,
+    state: &unifed_models::state::StateDict,
+    memory: unifed_models::site::Memory,
+    train: unifed_models::data::Dataset,
+    test: unifed_models::data::Dataset,
+) -> unifed_models::site::Site<N> {
+    let model = unifed_models::state::import(like, spec, state, Select::All).unwrap();
+    let mut s = unifed_models::site::Site::new("a", model, train, test).unwrap();
+    s.restore_memory(memory, spec).unwrap();
+    s
+}
+
+/// Trains round `m` on `site` and on `again` and asserts they send the same bytes; returns them.
+pub fn same_round<N: Net>(
+    site: &mut unifed_models::site::Site<N>,
+    again: &mut unifed_models::site::Site<N>,
+    spec: &ModelSpec,
+    m: &unifed_protocol::messages::RoundManifest,
+    tc: &unifed_models::train::TrainConfig,
+) -> Vec<u8> {
+    let fed = unifed_protocol::Id::new("fed").unwrap();
+    let bytes = site
+        .train_round(spec, &fed, m, tc, &device(), |_| {})
+        .unwrap();
+    let other = again
+        .train_round(spec, &fed, m, tc, &device(), |_| {})
+        .unwrap();
+    assert!(bytes == other, "a restored site sent other bytes");
+    bytes
+}

@@ -14,7 +14,7 @@ use unifed_models::bn::BnPass;
 use unifed_models::client::ClientState;
 use unifed_models::invariant::{Intervener, mask_gradient};
 use unifed_models::site::Site;
-use unifed_models::state::{Select, export, import};
+use unifed_models::state::{Select, export};
 use unifed_models::train::{TrainConfig, evaluate, evaluate_masked};
 use unifed_models::zoo::Net;
 use unifed_protocol::messages::{
@@ -342,21 +342,8 @@ fn a_fedcd_site_keeps_its_mask_sends_its_gradient_and_resumes_bit_for_bit() {
     .unwrap();
     let state = export(&site.net, &spec, Select::All);
     let kept = site.memory().unwrap();
-    let mut again = {
-        let model = import(&net, &spec, &state, Select::All).unwrap();
-        let mut s = Site::new("a", model, data(24), data(16)).unwrap();
-        s.restore_memory(kept, &spec).unwrap();
-        s
-    };
-    let bytes = site
-        .train_round(&spec, &fed, &m(2), &tc, &device(), |_| {})
-        .unwrap();
-    assert_eq!(
-        bytes,
-        again
-            .train_round(&spec, &fed, &m(2), &tc, &device(), |_| {})
-            .unwrap()
-    );
+    let mut again = restored(&net, &spec, &state, kept, data(24), data(16));
+    same_round(&mut site, &mut again, &spec, &m(2), &tc);
     site.answered(2, true);
     again.answered(2, true);
     assert_eq!(mask(&site), mask(&again));

@@ -8,7 +8,7 @@ use common::*;
 use unifed_models::client::ClientState;
 use unifed_models::objective::{SiteState, Term, TermError};
 use unifed_models::site::Site;
-use unifed_models::state::{Select, export, import};
+use unifed_models::state::{Select, export};
 use unifed_models::train::{TrainConfig, train_objective};
 use unifed_models::zoo::Mlp;
 use unifed_protocol::messages::{
@@ -179,23 +179,11 @@ fn only_an_accepted_feddc_update_advances_the_drift_by_the_decoded_delta_and_it_
     site.receive(&spec, &m(2), &broadcast(&tiny_mlp(4).0, &spec, 1))
         .unwrap();
     let state = export(&site.net, &spec, Select::All);
-    let restored = |memory| {
-        let model = import(&net, &spec, &state, Select::All).unwrap();
-        let mut s = Site::new("a", model, tiny_data(16), tiny_data(8)).unwrap();
-        s.restore_memory(memory, &spec).unwrap();
-        s
-    };
+    let restored =
+        |memory| common::restored(&net, &spec, &state, memory, tiny_data(16), tiny_data(8));
     let kept = site.memory().unwrap();
     let mut again = restored(kept.clone());
-    let bytes = site
-        .train_round(&spec, &fed, &m(2), &tc, &device(), |_| {})
-        .unwrap();
-    assert_eq!(
-        bytes,
-        again
-            .train_round(&spec, &fed, &m(2), &tc, &device(), |_| {})
-            .unwrap()
-    );
+    let bytes = same_round(&mut site, &mut again, &spec, &m(2), &tc);
     site.answered(2, true);
     let u2 = update(&bytes);
     for n in &names {
