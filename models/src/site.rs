@@ -3,7 +3,7 @@
 //! locally and encodes its update envelope. The agent service and the in-process runner share it.
 
 use crate::backend::Device;
-use crate::client::{After, Before, for_plan};
+use crate::client::{After, Before, ClientState, for_plan};
 use crate::data::Dataset;
 pub use crate::error::SiteError;
 use crate::error::StateError;
@@ -821,6 +821,12 @@ impl<N: Net> Site<N> {
             let path = self.park.clone().unwrap_or_default();
             park_error(&path, e)
         })
+    }
+
+    /// The algorithm's state the site holds now (its residuals and held broadcast aside, which
+    /// [`Site::memory`] reads back from their files).
+    pub fn client_state(&self) -> &ClientState {
+        &self.memory.algorithm
     }
 
     /// The site's memory as [`Memory`] serialises (a checkpoint's), with the parts that wait in

@@ -881,8 +881,8 @@ impl<F: FnMut(&RoundRecord)> crate::Observer<DigitsCnn> for Masks<F> {
         if !self.fedcd {
             return;
         }
-        let Ok(memory) = site.memory() else { return };
-        if let ClientState::FedCd { mask: Some(m), .. } = memory.algorithm {
+        // The state alone: the site's whole memory would be read back from its files.
+        if let ClientState::FedCd { mask: Some(m), .. } = site.client_state() {
             let l1 = m.iter().map(|v| v.abs() as f64).sum::<f64>() / m.len().max(1) as f64;
             self.by_version
                 .entry(e.version)
