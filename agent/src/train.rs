@@ -81,12 +81,23 @@ pub async fn run(
         })
         .context("starting the site's driver")?;
     let finished = listen(&who, &client, rx, tx, &shared, done, shutdown).await;
-    let detail = match &finished {
-        Ok(Some(_)) => "finished",
-        _ => "stopped",
+    // A site that holds the final model says so, so the aggregator stops serving it as soon as
+    // every site has it.
+    let state = match &finished {
+        Ok(Some(end)) => SiteState::Finished {
+            model_version: end.model_version,
+        },
+        _ => SiteState::Offline,
     };
-    goodbye(&who, &client, detail).await;
-    finished
+    goodbye(&who, &client, state).await;
+    finished.map(|end| end.map(|e| e.accuracy))
+}
+
+/// How a site's federation ended: its final test accuracy and the final model's version.
+#[derive(Debug, Clone, Copy)]
+struct End {
+    accuracy: f64,
+    model_version: u64,
 }
 
 /// The site's engine, its model worker and the driver over them, resumed from the state
@@ -168,7 +179,7 @@ fn drive(
     mut driver: SiteDriver<ModelWorker<AnyNet, AgentHost>>,
     events: std::sync::mpsc::Receiver<Event>,
     mut out: AgentOutbox,
-) -> Result<Option<f64>> {
+) -> Result<Option<End>> {
     let t0 = Instant::now();
     loop {
         let event = match events.recv_timeout(Duration::from_millis(500)) {
@@ -178,7 +189,11 @@ fn drive(
         };
         let now = t0.elapsed().as_millis() as u64;
         if let Some(accuracy) = driver.handle(event, now, &mut out)? {
-            return Ok(Some(accuracy));
+            let model_version = driver.engine().progress().applied_version.unwrap_or(0);
+            return Ok(Some(End {
+                accuracy,
+                model_version,
+            }));
         }
     }
 }
@@ -194,9 +209,9 @@ async fn listen(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<NetEvent>,
     tx: std::sync::mpsc::Sender<Event>,
     shared: &Mutex<Shared>,
-    mut done: tokio::sync::oneshot::Receiver<Result<Option<f64>>>,
+    mut done: tokio::sync::oneshot::Receiver<Result<Option<End>>>,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<Option<f64>> {
+) -> Result<Option<End>> {
     let site = &who.site;
     tokio::pin!(shutdown);
     loop {
@@ -240,9 +255,14 @@ async fn listen(
     }
 }
 
-/// Says the site is offline (`detail`: finished or stopped), then disconnects cleanly.
-async fn goodbye(who: &Who, client: &Client, detail: &str) {
-    let msg = who.status(SiteState::Offline, detail);
+/// Says the site finished (`Finished`) or stopped (`Offline`), then disconnects cleanly.
+async fn goodbye(who: &Who, client: &Client, state: SiteState) {
+    let detail = if matches!(state, SiteState::Offline) {
+        "stopped"
+    } else {
+        "finished"
+    };
+    let msg = who.status(state, detail);
     let _ = client
         .publish(who.topics.status(&who.site), Qos::AtLeastOnce, true, msg)
         .await;

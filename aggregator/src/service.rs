@@ -9,6 +9,7 @@ use crate::federation::{Done, Federation, Outgoing, Sealer, Step};
 use crate::uploads::SpooledUploads;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 use unifed_net::report::{self, Phase, Report};
@@ -16,7 +17,7 @@ use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop_with_side};
 use unifed_protocol::auth::SigningKey;
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::ids::Id;
-use unifed_protocol::messages::{ChunkRef, OnboardReply, OnboardRequest};
+use unifed_protocol::messages::{ChunkRef, OnboardReply, OnboardRequest, SiteState, SiteStatus};
 use unifed_protocol::topics::Topics;
 use unifed_protocol::{ModelSpec, SpecHash};
 
@@ -36,7 +37,8 @@ pub struct ServiceConfig {
     /// Model chunk size in bytes (below the broker's packet limit).
     #[serde(default = "default_chunk")]
     pub chunk_bytes: usize,
-    /// Seconds to keep serving the final model after the last round.
+    /// Seconds to keep serving the final model after the last round, at most: the service
+    /// stops sooner, once every enrolled and unrevoked site has said it holds that model.
     #[serde(default = "default_linger")]
     pub linger_secs: u64,
     /// Seconds between re-publications of the retained manifest: anything else retained on the
@@ -268,6 +270,7 @@ pub async fn serve(
             topics.updates_filter(),
             format!("{}+", prefixes.request),
             topics.onboard_requests_filter(),
+            topics.status_filter(),
         ],
         move |topic, payload| {
             topic.starts_with(&chunk_prefix)
@@ -293,6 +296,7 @@ pub async fn serve(
         version: ingest.version,
         clock: Instant::now(),
         finished_at: None,
+        holding: BTreeSet::new(),
         manifest_at: Instant::now(),
         connected_before: false,
         cfg,
@@ -306,6 +310,7 @@ struct Prefixes {
     update: String,
     request: String,
     onboard: String,
+    status: String,
 }
 
 impl Prefixes {
@@ -314,6 +319,7 @@ impl Prefixes {
             update: format!("unifed/v1/{fed}/update/"),
             request: format!("unifed/v1/{fed}/chunks/request/"),
             onboard: format!("unifed/v1/{fed}/onboard/request/"),
+            status: format!("unifed/v1/{fed}/status/"),
         }
     }
 }
@@ -409,6 +415,8 @@ struct Service {
     /// The serving's clock starts here.
     clock: Instant,
     finished_at: Option<Instant>,
+    /// The sites that said, after the federation finished, that they hold its final model.
+    holding: BTreeSet<String>,
     manifest_at: Instant,
     connected_before: bool,
 }
@@ -434,11 +442,21 @@ impl Service {
                 self.finish(step).await?;
             }
             let version = self.federation.core().model_version();
-            if self
-                .finished_at
-                .is_some_and(|t| t.elapsed() > Duration::from_secs(self.cfg.linger_secs))
-            {
-                return Ok(version);
+            if let Some(t) = self.finished_at {
+                let every_site = self.every_site_holds_the_final_model();
+                if every_site || t.elapsed() > Duration::from_secs(self.cfg.linger_secs) {
+                    println!(
+                        "stopping: {} of the sites hold the final model v{version}",
+                        if every_site { "all" } else { "not all" }
+                    );
+                    Report::Stopped {
+                        model_version: version,
+                        every_site,
+                        holding: self.holding.iter().cloned().collect(),
+                    }
+                    .emit();
+                    return Ok(version);
+                }
             }
             let gathering = self
                 .federation
@@ -621,12 +639,61 @@ impl Service {
                 } else if let Some(site) = topic.strip_prefix(&self.prefixes.onboard) {
                     let site = site.to_string();
                     onboard(self, &site, &payload).await?;
+                } else if let Some(site) = topic.strip_prefix(&self.prefixes.status) {
+                    let site = site.to_string();
+                    self.site_status(&site, &payload);
                 }
             }
         }
         Ok(None)
     }
+
+    /// Notes a site that says it holds the final model. Only a status sent after the federation
+    /// finished counts (a retained one of an earlier run with the same id came before); one
+    /// that is not the site's own signed status is logged and dropped.
+    fn site_status(&mut self, site: &str, payload: &[u8]) {
+        if self.finished_at.is_none() {
+            return;
+        }
+        let Ok(id) = Id::new(site) else {
+            return;
+        };
+        let status = self
+            .federation
+            .core()
+            .admission()
+            .admit(&id, payload, STATUS_LIMIT)
+            .map_err(|e| e.to_string())
+            .and_then(|env| match env.kind {
+                MessageKind::SiteStatus => {
+                    env.payload_as::<SiteStatus>().map_err(|e| e.to_string())
+                }
+                other => Err(format!("a {other:?} on the status topic")),
+            });
+        match status {
+            Ok(SiteStatus {
+                state: SiteState::Finished { model_version },
+                ..
+            }) if model_version == self.federation.core().model_version() => {
+                self.holding.insert(site.to_string());
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(site = %id, error = %e, "site status refused"),
+        }
+    }
+
+    /// Whether every enrolled site whose key is not revoked said it holds the final model.
+    fn every_site_holds_the_final_model(&self) -> bool {
+        let cfg = self.federation.core().config();
+        cfg.sites
+            .iter()
+            .filter(|s| !cfg.revoked.contains(&s.key))
+            .all(|s| self.holding.contains(&s.id))
+    }
 }
+
+/// The largest site status taken (a status is a few hundred bytes).
+const STATUS_LIMIT: usize = 4096;
 
 /// Hands the federation `event`; reports its updates' spool (from `t`, which may be before
 /// they were read; updates taken together are one spool), and the fold of a round it closes.

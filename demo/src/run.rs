@@ -402,8 +402,11 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
         ..Recorded::default()
     };
     let mut done: BTreeMap<String, bool> = BTreeMap::new();
+    // The aggregator stops by itself once every site holds the final model, which may be
+    // before the last agent's end is read here.
+    let mut stopped = false;
     while done.len() < sites.len() {
-        let Some(line) = next_line(&mut kids, &work)? else {
+        let Some(line) = next_line(&mut kids, &work, stopped)? else {
             continue;
         };
         match line {
@@ -415,6 +418,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                 ));
                 done.insert(who, true);
             }
+            Line::Closed { who } if who == "aggregator" && stopped => {}
             Line::Closed { who } => {
                 bail!(
                     "the {who} stopped; see {}",
@@ -422,6 +426,7 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                 )
             }
             Line::Out { who, text } if who == "aggregator" => match Report::parse(&text) {
+                Some(Report::Stopped { .. }) => stopped = true,
                 Some(Report::RoundClosed {
                     round,
                     model_version,
@@ -656,13 +661,16 @@ fn launch(
 }
 
 /// The next line a process wrote, `None` after half a second of silence; an error once the
-/// broker or the aggregator stopped, or every process.
-fn next_line(kids: &mut Children, work: &Path) -> Result<Option<Line>> {
+/// broker or the aggregator stopped (but for the aggregator's own stop once it `stopped`), or
+/// every process.
+fn next_line(kids: &mut Children, work: &Path, stopped: bool) -> Result<Option<Line>> {
     match kids.rx.recv_timeout(Duration::from_millis(500)) {
         Ok(l) => Ok(Some(l)),
         Err(RecvTimeoutError::Timeout) => {
             for who in ["broker", "aggregator"] {
-                if let Some(st) = kids.exited(who) {
+                if let Some(st) = kids.exited(who)
+                    && !(who == "aggregator" && stopped && st.success())
+                {
                     bail!(
                         "the {who} stopped ({st}); see {}",
                         work.join(format!("{who}.log")).display()
@@ -827,7 +835,10 @@ fn site_report(
             ended_ms,
         } => return Ok(Some((round, phase, seconds, peak_bytes, ended_ms))),
         // The aggregator's.
-        Report::RoundClosed { .. } | Report::Connection { .. } | Report::Revocations { .. } => {}
+        Report::RoundClosed { .. }
+        | Report::Connection { .. }
+        | Report::Revocations { .. }
+        | Report::Stopped { .. } => {}
     }
     Ok(None)
 }

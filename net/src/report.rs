@@ -154,6 +154,17 @@ pub enum Report {
         /// Sites folded in.
         sites: Vec<String>,
     },
+    /// The aggregator stopped serving the federation's final model `model_version`: every
+    /// enrolled, unrevoked site said it holds it (`every_site`), or its linger ran out first
+    /// with only `holding` saying so.
+    Stopped {
+        /// The final model's version.
+        model_version: u64,
+        /// Whether every site said it holds the final model.
+        every_site: bool,
+        /// The sites that said so, in order.
+        holding: Vec<String>,
+    },
 }
 
 impl Report {

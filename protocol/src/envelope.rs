@@ -16,8 +16,9 @@ pub const MAGIC: [u8; 4] = *b"UFED";
 /// The protocol version this crate speaks; peers refuse envelopes of any other version.
 /// Version 9 signs and identifies payloads with BLAKE3 where 8 used SHA-256; version 10 sends
 /// a round model's chunks once for every site on the shared `chunks/model` topic, which a
-/// version-9 site does not read; version 11 adds FedCD's objective and mask gradients.
-pub const PROTOCOL_VERSION: u16 = 11;
+/// version-9 site does not read; version 11 adds FedCD's objective and mask gradients; version
+/// 12 adds the status a site sends once it holds the federation's final model.
+pub const PROTOCOL_VERSION: u16 = 12;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -552,16 +553,16 @@ mod tests {
         // no signatures, version 4 no model deltas, version 5 no MOON, FedDC or Per-FedAvg
         // objectives, version 6 no announced upload window, version 7 no ternary block size,
         // version 8 signed and hashed with SHA-256, version 9 sent every site its own copy of
-        // the model's chunks, version 10 had no FedCD: all are refused by a version 11 peer, as
-        // is a future version 12.
-        for other in [1u16, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12] {
+        // the model's chunks, version 10 had no FedCD, version 11 no final status of a site:
+        // all are refused by a version 12 peer, as is a future version 13.
+        for other in [1u16, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 11)")
+                format!("protocol version {other} is not supported (this peer speaks version 12)")
             );
         }
     }

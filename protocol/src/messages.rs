@@ -669,6 +669,12 @@ pub enum SiteState {
     },
     /// Disconnected.
     Offline,
+    /// Holds the federation's final model, of this version, and has stopped: the aggregator
+    /// need not keep serving it.
+    Finished {
+        /// The final model's version.
+        model_version: u64,
+    },
 }
 
 /// A site's status message.

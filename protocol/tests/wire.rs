@@ -204,6 +204,7 @@ fn every_other_payload_round_trips_through_an_envelope() {
         SiteState::Online,
         SiteState::Training { round: 4 },
         SiteState::Offline,
+        SiteState::Finished { model_version: 12 },
     ] {
         through_envelope(
             MessageKind::SiteStatus,
