@@ -625,6 +625,10 @@ impl Aggregator {
                 Ok(actions)
             }
             Event::Tick => {
+                if self.round_complete() {
+                    // Complete without a new update: a revocation lowered what it needs.
+                    return Ok(vec![Action::Close]);
+                }
                 if self.state.round == 0 || self.state.finished || now_ms < self.state.deadline_ms {
                     return Ok(Vec::new());
                 }
@@ -654,13 +658,20 @@ impl Aggregator {
         self.state.sampled = if self.cfg.sites.is_empty() {
             Vec::new()
         } else {
-            let mut sites: Vec<String> = self.cfg.sites.iter().map(|s| s.id.clone()).collect();
+            // A site whose key is revoked cannot send anything the round would take.
+            let mut sites: Vec<String> = self
+                .cfg
+                .sites
+                .iter()
+                .filter(|s| !self.cfg.revoked.contains(&s.key))
+                .map(|s| s.id.clone())
+                .collect();
             sites.sort();
             let mut rng = ChaCha8Rng::seed_from_u64(
                 self.cfg.seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15),
             );
             sites.shuffle(&mut rng);
-            sites.truncate(self.cfg.sampled_per_round());
+            sites.truncate(self.cfg.sampled_per_round().min(sites.len()));
             sites.sort();
             sites
         };
@@ -905,13 +916,26 @@ impl Aggregator {
             && self.accepted.len() >= self.needed()
     }
 
-    /// Updates that close the open round.
+    /// Updates that close the open round: `min_sites`, or fewer when fewer sampled sites can
+    /// still be taken: those accepted, and those whose key is not revoked (a round does not
+    /// wait its deadline for a site it can no longer take anything from).
     fn needed(&self) -> usize {
         if self.state.sampled.is_empty() {
-            self.cfg.min_sites
-        } else {
-            self.cfg.min_sites.min(self.state.sampled.len())
+            return self.cfg.min_sites;
         }
+        let revoked = |id: &String| {
+            self.cfg
+                .sites
+                .iter()
+                .any(|s| &s.id == id && self.cfg.revoked.contains(&s.key))
+        };
+        let able = self
+            .state
+            .sampled
+            .iter()
+            .filter(|id| self.accepted.contains(*id) || !revoked(id))
+            .count();
+        self.cfg.min_sites.min(able.max(1))
     }
 }
 
