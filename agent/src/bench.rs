@@ -18,10 +18,11 @@ use samples::Samples;
 /// Options of the benchmark.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Timed training steps.
+    /// Timed training steps; inference times as many batches of 32 and a fifth as many of 256.
     #[arg(long, default_value_t = 50)]
     steps: usize,
-    /// Untimed warm-up training steps first (GPU backends compile and autotune kernels then).
+    /// Untimed warm-up steps first, of training and of each inference batch size (GPU backends
+    /// compile and autotune kernels then).
     #[arg(long, default_value_t = 5)]
     warmup: usize,
     /// Backends to measure (default: every compiled one), e.g. `flex,vulkan`.
@@ -194,8 +195,10 @@ fn bench_backend(backend: Backend, warmup: usize, steps: usize, layers: bool) ->
         }
         (n * iters) as f64 / t0.elapsed().as_secs_f64()
     };
-    let b32 = infer(32, warmup.max(5), 50);
-    let b256 = infer(256, warmup.max(2), 10);
+    // Inference: `steps` timed batches of 32 and a fifth as many of 256 (at least one each),
+    // after `warmup` untimed ones.
+    let b32 = infer(32, warmup, steps.max(1));
+    let b256 = infer(256, warmup, (steps / 5).max(1));
     let peak = peak_rss_mib();
     // A GPU's work is asynchronous, so its layers are not timed one by one.
     let layers = if layers && !backend.is_gpu() {
