@@ -1,7 +1,7 @@
 //! Checkpoints exported from PyTorch load, and give PyTorch's logits (eval mode with stored
 //! statistics, and train-mode BN with batch statistics).
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_models::bn::{BnPass, BnStart, StreamEstimator};

@@ -8,7 +8,7 @@
 //! lays out without burn's copies, are checked bit for bit against burn's compositions; the
 //! input gradient (its batch items in parallel on reused buffers) against plain loops.
 
-mod common;
+use crate::common;
 
 use burn::tensor::module::{conv2d, max_pool2d, max_pool2d_with_indices};
 use burn::tensor::ops::{ConvOptions, MaxPoolOptions};

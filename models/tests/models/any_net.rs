@@ -1,7 +1,7 @@
 //! The spec decides the model: every architecture of the zoo is rebuilt from its spec with the
 //! same tensor names, shapes and seeded values as when built directly.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_models::state::{Select, export};

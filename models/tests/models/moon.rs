@@ -2,7 +2,7 @@
 //! values, its place in a training step, and the previous local model the site keeps (advanced
 //! only by an accepted update, surviving a restart, refused when it does not fit the model).
 
-mod common;
+use crate::common;
 
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData};

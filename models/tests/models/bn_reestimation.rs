@@ -1,7 +1,7 @@
 //! BN statistics re-estimation (`calibrate`, `stream`) checked against moments computed without
 //! the BN code.
 
-mod common;
+use crate::common;
 
 use burn::module::Module;
 use burn::nn::PaddingConfig2d;

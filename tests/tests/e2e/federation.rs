@@ -5,18 +5,20 @@
 //! checks which tensors crossed the wire (no BN tensor under `local`, all of them under
 //! `global`) and how many messages of each kind did.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 use unifed_e2e::fed::Fed;
 use unifed_e2e::{Broker, BrokerKind, Packet, Proxy, mosquitto_available, serial};
 use unifed_models::checkpoint;
+use unifed_net::report::Report;
 use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::{Encoding, decode};
 use unifed_protocol::envelope::{Envelope, MessageKind};
 use unifed_protocol::messages::{
-    Answer, BnPolicy, Chunk, ModelDelta, RoundManifest, ServerBroadcast, SiteUpdate, UpdateAnswer,
+    Answer, BnPolicy, Chunk, ModelDelta, RoundManifest, ServerBroadcast, SiteState, SiteStatus,
+    SiteUpdate, UpdateAnswer,
 };
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
@@ -390,4 +392,103 @@ fn under_a_lossy_encoding_agents_fetch_deltas_that_add_up_to_the_model_they_end_
         }
     }
     common::same_as_in_process(&fed, &SITES, unifed_aggregator::Algorithm::FedAvg);
+}
+
+/// A site's status as `key` signs it, sent as `sender`.
+fn status(fed: &Fed, key: &unifed_protocol::SigningKey, sender: &str, state: SiteState) -> Vec<u8> {
+    let id = |s: &str| unifed_protocol::ids::Id::new(s).unwrap();
+    key.sign(&Envelope::new(
+        MessageKind::SiteStatus,
+        id("e2e"),
+        id(sender),
+        0,
+        0,
+        fed.spec().hash(),
+        &SiteStatus {
+            state,
+            detail: String::new(),
+        },
+    ))
+}
+
+#[test]
+fn the_aggregator_stops_once_every_site_says_it_holds_the_final_model_and_not_before() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, 1 << 20);
+    let mut fed = Fed::new(dir.path(), broker.port, 1 << 20);
+    fed.rounds = 2;
+    // Rounds close with two of the three enrolled sites; nothing but the sites' word ends the
+    // aggregator's serving of the final model before ten minutes.
+    fed.min_sites = 2;
+    fed.linger_secs = 600;
+    let mut agg = fed.aggregator();
+    let mut agents = ["grey", "texture"].map(|s| (s, fed.agent(s)));
+    for (s, a) in &mut agents {
+        fed.wait_ok(a, s, Duration::from_secs(300));
+    }
+    // Both said they hold the final model; lowres has not. Its word forged by a stranger, by
+    // grey, for another model version, and junk: none of them counts.
+    let finished = |v| SiteState::Finished { model_version: v };
+    let stranger = unifed_protocol::SigningKey::from_seed([0x42; 32]);
+    let forged = [
+        status(&fed, &stranger, "lowres", finished(2)),
+        status(&fed, &fed.key("grey"), "lowres", finished(2)),
+        status(&fed, &fed.key("grey"), "grey", finished(2)),
+        status(&fed, &fed.key("lowres"), "lowres", finished(1)),
+        b"UFED junk".to_vec(),
+    ];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let topic = "unifed/v1/e2e/status/lowres";
+        let opts = fed.broker().options("stranger", None).unwrap();
+        let (client, mut rx) = unifed_net::spawn_event_loop(opts, vec![topic.into()]);
+        let mut left: Vec<Vec<u8>> = forged.to_vec();
+        let mut sent = false;
+        // Each comes back to the stranger's own subscription: the broker has routed it to the
+        // aggregator's too.
+        while !left.is_empty() {
+            match rx.recv().await.expect("the stranger's connection") {
+                unifed_net::NetEvent::Subscribed if !sent => {
+                    for bytes in &forged {
+                        let q = unifed_net::Qos::AtLeastOnce;
+                        client
+                            .publish(topic, q, false, bytes.clone())
+                            .await
+                            .unwrap();
+                    }
+                    sent = true;
+                }
+                unifed_net::NetEvent::Message { payload, .. } => {
+                    left.retain(|b| b[..] != payload[..]);
+                }
+                _ => {}
+            }
+        }
+    });
+    // Had any of them counted, the aggregator would have stopped, and lowres could not fetch
+    // the final model it now fetches.
+    let mut lowres = fed.agent("lowres");
+    fed.wait_ok(&mut lowres, "lowres", Duration::from_secs(300));
+    fed.wait_ok(&mut agg, "aggregator", Duration::from_secs(120));
+    let stopped: Vec<Report> = fed
+        .reports("agg")
+        .into_iter()
+        .filter(|r| matches!(r, Report::Stopped { .. }))
+        .collect();
+    assert_eq!(
+        stopped,
+        [Report::Stopped {
+            model_version: 2,
+            every_site: true,
+            holding: ["grey", "lowres", "texture"].map(String::from).to_vec(),
+        }],
+        "{}",
+        fed.logs()
+    );
+    let applied = |r: &Report| matches!(r, Report::Applied { version: 2, .. });
+    assert!(fed.reports("lowres").iter().any(applied), "{}", fed.logs());
 }

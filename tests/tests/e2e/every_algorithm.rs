@@ -3,7 +3,7 @@
 //! with the same model, bit for bit (BN included). Prints each run's global model hash, the
 //! table a refactor's before and after are compared by.
 
-mod common;
+use crate::common;
 
 use sha2::Digest;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! steps computed independently, the pairing of batches, and the personalisation step before a
 //! site evaluates, on a copy that leaves the site's model and BN statistics alone.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_models::data::Dataset;

@@ -1,7 +1,7 @@
 //! The site driver with a scripted worker and outbox: what it asks of the model side, in which
 //! order, and what it sends, for a site that diverges, a late joiner, evaluations and failures.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_protocol::envelope::{Envelope, MessageKind};

@@ -3,7 +3,7 @@
 //! site's key): the real binaries must refuse every forgery, replay and poisoned update, count
 //! the real sites' updates, and end with the model the honest federation computes in process.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -324,9 +324,8 @@ fn a_site_revoked_while_everything_runs_is_refused_from_its_next_update() {
     let mut fed = Fed::new(dir.path(), broker.port, 1 << 20);
     fed.rounds = 2;
     fed.manifest_every_secs = 2;
-    fed.linger_secs = 10;
-    // Round 2 cannot have all three once lowres is revoked: it closes at its deadline.
-    fed.deadline_secs = 30;
+    // Round 2 cannot have all three once lowres is revoked: it does not sample lowres, and
+    // closes with the other two long before its deadline.
     let mut agg = fed.aggregator();
     // lowres reports first in round 1 ...
     let mut lowres = fed.agent("lowres");

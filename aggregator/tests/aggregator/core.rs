@@ -1836,6 +1836,52 @@ fn a_revoked_key_is_refused_whichever_enrolled_site_claims_it() {
     );
 }
 
+#[test]
+fn a_round_does_not_wait_for_a_revoked_site_and_the_next_does_not_sample_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let three: Vec<_> = enrolled().into_iter().take(3).collect();
+    let mut agg = open(dir.path(), FederationConfig::new("fed1", 2, 3, three));
+    agg.handle(Event::Start, 0).unwrap();
+    send(&mut agg, "a", good("a", 1, 0, 5, BnPolicy::Local));
+    send(&mut agg, "b", good("b", 1, 0, 5, BnPolicy::Local));
+    // Round 1 needs all three; c's key is revoked before it reports: the next tick closes the
+    // round with a and b, long before its deadline.
+    assert!(agg.handle(Event::Tick, 2_000).unwrap().is_empty());
+    agg.set_revoked(vec![key("c").public()]);
+    let tick = agg_tick(&mut agg, 2_500);
+    let acts = closed(&mut agg, tick);
+    assert!(
+        acts.iter().any(
+            |a| matches!(a, Action::RoundClosed { round: 1, sites, .. } if sites == &["a", "b"])
+        ),
+        "{acts:?}"
+    );
+    // Round 2 samples a and b only and closes with their updates.
+    let manifest = acts
+        .iter()
+        .find_map(|a| match a {
+            Action::Publish { manifest, .. } => Some(manifest.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(manifest.round, 2);
+    let sampled: Vec<&str> = manifest.sampled.iter().map(|s| s.as_str()).collect();
+    assert_eq!(sampled, ["a", "b"]);
+    send(&mut agg, "a", good("a", 2, 1, 5, BnPolicy::Local));
+    let acts = send(&mut agg, "b", good("b", 2, 1, 5, BnPolicy::Local));
+    assert!(
+        acts.iter().any(
+            |a| matches!(a, Action::RoundClosed { round: 2, sites, .. } if sites == &["a", "b"])
+        ),
+        "{acts:?}"
+    );
+}
+
+/// The actions of a tick at `now_ms`.
+fn agg_tick(agg: &mut Aggregator, now_ms: u64) -> Vec<Action> {
+    agg.handle(Event::Tick, now_ms).unwrap()
+}
+
 /// Writes `f(bytes)` over the file at `p`.
 fn tamper(p: &Path, f: impl FnOnce(&mut Vec<u8>)) {
     let mut b = std::fs::read(p).unwrap();

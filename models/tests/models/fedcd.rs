@@ -3,7 +3,7 @@
 //! finite differences, and a site's rounds: the mask stays on the site, trains, masks the
 //! site's evaluation, advances only with an accepted update and survives a restart bit for bit.
 
-mod common;
+use crate::common;
 
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;

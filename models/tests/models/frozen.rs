@@ -3,7 +3,7 @@
 //! uploads relies on. Clones of a burn model share their BN running statistics, which
 //! training moves; a frozen copy must not see them move.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_models::site::Site;

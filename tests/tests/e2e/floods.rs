@@ -3,9 +3,9 @@
 //! only the broker's address. The honest rounds must close with the in-process model, the
 //! aggregator's upload memory stay under its configured cap, chunks be served a bounded number
 //! of times, and the audit log stay small. Peak memory and CPU of the aggregator under each
-//! flood are printed (`cargo test --release -p unifed-e2e --test floods -- --nocapture`).
+//! flood are printed (`cargo test --release -p unifed-e2e --test e2e -- floods --nocapture`).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -3,7 +3,7 @@
 //! the one site driver, so both must give every site the same model, bit for bit, and fold the
 //! same sites into every round.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 use unifed_e2e::fed::Fed;

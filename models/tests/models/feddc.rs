@@ -2,7 +2,7 @@
 //! values, and the local drift, which only an accepted update advances, by exactly the delta the
 //! server decodes, and which survives a restart.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_models::client::ClientState;

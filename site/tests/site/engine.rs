@@ -1,6 +1,6 @@
 //! The site engine driven by scripted messages: no broker, no model, no clock.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_protocol::auth::Keyring;

@@ -1,6 +1,6 @@
 //! Data loading, preprocessing, bad input, and the built-in multi-domain dataset.
 
-mod common;
+use crate::common;
 
 use common::*;
 use image::{GrayImage, Luma, Rgb, RgbImage};

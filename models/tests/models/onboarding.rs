@@ -8,7 +8,7 @@
 //! the sign of the normalised first-layer activations, so the built-in `inverted` domain stays
 //! near chance under any BN statistics (measured: stored 10.4%, calibrate 11.4%, stream 12.2%).
 
-mod common;
+use crate::common;
 
 use common::device;
 use unifed_models::bn::{CalibrateConfig, StreamConfig};

@@ -1,6 +1,6 @@
 //! Local training: reproducible from a seed, and a SingleSet run that learns the grey domain.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_models::data::{BuiltinData, Domain, SplitSizes};

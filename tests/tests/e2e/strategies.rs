@@ -6,7 +6,7 @@
 //! model, the server's stored strategy state, and every site's model (BN included) and memory. The uninterrupted run
 //! must also equal the in-process run of the same federation.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 use unifed_aggregator::Algorithm;

@@ -1,6 +1,6 @@
 //! The model zoo's shapes, the model spec and the BN/non-BN partition contract.
 
-mod common;
+use crate::common;
 
 use common::*;
 use unifed_models::checkpoint;

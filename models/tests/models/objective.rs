@@ -2,7 +2,7 @@
 //! effect on a real training step, SCAFFOLD's corrected step and control variates, and the
 //! error-feedback residual and variate that only an accepted update advances.
 
-mod common;
+use crate::common;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;

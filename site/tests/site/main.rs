@@ -1,0 +1,5 @@
+//! The site engine's and driver's integration tests, one test binary.
+
+mod common;
+mod driver;
+mod engine;
