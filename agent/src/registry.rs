@@ -269,6 +269,10 @@ fn describe(e: &OnboardError) -> String {
             list(available)
         ),
         OnboardError::Refused(m) => format!("the aggregator refused: {m}"),
+        OnboardError::Unreadable { requested } => format!(
+            "the aggregator could not read its copy of model version {requested} (a damaged \
+             one is set aside for its operator): ask for another version, or again later"
+        ),
     }
 }
 
@@ -429,7 +433,10 @@ impl OnboardClient {
                         {
                             Ok(Some(p))
                         }
-                        OnboardReply::Error(e @ OnboardError::UnknownVersion { .. }) => {
+                        OnboardReply::Error(
+                            e @ (OnboardError::UnknownVersion { .. }
+                            | OnboardError::Unreadable { .. }),
+                        ) => {
                             bail!("{}", describe(&e))
                         }
                         _ => Ok(None),

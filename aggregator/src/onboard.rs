@@ -3,6 +3,8 @@
 //! calibrated BN, which sites seal and the aggregator only stores and serves.
 
 use crate::core::{Aggregator, CoreError};
+use crate::store::StoreError;
+use std::path::Path;
 use unifed_protocol::chunking::{payload_hash, split};
 use unifed_protocol::ids::Id;
 use unifed_protocol::messages::{
@@ -45,13 +47,16 @@ impl Aggregator {
         let model: &[Vec<f32>] = if v == self.state.model_version {
             &self.model
         } else {
-            loaded = self.store.load_model(v, &self.hash.0)?;
+            loaded = match self.kept(self.store.load_model(v, &self.hash.0), v)? {
+                Ok(m) => m,
+                Err(e) => return Ok(Err(e)),
+            };
             &loaded
         };
-        let share = self
-            .store
-            .load_bn_share(v, &self.hash.0)?
-            .filter(|(_, share)| share.len() == self.share_idx.len());
+        let share = match self.kept(self.store.load_bn_share(v, &self.hash.0), v)? {
+            Ok(share) => share.filter(|(_, share)| share.len() == self.share_idx.len()),
+            Err(e) => return Ok(Err(e)),
+        };
         let values = |i: usize| -> &[f32] {
             share
                 .as_ref()
@@ -97,13 +102,8 @@ impl Aggregator {
         now_ms: u64,
     ) -> Result<OnboardReply, CoreError> {
         let refuse = |m: String| -> Result<OnboardReply, CoreError> {
-            self.audit(
-                now_ms,
-                self.state.round,
-                site.as_str(),
-                "registry-refused",
-                m.clone(),
-            )?;
+            let (round, event) = (self.state.round, "registry-refused");
+            self.audit_refusal(now_ms, round, site.as_str(), event, m.clone())?;
             Ok(OnboardReply::Error(OnboardError::Refused(m)))
         };
         if bytes.len() > self.max_entry_bytes() {
@@ -159,12 +159,88 @@ impl Aggregator {
                 available,
             }));
         };
-        match self.store.registry_get(site.as_str(), v)? {
-            Some(bytes) => Ok(Ok(bytes)),
-            None => Ok(Err(OnboardError::NotRegistered {
+        match self.kept(self.store.registry_get(site.as_str(), v), v)? {
+            Ok(Some(bytes)) => Ok(Ok(bytes)),
+            Ok(None) => Ok(Err(OnboardError::NotRegistered {
                 requested: version,
                 available,
             })),
+            Err(e) => Ok(Err(e)),
         }
+    }
+
+    /// What a request read from a kept file, or its refusal when the file could not be read:
+    /// one request's failure is not the service's. A damaged file is set aside
+    /// ([`Aggregator::set_aside`]) so no later request reads it again.
+    fn kept<T>(
+        &self,
+        read: Result<T, StoreError>,
+        requested: u64,
+    ) -> Result<Result<T, OnboardError>, CoreError> {
+        match read {
+            Ok(t) => return Ok(Ok(t)),
+            Err(StoreError::Corrupt { path, message }) => {
+                self.set_aside(&path, &message, crate::clock::now_ms())?;
+            }
+            Err(e @ StoreError::Io { .. }) => {
+                tracing::error!(error = %e, "a kept file could not be read; the request is refused");
+            }
+        }
+        Ok(Err(OnboardError::Unreadable { requested }))
+    }
+
+    /// Sets the damaged kept file `path` aside (`corrupt/` in the data folder) and records it
+    /// in the log and the audit. A file that cannot be moved stays, and is refused again by
+    /// the next request that reads it.
+    pub(crate) fn set_aside(&self, path: &Path, what: &str, now_ms: u64) -> Result<(), CoreError> {
+        let to = match self.store.quarantine(path, now_ms) {
+            Ok(to) => to.display().to_string(),
+            Err(e) => {
+                tracing::error!(file = %path.display(), error = %e, "a damaged file could not be set aside");
+                "nowhere: it could not be moved".into()
+            }
+        };
+        tracing::error!(file = %path.display(), problem = what, to, "damaged kept file set aside; it is not served");
+        self.audit(
+            now_ms,
+            self.state.round,
+            "-",
+            "damaged-file",
+            format!("{}: {what}; set aside as {to}", path.display()),
+        )
+    }
+
+    /// Checks every kept file a request may read (the model versions before the current one,
+    /// their pooled BN, the sites' registry entries) and sets the damaged ones aside, so that a
+    /// damaged file is found at start rather than by a request. Returns how many it set aside.
+    pub(crate) fn verify_kept(&self) -> Result<usize, CoreError> {
+        let now = crate::clock::now_ms();
+        let mut damaged = Vec::new();
+        for v in self.committed_versions()? {
+            if v < self.state.model_version
+                && let Err(StoreError::Corrupt { path, message }) =
+                    self.store.load_model(v, &self.hash.0)
+            {
+                damaged.push((path, message));
+            }
+            if let Err(StoreError::Corrupt { path, message }) =
+                self.store.load_bn_share(v, &self.hash.0)
+            {
+                damaged.push((path, message));
+            }
+        }
+        for site in self.store.registry_sites()? {
+            for v in self.store.registry_versions(&site)? {
+                if let Err(StoreError::Corrupt { path, message }) =
+                    self.store.registry_get(&site, v)
+                {
+                    damaged.push((path, message));
+                }
+            }
+        }
+        for (path, message) in &damaged {
+            self.set_aside(path, message, now)?;
+        }
+        Ok(damaged.len())
     }
 }

@@ -112,7 +112,7 @@ pub struct AuditEntry {
     pub round: u64,
     /// The site.
     pub site: String,
-    /// `accepted`, `rejected`, `duplicate` or `round-closed`.
+    /// `accepted`, `rejected`, `duplicate`, `round-closed`, `damaged-file`, ...
     pub event: String,
     /// The reject reason or a detail.
     pub detail: String,
@@ -418,6 +418,39 @@ impl Store {
     /// The model versions `site` has registry entries for, ascending.
     pub fn registry_versions(&self, site: &str) -> Result<Vec<u64>, StoreError> {
         versions_in(&self.dir.join("registry").join(site), ".entry")
+    }
+
+    /// The sites with a registry folder, in order.
+    pub fn registry_sites(&self) -> Result<Vec<String>, StoreError> {
+        let d = self.dir.join("registry");
+        let mut sites: Vec<String> = fs::read_dir(&d)
+            .map_err(|e| io(&d, e))?
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .collect();
+        sites.sort();
+        Ok(sites)
+    }
+
+    /// Moves the damaged kept file `path` (a model version, its pooled BN, a registry entry)
+    /// into `corrupt/`, kept for inspection and never served again; returns where it went.
+    pub fn quarantine(&self, path: &Path, now_ms: u64) -> Result<PathBuf, StoreError> {
+        let d = self.dir.join("corrupt");
+        fs::create_dir_all(&d).map_err(|e| io(&d, e))?;
+        let name = path
+            .strip_prefix(&self.dir)
+            .unwrap_or(path)
+            .to_string_lossy()
+            .replace('/', "-");
+        let to = d.join(format!("{name}-{now_ms}"));
+        fs::rename(path, &to).map_err(|e| io(path, e))?;
+        if let Some(parent) = path.parent() {
+            File::open(parent)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| io(parent, e))?;
+        }
+        Ok(to)
     }
 
     fn spool_dir(&self, round: u64) -> PathBuf {

@@ -790,6 +790,12 @@ pub enum OnboardError {
     },
     /// A registry entry was refused (malformed, too large, plaintext not allowed, ...).
     Refused(String),
+    /// The aggregator's kept copy of what was asked for (a model version's package, a registry
+    /// entry) could not be read: a damaged one is set aside, and the request refused.
+    Unreadable {
+        /// The model version asked for.
+        requested: u64,
+    },
 }
 
 /// The aggregator's answer on a site's onboarding reply topic (`onboard/reply/{site}`).

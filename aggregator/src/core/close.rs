@@ -183,6 +183,7 @@ impl Aggregator {
             "round-closed",
             format!("{} updates -> model v{version}", sites.len()),
         )?;
+        self.audit_suppressed(now_ms, round)?;
         Ok(actions)
     }
 

@@ -12,26 +12,8 @@ impl Aggregator {
     ) -> Result<Vec<Action>, CoreError> {
         let (site, round) = (&to.site, to.round);
         tracing::info!(site = %site, round, ?reason, "update rejected");
-        let n = self.rejects.entry(site.to_string()).or_default();
-        *n += 1;
-        let n = *n;
-        if n <= AUDITED_REJECTS {
-            self.audit(
-                now_ms,
-                round,
-                site.as_str(),
-                "rejected",
-                format!("{reason:?}"),
-            )?;
-        } else if n == AUDITED_REJECTS + 1 {
-            self.audit(
-                now_ms,
-                round,
-                site.as_str(),
-                "audit-suppressed",
-                format!("more than {AUDITED_REJECTS} rejects this round; the rest are only logged"),
-            )?;
-        }
+        let detail = format!("{reason:?}");
+        self.audit_refusal(now_ms, round, site.as_str(), "rejected", detail)?;
         Ok(vec![to.answer(Answer::Rejected(reason))])
     }
 
@@ -220,13 +202,8 @@ impl Aggregator {
             Refused::Dropped => Ok(Vec::new()),
             Refused::Rejected(to, reason) => self.reject(now_ms, &to, reason),
             Refused::Duplicate(to, detail) => {
-                self.audit(
-                    now_ms,
-                    to.round,
-                    to.site.as_str(),
-                    "duplicate",
-                    detail.into(),
-                )?;
+                let site = to.site.as_str();
+                self.audit_refusal(now_ms, to.round, site, "duplicate", detail.into())?;
                 Ok(vec![to.answer(Answer::Accepted)])
             }
         }

@@ -22,7 +22,7 @@ pub use admission::{Admission, AdmitError};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use unifed_protocol::auth::{AuthError, Keyring};
@@ -303,16 +303,27 @@ pub struct Aggregator {
     /// The enrolled sites' keys: every message from a site is opened with it.
     /// The keys and federation a site's message is opened against.
     admission: Admission,
-    /// Rejects audited per site in the open round (see [`AUDITED_REJECTS`]).
-    rejects: std::collections::BTreeMap<String, u32>,
+    /// Refusals audited and only counted per site in the open round (see
+    /// [`AUDITED_REJECTS`]).
+    refusals: std::sync::Mutex<Refusals>,
     /// The L2 norm of the current model over the tensors updates carry, with the model version
     /// it is of: computed once per version, not once per update.
     model_norm: std::sync::Mutex<Option<(u64, f64)>>,
 }
 
-/// Rejects of one site audited per round; past it one `audit-suppressed` line is written and
-/// the rest only logged, so a misbehaving site cannot fill the disk with its rejects.
+/// Refusals of one site's messages (rejected updates, duplicates, refused registry entries)
+/// audited per round; the rest are only counted, and written as one `audit-suppressed` line
+/// per site when the round closes, so a misbehaving site (or a stranger replaying its
+/// messages) cannot fill the disk with audit lines, nor spend an fsync per message.
 pub const AUDITED_REJECTS: u32 = 32;
+
+/// A round's refusals by site: how many were audited, and how many of each event were only
+/// counted past [`AUDITED_REJECTS`].
+#[derive(Debug, Default)]
+struct Refusals {
+    audited: BTreeMap<String, u32>,
+    suppressed: BTreeMap<String, BTreeMap<String, u64>>,
+}
 
 /// The L2 norm of tensors given as their sums of squares ([`sum_squares`],
 /// [`Checked::sum_squares`]).
@@ -378,7 +389,7 @@ impl Aggregator {
         } else {
             Self::held(&store, dir, &state, &model, &hash)?
         };
-        Ok(Aggregator {
+        let agg = Aggregator {
             cfg,
             spec,
             hash,
@@ -394,9 +405,17 @@ impl Aggregator {
             strategy,
             setup,
             admission: Admission::new(cfg_keyring, federation),
-            rejects: Default::default(),
+            refusals: Default::default(),
             model_norm: Default::default(),
-        })
+        };
+        let damaged = agg.verify_kept()?;
+        if damaged > 0 {
+            tracing::error!(
+                damaged,
+                "kept files damaged on disk were set aside at start"
+            );
+        }
+        Ok(agg)
     }
 
     /// Audits the updates of the open `round` found in the spool at start whose acceptance the
@@ -675,7 +694,6 @@ impl Aggregator {
             sites.sort();
             sites
         };
-        self.rejects.clear();
         self.state.opened_ms = now_ms;
         self.state.deadline_ms = now_ms.saturating_add(self.cfg.deadline_secs * 1000);
         self.store.save_state(&self.state)?;
@@ -848,6 +866,48 @@ impl Aggregator {
             model,
             delta: delta_cut,
         }
+    }
+
+    /// Audits a refusal of `site`'s message (`event`: `rejected`, `duplicate`,
+    /// `registry-refused`): the site's first [`AUDITED_REJECTS`] of the round are written,
+    /// the rest only counted for the round's `audit-suppressed` line.
+    pub(crate) fn audit_refusal(
+        &self,
+        now_ms: u64,
+        round: u64,
+        site: &str,
+        event: &str,
+        detail: String,
+    ) -> Result<(), CoreError> {
+        {
+            let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+            let n = r.audited.entry(site.to_string()).or_default();
+            if *n >= AUDITED_REJECTS {
+                *r.suppressed
+                    .entry(site.to_string())
+                    .or_default()
+                    .entry(event.to_string())
+                    .or_default() += 1;
+                return Ok(());
+            }
+            *n += 1;
+        }
+        self.audit(now_ms, round, site, event, detail)
+    }
+
+    /// Writes one `audit-suppressed` line per site whose refusals in `round` went past
+    /// [`AUDITED_REJECTS`], with their count by event, and starts counting afresh.
+    pub(super) fn audit_suppressed(&self, now_ms: u64, round: u64) -> Result<(), CoreError> {
+        let r = std::mem::take(&mut *self.refusals.lock().unwrap_or_else(|p| p.into_inner()));
+        for (site, events) in r.suppressed {
+            let counts: Vec<String> = events.iter().map(|(e, n)| format!("{n} {e}")).collect();
+            let detail = format!(
+                "past the first {AUDITED_REJECTS} refusals of the round, only counted: {}",
+                counts.join(", ")
+            );
+            self.audit(now_ms, round, &site, "audit-suppressed", detail)?;
+        }
+        Ok(())
     }
 
     pub(crate) fn audit(

@@ -489,3 +489,102 @@ fn registry_entries_are_pruned_with_their_model_and_uncommitted_versions_are_not
     );
     assert!(agg.package(Some(0)).unwrap().is_err());
 }
+
+/// Flips one byte in the middle of the file at `p`.
+fn flip(p: &std::path::Path) {
+    let mut b = std::fs::read(p).unwrap();
+    let i = b.len() / 2;
+    b[i] ^= 0x40;
+    std::fs::write(p, b).unwrap();
+}
+
+/// The files set aside in the data folder's `corrupt/`, by name without the time.
+fn set_aside(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir.join("corrupt"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| {
+                    let n = e.file_name().to_string_lossy().to_string();
+                    n[..n.rfind('-').unwrap()].to_string()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_damaged_kept_file_refuses_its_request_is_set_aside_and_is_found_again_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = FederationConfig::new("fed1", 3, 1, enrolled());
+    let mut agg = Aggregator::open(dir.path(), cfg.clone(), initial(), 16).unwrap();
+    agg.handle(Event::Start, 0).unwrap();
+    let site = Id::new("new-site").unwrap();
+    let sealed = entry(0, Sealing::ChaCha20Poly1305 { nonce: [1; 12] }, b"v0");
+    agg.registry_put(&site, &sealed, 5).unwrap();
+    assert_eq!(
+        answer(&mut agg, "a", update("a", 1, 10, &[])),
+        Answer::Accepted
+    );
+    assert_eq!(agg.model_version(), 1);
+    // Version 0 is kept on disk; a byte of it and of the registry entry flips.
+    flip(&dir.path().join("models/v0.bin"));
+    flip(&dir.path().join("registry/new-site/v0.entry"));
+    // Each request is refused by name, and the core goes on.
+    assert_eq!(
+        agg.package(Some(0)).unwrap().unwrap_err(),
+        OnboardError::Unreadable { requested: 0 }
+    );
+    assert_eq!(
+        agg.registry_get(&site, Some(0)).unwrap().unwrap_err(),
+        OnboardError::Unreadable { requested: 0 }
+    );
+    assert_eq!(
+        set_aside(dir.path()),
+        ["models-v0.bin", "registry-new-site-v0.entry"]
+    );
+    // Set aside, they are no longer offered; the current version is served as before.
+    assert_eq!(
+        agg.package(Some(0)).unwrap().unwrap_err(),
+        OnboardError::UnknownVersion {
+            requested: 0,
+            available: vec![1]
+        }
+    );
+    assert_eq!(package(&agg, Some(1)).1.len(), spec().tensors.len());
+    assert_eq!(
+        answer(&mut agg, "b", update("b", 2, 10, &[])),
+        Answer::Accepted
+    );
+    let damaged: Vec<String> = agg
+        .store()
+        .audit_entries()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.event == "damaged-file")
+        .map(|e| e.detail)
+        .collect();
+    assert_eq!(damaged.len(), 2, "{damaged:?}");
+    assert!(damaged[0].contains("v0.bin"), "{damaged:?}");
+    drop(agg);
+    // A file damaged while the aggregator is stopped is set aside when it starts, before any
+    // request reads it.
+    flip(&dir.path().join("models/v1.bin"));
+    let agg = Aggregator::open(dir.path(), cfg, initial(), 16).unwrap();
+    assert_eq!(
+        set_aside(dir.path()),
+        [
+            "models-v0.bin",
+            "models-v1.bin",
+            "registry-new-site-v0.entry"
+        ]
+    );
+    assert_eq!(
+        agg.package(Some(1)).unwrap().unwrap_err(),
+        OnboardError::UnknownVersion {
+            requested: 1,
+            available: vec![2]
+        }
+    );
+}

@@ -345,3 +345,69 @@ fn under_none_no_bn_tensor_of_any_site_is_on_the_wire_and_bad_requests_are_named
     assert_absent(&payloads(&packets), &[(NEW, &stored)], Select::BnStats);
     drop(run.broker);
 }
+
+/// Flips one byte in the middle of the file at `p`.
+fn flip(p: &Path) {
+    let mut b = std::fs::read(p).unwrap();
+    let i = b.len() / 2;
+    b[i] ^= 0x40;
+    std::fs::write(p, b).unwrap();
+}
+
+#[test]
+fn a_damaged_kept_file_ends_its_request_not_the_aggregator() {
+    let _one = serial();
+    let mut run = federation(BnSharing::None, 2);
+    let fed = run.fed.clone();
+    let alive = |run: &mut Run| run.agg.0.try_wait().unwrap().is_none();
+    let key = fed.dir.join("morpho.key");
+    assert!(agent(&["keygen", "--out", path(&key)]).0);
+    let cfg = fed.device_config(NEW, "morpho-a", Some(&key));
+    // A byte of the kept model v1 flips on the aggregator's disk: asking for its package is
+    // refused by name, and the aggregator goes on serving.
+    flip(&fed.agg_dir().join("models/v1.bin"));
+    let (ok, out) = agent(&["calibrate", "--config", path(&cfg), "--version", "1"]);
+    assert!(
+        !ok && out.contains("could not read its copy of model version 1"),
+        "{out}\n{}",
+        fed.logs()
+    );
+    assert!(alive(&mut run), "{}", fed.logs());
+    // Set aside, v1 is no longer offered; the current version is served and registered.
+    let (ok, out) = agent(&["calibrate", "--config", path(&cfg), "--version", "1"]);
+    assert!(
+        !ok && out.contains("no model version 1 (it holds 0, 2)"),
+        "{out}"
+    );
+    let (ok, out) = agent(&["calibrate", "--config", path(&cfg)]);
+    assert!(ok, "{out}\n{}", fed.logs());
+    // Its registry entry damaged: fetching it is refused, and the aggregator goes on.
+    let entry = fed.agg_dir().join(format!("registry/{NEW}/v2.entry"));
+    flip(&entry);
+    let (ok, out) = agent(&["fetch-calibrated", "--config", path(&cfg)]);
+    assert!(
+        !ok && out.contains("could not read its copy of model version 2"),
+        "{out}\n{}",
+        fed.logs()
+    );
+    assert!(alive(&mut run), "{}", fed.logs());
+    let mut aside: Vec<String> = std::fs::read_dir(fed.agg_dir().join("corrupt"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    aside.sort();
+    assert_eq!(aside.len(), 2, "{aside:?}");
+    assert!(aside[0].starts_with("models-v1.bin-"), "{aside:?}");
+    assert!(
+        aside[1].starts_with(&format!("registry-{NEW}-v2.entry-")),
+        "{aside:?}"
+    );
+    let damaged = fed
+        .audit()
+        .into_iter()
+        .filter(|e| e.event == "damaged-file")
+        .count();
+    assert_eq!(damaged, 2);
+    drop(run.broker);
+}
