@@ -9,6 +9,7 @@
 pub mod disk;
 pub mod memory;
 pub mod report;
+pub mod throttle;
 
 pub use memory::release_free_memory;
 
@@ -356,15 +357,22 @@ pub async fn stop_signal() {
     }
 }
 
-/// Installs the binaries' log subscriber: `RUST_LOG` if set, else `default_filter`; logs go to
-/// stderr so stdout stays for results.
+/// Installs the binaries' log subscriber: `RUST_LOG` if set, else `default_filter`, and at
+/// most [`throttle::BURST`] lines per place in the code per [`throttle::WINDOW`] (a flood of
+/// junk from the network is counted, not written line by line); logs go to stderr so stdout
+/// stays for results.
 pub fn init_logging(default_filter: &str) {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_filter.into()),
+    use tracing_subscriber::layer::{Layer, SubscriberExt};
+    use tracing_subscriber::util::SubscriberInitExt;
+    let env = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| default_filter.into());
+    let filter = tracing_subscriber::filter::FilterExt::and(env, throttle::Throttle::default());
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_filter(filter),
         )
-        .with_writer(std::io::stderr)
         .init();
 }
 
