@@ -317,3 +317,124 @@ fn under_each_flood_the_honest_rounds_close_and_the_aggregator_stays_bounded() {
         );
     }
 }
+
+/// The next event of a test client's connection.
+async fn next(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<unifed_net::NetEvent>,
+) -> unifed_net::NetEvent {
+    match tokio::time::timeout(LONG, rx.recv()).await {
+        Ok(Some(ev)) => ev,
+        other => panic!("a test client's connection: {other:?}"),
+    }
+}
+
+/// Captures the first update message on the update topics (`update/<site>`) and publishes it
+/// `times` times more, without any key; says on `ready` once it listens, and returns the
+/// update's site once every replay has come back through the broker.
+fn replay_first_update(fed: &Fed, times: usize, ready: std::sync::mpsc::Sender<()>) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let topics = Topics::new(&id("e2e"));
+        let opts = fed.broker().options("replayer", None).unwrap();
+        let (client, mut rx) = unifed_net::spawn_event_loop(opts, vec![topics.updates_filter()]);
+        while !matches!(next(&mut rx).await, unifed_net::NetEvent::Subscribed) {}
+        ready.send(()).unwrap();
+        let (topic, payload) = loop {
+            // An update this small travels as one message: a chunk set of one chunk.
+            if let unifed_net::NetEvent::Message { topic, payload } = next(&mut rx).await
+                && matches!(
+                    Envelope::peek_kind(&payload),
+                    Some(MessageKind::SiteUpdate | MessageKind::UpdateChunk)
+                )
+            {
+                break (topic, payload);
+            }
+        };
+        // One at a time: each comes back to this subscription once the broker has routed it
+        // (to the aggregator's too) before the next goes.
+        for _ in 0..times {
+            let q = unifed_net::Qos::AtLeastOnce;
+            client
+                .publish(topic.clone(), q, false, payload.to_vec())
+                .await
+                .unwrap();
+            loop {
+                if let unifed_net::NetEvent::Message { payload: p, .. } = next(&mut rx).await
+                    && p[..] == payload[..]
+                {
+                    break;
+                }
+            }
+        }
+        topic.rsplit('/').next().unwrap().to_string()
+    })
+}
+
+/// Replays of a captured update in [`replays_of_an_accepted_update_are_audited_up_to_the_limit_then_counted_in_one_line`].
+const REPLAYS: usize = 80;
+
+#[test]
+fn replays_of_an_accepted_update_are_audited_up_to_the_limit_then_counted_in_one_line() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, 1 << 20);
+    let mut fed = Fed::new(dir.path(), broker.port, 1 << 20);
+    fed.rounds = 1;
+    let mut agg = fed.aggregator();
+    // Round 1 waits for all three: grey and texture report, a stranger replays the first
+    // update it sees REPLAYS times while the round is open.
+    let (ready, listening) = std::sync::mpsc::channel();
+    let replayer = {
+        let fed = fed.clone();
+        std::thread::spawn(move || replay_first_update(&fed, REPLAYS, ready))
+    };
+    listening.recv_timeout(LONG).unwrap();
+    let mut agents: Vec<_> = ["grey", "texture"]
+        .into_iter()
+        .map(|s| (s, fed.agent(s)))
+        .collect();
+    let replayed = replayer.join().unwrap();
+    let limit = unifed_aggregator::core::AUDITED_REJECTS as usize;
+    let duplicates = |fed: &Fed| {
+        fed.audit()
+            .into_iter()
+            .filter(|e| e.event == "duplicate" && e.site == replayed)
+            .count()
+    };
+    let t0 = Instant::now();
+    while duplicates(&fed) < limit {
+        assert!(
+            t0.elapsed() < LONG,
+            "the replays were not answered\n{}",
+            fed.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    agents.push(("lowres", fed.agent("lowres")));
+    for (s, a) in &mut agents {
+        fed.wait_ok(a, s, LONG);
+    }
+    fed.wait_ok(&mut agg, "aggregator", LONG);
+    // The replays took 32 audit lines, not one fsynced line each, and the close said how
+    // many more came.
+    assert_eq!(duplicates(&fed), limit, "{}", fed.logs());
+    let suppressed: Vec<String> = fed
+        .audit()
+        .into_iter()
+        .filter(|e| e.event == "audit-suppressed" && e.site == replayed)
+        .map(|e| e.detail)
+        .collect();
+    assert_eq!(suppressed.len(), 1, "{suppressed:?}");
+    let counted: usize = suppressed[0]
+        .rsplit(": ")
+        .next()
+        .and_then(|c| c.strip_suffix(" duplicate"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{suppressed:?}"));
+    // (All of them, unless the round closed before the last were taken.)
+    assert!(counted >= 1 && counted + limit <= REPLAYS, "{suppressed:?}");
+    assert_eq!(fed.accepted(1), ["grey", "lowres", "texture"]);
+}
