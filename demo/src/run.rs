@@ -425,30 +425,15 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
                     work.join(format!("{who}.log")).display()
                 )
             }
-            Line::Out { who, text } if who == "aggregator" => match Report::parse(&text) {
-                Some(Report::Stopped { .. }) => stopped = true,
-                Some(Report::RoundClosed {
-                    round,
-                    model_version,
-                    sites,
-                }) => {
-                    rec.round_closed.push(t0.elapsed().as_secs_f64());
-                    rec.cpu_closed.push(kids.cpu_seconds());
+            Line::Out { who, text } if who == "aggregator" => {
+                let closed = |round, model_version, n: usize| {
                     rounds_bar.inc(1);
                     say(format!(
-                        "{name}: round {round} closed with {} update(s) -> model v{model_version}",
-                        sites.len()
+                        "{name}: round {round} closed with {n} update(s) -> model v{model_version}"
                     ));
-                }
-                Some(Report::Phase {
-                    round,
-                    phase,
-                    seconds,
-                    peak_bytes,
-                    ended_ms,
-                }) => rec.phase("aggregator", (round, phase, seconds, peak_bytes, ended_ms)),
-                _ => {}
-            },
+                };
+                stopped |= aggregator_line(&text, &mut rec, &kids, t0, closed);
+            }
             Line::Out { who, text } => {
                 let (Some(r), Some(bar)) = (Report::parse(&text), bars.get(&who)) else {
                     continue;
@@ -473,6 +458,39 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     run.wall_seconds = t0.elapsed().as_secs_f64();
     run.threads_per_agent = threads;
     Ok(run)
+}
+
+/// Records what the aggregator's report line `text` says: a closed round (when, every
+/// process's CPU seconds, and `closed(round, model version, updates)`) or a phase; true once it
+/// says it stopped.
+fn aggregator_line(
+    text: &str,
+    rec: &mut Recorded,
+    kids: &Children,
+    t0: Instant,
+    closed: impl Fn(u64, u64, usize),
+) -> bool {
+    match Report::parse(text) {
+        Some(Report::Stopped { .. }) => return true,
+        Some(Report::RoundClosed {
+            round,
+            model_version,
+            sites,
+        }) => {
+            rec.round_closed.push(t0.elapsed().as_secs_f64());
+            rec.cpu_closed.push(kids.cpu_seconds());
+            closed(round, model_version, sites.len());
+        }
+        Some(Report::Phase {
+            round,
+            phase,
+            seconds,
+            peak_bytes,
+            ended_ms,
+        }) => rec.phase("aggregator", (round, phase, seconds, peak_bytes, ended_ms)),
+        _ => {}
+    }
+    false
 }
 
 /// Empties the folder `dir` (made when missing): each run starts from nothing.
