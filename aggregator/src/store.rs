@@ -723,9 +723,10 @@ impl Store {
         f.sync_data().map_err(|e| io(&p, e))
     }
 
-    /// The sites the audit log says were accepted in `round`. Lines that do not parse (the
-    /// torn last line of a crash) are skipped: this is a restart's check, not a reader's.
-    pub fn audited_accepts(&self, round: u64) -> Result<BTreeSet<String>, StoreError> {
+    /// The sites of the audit log's `event` lines of `round` (`-` for the round's own). Lines
+    /// that do not parse (the torn last line of a crash) are skipped: this is a restart's
+    /// check, not a reader's.
+    pub fn audited(&self, round: u64, event: &str) -> Result<BTreeSet<String>, StoreError> {
         let p = self.dir.join("audit.log");
         let text = match std::fs::read_to_string(&p) {
             Ok(t) => t,
@@ -735,7 +736,7 @@ impl Store {
         Ok(text
             .lines()
             .filter_map(|l| serde_json::from_str::<AuditEntry>(l).ok())
-            .filter(|e| e.round == round && e.event == "accepted")
+            .filter(|e| e.round == round && e.event == event)
             .map(|e| e.site)
             .collect())
     }

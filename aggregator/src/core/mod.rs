@@ -382,7 +382,7 @@ impl Aggregator {
         } else {
             BTreeSet::new()
         };
-        Self::audit_recovered(&store, state.round, &accepted)?;
+        Self::audit_recovered(&store, &state, &accepted)?;
         let cfg_keyring = cfg.keyring();
         let (held, delta) = if cfg.encoding.is_exact() {
             (None, None)
@@ -418,30 +418,52 @@ impl Aggregator {
         Ok(agg)
     }
 
-    /// Audits the updates of the open `round` found in the spool at start whose acceptance the
-    /// audit log lacks: a process stopped between committing an update and writing its line.
-    /// Its re-send is then answered as a duplicate, so without this line the log would never
-    /// say it was accepted.
+    /// Writes at start the audit lines a process stopped too early to write: the acceptance of
+    /// each update of the open round found in the spool (its re-send is answered as a
+    /// duplicate, so without this line the log would never say it was accepted), and the
+    /// acceptances and the close of the last round the state records as folded (a stop between
+    /// the commit of a round and its lines). So every update in a committed model has its
+    /// `accepted` line, and every closed round its `round-closed`.
     fn audit_recovered(
         store: &Store,
-        round: u64,
+        state: &State,
         spooled: &BTreeSet<String>,
     ) -> Result<(), CoreError> {
-        if spooled.is_empty() {
-            return Ok(());
-        }
-        let audited = store.audited_accepts(round)?;
-        for site in spooled.difference(&audited) {
+        let line = |round, site: &str, event: &str, detail: String| {
             store.audit(&AuditEntry {
                 v: FORMAT_VERSION,
                 at_ms: crate::clock::now_ms(),
                 round,
-                site: site.clone(),
-                event: "accepted".into(),
-                detail: "found in the spool at start: accepted before the aggregator stopped, \
-                         whose audit line was not written"
-                    .into(),
-            })?;
+                site: site.to_string(),
+                event: event.into(),
+                detail,
+            })
+        };
+        let found = "found at start: written before the aggregator stopped, without its line";
+        if !spooled.is_empty() {
+            let audited = store.audited(state.round, "accepted")?;
+            for site in spooled.difference(&audited) {
+                line(
+                    state.round,
+                    site,
+                    "accepted",
+                    format!("in the spool; {found}"),
+                )?;
+            }
+        }
+        if let Some(last) = state.recent.last() {
+            let audited = store.audited(last.round, "accepted")?;
+            for site in last.accepted.iter().filter(|s| !audited.contains(*s)) {
+                line(last.round, site, "accepted", format!("folded; {found}"))?;
+            }
+            if store.audited(last.round, "round-closed")?.is_empty() {
+                let detail = format!(
+                    "{} updates -> model v{}; {found}",
+                    last.accepted.len(),
+                    state.model_version
+                );
+                line(last.round, "-", "round-closed", detail)?;
+            }
         }
         Ok(())
     }

@@ -834,6 +834,59 @@ fn a_crash_between_or_during_rounds_loses_no_accepted_update() {
 }
 
 #[test]
+fn a_stop_between_a_rounds_commit_and_its_audit_lines_is_recovered_on_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(2, 2, BnPolicy::Local);
+    let lines = || {
+        let mut v: Vec<(u64, String, String)> = Store::open(dir.path())
+            .unwrap()
+            .audit_entries()
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.event == "accepted" || e.event == "round-closed")
+            .map(|e| (e.round, e.site, e.event))
+            .collect();
+        v.sort();
+        v
+    };
+    {
+        let mut agg = open(dir.path(), cfg.clone());
+        agg.handle(Event::Start, 0).unwrap();
+        send(&mut agg, "a", good("a", 1, 0, 5, BnPolicy::Local));
+        send(&mut agg, "b", good("b", 1, 0, 5, BnPolicy::Local));
+        assert_eq!(agg.round(), 2);
+    }
+    let whole = lines();
+    let line = |r: u64, s: &str, e: &str| (r, s.to_string(), e.to_string());
+    assert_eq!(
+        whole,
+        [
+            line(1, "-", "round-closed"),
+            line(1, "a", "accepted"),
+            line(1, "b", "accepted")
+        ]
+    );
+    // The process stopped after the round's commit, before b's line and the close's were
+    // written (the commit of the spool and of the state come before their lines).
+    let log = dir.path().join("audit.log");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.contains("\"round-closed\"") && !l.contains("\"site\":\"b\""))
+        .collect();
+    std::fs::write(&log, kept.join("\n") + "\n").unwrap();
+    assert_eq!(lines(), [line(1, "a", "accepted")]);
+    // Started again, the aggregator writes them from its state.
+    let mut agg = open(dir.path(), cfg.clone());
+    agg.handle(Event::Start, 0).unwrap();
+    assert_eq!(lines(), whole);
+    // And only once.
+    drop(agg);
+    open(dir.path(), cfg).handle(Event::Start, 0).unwrap();
+    assert_eq!(lines(), whole);
+}
+
+#[test]
 fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(1, 2, BnPolicy::Local);
