@@ -364,6 +364,11 @@ impl FederationConfig {
         k
     }
 
+    /// The enrolled sites whose key is not revoked: those a round can still take anything from.
+    pub fn unrevoked_sites(&self) -> impl Iterator<Item = &EnrolledSite> {
+        self.sites.iter().filter(|s| !self.revoked.contains(&s.key))
+    }
+
     /// The most samples an update of `site` may claim.
     pub fn max_samples_of(&self, site: &str) -> u64 {
         self.sites

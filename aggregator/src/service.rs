@@ -684,10 +684,10 @@ impl Service {
 
     /// Whether every enrolled site whose key is not revoked said it holds the final model.
     fn every_site_holds_the_final_model(&self) -> bool {
-        let cfg = self.federation.core().config();
-        cfg.sites
-            .iter()
-            .filter(|s| !cfg.revoked.contains(&s.key))
+        self.federation
+            .core()
+            .config()
+            .unrevoked_sites()
             .all(|s| self.holding.contains(&s.id))
     }
 }

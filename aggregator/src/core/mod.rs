@@ -700,13 +700,7 @@ impl Aggregator {
             Vec::new()
         } else {
             // A site whose key is revoked cannot send anything the round would take.
-            let mut sites: Vec<String> = self
-                .cfg
-                .sites
-                .iter()
-                .filter(|s| !self.cfg.revoked.contains(&s.key))
-                .map(|s| s.id.clone())
-                .collect();
+            let mut sites: Vec<String> = self.cfg.unrevoked_sites().map(|s| s.id.clone()).collect();
             sites.sort();
             let mut rng = ChaCha8Rng::seed_from_u64(
                 self.cfg.seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15),
@@ -1005,17 +999,12 @@ impl Aggregator {
         if self.state.sampled.is_empty() {
             return self.cfg.min_sites;
         }
-        let revoked = |id: &String| {
-            self.cfg
-                .sites
-                .iter()
-                .any(|s| &s.id == id && self.cfg.revoked.contains(&s.key))
-        };
+        let unrevoked: BTreeSet<&str> = self.cfg.unrevoked_sites().map(|s| s.id.as_str()).collect();
         let able = self
             .state
             .sampled
             .iter()
-            .filter(|id| self.accepted.contains(*id) || !revoked(id))
+            .filter(|id| self.accepted.contains(*id) || unrevoked.contains(id.as_str()))
             .count();
         self.cfg.min_sites.min(able.max(1))
     }

@@ -1936,7 +1936,7 @@ fn agg_tick(agg: &mut Aggregator, now_ms: u64) -> Vec<Action> {
 }
 
 /// Writes `f(bytes)` over the file at `p`.
-fn tamper(p: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+pub(crate) fn tamper(p: &Path, f: impl FnOnce(&mut Vec<u8>)) {
     let mut b = std::fs::read(p).unwrap();
     f(&mut b);
     std::fs::write(p, b).unwrap();

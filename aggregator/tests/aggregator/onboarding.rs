@@ -492,10 +492,10 @@ fn registry_entries_are_pruned_with_their_model_and_uncommitted_versions_are_not
 
 /// Flips one byte in the middle of the file at `p`.
 fn flip(p: &std::path::Path) {
-    let mut b = std::fs::read(p).unwrap();
-    let i = b.len() / 2;
-    b[i] ^= 0x40;
-    std::fs::write(p, b).unwrap();
+    crate::core::tamper(p, |b| {
+        let i = b.len() / 2;
+        b[i] ^= 0x40;
+    });
 }
 
 /// The files set aside in the data folder's `corrupt/`, by name without the time.
