@@ -2,6 +2,7 @@
 //! reassembler: nothing may panic, and the reassembler must stay inside its memory limit.
 
 use proptest::prelude::*;
+use unifed_protocol::messages::*;
 use unifed_protocol::*;
 
 /// Cases per property. Each property below runs this many inputs.
@@ -271,6 +272,20 @@ proptest! {
         let _ = postcard::from_bytes::<UpdateAnswer>(&bytes);
         let _ = postcard::from_bytes::<SiteStatus>(&bytes);
         let _ = postcard::from_bytes::<ServerBroadcast>(&bytes);
+        let _ = postcard::from_bytes::<ServerBroadcast<&[u8]>>(&bytes);
+        let _ = postcard::from_bytes::<ChunkRef>(&bytes);
+        let _ = postcard::from_bytes::<UpdateReceipt>(&bytes);
+        let _ = postcard::from_bytes::<OnboardRequest>(&bytes);
+        let _ = postcard::from_bytes::<OnboardReply>(&bytes);
+        let _ = postcard::from_bytes::<RegistryEntry>(&bytes);
+        let _ = postcard::from_bytes::<ModelDelta>(&bytes);
+        let _ = postcard::from_bytes::<SiteUpdateRef>(&bytes);
+        // A model or delta payload as a site receives it, checked to decode and then read.
+        for delta in [false, true] {
+            if let Ok(d) = Downloaded::new(bytes.clone(), delta) {
+                let _ = d.read();
+            }
+        }
     }
 
     #[test]
