@@ -13,6 +13,19 @@ pub fn default_max_relative_norm() -> f64 {
     1.0
 }
 
+/// The default cap on a site's weight in a round, as a multiple of the round's lower-median
+/// claimed sample count: 4, so sites with up to four times the median's data keep their full
+/// weight.
+pub fn default_max_weight_of_median() -> f64 {
+    4.0
+}
+
+/// The default bound on an update's norm in a round, as a multiple of the round's lower-median
+/// update norm: 4 (honest sites of the demo's federations stayed within 2.6 of it).
+pub fn default_max_norm_of_median() -> f64 {
+    4.0
+}
+
 /// The default free-space floor of the data disk: 256 MiB.
 pub fn default_min_free_disk() -> u64 {
     256 << 20
@@ -116,6 +129,15 @@ pub struct FederationConfig {
     /// site cannot take all of it by claiming 2^64 - 1.
     #[serde(default = "default_max_samples")]
     pub max_samples: u64,
+    /// A site's weight in a round's mean counts at most this multiple of the round's
+    /// lower-median claimed sample count, whatever it claims (`inf`: no cap). Holds without an
+    /// enrolled count; a site's `max_samples` bounds it further.
+    #[serde(default = "default_max_weight_of_median")]
+    pub max_weight_of_median: f64,
+    /// An update whose norm exceeds this multiple of the round's lower-median update norm is
+    /// scaled down to it before the fold (clipped, direction kept; `inf`: no clip).
+    #[serde(default = "default_max_norm_of_median")]
+    pub max_norm_of_median: f64,
     /// Model versions kept on disk (at least 1).
     pub keep_versions: usize,
     /// Free bytes the data disk must keep: below it the aggregator refuses new updates
@@ -234,6 +256,8 @@ impl FederationConfig {
             norm_bound: None,
             max_relative_norm: default_max_relative_norm(),
             max_samples: default_max_samples(),
+            max_weight_of_median: default_max_weight_of_median(),
+            max_norm_of_median: default_max_norm_of_median(),
             keep_versions: 3,
             min_free_disk_bytes: default_min_free_disk(),
             max_update_bytes: 256 << 20,
@@ -288,6 +312,12 @@ impl FederationConfig {
                 "be positive and finite",
                 b,
             );
+        }
+        for (field, r) in [
+            ("max_weight_of_median", self.max_weight_of_median),
+            ("max_norm_of_median", self.max_norm_of_median),
+        ] {
+            range(r >= 1.0, field, "be at least 1 (inf: off)", r);
         }
         let m = self.max_samples;
         range(m > 0, "max_samples", "be at least 1", m as f64);
@@ -367,6 +397,14 @@ impl FederationConfig {
     /// The enrolled sites whose key is not revoked: those a round can still take anything from.
     pub fn unrevoked_sites(&self) -> impl Iterator<Item = &EnrolledSite> {
         self.sites.iter().filter(|s| !self.revoked.contains(&s.key))
+    }
+
+    /// How far a round trusts what each site says of its update, relative to its cohort.
+    pub fn cohort_bounds(&self) -> crate::spoolround::CohortBounds {
+        crate::spoolround::CohortBounds {
+            weight_of_median: self.max_weight_of_median,
+            norm_of_median: self.max_norm_of_median,
+        }
     }
 
     /// The most samples an update of `site` may claim.

@@ -30,10 +30,26 @@ enum Dropped {
     /// Its payload does not decode as a chunk.
     #[error("its payload: {0}")]
     Payload(#[from] DecodeError),
+    /// It is of another round or model version than the open round's (a replay of an
+    /// earlier upload, or a re-send after its round closed): dropped before it takes any of
+    /// its site's upload share.
+    #[error("of round {round} from v{version}, not the open round's ({open})")]
+    NotOpenRound {
+        /// The round it names.
+        round: u64,
+        /// The model version it names.
+        version: u64,
+        /// The open round and its version, or none.
+        open: String,
+    },
     /// The upload refused it.
     #[error(transparent)]
     Upload(#[from] UploadError),
 }
+
+/// The round chunk sets may be of: the open round and the model version it trains from, or
+/// `None` while no round is open (before the first, after the last).
+pub type OpenRound = Option<(u64, u64)>;
 
 /// A site's update whose chunks have all arrived, still on disk: the core's loop reads it
 /// when it takes it, so updates waiting for the core cost no memory.
@@ -54,6 +70,8 @@ pub struct Ingest {
     pub uploads: SpooledUploads,
     /// How a chunk is opened; the core's loop sends a new one when revocations change.
     pub admission: watch::Receiver<Admission>,
+    /// The round the core has open; the core's loop sends each change.
+    pub open: watch::Receiver<OpenRound>,
     /// Largest chunk envelope taken.
     pub limit: usize,
     /// The topic prefix of updates (`…/update/`), the site's id after it.
@@ -93,6 +111,14 @@ impl Ingest {
                 // signed in its chunks (`Arrival::SignedChunks`).
                 if env.kind != MessageKind::UpdateChunk {
                     return Err(Dropped::NotAChunk(env.kind));
+                }
+                let open = *self.open.borrow();
+                if open != Some((env.round, env.model_version)) {
+                    return Err(Dropped::NotOpenRound {
+                        round: env.round,
+                        version: env.model_version,
+                        open: open.map_or("none".into(), |(r, v)| format!("round {r} from v{v}")),
+                    });
                 }
                 let c = env.payload_as::<ChunkRef>()?;
                 let r = UpdateReceipt {
@@ -261,11 +287,13 @@ mod tests {
             ring.enrol(id(s), k.public());
         }
         let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
+        let (_open_tx, open) = watch::channel(Some((1, 0)));
         let (complete, completed) = mpsc::channel(16);
         let ingests = (0..n)
             .map(|k| Ingest {
                 uploads: SpooledUploads::open(&dir.join(k.to_string()), 1 << 20, 60_000).unwrap(),
                 admission: admission.clone(),
+                open: open.clone(),
                 limit: 1 << 20,
                 prefix: "u/".into(),
                 complete: complete.clone(),
@@ -274,8 +302,9 @@ mod tests {
         (ingests, completed)
     }
 
-    /// Only update chunks signed by the site of their topic are kept and receipted, whatever
-    /// else the site signed: a set completes from them alone and goes to the core.
+    /// Only update chunks signed by the site of their topic, of the open round and version, are
+    /// kept and receipted, whatever else the site signed: a set completes from them alone and
+    /// goes to the core.
     #[test]
     fn only_the_topic_sites_update_chunks_are_taken() {
         let dir = tempfile::tempdir().unwrap();
@@ -283,18 +312,36 @@ mod tests {
         let mut ring = Keyring::default();
         ring.enrol(id("a"), key.public());
         let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
+        let (_open_tx, open) = watch::channel(Some((1, 0)));
         let (complete, mut completed) = mpsc::channel(4);
         let ingest = Ingest {
             uploads: SpooledUploads::open(&dir.path().join("in"), 1 << 20, 60_000).unwrap(),
             admission,
+            open,
             limit: 1 << 20,
             prefix: "u/".into(),
             complete,
         };
-        fn sign<T: serde::Serialize>(kind: MessageKind, k: &SigningKey, body: &T) -> Vec<u8> {
+        fn sign_at<T: serde::Serialize>(
+            kind: MessageKind,
+            k: &SigningKey,
+            (round, version): (u64, u64),
+            body: &T,
+        ) -> Vec<u8> {
             let fed = Id::new("fed").unwrap();
             let a = Id::new("a").unwrap();
-            k.sign(&Envelope::new(kind, fed, a, 1, 0, SpecHash([3; 32]), body))
+            k.sign(&Envelope::new(
+                kind,
+                fed,
+                a,
+                round,
+                version,
+                SpecHash([3; 32]),
+                body,
+            ))
+        }
+        fn sign<T: serde::Serialize>(kind: MessageKind, k: &SigningKey, body: &T) -> Vec<u8> {
+            sign_at(kind, k, (1, 0), body)
         }
         let payload: Vec<u8> = (0..3_000).map(|i| (i % 251) as u8).collect();
         let other = SigningKey::from_seed([6; 32]);
@@ -303,6 +350,14 @@ mod tests {
         let mut first = chunks(&payload, 1_000).next().unwrap();
         first.data[0] ^= 1;
         let mut input = vec![("u/a", sign(MessageKind::ModelChunk, &key, &first))];
+        // The site's own chunks of another upload, of a round or version that is not open (a
+        // replay of an earlier upload): dropped before they open a set.
+        let earlier: Vec<u8> = payload.iter().map(|b| b ^ 0x55).collect();
+        for at in [(0, 0), (2, 0), (1, 1)] {
+            for c in chunks(&earlier, 1_000) {
+                input.push(("u/a", sign_at(MessageKind::UpdateChunk, &key, at, &c)));
+            }
+        }
         for c in chunks(&payload, 1_000) {
             // Signed by another key, and on another site's topic: refused.
             input.push(("u/a", sign(MessageKind::UpdateChunk, &other, &c)));

@@ -293,7 +293,7 @@ pub async fn serve(
         wire,
         prefixes,
         admission: ingest.admission,
-        version: ingest.version,
+        open: ingest.open,
         clock: Instant::now(),
         finished_at: None,
         holding: BTreeSet::new(),
@@ -328,10 +328,17 @@ impl Prefixes {
 struct Ingest {
     /// How sites' messages are opened (changes with the revocation list).
     admission: tokio::sync::watch::Sender<crate::core::Admission>,
-    /// The model version receipts name.
-    version: tokio::sync::watch::Sender<u64>,
+    /// The round chunk sets may be of (its model version is what receipts name).
+    open: tokio::sync::watch::Sender<crate::ingest::OpenRound>,
     /// Complete uploads.
     completed: tokio::sync::mpsc::Receiver<crate::ingest::Complete>,
+}
+
+/// The round `core` has open and the model version it trains from; `None` before the first
+/// round and once the federation finished.
+fn open_round(core: &Aggregator) -> crate::ingest::OpenRound {
+    let round = core.round();
+    (round > 0 && !core.finished()).then(|| (round, core.model_version()))
 }
 
 /// Starts the threads that take sites' update chunks: spooled to disk as they arrive, bounded
@@ -357,7 +364,7 @@ fn start_ingest(
         cfg.federation.sites.len(),
     );
     let (admission_tx, admission) = tokio::sync::watch::channel(core.admission().clone());
-    let (version_tx, version) = tokio::sync::watch::channel(core.model_version());
+    let (open_tx, open) = tokio::sync::watch::channel(open_round(core));
     // Two complete updates per enrolled site may wait for the core (an honest site has one
     // per round).
     let (complete, completed) = tokio::sync::mpsc::channel(2 * cfg.federation.sites.len().max(1));
@@ -369,6 +376,7 @@ fn start_ingest(
         ingests.push(crate::ingest::Ingest {
             uploads: SpooledUploads::open(&incoming.join(k.to_string()), per_site, 600_000)?,
             admission: admission.clone(),
+            open: open.clone(),
             limit: cfg.broker.max_packet_bytes + 4096,
             prefix: prefixes.update.clone(),
             complete: complete.clone(),
@@ -381,7 +389,8 @@ fn start_ingest(
         shards,
         chunks_rx,
         move |(site, r): crate::ingest::Receipt| {
-            let (wire, version) = (receipts.clone(), *version.borrow());
+            // A chunk is taken only of the open round, from its model version.
+            let (wire, version) = (receipts.clone(), open.borrow().map_or(0, |o| o.1));
             async move {
                 wire.send(
                     wire.topics.ack(&site),
@@ -397,7 +406,7 @@ fn start_ingest(
     .context("starting the ingest threads")?;
     Ok(Ingest {
         admission: admission_tx,
-        version: version_tx,
+        open: open_tx,
         completed,
     })
 }
@@ -411,7 +420,8 @@ struct Service {
     entries: unifed_protocol::chunking::Reassembler,
     revocations: Option<Revocations>,
     admission: tokio::sync::watch::Sender<crate::core::Admission>,
-    version: tokio::sync::watch::Sender<u64>,
+    /// The round the ingest threads take chunk sets of.
+    open: tokio::sync::watch::Sender<crate::ingest::OpenRound>,
     /// The serving's clock starts here.
     clock: Instant,
     finished_at: Option<Instant>,
@@ -487,8 +497,7 @@ impl Service {
     /// round folds), and so on until a step asks for nothing more.
     async fn finish(&mut self, mut step: Step) -> Result<()> {
         loop {
-            self.version
-                .send_replace(self.federation.core().model_version());
+            self.open.send_replace(open_round(self.federation.core()));
             self.wire.send_all(std::mem::take(&mut step.send)).await?;
             for done in std::mem::take(&mut step.done) {
                 self.report(done);

@@ -1,4 +1,4 @@
-//! Spool files of format 6: the message an update arrived in, kept verbatim at the head of the
+//! Spool files of format 7 (6 is read too: it lacks the norm): the message an update arrived in, kept verbatim at the head of the
 //! file, then a footer that says where its exact tensors lie in it. A chunked upload is already
 //! on disk when the core accepts it, so its reassembled file *becomes* the spool file: the
 //! footer and checksum are appended, the file is synced and renamed into the spool. A 57 MB
@@ -8,13 +8,14 @@
 //! ```text
 //! head     the message (when an exact tensor lies in it), then the values of any exact
 //!          tensor that does not (little-endian)
-//! footer   round u64, samples u64, head length u64,
+//! footer   round u64, samples u64, norm f64 (the delta's L2 norm; not in format 6),
+//!          head length u64,
 //!          delta: count u32, then per tensor a tag and
 //!            2: an exact tensor in the head: offset u64, value count u64
 //!            1: a lossy tensor: length u64, its postcard wire form
 //!          BN tensors (count u32; per tensor length u64, values), report and extras
 //!          (length u32, postcard)
-//! tail     footer length u64, "UFES", 6u32
+//! tail     footer length u64, "UFES", 7u32
 //! trailer  XXH3-128 of everything before it, then its tag (as every sealed file)
 //! ```
 //!
@@ -45,6 +46,8 @@ pub struct SpoolEntry<'a> {
     pub staged: Option<&'a Path>,
     /// Training samples behind it.
     pub samples: u64,
+    /// The L2 norm of its delta (as decoded), what the round's norm clip compares.
+    pub norm: f64,
     /// The site's report of its local training.
     pub report: &'a unifed_protocol::LocalReport,
     /// Its algorithm tensors, decoded.
@@ -71,7 +74,9 @@ pub enum SpoolTensor<'a> {
 /// The spool files' magic (all formats).
 pub(crate) const MAGIC: &[u8; 4] = b"UFES";
 /// The format these files are written in.
-pub(crate) const VERSION: u32 = 6;
+pub(crate) const VERSION: u32 = 7;
+/// The previous format, read still: its footer holds no norm.
+const VERSION_NO_NORM: u32 = 6;
 /// Bytes of the tail: footer length, magic, version.
 const TAIL: u64 = 16;
 /// Tag of an exact tensor in the head.
@@ -148,6 +153,7 @@ pub(crate) fn seal(path: &Path, round: u64, entry: &SpoolEntry) -> Result<Sealed
     let mut footer = Vec::new();
     footer.extend_from_slice(&round.to_le_bytes());
     footer.extend_from_slice(&entry.samples.to_le_bytes());
+    footer.extend_from_slice(&entry.norm.to_le_bytes());
     footer.extend_from_slice(&head_len.to_le_bytes());
     footer.extend_from_slice(&(entry.delta.len() as u32).to_le_bytes());
     for (t, place) in entry.delta.iter().zip(&offsets) {
@@ -200,6 +206,8 @@ pub(crate) enum Placed {
 pub(crate) struct Footer {
     /// Training samples behind the update.
     pub samples: u64,
+    /// The L2 norm of the delta (`None` in format 6).
+    pub norm: Option<f64>,
     /// The delta, in the strategy's order.
     pub delta: Vec<Placed>,
     /// Shared BN tensors.
@@ -234,12 +242,23 @@ impl<'a> Cursor<'a> {
 }
 
 /// Parses a footer (`b`) of a file whose head is `head_len` bytes, of spool round `round`.
-fn parse_footer(path: &Path, b: &[u8], head_len: u64, round: u64) -> Result<Footer, StoreError> {
+fn parse_footer(
+    path: &Path,
+    b: &[u8],
+    head_len: u64,
+    round: u64,
+    version: u32,
+) -> Result<Footer, StoreError> {
     let mut c = Cursor { b, path };
     if c.u64()? != round {
         return Err(corrupt(path, "round in the file differs from its folder"));
     }
     let samples = c.u64()?;
+    let norm = if version == VERSION_NO_NORM {
+        None
+    } else {
+        Some(f64::from_bits(c.u64()?))
+    };
     if c.u64()? != head_len {
         return Err(corrupt(path, "footer names another head length"));
     }
@@ -297,6 +316,7 @@ fn parse_footer(path: &Path, b: &[u8], head_len: u64, round: u64) -> Result<Foot
     }
     Ok(Footer {
         samples,
+        norm,
         delta,
         bn,
         typed,
@@ -385,10 +405,10 @@ fn footer_of(path: &Path, f: &File, body: u64, round: u64) -> Result<Footer, Sto
     if &tail[8..12] != MAGIC {
         return Err(corrupt(path, "bad magic"));
     }
-    if version != VERSION {
+    if version != VERSION && version != VERSION_NO_NORM {
         return Err(corrupt(
             path,
-            format!("format version {version} is not {VERSION} (or 4 or 5, which it reads)"),
+            format!("format version {version} is not {VERSION} (or 4 to 6, which it reads)"),
         ));
     }
     let footer_len = u64::from_le_bytes(tail[..8].try_into().expect("8"));
@@ -397,7 +417,14 @@ fn footer_of(path: &Path, f: &File, body: u64, round: u64) -> Result<Footer, Sto
         .ok_or_else(|| corrupt(path, "footer longer than the file"))?;
     let mut b = vec![0u8; footer_len as usize];
     f.read_exact_at(&mut b, head_len).map_err(|e| io(path, e))?;
-    parse_footer(path, &b, head_len, round)
+    parse_footer(path, &b, head_len, round, version)
+}
+
+/// The footer of the spool file `f` at `path` of round `round`, read before its checksum has
+/// vouched for it (what a round's bounds are computed from; the fold checks every file).
+pub(crate) fn footer(path: &Path, f: &File, round: u64) -> Result<Footer, StoreError> {
+    let (len, _) = trailer_of(path, f)?;
+    footer_of(path, f, len, round)
 }
 
 /// A spool file whose delta is exact tensors in its head only, read by position from any

@@ -1,7 +1,9 @@
 //! A closed round's contributions as the spool holds them ([`SpoolRound`], the
 //! [`Contributions`] strategies read), and the fold of its files into the weighted mean: an
 //! update at a time ([`fold_one`]), or every file at once by value range on several threads
-//! ([`fold_round`]). The store keeps the files; this module only reads them.
+//! ([`fold_round`]). The store keeps the files; this module only reads them. A round's
+//! [`CohortBounds`] cap each site's weight and clip each delta's norm relative to the round's
+//! lower-median claim, so no site's share of the mean rests on what it says of itself.
 
 use crate::config::Weighting;
 use crate::disk::{StoreError, corrupt, io};
@@ -28,24 +30,151 @@ enum FoldTask<'t, T> {
     Fold(Vec<(usize, usize, &'t mut [T])>),
 }
 
-/// A closed round's spooled contributions in site order, read from the store's files.
+/// How far a round trusts what a site says of its own update, relative to the round's
+/// cohort: its weight counts at most `weight_of_median` times the round's lower-median claimed
+/// sample count, and its delta is scaled down to at most `norm_of_median` times the round's
+/// lower-median update norm (direction kept). The lower median (the smaller middle value of an
+/// even count) is one an attacker cannot raise while the honest sites are at least half of
+/// the round, and with two sites it is the smaller one. Infinite ratios turn a bound off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CohortBounds {
+    /// Largest weight, as a multiple of the round's lower-median claimed sample count.
+    pub weight_of_median: f64,
+    /// Largest update norm, as a multiple of the round's lower-median update norm.
+    pub norm_of_median: f64,
+}
+
+/// What a round takes of one site's update under its [`CohortBounds`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Take {
+    /// The sample count the update claimed.
+    pub claimed: u64,
+    /// The sample count its weight counts: the claim, capped.
+    pub samples: u64,
+    /// The L2 norm of its delta as sent.
+    pub norm: f64,
+    /// The factor its delta is scaled by (1: as sent).
+    pub scale: f64,
+}
+
+impl Take {
+    /// Whether the bounds changed anything of the update.
+    pub fn bounded(&self) -> bool {
+        self.samples != self.claimed || self.scale != 1.0
+    }
+}
+
+impl CohortBounds {
+    /// No bound: every update counts as it claims.
+    pub const OFF: CohortBounds = CohortBounds {
+        weight_of_median: f64::INFINITY,
+        norm_of_median: f64::INFINITY,
+    };
+
+    /// What a round whose updates claim `(samples, norm)` each takes of each, in that order.
+    pub fn takes(&self, claims: &[(u64, f64)]) -> Vec<Take> {
+        let lower_median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len().saturating_sub(1) / 2).copied()
+        };
+        let cap = lower_median(claims.iter().map(|c| c.0 as f64).collect())
+            .filter(|_| self.weight_of_median.is_finite())
+            .map_or(u64::MAX, |m| {
+                (m * self.weight_of_median).floor().max(1.0) as u64
+            });
+        let bound = lower_median(claims.iter().map(|c| c.1).collect())
+            .filter(|_| self.norm_of_median.is_finite())
+            .map(|m| m * self.norm_of_median);
+        claims
+            .iter()
+            .map(|&(claimed, norm)| Take {
+                claimed,
+                samples: claimed.min(cap),
+                norm,
+                scale: match bound {
+                    Some(b) if norm > b => b / norm,
+                    _ => 1.0,
+                },
+            })
+            .collect()
+    }
+}
+
+/// A delta value scaled by a [`Take`]'s factor, rounded to f32 as the update's values are:
+/// what [`SpoolRound`]'s reads and its folds both use, so they agree bit for bit.
+fn scaled(v: f32, scale: f64) -> f32 {
+    (v as f64 * scale) as f32
+}
+
+/// A closed round's spooled contributions in site order, read from the store's files, under
+/// the round's [`CohortBounds`] when it was made by [`SpoolRound::bounded`].
 #[derive(Debug)]
 pub struct SpoolRound<'a> {
     store: &'a Store,
     round: u64,
     sites: Vec<String>,
     weighting: Weighting,
+    /// What the round takes of each site's update, in site order (empty: all of each).
+    takes: Vec<Take>,
 }
 
 impl<'a> SpoolRound<'a> {
-    /// The contributions of `sites` (sorted) to `round` in `store`.
+    /// The contributions of `sites` (sorted) to `round` in `store`, each as it was sent.
     pub fn new(store: &'a Store, round: u64, sites: Vec<String>, weighting: Weighting) -> Self {
         SpoolRound {
             store,
             round,
             sites,
             weighting,
+            takes: Vec::new(),
         }
+    }
+
+    /// The contributions of `sites` (sorted) to `round` in `store` under `bounds`, computed
+    /// from the claims in the files' footers (each file is checked whole when it is read).
+    pub fn bounded(
+        store: &'a Store,
+        round: u64,
+        sites: Vec<String>,
+        weighting: Weighting,
+        bounds: CohortBounds,
+    ) -> Result<Self, StoreError> {
+        let claims = sites
+            .iter()
+            .map(|s| store.spool_claim(round, s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut round = SpoolRound::new(store, round, sites, weighting);
+        round.takes = bounds.takes(&claims);
+        Ok(round)
+    }
+
+    /// What the round takes of each site's update, in site order (empty when unbounded).
+    pub fn takes(&self) -> &[Take] {
+        &self.takes
+    }
+
+    /// The [`Take`] of `site`, when the round is bounded.
+    fn take_of(&self, site: &str) -> Option<&Take> {
+        let i = self.sites.iter().position(|s| s == site)?;
+        self.takes.get(i)
+    }
+
+    /// The sample count the weight of an update of `samples` counts: capped as the bounds
+    /// say (every site's cap is the same).
+    fn counted(&self, samples: u64) -> u64 {
+        let cap = self
+            .takes
+            .iter()
+            .find(|t| t.samples < t.claimed)
+            .map_or(u64::MAX, |t| t.samples);
+        samples.min(cap)
+    }
+
+    /// The factor each site's delta is scaled by, in site order.
+    fn scales(&self) -> Vec<f64> {
+        (0..self.sites.len())
+            .map(|i| self.takes.get(i).map_or(1.0, |t| t.scale))
+            .collect()
     }
 
     /// The weighted mean handed on as [`Contributions::mean_delta_into`] says, into targets of
@@ -56,16 +185,16 @@ impl<'a> SpoolRound<'a> {
         targets: &mut [&mut [T]],
         each: impl Fn(&mut [T], &[f64]) + Sync,
     ) -> Result<bool, StoreError> {
-        let weight = |n| self.weighting.weight(n);
-        if let Some(folded) =
-            fold_round(self.store, self.round, &self.sites, weight, targets, &each)?
-        {
+        let weight = |n| self.weighting.weight(self.counted(n));
+        let scales = self.scales();
+        let sites = (&self.sites[..], &scales[..]);
+        if let Some(folded) = fold_round(self.store, self.round, sites, weight, targets, &each)? {
             return Ok(folded);
         }
         let lens: Vec<usize> = targets.iter().map(|t| t.len()).collect();
         let mut fold = Fold::new(&lens);
-        for s in &self.sites {
-            fold_one(self.store, self.round, s, weight, &mut fold)?;
+        for (s, &scale) in self.sites.iter().zip(&scales) {
+            fold_one(self.store, self.round, s, (weight, scale), &mut fold)?;
         }
         let Some(mean) = fold.mean() else {
             return Ok(false);
@@ -91,11 +220,21 @@ impl Contributions for SpoolRound<'_> {
     }
 
     fn get(&self, site: &str) -> Result<Contribution, ReadError> {
-        Ok(self.store.spool_get(self.round, site)?)
+        let mut c = self.store.spool_get(self.round, site)?;
+        c.samples = self.counted(c.samples);
+        if let Some(t) = self.take_of(site).filter(|t| t.scale != 1.0) {
+            c.delta
+                .iter_mut()
+                .flatten()
+                .for_each(|v| *v = scaled(*v, t.scale));
+        }
+        Ok(c)
     }
 
     fn summary(&self, site: &str) -> Result<Contribution, ReadError> {
-        Ok(self.store.spool_summary(self.round, site)?)
+        let mut c = self.store.spool_summary(self.round, site)?;
+        c.samples = self.counted(c.samples);
+        Ok(c)
     }
 
     fn mean_delta_into(
@@ -129,16 +268,17 @@ impl From<StoreError> for ReadError {
     }
 }
 
-/// Adds `site`'s spooled delta of `round` to `fold`, each tensor scaled by
-/// `weight(samples)`, a block at a time: the update is never whole in memory, and the sums
-/// are those of [`Fold::add`] on [`Store::spool_get`]'s delta. Its values reach `fold`
+/// Adds `site`'s spooled delta of `round` to `fold`, each value scaled by `scale` (rounded to
+/// f32) and then weighed by `weight(samples)`, a block at a time: the update is never whole in
+/// memory, and the sums are those of [`Fold::add`] on [`Store::spool_get`]'s delta so scaled.
+/// Its values reach `fold`
 /// before the file's checksum has passed, so on any error `fold` holds part of an update
 /// and must be dropped (the core then sets the damaged file aside and folds again).
 pub fn fold_one(
     store: &Store,
     round: u64,
     site: &str,
-    weight: impl FnOnce(u64) -> f64,
+    (weight, scale): (impl FnOnce(u64) -> f64, f64),
     fold: &mut Fold,
 ) -> Result<(), StoreError> {
     let p = store.spool_path(round, site);
@@ -181,7 +321,7 @@ pub fn fold_one(
                     return Err(misfit(k, len));
                 }
                 r.value_blocks(len, |at, bytes| {
-                    if fold.add_le_block(k, at, w, bytes) {
+                    if add_le(fold, (k, at), (w, scale), bytes) {
                         Ok(())
                     } else {
                         Err(not_finite())
@@ -206,7 +346,7 @@ pub fn fold_one(
                 Ok(weight(ft.samples))
             },
             |&mut w, k, at, bytes| {
-                if fold.add_le_block(k, at, w, bytes) {
+                if add_le(fold, (k, at), (w, scale), bytes) {
                     Ok(())
                 } else {
                     Err(not_finite())
@@ -230,7 +370,7 @@ pub fn fold_one(
     for (k, t) in lossy {
         let mut finite = true;
         let len = t.each_block(&p, lens[k], |at, values| {
-            finite &= fold.add_block(k, at, w, values.iter().copied());
+            finite &= fold.add_block(k, at, w, values.iter().map(|&v| scaled(v, scale)));
         })?;
         if len != lens[k] {
             return Err(misfit(k, len));
@@ -243,8 +383,20 @@ pub fn fold_one(
     Ok(())
 }
 
-/// The weighted mean of the spooled deltas of `sites` (in that order) of `round`, each
-/// scaled by `weight(samples)`, handed to `each(target, mean)` a block of values at a time
+/// Adds little-endian f32 `bytes`, each scaled by `scale`, weighed by `w`, into tensor `k` of
+/// `fold` from value `at` on; false if one is not finite.
+fn add_le(fold: &mut Fold, (k, at): (usize, usize), (w, scale): (f64, f64), bytes: &[u8]) -> bool {
+    if scale == 1.0 {
+        return fold.add_le_block(k, at, w, bytes);
+    }
+    let values = bytes
+        .chunks_exact(4)
+        .map(|b| scaled(f32::from_le_bytes([b[0], b[1], b[2], b[3]]), scale));
+    fold.add_block(k, at, w, values)
+}
+
+/// The weighted mean of the spooled deltas of `sites` (in that order, each with the factor
+/// its values are scaled by) of `round`, each weighed by `weight(samples)`, handed to `each(target, mean)` a block of values at a time
 /// with the part of `targets` (one slice per delta tensor, as long as the tensor) the block
 /// is of: every value exactly once. The files are read by value range on up to
 /// [`FOLD_THREADS`] threads (at most one per core), each range of every file in step, while
@@ -260,7 +412,7 @@ pub fn fold_one(
 pub fn fold_round<T: Send>(
     store: &Store,
     round: u64,
-    sites: &[String],
+    (sites, scales): (&[String], &[f64]),
     weight: impl Fn(u64) -> f64,
     targets: &mut [&mut [T]],
     each: impl Fn(&mut [T], &[f64]) + Sync,
@@ -323,11 +475,23 @@ pub fn fold_round<T: Send>(
                     let bytes = &mut buf[..n * 4];
                     f.read_at(f.ranges[i].1 + at, bytes)
                         .map_err(|e| (j, 1, e))?;
+                    let values = bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
                     let mut finite = true;
-                    for (s, b) in sums.iter_mut().zip(bytes.chunks_exact(4)) {
-                        let y = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                        finite &= y.is_finite();
-                        *s += w * y as f64;
+                    match scales.get(j) {
+                        Some(&scale) if scale != 1.0 => {
+                            for (s, y) in sums.iter_mut().zip(values) {
+                                finite &= y.is_finite();
+                                *s += w * scaled(y, scale) as f64;
+                            }
+                        }
+                        _ => {
+                            for (s, y) in sums.iter_mut().zip(values) {
+                                finite &= y.is_finite();
+                                *s += w * y as f64;
+                            }
+                        }
                     }
                     if !finite {
                         return Err((j, 1, corrupt(f.path(), "holds a value that is not finite")));

@@ -596,6 +596,28 @@ impl Store {
         Ok(c)
     }
 
+    /// What `site`'s spooled update of `round` claims: its sample count and its delta's L2
+    /// norm, from the footer (two positioned reads; the fold checks the whole file later). A
+    /// file of an older format, which keeps no norm, is read whole for it.
+    pub fn spool_claim(&self, round: u64, site: &str) -> Result<(u64, f64), StoreError> {
+        let p = self.spool_path(round, site);
+        let f = File::open(&p).map_err(|e| io(&p, e))?;
+        if !spoolfile::starts_with_magic(&p, &f)? {
+            let footer = spoolfile::footer(&p, &f, round)?;
+            if let Some(norm) = footer.norm {
+                return Ok((footer.samples, norm));
+            }
+        }
+        let c = self.spool_get(round, site)?;
+        let squares: f64 = c
+            .delta
+            .iter()
+            .flatten()
+            .map(|&v| (v as f64) * (v as f64))
+            .sum();
+        Ok((c.samples, squares.sqrt()))
+    }
+
     /// Reads a spooled contribution without its delta (`delta` empty): its file is read and
     /// checked whole (checksum, format) as [`Store::spool_get`] does, but no delta value is
     /// kept.

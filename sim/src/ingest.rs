@@ -50,6 +50,8 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
     }
     let fed = id("ingest")?;
     let (_admit, admission) = tokio::sync::watch::channel(Admission::new(ring, fed.clone()));
+    // Round 1 from version 0 is open, as the chunks below say.
+    let (_open, open) = tokio::sync::watch::channel(Some((1, 0)));
     let (complete, mut completed) = tokio::sync::mpsc::channel(2 * sites);
     let work =
         tempfile::tempdir_in(dir).with_context(|| format!("a folder in {}", dir.display()))?;
@@ -62,6 +64,7 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
                 600_000,
             )?,
             admission: admission.clone(),
+            open: open.clone(),
             limit: CHUNK_BYTES + 4096,
             prefix: "u/".into(),
             complete: complete.clone(),

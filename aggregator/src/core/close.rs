@@ -110,7 +110,10 @@ impl Aggregator {
     fn fold_round(&mut self, now_ms: u64) -> Result<Vec<Action>, CoreError> {
         let round = self.state.round;
         let sites = self.store.spool_sites(round)?;
-        let reader = SpoolRound::new(&self.store, round, sites.clone(), self.cfg.weighting);
+        let (weighting, bounds) = (self.cfg.weighting, self.cfg.cohort_bounds());
+        // A footer that cannot be read is a damaged file, set aside as the fold's checks would.
+        let reader = SpoolRound::bounded(&self.store, round, sites.clone(), weighting, bounds)
+            .map_err(ReadError::from)?;
         {
             let idx = &self.update_idx;
             let mut targets: Vec<&mut Vec<f32>> = Arc::make_mut(&mut self.model)
@@ -129,6 +132,7 @@ impl Aggregator {
                 self.store.save_model(version, &self.hash.0, &self.model)?;
                 self.store.save_strategy(version, &self.hash.0, &next)?;
                 self.pool_shared_bn(&reader, version)?;
+                self.audit_bounded(now_ms, &reader)?;
                 version
             }
             Err(problem) => {
@@ -185,6 +189,29 @@ impl Aggregator {
         )?;
         self.audit_suppressed(now_ms, round)?;
         Ok(actions)
+    }
+
+    /// Audits each update of the round whose weight or norm the cohort bounds cut, with what
+    /// it claimed and what was counted, and says so in the log.
+    fn audit_bounded(&self, now_ms: u64, reader: &SpoolRound<'_>) -> Result<(), CoreError> {
+        let round = reader.round();
+        for (site, t) in reader.sites().iter().zip(reader.takes()) {
+            if !t.bounded() {
+                continue;
+            }
+            let detail = format!(
+                "weight counted as {} of {} claimed samples; delta scaled by {:.4} (norm {:.4e})",
+                t.samples, t.claimed, t.scale, t.norm
+            );
+            tracing::warn!(
+                round,
+                site,
+                detail,
+                "update bounded relative to its round's cohort"
+            );
+            self.audit(now_ms, round, site, "bounded", detail)?;
+        }
+        Ok(())
     }
 
     /// Checks the model before it is committed: every value finite, every BN running variance

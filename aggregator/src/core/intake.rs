@@ -218,7 +218,7 @@ impl Aggregator {
         staged: Option<&Path>,
     ) -> Result<Result<Vetted, RejectReason>, CoreError> {
         let upd = &a.update;
-        let (checked, bn, ratio) = match self.validate_delta(upd) {
+        let (checked, bn, norm) = match self.validate_delta(upd) {
             Ok(d) => d,
             Err(reason) => return Ok(Err(reason)),
         };
@@ -262,6 +262,7 @@ impl Aggregator {
             message: a.message,
             staged,
             samples: upd.samples,
+            norm,
             report: &upd.report,
             extras: &extras,
             delta: &delta,
@@ -271,6 +272,7 @@ impl Aggregator {
         let sealed = self
             .store
             .spool_seal(a.to.round, a.to.site.as_str(), &entry)?;
+        let ratio = norm / self.model_norm().max(1.0);
         Ok(Ok(Vetted { sealed, ratio }))
     }
 
@@ -312,8 +314,7 @@ impl Aggregator {
 
     /// Checks an update's tensors against the spec and policy; returns its deltas in
     /// `update_idx` order (exact ones read in place, lossy ones decoded), its shared BN tensors
-    /// in `share_idx` order, and its norm relative to the model's (what `max_relative_norm`
-    /// bounds).
+    /// in `share_idx` order, and its L2 norm (at most `max_relative_norm` times the model's).
     #[allow(clippy::type_complexity)]
     fn validate_delta<'u>(
         &self,
@@ -336,7 +337,6 @@ impl Aggregator {
         let model_norm = self.model_norm();
         // A model of all zeros still lets updates of norm up to the ratio through.
         let relative = self.cfg.max_relative_norm * model_norm.max(1.0);
-        let ratio = norm / model_norm.max(1.0);
         let bound = self.cfg.norm_bound.map_or(relative, |b| b.min(relative));
         if norm > bound {
             return Err(RejectReason::NormTooLarge { norm, bound });
@@ -355,7 +355,7 @@ impl Aggregator {
                 )));
             }
         }
-        Ok((delta, share, ratio))
+        Ok((delta, share, norm))
     }
 
     /// Checks `tensors` in the order of the spec indices `idx` (see [`strategy::checked`]).

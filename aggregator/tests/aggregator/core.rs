@@ -906,6 +906,12 @@ fn a_crash_after_the_last_accept_closes_the_round_on_restart() {
                 message: &[],
                 staged: None,
                 samples: 5,
+                norm: delta
+                    .iter()
+                    .flatten()
+                    .map(|&v| (v * v) as f64)
+                    .sum::<f64>()
+                    .sqrt(),
                 report: &LocalReport::default(),
                 extras: &unifed_aggregator::strategy::Extras::None,
                 delta: &[
@@ -2583,4 +2589,183 @@ fn an_update_spooled_without_its_audit_line_is_audited_once_at_restart() {
         let agg = open(dir.path(), config(2, 3, BnPolicy::Local));
         assert_eq!(accepted_b(&agg), 1);
     }
+}
+
+/// Item 1 of the hostile-site issue under the default config: `c` claims the most samples the
+/// federation allows and sends minus the model. Its weight counts as four times the round's
+/// lower-median claim and its delta is scaled to four times the round's lower-median norm, so
+/// the model moves as the bounds say, not to zero; the audit names what was cut.
+#[test]
+fn a_site_claiming_the_cap_and_sending_minus_the_model_counts_only_as_its_cohort_allows() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(1, 3, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let base = initial().tensors;
+    let small = |site: &str| {
+        with_delta(site, 1, 100, BnPolicy::Local, |d| {
+            for t in d.iter_mut() {
+                let v: Vec<f32> = unifed_protocol::encoding::decode(t)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x * 0.05)
+                    .collect();
+                *t = encode(&t.name, &t.shape, &v, Encoding::F32, None);
+            }
+        })
+    };
+    send(&mut agg, "a", small("a"));
+    send(&mut agg, "b", small("b"));
+    let claim = FederationConfig::new("fed1", 1, 3, enrolled()).max_samples;
+    let minus = with_delta("c", 1, claim, BnPolicy::Local, |d| {
+        for (t, b) in d.iter_mut().zip(&base) {
+            let v: Vec<f32> = b.iter().map(|x| -x).collect();
+            *t = encode(&t.name, &t.shape, &v, Encoding::F32, None);
+        }
+    });
+    let acts = send(&mut agg, "c", minus);
+    let acts = closed(&mut agg, acts);
+    assert!(acts.iter().any(|a| matches!(a, Action::RoundClosed { .. })));
+    // The expected model, from the bounds' definition.
+    let honest = |site: &str, i: usize| -> Vec<f32> {
+        delta_values(site, 1, i, base[i].len())
+            .iter()
+            .map(|x| x * 0.05)
+            .collect()
+    };
+    let l2 = |ts: &[Vec<f32>]| {
+        ts.iter()
+            .flatten()
+            .map(|&v| (v as f64) * (v as f64))
+            .sum::<f64>()
+            .sqrt()
+    };
+    let na = l2(&[honest("a", 0), honest("a", 1)]);
+    let nb = l2(&[honest("b", 0), honest("b", 1)]);
+    let nc = l2(&base[..2]);
+    let scale = 4.0 * na.max(nb) / nc;
+    assert!(scale < 0.5, "the attack is clipped: {scale}");
+    for (i, b) in base.iter().enumerate().take(2) {
+        let (da, db) = (honest("a", i), honest("b", i));
+        for (k, &x) in b.iter().enumerate() {
+            let attack = (-x as f64 * scale) as f32;
+            let sum = 100.0 * da[k] as f64 + 100.0 * db[k] as f64 + 400.0 * attack as f64;
+            let want = (x as f64 + sum / 600.0) as f32;
+            assert_eq!(agg.model()[i][k], want, "tensor {i} value {k}");
+        }
+    }
+    let left = l2(&agg.model()[..2]) / nc;
+    assert!(left > 0.6, "the model keeps {left} of its norm, not 1.3e-5");
+    let audit = agg.store().audit_entries().unwrap();
+    let bounded: Vec<_> = audit.iter().filter(|e| e.event == "bounded").collect();
+    assert_eq!(bounded.len(), 1, "{audit:?}");
+    assert_eq!(bounded[0].site, "c");
+    assert!(
+        bounded[0].detail.starts_with(&format!(
+            "weight counted as 400 of {claim} claimed samples; delta scaled by {scale:.4}"
+        )),
+        "{}",
+        bounded[0].detail
+    );
+}
+
+/// The cohort bounds' arithmetic: the lower median (the smaller of two), a cap of at least one
+/// sample, no clip of an update at the bound, and `inf` turning each bound off.
+#[test]
+fn cohort_bounds_take_the_lower_median_and_turn_off_at_infinity() {
+    use unifed_aggregator::spoolround::{CohortBounds, Take};
+    let b = CohortBounds {
+        weight_of_median: 4.0,
+        norm_of_median: 2.0,
+    };
+    let t = b.takes(&[(10, 1.0), (1000, 8.0)]);
+    assert_eq!(
+        t,
+        vec![
+            Take {
+                claimed: 10,
+                samples: 10,
+                norm: 1.0,
+                scale: 1.0
+            },
+            Take {
+                claimed: 1000,
+                samples: 40,
+                norm: 8.0,
+                scale: 0.25
+            },
+        ]
+    );
+    let t = b.takes(&[(7, 2.0), (9, 4.0), (8, 1.0)]);
+    assert!(t.iter().all(|t| !t.bounded()), "{t:?}");
+    assert_eq!(b.takes(&[(0, 0.0)])[0].samples, 0);
+    let t = b.takes(&[(0, 0.0), (0, 0.0), (5, 3.0)]);
+    assert_eq!((t[2].samples, t[2].scale), (1, 0.0));
+    assert!(
+        CohortBounds::OFF
+            .takes(&[(1, 1.0), (u64::MAX, 1e30)])
+            .iter()
+            .all(|t| !t.bounded())
+    );
+}
+
+/// Fuzzing of what an enrolled site can make the core decode: 3,000 validly signed envelopes
+/// whose update payload is a valid update with random bytes flipped, set, cut or inserted (a
+/// fixed-seed generator, so a failure replays). The core must answer each with a typed
+/// refusal or an accept (or drop it), never fail or panic, and the model it folds must stay
+/// finite.
+#[test]
+fn signed_mutations_of_an_update_are_answered_never_fatal() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(1_000_000, 1, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let (mut accepted, mut refused) = (0, 0);
+    for _ in 0..3_000 {
+        let (round, version) = (agg.round(), agg.model_version());
+        // A valid update of the open round, its payload's bytes edited, signed again by `a`.
+        let mut env = Envelope::decode(&good("a", round, version, 5, BnPolicy::Local)).unwrap();
+        let p = &mut env.payload;
+        for _ in 0..1 + next() % 4 {
+            let n = p.len();
+            let at = next() as usize % n.max(1);
+            match next() % 4 {
+                0 if n > 0 => p[at] ^= 1 << (next() % 8),
+                1 if n > 0 => p[at] = next() as u8,
+                2 => p.truncate(at),
+                _ => p.insert(at.min(n), next() as u8),
+            }
+        }
+        env.signature = None;
+        let bytes = key("a").sign(&env);
+        let acts = agg
+            .handle(
+                Event::Update(Incoming {
+                    site: "a".into(),
+                    bytes: bytes.into(),
+                    arrival: Arrival::Message,
+                    staged: None,
+                }),
+                1_000,
+            )
+            .unwrap_or_else(|e| panic!("a signed update ended the core: {e}"));
+        let acts = closed(&mut agg, acts);
+        for (_, answer) in answers(&acts) {
+            match answer {
+                Answer::Accepted => accepted += 1,
+                Answer::Rejected(_) => refused += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert!(
+        accepted > 0 && refused > 0,
+        "{accepted} accepted, {refused} refused"
+    );
+    assert!(agg.model().iter().flatten().all(|v| v.is_finite()));
 }

@@ -19,7 +19,7 @@ fn streamed_fold_is_the_fold_of_the_read_delta(store: &Store, round: u64, site: 
     let mut whole = Fold::new(&lens);
     whole.add(c.samples as f64 * 0.5, &c.delta);
     let mut streamed = Fold::new(&lens);
-    fold_one(store, round, site, |n| n as f64 * 0.5, &mut streamed).unwrap();
+    fold_one(store, round, site, (|n| n as f64 * 0.5, 1.0), &mut streamed).unwrap();
     assert_eq!((streamed.count(), streamed.weight()), (1, whole.weight()));
     let bits = |f: Fold| -> Vec<Vec<u64>> {
         f.mean()
@@ -32,13 +32,25 @@ fn streamed_fold_is_the_fold_of_the_read_delta(store: &Store, round: u64, site: 
 
     let mut longer = lens.clone();
     longer[0] += 1;
-    let err = fold_one(store, round, site, |n| n as f64, &mut Fold::new(&longer))
-        .unwrap_err()
-        .to_string();
+    let err = fold_one(
+        store,
+        round,
+        site,
+        (|n| n as f64, 1.0),
+        &mut Fold::new(&longer),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains(&format!("not {}", longer[0])), "{err}");
-    let err = fold_one(store, round, site, |n| n as f64, &mut Fold::new(&lens[1..]))
-        .unwrap_err()
-        .to_string();
+    let err = fold_one(
+        store,
+        round,
+        site,
+        (|n| n as f64, 1.0),
+        &mut Fold::new(&lens[1..]),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("delta tensors where the model has"), "{err}");
 }
 
@@ -81,6 +93,7 @@ fn a_lossy_delta_is_spooled_as_it_arrived_and_read_back_as_its_decoded_values() 
                 message: &[],
                 staged: None,
                 samples: 11,
+                norm: 1.0,
                 report: &report,
                 extras: &Extras::None,
                 delta: &[
@@ -254,6 +267,7 @@ fn a_staged_upload_becomes_the_spool_file_and_its_tensors_are_read_where_they_li
             message: &message,
             staged: Some(&staged),
             samples: 13,
+            norm: 1.0,
             report: &report,
             extras: &Extras::None,
             delta: &delta,
@@ -290,7 +304,7 @@ fn a_staged_upload_becomes_the_spool_file_and_its_tensors_are_read_where_they_li
         let err = store.spool_get(6, "a").unwrap_err().to_string();
         assert!(err.contains("checksum mismatch"), "{at}: {err}");
         let lens = [stats.len(), 64, weights.len()];
-        let err = fold_one(&store, 6, "a", |n| n as f64, &mut Fold::new(&lens))
+        let err = fold_one(&store, 6, "a", (|n| n as f64, 1.0), &mut Fold::new(&lens))
             .unwrap_err()
             .to_string();
         assert!(err.contains("checksum mismatch"), "{at}: {err}");
@@ -323,6 +337,7 @@ fn an_exact_tensor_spooled_from_its_bytes_is_the_file_of_its_values() {
             message: &[],
             staged: None,
             samples: 9,
+            norm: 1.0,
             report: &report,
             extras: &Extras::None,
             delta,
@@ -360,6 +375,7 @@ fn spool_exact(store: &Store, round: u64, site: &str, samples: u64, delta: &[Vec
                 message: &[],
                 staged: None,
                 samples,
+                norm: 1.0,
                 report: &report,
                 extras: &Extras::None,
                 delta: &tensors,
@@ -386,7 +402,7 @@ fn round_mean(
     let folded = fold_round(
         store,
         round,
-        sites,
+        (sites, &[]),
         |n| n as f64 * 0.5,
         &mut targets,
         |t, m| {
@@ -428,7 +444,7 @@ fn spool_and_fold(
             .map(|(k, &n)| values(n, value(i, k)))
             .collect();
         spool_exact(store, round, s, samples(i), &delta);
-        fold_one(store, round, s, |n| n as f64 * 0.5, &mut whole).unwrap();
+        fold_one(store, round, s, (|n| n as f64 * 0.5, 1.0), &mut whole).unwrap();
     }
     whole
         .mean()
@@ -533,6 +549,7 @@ fn a_round_folded_in_step_across_its_files_is_the_fold_of_one_update_at_a_time()
                 message: &[],
                 staged: None,
                 samples: 3,
+                norm: 1.0,
                 report: &report,
                 extras: &Extras::None,
                 delta: &[

@@ -118,6 +118,7 @@ fn spool(store: &Store, round: u64, site: &str, c: &Contribution) {
                 message: &[],
                 staged: None,
                 samples: c.samples,
+                norm: 1.0,
                 report: &c.report,
                 extras: &c.extras,
                 delta: &delta,

@@ -10,6 +10,7 @@ mod every_algorithm;
 mod faults;
 mod federation;
 mod floods;
+mod hostile;
 mod mtls;
 mod onboarding;
 mod outcomes;
