@@ -29,6 +29,12 @@ pub enum StoreError {
     },
 }
 
+/// Bytes free for this process on the file system of `path`.
+pub fn free_bytes(path: &Path) -> Result<u64, StoreError> {
+    let st = rustix::fs::statvfs(path).map_err(|e| io(path, e))?;
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 pub(crate) fn io(path: &Path, e: impl ToString) -> StoreError {
     StoreError::Io {
         path: path.into(),

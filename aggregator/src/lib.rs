@@ -52,6 +52,7 @@ pub mod uploads;
 
 pub use crate::config::{ConfigProblem, ConfigProblems, EnrolledSite, FederationConfig, Weighting};
 pub use crate::core::{Action, Aggregator, Arrival, CoreError, Event, GlobalModel, Incoming};
+pub use crate::disk::free_bytes;
 pub use crate::strategy::{Algorithm, Strategy};
 
 /// Threads for work spread over the cores: one per core, at least one and at most `cap`.

@@ -374,7 +374,8 @@ fn start_ingest(
     let mut ingests = Vec::with_capacity(shards.count());
     for k in 0..shards.count() {
         ingests.push(crate::ingest::Ingest {
-            uploads: SpooledUploads::open(&incoming.join(k.to_string()), per_site, 600_000)?,
+            uploads: SpooledUploads::open(&incoming.join(k.to_string()), per_site, 600_000)?
+                .with_disk_floor(cfg.federation.min_free_disk_bytes),
             admission: admission.clone(),
             open: open.clone(),
             limit: cfg.broker.max_packet_bytes + 4096,

@@ -144,8 +144,7 @@ impl Store {
 
     /// Bytes free for this process on the directory's file system.
     pub fn free_bytes(&self) -> Result<u64, StoreError> {
-        let st = rustix::fs::statvfs(&self.dir).map_err(|e| io(&self.dir, e))?;
-        Ok(st.f_bavail.saturating_mul(st.f_frsize))
+        crate::disk::free_bytes(&self.dir)
     }
 
     /// The directory.

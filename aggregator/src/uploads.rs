@@ -14,7 +14,8 @@
 //! length (as `unifed_protocol::chunking::chunks` cuts them), which the set's first chunk fixes;
 //! a chunk that disagrees is refused before anything is written. Each site holds at most two
 //! sets (a new one drops its oldest) of at most `per_site` bytes each; sets whose first chunk is
-//! older than the timeout are dropped. The folder is emptied at start: chunks of a previous
+//! older than the timeout are dropped. A set is begun only when the disk keeps its free-space
+//! floor with the whole set and every set in progress written ([`SpooledUploads::with_disk_floor`]). The folder is emptied at start: chunks of a previous
 //! process are re-sent by their sites.
 
 use bytes::Bytes;
@@ -44,6 +45,21 @@ pub enum UploadError {
     /// The chunk does not fit its set (see [`ChunkError`]).
     #[error(transparent)]
     Chunk(#[from] ChunkError),
+    /// Beginning the set would take the disk below its free-space floor (counting the bytes
+    /// the sets in progress have still to write).
+    #[error(
+        "a set of {set_bytes} bytes would leave {free_bytes} free bytes, less than the floor of {floor_bytes} with {pending_bytes} still to come for sets in progress"
+    )]
+    DiskFloor {
+        /// Bytes the set would write.
+        set_bytes: u64,
+        /// Bytes free on the disk now.
+        free_bytes: u64,
+        /// The floor.
+        floor_bytes: u64,
+        /// Bytes the sets in progress have still to write.
+        pending_bytes: u64,
+    },
     /// The spool file could not be written or read.
     #[error("{path}: {source}")]
     Io {
@@ -133,6 +149,8 @@ pub struct SpooledUploads {
     begun: u64,
     /// Starts the sets' writeback as they come.
     flusher: Flusher,
+    /// Free bytes the disk must keep (0: none).
+    floor: u64,
 }
 
 impl SpooledUploads {
@@ -156,7 +174,47 @@ impl SpooledUploads {
             last_sweep_ms: None,
             begun: 0,
             flusher: Flusher::start().map_err(io)?,
+            floor: 0,
         })
+    }
+
+    /// These uploads, begun only while the disk keeps `floor` free bytes with the new set and
+    /// the rest of every set in progress written (the aggregator's `min_free_disk_bytes`).
+    pub fn with_disk_floor(mut self, floor: u64) -> Self {
+        self.floor = floor;
+        self
+    }
+
+    /// `Err` when a set of `set_bytes` would take the disk below the floor.
+    fn room_for(&self, set_bytes: u64) -> Result<(), UploadError> {
+        if self.floor == 0 {
+            return Ok(());
+        }
+        let free_bytes = crate::disk::free_bytes(&self.dir).map_err(|e| UploadError::Io {
+            path: self.dir.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let pending_bytes: u64 = self
+            .sites
+            .values()
+            .flatten()
+            .map(|s| {
+                s.total_len
+                    .saturating_sub(s.size * u64::from(s.arrived.got()))
+            })
+            .sum();
+        let needed = set_bytes
+            .saturating_add(pending_bytes)
+            .saturating_add(self.floor);
+        if free_bytes < needed {
+            return Err(UploadError::DiskFloor {
+                set_bytes,
+                free_bytes,
+                floor_bytes: self.floor,
+                pending_bytes,
+            });
+        }
+        Ok(())
     }
 
     /// Adds `site`'s chunk, received at `now_ms` and opened with `site`'s key; returns the set
@@ -182,6 +240,14 @@ impl SpooledUploads {
             len: data.len(),
             room,
         };
+        // A new set is begun only when the disk has room for it.
+        if !self
+            .sites
+            .get(site)
+            .is_some_and(|sets| sets.iter().any(|s| s.hash == hash))
+        {
+            self.room_for(total_len)?;
+        }
         let sets = self.sites.entry(site.clone()).or_default();
         let k = match sets.iter().position(|s| s.hash == hash) {
             Some(k) => {
@@ -480,6 +546,48 @@ mod tests {
         assert_eq!(second.read().unwrap(), q);
         assert_eq!(first.read().unwrap(), p);
         assert_ne!(first.path(), second.path());
+    }
+
+    /// A set is begun only while the disk keeps its floor with the whole set and the rest of
+    /// every set in progress: a floor above the free space refuses a site's first chunk before
+    /// any file is made, and sets in progress still complete.
+    #[test]
+    fn a_set_that_would_take_the_disk_below_its_floor_is_not_begun() {
+        const MIB: usize = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let free = crate::disk::free_bytes(dir.path()).unwrap();
+        let payload = payload(3 * MIB);
+        let cs: Vec<Chunk> = chunks(&payload, MIB).collect();
+        // Room for one set of 3 MiB, not for a second one beside it (1 MiB of slack either
+        // way for what other tests write meanwhile).
+        let mut up = SpooledUploads::open(&dir.path().join("in"), 8 << 20, 60_000)
+            .unwrap()
+            .with_disk_floor(free - 4 * MIB as u64);
+        assert!(up.insert(&site("a"), cs[0].as_ref(), 0).unwrap().is_none());
+        let other: Vec<u8> = payload.iter().map(|b| b ^ 1).collect();
+        let first_of_other = chunks(&other, MIB).next().unwrap();
+        match up.insert(&site("b"), first_of_other.as_ref(), 0) {
+            Err(UploadError::DiskFloor {
+                set_bytes,
+                pending_bytes,
+                ..
+            }) => assert_eq!((set_bytes, pending_bytes), (3 << 20, 2 << 20)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(names(&dir.path().join("in")).len(), 1);
+        let mut done = None;
+        for c in &cs[1..] {
+            done = up.insert(&site("a"), c.as_ref(), 0).unwrap();
+        }
+        assert_eq!(done.unwrap().read().unwrap(), payload);
+        let mut full = SpooledUploads::open(&dir.path().join("full"), 8 << 20, 60_000)
+            .unwrap()
+            .with_disk_floor(u64::MAX / 2);
+        assert!(matches!(
+            full.insert(&site("a"), cs[0].as_ref(), 0),
+            Err(UploadError::DiskFloor { .. })
+        ));
+        assert!(names(&dir.path().join("full")).is_empty());
     }
 
     #[test]

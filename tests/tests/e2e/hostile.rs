@@ -12,7 +12,7 @@ use unifed_protocol::messages::{LocalReport, RoundManifest, SiteExtras, SiteUpda
 use unifed_protocol::topics::Topics;
 
 const SITES: [&str; 3] = ["grey", "texture", "lowres"];
-const LONG: Duration = Duration::from_secs(60);
+const LONG: Duration = Duration::from_secs(120);
 
 fn id(s: &str) -> Id {
     Id::new(s).unwrap()
@@ -302,4 +302,47 @@ fn replay_first_chunks(
         let _ = client.disconnect().await;
         replays
     })
+}
+
+/// Under a free-space floor above what the disk has, `grey`'s chunked upload was written to
+/// `incoming/` chunk by chunk (an enrolled site could fill a small disk to 0 bytes that way)
+/// and only the complete update was refused. Now a chunk set is begun only while the disk
+/// keeps its floor with the whole set: the chunks are dropped before any byte is written.
+#[test]
+fn an_upload_that_would_take_the_disk_below_its_floor_is_dropped_before_it_is_written() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let packet = 32 << 10;
+    let broker = Broker::start(BrokerKind::Embedded, packet);
+    let mut fed = Fed::new(dir.path(), broker.port, packet);
+    fed.sites = vec!["grey".into()];
+    fed.min_sites = 1;
+    fed.rounds = 1;
+    fed.service_edit = Some(|cfg| {
+        let free = unifed_aggregator::free_bytes(&cfg.data_dir)
+            .or_else(|_| unifed_aggregator::free_bytes(&std::env::temp_dir()))
+            .unwrap();
+        cfg.federation.min_free_disk_bytes = free + (1 << 30);
+    });
+    let _agg = fed.aggregator();
+    let _grey = fed.agent("grey");
+    let log = dir.path().join("agg.log");
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("update chunk dropped")
+    {
+        assert!(t0.elapsed() < LONG, "no chunk was dropped\n{}", fed.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("less than the floor"), "{text}");
+    let incoming = fed.agg_dir().join("incoming");
+    let mut dirs = vec![incoming];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            assert!(e.path().is_dir(), "{} was written", e.path().display());
+            dirs.push(e.path());
+        }
+    }
 }
