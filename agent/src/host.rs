@@ -48,20 +48,34 @@ pub(crate) struct Who {
 }
 
 impl Who {
-    /// The site's signed status message.
+    /// The site's signed status message, of no run (what it says before it follows one).
     pub fn status(&self, state: SiteState, detail: &str) -> Vec<u8> {
-        self.identity.key.sign(&Envelope::new(
-            MessageKind::SiteStatus,
-            self.federation.clone(),
-            self.site.clone(),
-            0,
-            0,
-            self.spec.hash(),
-            &SiteStatus {
-                state,
-                detail: detail.into(),
-            },
-        ))
+        self.status_in(unifed_protocol::RunId::default(), state, detail)
+    }
+
+    /// The site's signed status message in the federation's run `run` (the aggregator takes
+    /// only its own run's).
+    pub fn status_in(
+        &self,
+        run: unifed_protocol::RunId,
+        state: SiteState,
+        detail: &str,
+    ) -> Vec<u8> {
+        self.identity.key.sign(
+            &Envelope::new(
+                MessageKind::SiteStatus,
+                self.federation.clone(),
+                self.site.clone(),
+                0,
+                0,
+                self.spec.hash(),
+                &SiteStatus {
+                    state,
+                    detail: detail.into(),
+                },
+            )
+            .in_run(run),
+        )
     }
 }
 

@@ -249,6 +249,9 @@ pub struct OnboardClient {
     key: SigningKey,
     keyring: Keyring,
     max_packet: usize,
+    /// The federation's run, from its manifest: requests are signed with it (the latest run
+    /// a manifest named).
+    run: unifed_protocol::RunId,
 }
 
 fn describe(e: &OnboardError) -> String {
@@ -301,6 +304,7 @@ impl OnboardClient {
             vec![
                 topics.onboard_reply(&owner.site),
                 topics.chunk_reply(&owner.site),
+                topics.manifest(),
             ],
         );
         let deadline = tokio::time::Instant::now() + timeout;
@@ -319,7 +323,7 @@ impl OnboardClient {
                 ),
             }
         }
-        Ok(OnboardClient {
+        let mut c = OnboardClient {
             client,
             rx,
             topics,
@@ -327,7 +331,21 @@ impl OnboardClient {
             key: identity.key.clone(),
             keyring: identity.keyring(),
             max_packet: broker.max_packet_bytes,
-        })
+            run: unifed_protocol::RunId::default(),
+        };
+        // The run every request is signed with, from the aggregator's (retained) manifest.
+        while c.run == unifed_protocol::RunId::default() {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                bail!(
+                    "no round manifest from the aggregator within {} s (is it running, on this broker, for federation `{}`?)",
+                    timeout.as_secs(),
+                    c.owner.federation
+                );
+            }
+            c.next(left.min(Duration::from_millis(500))).await?;
+        }
+        Ok(c)
     }
 
     async fn send(
@@ -345,7 +363,8 @@ impl OnboardClient {
             version,
             self.owner.spec,
             payload,
-        );
+        )
+        .in_run(self.run);
         self.client
             .publish(topic, Qos::AtLeastOnce, false, self.key.sign(&env))
             .await?;
@@ -359,6 +378,13 @@ impl OnboardClient {
             Ok(None) => bail!("the MQTT event loop stopped"),
             Ok(Some(NetEvent::Message { payload, .. })) => {
                 match self.keyring.open(&payload, self.max_packet + 4096) {
+                    Ok(e)
+                        if e.federation == self.owner.federation
+                            && e.kind == MessageKind::RoundManifest =>
+                    {
+                        self.run = self.run.max(e.run);
+                        Ok(None)
+                    }
                     Ok(e) if e.federation == self.owner.federation => Ok(Some(e.into_owned())),
                     Ok(e) => {
                         tracing::warn!(federation = %e.federation, "message of another federation ignored");

@@ -83,13 +83,16 @@ pub async fn run(
     let finished = listen(&who, &client, rx, tx, &shared, done, shutdown).await;
     // A site that holds the final model says so, so the aggregator stops serving it as soon as
     // every site has it.
-    let state = match &finished {
-        Ok(Some(end)) => SiteState::Finished {
-            model_version: end.model_version,
-        },
-        _ => SiteState::Offline,
+    let (state, run) = match &finished {
+        Ok(Some(end)) => (
+            SiteState::Finished {
+                model_version: end.model_version,
+            },
+            end.run,
+        ),
+        _ => (SiteState::Offline, Default::default()),
     };
-    goodbye(&who, &client, state).await;
+    goodbye(&who, &client, state, run).await;
     finished.map(|end| end.map(|e| e.accuracy))
 }
 
@@ -98,6 +101,8 @@ pub async fn run(
 struct End {
     accuracy: f64,
     model_version: u64,
+    /// The run of the federation that ended.
+    run: unifed_protocol::RunId,
 }
 
 /// The site's engine, its model worker and the driver over them, resumed from the state
@@ -190,9 +195,15 @@ fn drive(
         let now = t0.elapsed().as_millis() as u64;
         if let Some(accuracy) = driver.handle(event, now, &mut out)? {
             let model_version = driver.engine().progress().applied_version.unwrap_or(0);
+            let run = driver
+                .engine()
+                .manifest()
+                .map(|m| m.run)
+                .unwrap_or_default();
             return Ok(Some(End {
                 accuracy,
                 model_version,
+                run,
             }));
         }
     }
@@ -256,13 +267,13 @@ async fn listen(
 }
 
 /// Says the site finished (`Finished`) or stopped (`Offline`), then disconnects cleanly.
-async fn goodbye(who: &Who, client: &Client, state: SiteState) {
+async fn goodbye(who: &Who, client: &Client, state: SiteState, run: unifed_protocol::RunId) {
     let detail = if matches!(state, SiteState::Offline) {
         "stopped"
     } else {
         "finished"
     };
-    let msg = who.status(state, detail);
+    let msg = who.status_in(run, state, detail);
     let _ = client
         .publish(who.topics.status(&who.site), Qos::AtLeastOnce, true, msg)
         .await;

@@ -89,6 +89,8 @@ pub struct Sealer {
     me: Id,
     hash: SpecHash,
     key: SigningKey,
+    /// The run its envelopes name ([`Federation::new`] sets its core's).
+    run: unifed_protocol::RunId,
 }
 
 impl std::fmt::Debug for Sealer {
@@ -107,6 +109,7 @@ impl Sealer {
             me: Id::new(AGGREGATOR_ID).expect("the aggregator's id is valid"),
             hash,
             key,
+            run: unifed_protocol::RunId::default(),
         }
     }
 
@@ -121,7 +124,7 @@ impl Sealer {
             kind,
             &self.federation,
             &self.me,
-            (round, version),
+            (self.run, round, version),
             self.hash,
             payload,
         );
@@ -131,7 +134,7 @@ impl Sealer {
     }
 
     /// Every chunk of `cut` in its signed envelope, sealed into one shared buffer.
-    pub fn seal_chunks(&self, at: (u64, u64), cut: &Cut) -> Vec<Bytes> {
+    pub fn seal_chunks(&self, (round, version): (u64, u64), cut: &Cut) -> Vec<Bytes> {
         let mut buf = Vec::with_capacity(cut.len() + cut.count() as usize * 1024);
         let mut ends = Vec::with_capacity(cut.count() as usize);
         cut.for_each_chunk(|c| {
@@ -141,7 +144,7 @@ impl Sealer {
                 MessageKind::ModelChunk,
                 &self.federation,
                 &self.me,
-                at,
+                (self.run, round, version),
                 self.hash,
                 &c,
             );
@@ -208,7 +211,8 @@ impl std::fmt::Debug for Federation {
 impl Federation {
     /// The driver of `core`, signing with `sealer`; chunk requests are gathered for
     /// `gather_ms` (see [`Serving::new`]).
-    pub fn new(core: Aggregator, sealer: Sealer, gather_ms: u64) -> Self {
+    pub fn new(core: Aggregator, mut sealer: Sealer, gather_ms: u64) -> Self {
+        sealer.run = core.run();
         let sites = core.config().sites.len();
         let mut serving = Serving::new(sites, gather_ms);
         // A revoked site may still be connected to the broker and read the shared topic

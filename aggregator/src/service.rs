@@ -668,11 +668,16 @@ impl Service {
         let Ok(id) = Id::new(site) else {
             return;
         };
-        let status = self
+        let admitted = self
             .federation
             .core()
             .admission()
-            .admit(&id, payload, STATUS_LIMIT)
+            .admit(&id, payload, STATUS_LIMIT);
+        // A site says `online` or `offline` before it follows a run: not for this one.
+        if matches!(admitted, Err(crate::core::AdmitError::OtherRun { .. })) {
+            return;
+        }
+        let status = admitted
             .map_err(|e| e.to_string())
             .and_then(|env| match env.kind {
                 MessageKind::SiteStatus => {

@@ -79,6 +79,10 @@ pub struct State {
     pub finished: bool,
     /// The last closed rounds' accepted sites, to answer late re-sends as before.
     pub recent: Vec<ClosedRound>,
+    /// The federation's run, chosen when this state was created (a state written before runs
+    /// existed gets one when it is next opened): every message is signed with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<unifed_protocol::RunId>,
     /// Hex SHA-256 of the file written with this field empty: a state edited by hand (which
     /// could silently drop acknowledged updates) is refused.
     #[serde(default)]

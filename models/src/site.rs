@@ -497,7 +497,7 @@ impl<N: Net> Site<N> {
             MessageKind::SiteUpdate,
             federation,
             &self.id,
-            (m.round, m.model_version),
+            (m.run, m.round, m.model_version),
             spec.hash(),
             &upd,
         );
@@ -734,7 +734,8 @@ impl<N: Net> Site<N> {
             extras: SiteExtras::None,
         };
         let select = select_for(m.bn_policy);
-        crate::update::exact_update(net, select, base, (federation, &self.id, spec.hash()), &upd)
+        let who = (federation, &self.id, spec.hash());
+        crate::update::exact_update(net, select, base, who, m.run, &upd)
     }
 
     /// The BN tensors of `net` the manifest's policy shares, as exact f32 values (none unless BN

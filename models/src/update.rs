@@ -37,12 +37,13 @@ pub(crate) enum UpdateError {
 /// of `net`, in [`crate::state::export`]'s order, each as exact `f32` with no values: each
 /// tensor's values are written as `net`'s minus the parked ones, read a block at a time. The
 /// bytes are those of [`Envelope::encode_new`] of the update with its values in place (a
-/// little-endian machine's `f32` bytes are the wire's).
+/// little-endian machine's `f32` bytes are the wire's), in run `run`.
 pub(crate) fn exact_update<N: Net>(
     net: &N,
     select: Select,
     base: &Parked,
     (federation, sender, spec_hash): (&Id, &Id, SpecHash),
+    run: unifed_protocol::RunId,
     upd: &SiteUpdate<&[u8]>,
 ) -> Result<Vec<u8>, UpdateError> {
     const PLAIN: &str = "postcard cannot fail on a derived Serialize of plain data";
@@ -82,7 +83,7 @@ pub(crate) fn exact_update<N: Net>(
         MessageKind::SiteUpdate,
         federation,
         sender,
-        (upd.round, upd.base_version),
+        (run, upd.round, upd.base_version),
         spec_hash,
         len,
         |out| {

@@ -556,7 +556,7 @@ mod tests {
                 MessageKind::ModelChunk,
                 &id("fed"),
                 &id("aggregator"),
-                (2, 5),
+                (crate::ids::RunId::default(), 2, 5),
                 SpecHash([3; 32]),
                 &chunk(i).as_ref(),
             );

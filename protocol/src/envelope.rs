@@ -1,9 +1,9 @@
 //! The envelope every message travels in: magic, protocol version and message kind in a fixed
-//! header, then the sender's identity, round, model version, spec hash, payload and an
+//! header, then the sender's identity, round, model version, spec hash, run, payload and an
 //! optional signature. postcard is not self-describing, so this header is what lets old and
 //! new peers refuse each other's messages cleanly.
 
-use crate::ids::{FederationId, SiteId};
+use crate::ids::{FederationId, RunId, SiteId};
 use crate::spec::SpecHash;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
@@ -17,8 +17,9 @@ pub const MAGIC: [u8; 4] = *b"UFED";
 /// Version 9 signs and identifies payloads with BLAKE3 where 8 used SHA-256; version 10 sends
 /// a round model's chunks once for every site on the shared `chunks/model` topic, which a
 /// version-9 site does not read; version 11 adds FedCD's objective and mask gradients; version
-/// 12 adds the status a site sends once it holds the federation's final model.
-pub const PROTOCOL_VERSION: u16 = 12;
+/// 12 adds the status a site sends once it holds the federation's final model; version 13
+/// signs every message with the run of the federation it belongs to ([`RunId`]).
+pub const PROTOCOL_VERSION: u16 = 13;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -139,6 +140,9 @@ pub struct Envelope<B = Vec<u8>> {
     pub model_version: u64,
     /// Spec hash of the federation's model.
     pub spec_hash: SpecHash,
+    /// The run of the federation the message belongs to (a site's: the run of the manifest it
+    /// follows).
+    pub run: RunId,
     /// The postcard-encoded payload, of the type `kind` names.
     pub payload: B,
     /// The sender's ed25519 signature over everything else (see [`crate::auth`]); receivers
@@ -158,6 +162,7 @@ struct BodyRef<'a> {
     round: u64,
     model_version: u64,
     spec_hash: &'a SpecHash,
+    run: RunId,
     #[serde(with = "serde_bytes")]
     payload: &'a [u8],
     signature: Option<&'a [u8]>,
@@ -183,6 +188,7 @@ struct Body<'a> {
     round: u64,
     model_version: u64,
     spec_hash: SpecHash,
+    run: RunId,
     #[serde(with = "serde_bytes")]
     payload: &'a [u8],
     #[serde(borrow)]
@@ -201,7 +207,8 @@ pub(crate) fn is_unsigned_encoding(bytes: &[u8]) -> bool {
 }
 
 impl Envelope {
-    /// An unsigned envelope around `payload`, postcard-encoded.
+    /// An unsigned envelope around `payload`, postcard-encoded, of no run yet
+    /// ([`Envelope::in_run`] sets it).
     ///
     /// # Panics
     /// If `payload`'s `Serialize` impl fails under postcard; derived impls of plain data (every
@@ -222,10 +229,17 @@ impl Envelope {
             round,
             model_version,
             spec_hash,
+            run: RunId::default(),
             payload: postcard::to_allocvec(payload)
                 .expect("postcard cannot fail on a derived Serialize of plain data"),
             signature: None,
         }
+    }
+
+    /// The envelope, of run `run`.
+    pub fn in_run(mut self, run: RunId) -> Envelope {
+        self.run = run;
+        self
     }
 
     /// The unsigned wire bytes of the envelope [`Envelope::new`] would make with these fields,
@@ -235,49 +249,34 @@ impl Envelope {
         kind: MessageKind,
         federation: &FederationId,
         sender: &SiteId,
-        (round, model_version): (u64, u64),
+        at: (RunId, u64, u64),
         spec_hash: SpecHash,
         payload: &T,
     ) -> Vec<u8> {
         let mut out = Vec::new();
-        Self::append_new(
-            &mut out,
-            kind,
-            federation,
-            sender,
-            (round, model_version),
-            spec_hash,
-            payload,
-        );
+        Self::append_new(&mut out, kind, federation, sender, at, spec_hash, payload);
         out
     }
 
     /// [`Envelope::encode_new`]'s bytes appended to `out` (which grows once, by their length):
-    /// many envelopes written one after another into one buffer.
+    /// many envelopes written one after another into one buffer. `at` is the run, round and
+    /// model version.
     pub fn append_new<T: Serialize>(
         out: &mut Vec<u8>,
         kind: MessageKind,
         federation: &FederationId,
         sender: &SiteId,
-        (round, model_version): (u64, u64),
+        at: (RunId, u64, u64),
         spec_hash: SpecHash,
         payload: &T,
     ) {
         const PLAIN: &str = "postcard cannot fail on a derived Serialize of plain data";
         let len = postcard::experimental::serialized_size(payload).expect(PLAIN);
-        let written: Result<(), core::convert::Infallible> = Self::append_new_with(
-            out,
-            kind,
-            federation,
-            sender,
-            (round, model_version),
-            spec_hash,
-            len,
-            |out| {
+        let written: Result<(), core::convert::Infallible> =
+            Self::append_new_with(out, kind, federation, sender, at, spec_hash, len, |out| {
                 *out = postcard::to_extend(payload, core::mem::take(out)).expect(PLAIN);
                 Ok(())
-            },
-        );
+            });
         let Ok(()) = written;
     }
 
@@ -290,7 +289,7 @@ impl Envelope {
         kind: MessageKind,
         federation: &FederationId,
         sender: &SiteId,
-        (round, model_version): (u64, u64),
+        (run, round, model_version): (RunId, u64, u64),
         spec_hash: SpecHash,
         len: usize,
         write: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
@@ -302,7 +301,15 @@ impl Envelope {
         out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
         out.extend_from_slice(&kind.as_u16().to_le_bytes());
         // The fields of `BodyRef` in order; the payload as its byte string: length, then bytes.
-        let head = (federation, sender, round, model_version, &spec_hash, len);
+        let head = (
+            federation,
+            sender,
+            round,
+            model_version,
+            &spec_hash,
+            run,
+            len,
+        );
         *out = postcard::to_extend(&head, core::mem::take(out)).expect(PLAIN);
         let at = out.len();
         if let Err(e) = write(out) {
@@ -338,6 +345,7 @@ impl Envelope {
             round: self.round,
             model_version: self.model_version,
             spec_hash: &self.spec_hash,
+            run: self.run,
             payload: &self.payload,
             signature,
         };
@@ -402,6 +410,7 @@ impl<'a> EnvelopeRef<'a> {
             round: body.round,
             model_version: body.model_version,
             spec_hash: body.spec_hash,
+            run: body.run,
             payload: body.payload,
             signature: body.signature,
         })
@@ -422,6 +431,7 @@ impl<'a> EnvelopeRef<'a> {
             round: self.round,
             model_version: self.model_version,
             spec_hash: self.spec_hash,
+            run: self.run,
             payload: self.payload.to_vec(),
             signature: self.signature.map(<[u8]>::to_vec),
         }
@@ -534,12 +544,16 @@ mod tests {
                 7,
                 SpecHash([0xab; 32]),
                 &(payload.clone(), 5u64, "x"),
-            );
+            )
+            .in_run(RunId {
+                created_ms: 1_795_000_000_000,
+                nonce: u64::MAX - 3,
+            });
             let direct = Envelope::encode_new(
                 MessageKind::SiteUpdate,
                 &e.federation,
                 &e.sender,
-                (3, 7),
+                (e.run, 3, 7),
                 SpecHash([0xab; 32]),
                 &(payload, 5u64, "x"),
             );
@@ -553,16 +567,16 @@ mod tests {
         // no signatures, version 4 no model deltas, version 5 no MOON, FedDC or Per-FedAvg
         // objectives, version 6 no announced upload window, version 7 no ternary block size,
         // version 8 signed and hashed with SHA-256, version 9 sent every site its own copy of
-        // the model's chunks, version 10 had no FedCD, version 11 no final status of a site:
-        // all are refused by a version 12 peer, as is a future version 13.
-        for other in [1u16, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13] {
+        // the model's chunks, version 10 had no FedCD, version 11 no final status of a site,
+        // version 12 no run: all are refused by a version 13 peer, as is a future version 14.
+        for other in [1u16, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 12)")
+                format!("protocol version {other} is not supported (this peer speaks version 13)")
             );
         }
     }
@@ -639,6 +653,7 @@ mod tests {
             round: 1,
             model_version: 1,
             spec_hash: &e.spec_hash,
+            run: e.run,
             payload: &[],
             signature: None,
         };

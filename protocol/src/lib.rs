@@ -67,7 +67,7 @@ pub use encoding::{
     decode, decode_add, encode, encode_leaving_error,
 };
 pub use envelope::{DecodeError, Envelope, EnvelopeRef, MAGIC, MessageKind, PROTOCOL_VERSION};
-pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, SiteId};
+pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, RunId, SiteId};
 pub use messages::{
     Answer, BnPolicy, BnSharing, BnSharingError, Chunk, ChunkRef, ChunkRequest, DeltaInfo,
     Download, Downloaded, LocalReport, ModelDelta, Objective, ObjectiveError, OnboardError,

@@ -284,6 +284,8 @@ pub enum ServerExtras {
 /// The small retained message that announces the current round and model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RoundManifest {
+    /// The run of the federation (its envelope's): what the site signs its messages with.
+    pub run: crate::ids::RunId,
     /// Current round (0 before the first round opens).
     pub round: u64,
     /// Version of the model the round trains from.

@@ -64,6 +64,10 @@ fn update(encoding: Encoding) -> SiteUpdate {
 #[test]
 fn a_round_manifest_round_trips_through_an_envelope() {
     let m = RoundManifest {
+        run: RunId {
+            created_ms: 1_795_000_000_000,
+            nonce: 42,
+        },
         round: 4,
         model_version: 9,
         spec_hash: spec_hash(),
@@ -317,6 +321,7 @@ fn byte_strings_make_the_same_postcard_bytes_as_sequences_of_bytes() {
         round: u64,
         model_version: u64,
         spec_hash: &'a SpecHash,
+        run: RunId,
         payload: &'a [u8],
         signature: Option<&'a [u8]>,
     }
@@ -367,6 +372,7 @@ fn byte_strings_make_the_same_postcard_bytes_as_sequences_of_bytes() {
         round: 4,
         model_version: 9,
         spec_hash: &e.spec_hash,
+        run: e.run,
         payload: &e.payload,
         signature: None,
     };
@@ -403,7 +409,7 @@ fn a_chunk_is_read_in_place_with_the_fields_and_bytes_of_an_owned_one() {
         MessageKind::UpdateChunk,
         &id("fed"),
         &id("site-1"),
-        (4, 9),
+        (RunId::default(), 4, 9),
         spec_hash(),
         &c.as_ref(),
     );
@@ -483,4 +489,45 @@ fn a_downloaded_model_is_read_in_place_and_a_payload_of_the_wrong_kind_is_refuse
     // A truncated payload, and a delta's bytes where a model's are expected, are refused.
     assert!(Downloaded::new(bytes[..bytes.len() - 5].to_vec(), false).is_err());
     assert!(Downloaded::new(dbytes, false).is_err());
+}
+
+/// The run is signed with the rest: a message of one run moved to another (its signature
+/// kept) no longer opens, and the run survives encoding as it was.
+#[test]
+fn a_message_moved_to_another_run_fails_its_signature() {
+    let key = SigningKey::from_seed([9; 32]);
+    let run = RunId {
+        created_ms: 1_795_000_000_000,
+        nonce: 7,
+    };
+    let e = Envelope::new(
+        MessageKind::SiteStatus,
+        id("fed"),
+        id("site-1"),
+        3,
+        2,
+        spec_hash(),
+        &(),
+    )
+    .in_run(run);
+    let wire = key.sign(&e);
+    let ring = Keyring::single(id("site-1"), key.public());
+    assert_eq!(ring.open(&wire, 1 << 20).unwrap().run, run);
+    // Sixteen bytes whatever the run: a message is as long in every run.
+    let small = e.clone().in_run(RunId::default()).encode().len();
+    let large = e
+        .clone()
+        .in_run(RunId {
+            created_ms: u64::MAX,
+            nonce: u64::MAX,
+        })
+        .encode()
+        .len();
+    assert_eq!(small, large);
+    let mut moved = Envelope::decode(&wire).unwrap();
+    moved.run.nonce += 1;
+    assert!(matches!(
+        ring.open(&moved.encode(), 1 << 20),
+        Err(unifed_protocol::AuthError::BadSignature(_))
+    ));
 }

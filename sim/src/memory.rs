@@ -90,7 +90,7 @@ pub fn measure(n: usize, encoding: Encoding, together: bool) -> Result<MemoryRow
     // Every site sends the same delta scaled by its index, made when it is sent (so the
     // measuring program holds nothing model-sized beside the aggregator).
     let carried: Vec<_> = spec.tensors.iter().filter(|t| !t.kind.is_bn()).collect();
-    let update = |i: usize| -> Vec<u8> {
+    let update = |i: usize, run: unifed_protocol::RunId| -> Vec<u8> {
         let scale = 1.0 + i as f32 / n as f32;
         let delta = carried
             .iter()
@@ -111,17 +111,20 @@ pub fn measure(n: usize, encoding: Encoding, together: bool) -> Result<MemoryRow
             extras: SiteExtras::None,
         };
         let site = Id::new(&ids[i]).expect("valid id");
-        sim_key(&ids[i]).sign(&Envelope::new(
-            MessageKind::SiteUpdate,
-            federation.clone(),
-            site,
-            1,
-            0,
-            hash,
-            &u,
-        ))
+        sim_key(&ids[i]).sign(
+            &Envelope::new(
+                MessageKind::SiteUpdate,
+                federation.clone(),
+                site,
+                1,
+                0,
+                hash,
+                &u,
+            )
+            .in_run(run),
+        )
     };
-    let first = update(0);
+    let first = update(0, Default::default());
     let update_bytes = first.len();
     drop(first);
     let baseline = peak_rss()?;
@@ -140,9 +143,10 @@ pub fn measure(n: usize, encoding: Encoding, together: bool) -> Result<MemoryRow
     // As the service hands an update on: mapped from its reassembled upload, which the core
     // makes the spool file. Making and staging the update is the site's and the chunk task's
     // work: the time and peak are taken over the handling alone.
+    let run = agg.run();
     let stage = |i: usize| -> Result<Incoming> {
         let staged = incoming.join(format!("{}.complete", ids[i]));
-        std::fs::write(&staged, update(i))?;
+        std::fs::write(&staged, update(i, run))?;
         let file = std::fs::File::open(&staged)?;
         let len = file.metadata()?.len() as usize;
         let mapped = unifed_net::memory::MappedFile::map(&file, len)?;

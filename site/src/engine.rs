@@ -339,12 +339,17 @@ impl SiteEngine {
                         return out;
                     }
                 };
-                if let Some(m) = self.manifest.as_ref().filter(|m| m.round == round) {
+                // Only for the round and run the site follows (a new run may have begun).
+                let run = EnvelopeRef::read(&signed).map(|e| e.run).ok();
+                if let Some(m) = self
+                    .manifest
+                    .as_ref()
+                    .filter(|m| m.round == round && run == Some(m.run))
+                {
                     let up = Upload::new(
                         (&self.cfg.federation, &self.cfg.site, self.cfg.spec_hash),
                         &self.cfg.key,
-                        round,
-                        version,
+                        (m.run, round, version),
                         signed,
                         self.cfg.max_packet,
                         m.upload_window_bytes as usize,
@@ -410,6 +415,11 @@ impl SiteEngine {
         if !expected.contains(&env.kind) {
             return drop_msg(topic, &format!("a {:?} on this topic", env.kind));
         }
+        if env.kind != MessageKind::RoundManifest
+            && self.manifest.as_ref().is_some_and(|m| m.run != env.run)
+        {
+            return drop_msg(topic, &format!("of run {}, not the site's", env.run));
+        }
         match env.kind {
             MessageKind::RoundManifest => match env.payload_as::<RoundManifest>() {
                 Ok(m) => self.on_manifest(m, &env),
@@ -438,8 +448,8 @@ impl SiteEngine {
     fn on_manifest(&mut self, m: RoundManifest, env: &EnvelopeRef<'_>) {
         let problem = if m.spec_hash != self.cfg.spec_hash {
             Some("it names another model spec".to_string())
-        } else if m.round != env.round || m.model_version != env.model_version {
-            Some("its round or version differ from its envelope's".into())
+        } else if m.round != env.round || m.model_version != env.model_version || m.run != env.run {
+            Some("its run, round or version differ from its envelope's".into())
         } else if m.payload_len > self.cfg.max_model_bytes {
             Some(format!(
                 "its model of {} bytes exceeds this site's {}",
@@ -462,11 +472,11 @@ impl SiteEngine {
             ))
         } else if let Err(e) = m.plan.objective.validate() {
             Some(e.to_string())
-        } else if self
-            .manifest
-            .as_ref()
-            .is_some_and(|cur| m.round < cur.round || m.model_version < cur.model_version)
-        {
+        } else if self.manifest.as_ref().is_some_and(|cur| m.run < cur.run) {
+            Some("it is of an earlier run than the one the site follows".into())
+        } else if self.manifest.as_ref().is_some_and(|cur| {
+            m.run == cur.run && (m.round < cur.round || m.model_version < cur.model_version)
+        }) {
             Some("it is older than the manifest the site follows".into())
         } else {
             None
@@ -474,6 +484,10 @@ impl SiteEngine {
         if let Some(p) = problem {
             tracing::warn!(round = m.round, "manifest dropped: {p}");
             return;
+        }
+        if let Some(cur) = self.manifest.as_ref().filter(|cur| cur.run != m.run) {
+            tracing::warn!(from = %cur.run, to = %m.run, "the federation started a new run; following it from its current model");
+            self.new_run();
         }
         if self
             .manifest
@@ -737,15 +751,35 @@ impl SiteEngine {
     }
 
     fn envelope(&self, kind: MessageKind, m: &RoundManifest, payload: &impl Serialize) -> Vec<u8> {
-        self.cfg.key.sign(&Envelope::new(
-            kind,
-            self.cfg.federation.clone(),
-            self.cfg.site.clone(),
-            m.round,
-            m.model_version,
-            self.cfg.spec_hash,
-            payload,
-        ))
+        self.cfg.key.sign(
+            &Envelope::new(
+                kind,
+                self.cfg.federation.clone(),
+                self.cfg.site.clone(),
+                m.round,
+                m.model_version,
+                self.cfg.spec_hash,
+                payload,
+            )
+            .in_run(m.run),
+        )
+    }
+
+    /// Forgets what the site did in the run it followed (a later run of the federation was
+    /// announced): its progress, fetches, uploads and skipped round. The model it holds stays
+    /// until the new run's is applied; a training in progress is dropped when it ends.
+    fn new_run(&mut self) {
+        self.progress = Progress::default();
+        self.manifest = None;
+        self.refused.clear();
+        self.outstanding.clear();
+        self.last_request_ms = None;
+        self.fetch_started_ms = None;
+        self.pending = None;
+        self.settling_since = None;
+        self.delivered = None;
+        self.skipped = None;
+        self.finished = false;
     }
 }
 

@@ -13,7 +13,7 @@ use unifed_protocol::SpecHash;
 use unifed_protocol::auth::SigningKey;
 use unifed_protocol::chunking::{chunks, payload_hash};
 use unifed_protocol::envelope::{Envelope, MessageKind};
-use unifed_protocol::ids::Id;
+use unifed_protocol::ids::{Id, RunId};
 use unifed_protocol::messages::{ChunkRef, UpdateReceipt};
 
 /// Largest update chunk: small enough that a window of every site fits a broker's log, and
@@ -50,20 +50,20 @@ struct ChunkSigner {
     federation: Id,
     site: Id,
     hash: SpecHash,
+    run: RunId,
     version: u64,
     key: SigningKey,
 }
 
 impl Upload {
-    /// Prepares the signed update envelope `bytes` of `round` (trained from `version`) for a
+    /// Prepares the signed update envelope `bytes` of `run`'s `round` (trained from `version`) for a
     /// broker whose packet limit is `max_packet`, with at most `window_bytes` of chunks
     /// without a receipt (at least one chunk); chunks are signed with `key` too, so the
     /// aggregator checks each before it holds any.
     pub fn new(
         (federation, site, hash): (&Id, &Id, SpecHash),
         key: &SigningKey,
-        round: u64,
-        version: u64,
+        (run, round, version): (RunId, u64, u64),
         bytes: Vec<u8>,
         max_packet: usize,
         window_bytes: usize,
@@ -89,6 +89,7 @@ impl Upload {
                 federation: federation.clone(),
                 site: site.clone(),
                 hash,
+                run,
                 version,
                 key: key.clone(),
             },
@@ -117,7 +118,7 @@ impl Upload {
             MessageKind::UpdateChunk,
             &s.federation,
             &s.site,
-            (self.round, s.version),
+            (s.run, self.round, s.version),
             s.hash,
             &c,
         );

@@ -18,6 +18,15 @@ pub enum AdmitError {
         /// The site whose topic it came on.
         topic: String,
     },
+    /// It belongs to another run of the federation (a replay of an earlier run's message, or
+    /// a site that follows another run).
+    #[error("of run {got}, not this federation's run {want}")]
+    OtherRun {
+        /// The run it names.
+        got: unifed_protocol::RunId,
+        /// This federation's run.
+        want: unifed_protocol::RunId,
+    },
     /// It belongs to another federation.
     #[error("federation `{got}` is not `{want}`")]
     OtherFederation {
@@ -33,6 +42,7 @@ pub enum AdmitError {
 pub struct Admission {
     pub(super) keyring: Keyring,
     federation: Id,
+    run: unifed_protocol::RunId,
 }
 
 impl Admission {
@@ -41,7 +51,14 @@ impl Admission {
         Admission {
             keyring,
             federation,
+            run: unifed_protocol::RunId::default(),
         }
+    }
+
+    /// These admissions, of messages of run `run` only.
+    pub fn in_run(mut self, run: unifed_protocol::RunId) -> Self {
+        self.run = run;
+        self
     }
 
     /// Opens a message that arrived on the topic of `topic_site`: it must decode within
@@ -86,6 +103,12 @@ impl Admission {
             return Err(AdmitError::OtherFederation {
                 got: env.federation.to_string(),
                 want: self.federation.to_string(),
+            });
+        }
+        if env.run != self.run {
+            return Err(AdmitError::OtherRun {
+                got: env.run,
+                want: self.run,
             });
         }
         Ok(env)

@@ -384,6 +384,7 @@ impl Aggregator {
         };
         Self::audit_recovered(&store, &state, &accepted)?;
         let cfg_keyring = cfg.keyring();
+        let run = state.run.unwrap_or_default();
         let (held, delta) = if cfg.encoding.is_exact() {
             (None, None)
         } else {
@@ -404,7 +405,7 @@ impl Aggregator {
             chunk_bytes: chunk_bytes.max(1),
             strategy,
             setup,
-            admission: Admission::new(cfg_keyring, federation),
+            admission: Admission::new(cfg_keyring, federation).in_run(run),
             refusals: Default::default(),
             model_norm: Default::default(),
         };
@@ -499,6 +500,11 @@ impl Aggregator {
                 }
                 Self::check_spool_against(store, &s).map_err(|d| d.at(dir))?;
                 let model = store.load_model(s.model_version, &hash.0)?;
+                let mut s = s;
+                if s.run.is_none() {
+                    s.run = Some(unifed_protocol::RunId::fresh());
+                    store.save_state(&s)?;
+                }
                 (s, model)
             }
             None => {
@@ -514,6 +520,7 @@ impl Aggregator {
                     sampled: Vec::new(),
                     finished: false,
                     recent: Vec::new(),
+                    run: Some(unifed_protocol::RunId::fresh()),
                     checksum: String::new(),
                 };
                 store.save_state(&s)?;
@@ -617,6 +624,11 @@ impl Aggregator {
     /// The model spec.
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    /// The federation's run: every message it sends and takes is of it.
+    pub fn run(&self) -> unifed_protocol::RunId {
+        self.state.run.unwrap_or_default()
     }
 
     /// The open round (0 before the start).
@@ -856,6 +868,7 @@ impl Aggregator {
             _ => (None, None),
         };
         let manifest = RoundManifest {
+            run: self.run(),
             round: self.state.round,
             model_version: self.state.model_version,
             spec_hash: self.hash,

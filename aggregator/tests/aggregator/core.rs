@@ -126,7 +126,8 @@ fn update_bytes(u: &Upd, tweak: impl FnOnce(&mut SiteUpdate, &mut Envelope)) -> 
         u.version,
         sp.hash(),
         &upd,
-    );
+    )
+    .in_run(this_run());
     tweak(&mut upd, &mut env);
     env.payload = postcard::to_allocvec(&upd).unwrap();
     key(u.site).sign(&env)
@@ -223,7 +224,23 @@ fn expected_after(
 }
 
 fn open(dir: &Path, cfg: FederationConfig) -> Aggregator {
-    Aggregator::open(dir, cfg, initial(), 64).unwrap()
+    opened(Aggregator::open(dir, cfg, initial(), 64).unwrap())
+}
+
+thread_local! {
+    /// The run of the aggregator this test opened last: the messages the helpers build are of it.
+    static RUN: std::cell::Cell<unifed_protocol::RunId> = Default::default();
+}
+
+/// `agg`, whose run the helpers' messages take from now on.
+fn opened(agg: Aggregator) -> Aggregator {
+    RUN.with(|r| r.set(agg.run()));
+    agg
+}
+
+/// The run of the aggregator the test opened last.
+fn this_run() -> unifed_protocol::RunId {
+    RUN.with(|r| r.get())
 }
 
 #[test]
@@ -524,32 +541,33 @@ fn an_accepted_update_adopts_its_staged_file_as_the_spool_and_a_refused_one_leav
 /// first, a staged file is adopted, and the round's fold is asked for once, after every answer.
 #[test]
 fn updates_taken_together_are_answered_and_folded_as_if_taken_one_by_one() {
-    let nan = update_bytes(
-        &Upd {
-            site: "b",
-            round: 1,
-            version: 0,
-            samples: 5,
-            bn: BnPolicy::Local,
-        },
-        |upd, _| upd.delta[1] = encode("fc.bias", &[2], &[f32::NAN, 0.0], Encoding::F32, None),
-    );
-    // On two cores or more, the second `a` would share the first's wave if a site's messages
-    // were not kept to one a wave.
-    let batch: Vec<(&str, Vec<u8>, bool)> = vec![
-        ("a", good("a", 1, 0, 100, BnPolicy::Local), false),
-        ("a", good("a", 1, 0, 100, BnPolicy::Local), false),
-        ("b", nan, false),
-        ("bb", good("bb", 1, 0, 70, BnPolicy::Local), true),
-        ("c", good("c", 2, 0, 30, BnPolicy::Local), false),
-        ("c", good("c", 1, 0, 30, BnPolicy::Local), false),
-        ("ccc", good("ccc", 1, 0, 20, BnPolicy::Local), true),
-    ];
     let mut runs = Vec::new();
     for together in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let mut agg = open(dir.path(), config(2, 4, BnPolicy::Local));
         agg.handle(Event::Start, 0).unwrap();
+        // Messages of this aggregator's run.
+        let nan = update_bytes(
+            &Upd {
+                site: "b",
+                round: 1,
+                version: 0,
+                samples: 5,
+                bn: BnPolicy::Local,
+            },
+            |upd, _| upd.delta[1] = encode("fc.bias", &[2], &[f32::NAN, 0.0], Encoding::F32, None),
+        );
+        // On two cores or more, the second `a` would share the first's wave if a site's messages
+        // were not kept to one a wave.
+        let batch: Vec<(&str, Vec<u8>, bool)> = vec![
+            ("a", good("a", 1, 0, 100, BnPolicy::Local), false),
+            ("a", good("a", 1, 0, 100, BnPolicy::Local), false),
+            ("b", nan, false),
+            ("bb", good("bb", 1, 0, 70, BnPolicy::Local), true),
+            ("c", good("c", 2, 0, 30, BnPolicy::Local), false),
+            ("c", good("c", 1, 0, 30, BnPolicy::Local), false),
+            ("ccc", good("ccc", 1, 0, 20, BnPolicy::Local), true),
+        ];
         let incoming = tempfile::tempdir_in(dir.path()).unwrap();
         let items: Vec<Incoming> = batch
             .iter()
@@ -1211,7 +1229,7 @@ fn a_combined_model_that_is_not_finite_is_never_committed() {
     let mut init = initial();
     init.tensors[1] = vec![3.0e38, 0.0];
     let cfg = config(2, 2, BnPolicy::Local);
-    let mut agg = Aggregator::open(dir.path(), cfg.clone(), init.clone(), 64).unwrap();
+    let mut agg = opened(Aggregator::open(dir.path(), cfg.clone(), init.clone(), 64).unwrap());
     agg.handle(Event::Start, 0).unwrap();
     // Each update is finite and valid alone; their mean on the base overflows f32.
     let huge = |s: &str| {
@@ -1253,7 +1271,7 @@ fn a_combined_model_that_is_not_finite_is_never_committed() {
     );
     // A restart resumes in round 2 from version 1.
     drop(agg);
-    let agg = Aggregator::open(dir.path(), cfg, init, 64).unwrap();
+    let agg = opened(Aggregator::open(dir.path(), cfg, init, 64).unwrap());
     assert_eq!((agg.round(), agg.model_version()), (2, 1));
 }
 
@@ -2768,4 +2786,43 @@ fn signed_mutations_of_an_update_are_answered_never_fatal() {
         "{accepted} accepted, {refused} refused"
     );
     assert!(agg.model().iter().flatten().all(|v| v.is_finite()));
+}
+
+/// Runs: an update signed in another run of the same federation (a federation restarted with a
+/// fresh data folder under the same id and keys, whose captures are replayed) is neither
+/// answered nor counted, and the site's own update of this run is taken.
+#[test]
+fn an_update_of_another_run_is_refused_and_the_runs_own_is_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(1, 1, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let mine = good("a", 1, 0, 5, BnPolicy::Local);
+    let mut earlier = Envelope::decode(&mine).unwrap();
+    earlier.run.created_ms -= 1;
+    earlier.signature = None;
+    let earlier = key("a").sign(&earlier);
+    let err = agg
+        .admission()
+        .admit(&Id::new("a").unwrap(), &earlier, 1 << 20)
+        .unwrap_err();
+    assert!(
+        matches!(err, AdmitError::OtherRun { want, .. } if want == agg.run()),
+        "{err}"
+    );
+    assert_eq!(answers(&send(&mut agg, "a", earlier)), vec![]);
+    assert!(agg.accepted().is_empty());
+    assert_eq!(
+        answers(&send(&mut agg, "a", mine)),
+        vec![("a".into(), Answer::Accepted)]
+    );
+    // A fresh data folder is another run.
+    let other = tempfile::tempdir().unwrap();
+    let first = agg.run();
+    assert_ne!(
+        open(other.path(), config(1, 1, BnPolicy::Local)).run(),
+        first
+    );
+    // And a reopened one keeps its run.
+    drop(agg);
+    assert_eq!(open(dir.path(), config(1, 1, BnPolicy::Local)).run(), first);
 }

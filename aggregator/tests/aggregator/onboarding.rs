@@ -65,7 +65,23 @@ fn open(dir: &std::path::Path, sharing: BnSharing) -> Aggregator {
         bn_sharing: sharing,
         ..FederationConfig::new("fed1", 3, 2, enrolled())
     };
-    Aggregator::open(dir, cfg, initial(), 16).unwrap()
+    opened(Aggregator::open(dir, cfg, initial(), 16).unwrap())
+}
+
+thread_local! {
+    /// The run of the aggregator this test opened last: the messages the helpers build are of it.
+    static RUN: std::cell::Cell<unifed_protocol::RunId> = Default::default();
+}
+
+/// `agg`, whose run the helpers' messages take from now on.
+fn opened(agg: Aggregator) -> Aggregator {
+    RUN.with(|r| r.set(agg.run()));
+    agg
+}
+
+/// The run of the aggregator the test opened last.
+fn this_run() -> unifed_protocol::RunId {
+    RUN.with(|r| r.get())
 }
 
 /// Site `s`'s BN tensors after training: weight, bias, running mean, running variance.
@@ -123,15 +139,18 @@ fn update_with(
         report: LocalReport::default(),
         extras: SiteExtras::None,
     };
-    key(s).sign(&Envelope::new(
-        MessageKind::SiteUpdate,
-        Id::new("fed1").unwrap(),
-        Id::new(s).unwrap(),
-        round,
-        round - 1,
-        spec().hash(),
-        &upd,
-    ))
+    key(s).sign(
+        &Envelope::new(
+            MessageKind::SiteUpdate,
+            Id::new("fed1").unwrap(),
+            Id::new(s).unwrap(),
+            round,
+            round - 1,
+            spec().hash(),
+            &upd,
+        )
+        .in_run(this_run()),
+    )
 }
 
 fn answer(agg: &mut Aggregator, s: &str, bytes: Vec<u8>) -> Answer {
@@ -455,7 +474,7 @@ fn registry_entries_are_pruned_with_their_model_and_uncommitted_versions_are_not
         keep_versions: 1,
         ..FederationConfig::new("fed1", 3, 1, enrolled())
     };
-    let mut agg = Aggregator::open(dir.path(), cfg, initial(), 16).unwrap();
+    let mut agg = opened(Aggregator::open(dir.path(), cfg, initial(), 16).unwrap());
     agg.handle(Event::Start, 0).unwrap();
     let site = Id::new("new-site").unwrap();
     let sealed = entry(0, Sealing::ChaCha20Poly1305 { nonce: [1; 12] }, b"v0");
@@ -518,7 +537,7 @@ fn set_aside(dir: &std::path::Path) -> Vec<String> {
 fn a_damaged_kept_file_refuses_its_request_is_set_aside_and_is_found_again_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = FederationConfig::new("fed1", 3, 1, enrolled());
-    let mut agg = Aggregator::open(dir.path(), cfg.clone(), initial(), 16).unwrap();
+    let mut agg = opened(Aggregator::open(dir.path(), cfg.clone(), initial(), 16).unwrap());
     agg.handle(Event::Start, 0).unwrap();
     let site = Id::new("new-site").unwrap();
     let sealed = entry(0, Sealing::ChaCha20Poly1305 { nonce: [1; 12] }, b"v0");
@@ -571,7 +590,7 @@ fn a_damaged_kept_file_refuses_its_request_is_set_aside_and_is_found_again_at_st
     // A file damaged while the aggregator is stopped is set aside when it starts, before any
     // request reads it.
     flip(&dir.path().join("models/v1.bin"));
-    let agg = Aggregator::open(dir.path(), cfg, initial(), 16).unwrap();
+    let agg = opened(Aggregator::open(dir.path(), cfg, initial(), 16).unwrap());
     assert_eq!(
         set_aside(dir.path()),
         [

@@ -158,6 +158,7 @@ pub fn tiny_manifest(
 ) -> unifed_protocol::messages::RoundManifest {
     use unifed_protocol::messages::{BnSharing, RoundManifest, RoundPlan};
     RoundManifest {
+        run: Default::default(),
         round,
         model_version: round - 1,
         spec_hash: unifed_protocol::SpecHash([0; 32]),

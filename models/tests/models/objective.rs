@@ -474,6 +474,7 @@ fn only_an_accepted_scaffold_update_advances_the_site_variate_and_it_survives_a_
         ..TrainConfig::default()
     };
     let scaffold = |round| RoundManifest {
+        run: Default::default(),
         plan: RoundPlan {
             objective: Objective::Scaffold,
         },
@@ -584,6 +585,7 @@ fn under_a_lossy_encoding_the_site_variate_moves_by_exactly_what_the_server_deco
     ] {
         let mut site = Site::new("a", net.clone(), data(16), data(8)).unwrap();
         let m = RoundManifest {
+            run: Default::default(),
             plan: RoundPlan {
                 objective: Objective::Scaffold,
             },
@@ -861,6 +863,7 @@ fn an_exact_update_written_from_the_parked_base_is_the_one_made_in_memory_byte_f
         let mut parked = site_parked_in(&net, Some(dir.path()));
         for round in 1..=2 {
             let m = RoundManifest {
+                run: Default::default(),
                 bn_sharing: sharing,
                 ..manifest(round, Encoding::F32, bn)
             };

@@ -388,8 +388,7 @@ fn every_chunk_sent_is_the_signed_envelope_of_the_cut() {
     let mut up = unifed_site::Upload::new(
         (&id("fed"), &id("a"), HASH),
         &key("a"),
-        3,
-        2,
+        (Default::default(), 3, 2),
         update.clone(),
         max_packet,
         usize::MAX,
@@ -865,4 +864,53 @@ fn signed_mutations_of_every_message_a_site_reads_never_stop_it() {
         last.iter().any(|a| matches!(a, Action::Apply { .. })),
         "{last:?}"
     );
+}
+
+/// Runs: a site that followed one run of its federation follows a later run's manifest even
+/// at a lower round and version (the federation was started again), asks for its model in that
+/// run, and from then on drops manifests of the earlier run, whatever round they name (a
+/// replay of the earlier run's last manifest no longer wedges it).
+#[test]
+fn a_later_run_is_followed_from_its_model_and_an_earlier_one_is_dropped() {
+    use unifed_protocol::RunId;
+    // Not sampled: the site holds the model and trains nothing.
+    let (m, chunks) = model(3, 2, &["b"]);
+    let (mut e, _) = fetched(&m, &chunks);
+    e.handle(Event::Applied { version: 2 }, 2);
+    let later = RunId {
+        created_ms: 1_795_000_000_000,
+        nonce: 1,
+    };
+    let (mut m1, _) = model(1, 0, &[]);
+    m1.run = later;
+    let signed = key("aggregator").sign(
+        &Envelope::new(
+            MessageKind::RoundManifest,
+            id("fed"),
+            id("aggregator"),
+            1,
+            0,
+            HASH,
+            &m1,
+        )
+        .in_run(later),
+    );
+    let acts = e.handle(msg(topics().manifest(), signed), 3);
+    assert_eq!(e.manifest().map(|m| (m.run, m.round)), Some((later, 1)));
+    assert_eq!(e.progress(), &Progress::default());
+    let asked: Vec<RunId> = acts
+        .iter()
+        .filter_map(|a| match a {
+            Action::Publish { payload, .. } => Envelope::decode(payload).ok().map(|e| e.run),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !asked.is_empty() && asked.iter().all(|r| *r == later),
+        "{acts:?}"
+    );
+    // The earlier run's manifest, even of a later round, is dropped.
+    let (old, _) = model(9, 8, &[]);
+    e.handle(manifest_msg(&old), 4);
+    assert_eq!(e.manifest().map(|m| (m.run, m.round)), Some((later, 1)));
 }

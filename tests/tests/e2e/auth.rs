@@ -109,6 +109,7 @@ fn attack(fed: Fed, stop: Arc<AtomicBool>, connected: Arc<AtomicBool>) -> Sent {
             round: m.round,
             model_version: m.model_version,
             spec_hash: hash,
+            run: m.run,
             payload: payload.bytes(),
             signature: None,
         };

@@ -257,6 +257,7 @@ fn noise(
                         round: m.round,
                         model_version: m.model_version,
                         spec_hash: *hash,
+                        run: m.run,
                         payload: payload.bytes(),
                         signature: None,
                     }

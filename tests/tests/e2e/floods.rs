@@ -73,14 +73,17 @@ fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) 
             .unwrap();
         let (client, mut rx) = unifed_net::spawn_event_loop(opts, vec![topics.manifest()]);
         let mut version = 0u64;
+        let mut run = unifed_protocol::RunId::default();
+        let mut round = 0u64;
         let mut k = 0u64;
-        let env = |sender: &str, kind, version, payload: Vec<u8>| Envelope {
+        let env = |sender: &str, kind, (run, round, version), payload: Vec<u8>| Envelope {
             kind,
             federation: id("e2e"),
             sender: id(sender),
-            round: 0,
+            round,
             model_version: version,
             spec_hash: hash,
+            run,
             payload,
             signature: None,
         };
@@ -90,7 +93,7 @@ fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) 
                     && let Ok(e) = aggregator.open(&payload, 1 << 20)
                     && let Ok(m) = e.payload_as::<RoundManifest>()
                 {
-                    version = m.model_version;
+                    (version, run, round) = (m.model_version, m.run, m.round);
                 }
             }
             k += 1;
@@ -110,7 +113,7 @@ fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) 
                     let bytes = rogue.sign(&env(
                         "rogue",
                         MessageKind::UpdateChunk,
-                        version,
+                        (run, round, version),
                         postcard::to_allocvec(&c).unwrap(),
                     ));
                     out.push((topics.update(&id("rogue")), bytes));
@@ -128,13 +131,18 @@ fn flood(fed: Fed, kind: Flood, stop: Arc<AtomicBool>, counted: Arc<AtomicU64>) 
                         rogue.sign(&env(
                             "rogue",
                             MessageKind::ChunkRequest,
-                            version,
+                            (run, round, version),
                             payload.clone(),
                         )),
                     ));
                     out.push((
                         topics.chunk_request(&id("grey")),
-                        mallory.sign(&env("grey", MessageKind::ChunkRequest, version, payload)),
+                        mallory.sign(&env(
+                            "grey",
+                            MessageKind::ChunkRequest,
+                            (run, round, version),
+                            payload,
+                        )),
                     ));
                 }
                 Flood::Junk => {

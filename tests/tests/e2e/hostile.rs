@@ -110,7 +110,8 @@ fn a_site_claiming_the_most_samples_with_minus_the_model_does_not_zero_it() {
                         m.model_version,
                         spec.hash(),
                         &u,
-                    );
+                    )
+                    .in_run(m.run);
                     let signed = fed.key("rogue").sign(&env);
                     let ok = client
                         .publish(

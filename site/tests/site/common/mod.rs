@@ -85,6 +85,7 @@ pub fn model_cut(round: u64, v: u64, sampled: &[&str], cut: usize) -> (RoundMani
     let payload = postcard::to_allocvec(&b).unwrap();
     let chunks = split(&payload, cut);
     let m = RoundManifest {
+        run: Default::default(),
         round,
         model_version: v,
         spec_hash: HASH,
