@@ -347,3 +347,122 @@ fn an_upload_that_would_take_the_disk_below_its_floor_is_dropped_before_it_is_wr
         }
     }
 }
+
+/// Listens to the manifest topic until `stop` and returns the last manifest message seen
+/// (its bytes, as published).
+fn last_manifest(
+    fed: &Fed,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    seen: std::sync::mpsc::Sender<()>,
+) -> Vec<u8> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let topics = Topics::new(&id("e2e"));
+        let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
+            .options("recorder", None)
+            .unwrap();
+        let (client, mut rx) = unifed_net::spawn_event_loop(opts, vec![topics.manifest()]);
+        let mut last = Vec::new();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok(Some(unifed_net::NetEvent::Message { payload, .. })) =
+                tokio::time::timeout(Duration::from_millis(50), rx.recv()).await
+            {
+                last = payload.to_vec();
+                let _ = seen.send(());
+            }
+        }
+        let _ = client.disconnect().await;
+        last
+    })
+}
+
+/// Publishes `bytes` on the manifest topic, retained, as a stranger with a broker login.
+fn publish_retained_manifest(fed: &Fed, bytes: Vec<u8>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let topics = Topics::new(&id("e2e"));
+        let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
+            .options("replayer", None)
+            .unwrap();
+        let (client, _rx) = unifed_net::spawn_event_loop(opts, vec![]);
+        client
+            .publish(topics.manifest(), unifed_net::Qos::AtLeastOnce, true, bytes)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = client.disconnect().await;
+    })
+}
+
+/// A federation run to its end, then started again with fresh data folders under the same id
+/// and keys (another run). A stranger replays the first run's last manifest, retained, once
+/// the second run has begun. It was validly signed and named a later round and version than the
+/// second run's first manifest, so every agent dropped each real manifest as older than the one
+/// it followed and the second run never closed a round. Now the second run's manifests are of
+/// a later run: sites follow them and drop the replay, and the second run ends with every site.
+#[test]
+fn a_replayed_manifest_of_an_earlier_run_does_not_wedge_the_next_run() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, 1 << 20);
+    let mut fed = Fed::new(dir.path(), broker.port, 1 << 20);
+    fed.rounds = 1;
+    fed.manifest_every_secs = 2;
+    // The first run, recorded.
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (seen_tx, seen) = std::sync::mpsc::channel();
+    let recorder = {
+        let (fed, stop) = (fed.clone(), stop.clone());
+        std::thread::spawn(move || last_manifest(&fed, stop, seen_tx))
+    };
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        fed.wait_ok(a, s, LONG);
+    }
+    fed.wait_ok(&mut agg, "aggregator", LONG);
+    stop.store(true, Ordering::Relaxed);
+    let earlier = recorder.join().unwrap();
+    let first = unifed_protocol::Envelope::decode(&earlier).unwrap();
+    assert_eq!((first.round, first.model_version), (1, 1));
+    while seen.try_recv().is_ok() {}
+    // The second run: fresh data folders, the same keys; the replay once it has begun.
+    for d in [fed.agg_dir()]
+        .into_iter()
+        .chain(SITES.iter().map(|s| fed.site_dir(s)))
+    {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (seen_tx, seen) = std::sync::mpsc::channel();
+    let watcher = {
+        let (fed, stop) = (fed.clone(), stop.clone());
+        std::thread::spawn(move || last_manifest(&fed, stop, seen_tx))
+    };
+    let mut agg = fed.aggregator();
+    // The first run's retained manifest, then the second run's own.
+    seen.recv_timeout(LONG).unwrap();
+    seen.recv_timeout(LONG).unwrap();
+    publish_retained_manifest(&fed, earlier);
+    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        fed.wait_ok(a, s, LONG);
+    }
+    fed.wait_ok(&mut agg, "aggregator", LONG);
+    stop.store(true, Ordering::Relaxed);
+    watcher.join().unwrap();
+    assert_eq!(fed.folded(1), ["grey", "lowres", "texture"]);
+    let grey = std::fs::read_to_string(dir.path().join("grey.log")).unwrap();
+    assert!(
+        grey.contains("of an earlier run than the one the site follows")
+            || grey.contains("the federation started a new run"),
+        "the replay was never seen"
+    );
+}
