@@ -26,6 +26,11 @@ pub fn default_max_norm_of_median() -> f64 {
     4.0
 }
 
+/// The default disk budget of the audit log, its rotated files included: 256 MiB.
+pub fn default_audit_budget() -> u64 {
+    256 << 20
+}
+
 /// The default free-space floor of the data disk: 256 MiB.
 pub fn default_min_free_disk() -> u64 {
     256 << 20
@@ -144,6 +149,10 @@ pub struct FederationConfig {
     /// (`StorageFull`) and writes no audit lines, but keeps running and serving, and says so.
     #[serde(default = "default_min_free_disk")]
     pub min_free_disk_bytes: u64,
+    /// Bytes the audit log may take on disk: it is rotated in four files (`audit.log`, then
+    /// `audit.log.1` to `.3`), the oldest lines dropped past the budget.
+    #[serde(default = "default_audit_budget")]
+    pub audit_budget_bytes: u64,
     /// Largest update message accepted, in bytes.
     pub max_update_bytes: usize,
     /// Bytes of update messages the broker keeps for the aggregator's subscription before it
@@ -260,6 +269,7 @@ impl FederationConfig {
             max_norm_of_median: default_max_norm_of_median(),
             keep_versions: 3,
             min_free_disk_bytes: default_min_free_disk(),
+            audit_budget_bytes: default_audit_budget(),
             max_update_bytes: 256 << 20,
             broker_update_log_bytes: default_broker_update_log_bytes(),
             seed: 0,
@@ -319,6 +329,13 @@ impl FederationConfig {
         ] {
             range(r >= 1.0, field, "be at least 1 (inf: off)", r);
         }
+        let a = self.audit_budget_bytes;
+        range(
+            a >= 64 << 10,
+            "audit_budget_bytes",
+            "be at least 64 KiB (65536)",
+            a as f64,
+        );
         let m = self.max_samples;
         range(m > 0, "max_samples", "be at least 1", m as f64);
         let k = self.keep_versions;

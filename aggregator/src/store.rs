@@ -129,10 +129,16 @@ fn format_version() -> u32 {
 /// A held model (every tensor in spec order) and the delta payload that gave it.
 pub type Held = (Vec<Vec<f32>>, Vec<u8>);
 
+/// Files the audit log is kept in: `audit.log` and the rotated `audit.log.1` (newest) to
+/// `audit.log.3` (oldest), each at most a quarter of the audit's budget.
+const AUDIT_FILES: usize = 4;
+
 /// The data directory.
 #[derive(Debug, Clone)]
 pub struct Store {
     dir: PathBuf,
+    /// Bytes the audit log may take on disk, its rotated files included (`u64::MAX`: no bound).
+    audit_budget: u64,
 }
 
 impl Store {
@@ -143,7 +149,49 @@ impl Store {
         for sub in ["models", "spool", "registry", TRASH] {
             fs::create_dir_all(dir.join(sub)).map_err(|e| io(&dir.join(sub), e))?;
         }
-        Ok(Store { dir: dir.into() })
+        Ok(Store {
+            dir: dir.into(),
+            audit_budget: u64::MAX,
+        })
+    }
+
+    /// This store, its audit log kept within `bytes` on disk: when `audit.log` would pass a
+    /// quarter of them it is rotated to `audit.log.1` (and so on up to `audit.log.3`, whose
+    /// lines are then dropped), so a flood of audited events costs the disk a bounded amount.
+    pub fn with_audit_budget(mut self, bytes: u64) -> Self {
+        self.audit_budget = bytes;
+        self
+    }
+
+    /// The audit log's files, oldest first (those that exist).
+    fn audit_files(&self) -> Vec<PathBuf> {
+        let current = self.dir.join("audit.log");
+        let mut v: Vec<PathBuf> = (1..AUDIT_FILES)
+            .rev()
+            .map(|k| self.dir.join(format!("audit.log.{k}")))
+            .filter(|p| p.exists())
+            .collect();
+        v.push(current);
+        v
+    }
+
+    /// Rotates the audit log: `audit.log.3` is dropped, each other file moves one up.
+    fn rotate_audit(&self) -> Result<(), StoreError> {
+        for k in (1..AUDIT_FILES).rev() {
+            let from = if k == 1 {
+                self.dir.join("audit.log")
+            } else {
+                self.dir.join(format!("audit.log.{}", k - 1))
+            };
+            let to = self.dir.join(format!("audit.log.{k}"));
+            match fs::rename(&from, &to) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&from, e)),
+                _ => {}
+            }
+        }
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io(&self.dir, e))
     }
 
     /// Bytes free for this process on the directory's file system.
@@ -724,26 +772,37 @@ impl Store {
     }
 
     /// Appends one line to the audit log and fsyncs it, on a line of its own after the torn
-    /// last line a crash may have left.
+    /// last line a crash may have left; rotates the log first when the line would take
+    /// `audit.log` past its share of the budget ([`Store::with_audit_budget`]).
     pub fn audit(&self, entry: &AuditEntry) -> Result<(), StoreError> {
         let p = self.dir.join("audit.log");
+        let mut line = serde_json::to_vec(entry).expect("audit entry serialises");
+        line.push(b'\n');
+        let len = match fs::metadata(&p) {
+            Ok(m) => m.len(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(io(&p, e)),
+        };
+        let share = self.audit_budget / AUDIT_FILES as u64;
+        let len = if len > 0 && len + line.len() as u64 + 1 > share {
+            self.rotate_audit()?;
+            0
+        } else {
+            len
+        };
         let mut f = OpenOptions::new()
             .create(true)
             .read(true)
             .append(true)
             .open(&p)
             .map_err(|e| io(&p, e))?;
-        let len = f.metadata().map_err(|e| io(&p, e))?.len();
         let mut last = [b'\n'];
         if len > 0 {
             f.read_exact_at(&mut last, len - 1).map_err(|e| io(&p, e))?;
         }
-        let mut line = Vec::new();
         if last[0] != b'\n' {
-            line.push(b'\n');
+            line.insert(0, b'\n');
         }
-        serde_json::to_writer(&mut line, entry).expect("audit entry serialises");
-        line.push(b'\n');
         f.write_all(&line).map_err(|e| io(&p, e))?;
         f.sync_data().map_err(|e| io(&p, e))
     }
@@ -752,31 +811,36 @@ impl Store {
     /// that do not parse (the torn last line of a crash) are skipped: this is a restart's
     /// check, not a reader's.
     pub fn audited(&self, round: u64, event: &str) -> Result<BTreeSet<String>, StoreError> {
-        let p = self.dir.join("audit.log");
-        let text = match std::fs::read_to_string(&p) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(io(&p, e)),
-        };
-        Ok(text
-            .lines()
-            .filter_map(|l| serde_json::from_str::<AuditEntry>(l).ok())
-            .filter(|e| e.round == round && e.event == event)
-            .map(|e| e.site)
-            .collect())
+        let mut sites = BTreeSet::new();
+        for p in self.audit_files() {
+            let text = match std::fs::read_to_string(&p) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+                Err(e) => return Err(io(&p, e)),
+            };
+            sites.extend(
+                text.lines()
+                    .filter_map(|l| serde_json::from_str::<AuditEntry>(l).ok())
+                    .filter(|e| e.round == round && e.event == event)
+                    .map(|e| e.site),
+            );
+        }
+        Ok(sites)
     }
 
-    /// Every audit entry so far.
+    /// Every audit entry the log keeps, oldest first (its rotated files, then `audit.log`).
     pub fn audit_entries(&self) -> Result<Vec<AuditEntry>, StoreError> {
-        let p = self.dir.join("audit.log");
-        let mut s = String::new();
-        if let Ok(mut f) = File::open(&p) {
-            f.read_to_string(&mut s).map_err(|e| io(&p, e))?;
+        let mut entries = Vec::new();
+        for p in self.audit_files() {
+            let mut s = String::new();
+            if let Ok(mut f) = File::open(&p) {
+                f.read_to_string(&mut s).map_err(|e| io(&p, e))?;
+            }
+            for l in s.lines().filter(|l| !l.is_empty()) {
+                entries.push(serde_json::from_str(l).map_err(|e| corrupt(&p, e.to_string()))?);
+            }
         }
-        s.lines()
-            .filter(|l| !l.is_empty())
-            .map(|l| serde_json::from_str(l).map_err(|e| corrupt(&p, e.to_string())))
-            .collect()
+        Ok(entries)
     }
 }
 

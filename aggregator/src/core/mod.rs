@@ -351,7 +351,7 @@ impl Aggregator {
         let spec = initial.spec.clone();
         check_initial(&initial)?;
         let hash = spec.hash();
-        let store = Store::open(dir)?;
+        let store = Store::open(dir)?.with_audit_budget(cfg.audit_budget_bytes);
         let update_idx: Vec<usize> = spec
             .tensors
             .iter()

@@ -2826,3 +2826,56 @@ fn an_update_of_another_run_is_refused_and_the_runs_own_is_taken() {
     drop(agg);
     assert_eq!(open(dir.path(), config(1, 1, BnPolicy::Local)).run(), first);
 }
+
+/// The audit log keeps to its budget: a site that earns refusals round after round (each
+/// audited) fills `audit.log` to a quarter of the budget, which is then rotated to
+/// `audit.log.1` and so on to `.3`, the oldest lines dropped; every file stays within its
+/// share, the entries read back newest last, and a restart's recovery reads the rotated files.
+#[test]
+fn the_audit_log_is_rotated_within_its_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let budget = 64 << 10;
+    let cfg = FederationConfig {
+        audit_budget_bytes: budget,
+        ..config(1_000, 1, BnPolicy::Local)
+    };
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    // Round after round: one accepted update (it closes the round) and refusals.
+    for round in 1..=150u64 {
+        let version = round - 1;
+        for _ in 0..4 {
+            send(
+                &mut agg,
+                "b",
+                good("b", round + 5, version, 5, BnPolicy::Local),
+            );
+        }
+        send(&mut agg, "a", good("a", round, version, 5, BnPolicy::Local));
+        assert_eq!(agg.round(), round + 1);
+    }
+    let share = budget / 4;
+    let mut total = 0;
+    for name in ["audit.log", "audit.log.1", "audit.log.2", "audit.log.3"] {
+        let len = std::fs::metadata(dir.path().join(name)).unwrap().len();
+        assert!(len <= share, "{name}: {len} bytes");
+        total += len;
+    }
+    assert!(total <= budget);
+    assert!(!dir.path().join("audit.log.4").exists());
+    let entries = agg.store().audit_entries().unwrap();
+    let last = entries.last().unwrap();
+    assert_eq!((last.round, last.event.as_str()), (150, "round-closed"));
+    // The oldest rounds were dropped, the newest kept, in order.
+    assert!(entries.first().unwrap().round > 1);
+    let closed: Vec<u64> = entries
+        .iter()
+        .filter(|e| e.event == "round-closed")
+        .map(|e| e.round)
+        .collect();
+    assert!(closed.windows(2).all(|w| w[1] == w[0] + 1), "{closed:?}");
+    assert_eq!(
+        agg.store().audited(150, "accepted").unwrap(),
+        ["a".to_string()].into()
+    );
+}
