@@ -304,3 +304,60 @@ fn the_embedded_broker_with_mutual_tls_refuses_a_client_without_a_certificate() 
         .unwrap();
     assert!(!st.success());
 }
+
+/// Resources a stranger without a certificate could exhaust on the embedded broker's mutual-TLS
+/// port: silent connections (no handshake) from one address held every connection slot for
+/// the handshake timeout, so a site with a valid certificate could not get in. Now a handshake
+/// takes no slot of an established client, one address has at most 8 handshakes in progress,
+/// and handshakes time out after 5 s: 200 silent connections from 127.0.0.2 leave a site on
+/// 127.0.0.1 free to connect (a broker of 32 slots here).
+#[test]
+fn silent_connections_from_one_address_do_not_keep_certified_clients_out() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let certs: PathBuf = dir.path().to_path_buf();
+    certificates(&certs, &["grey"]);
+    let mut child = Guard(
+        Command::new(binary("unifed-broker"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--max-connections",
+                "32",
+                "--tls-cert",
+            ])
+            .arg(certs.join("server.pem"))
+            .arg("--tls-key")
+            .arg(certs.join("server.key"))
+            .arg("--tls-client-ca")
+            .arg(certs.join("ca.pem"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    BufReader::new(child.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
+    let silent: Vec<tokio::net::TcpStream> = runtime().block_on(async {
+        let mut v = Vec::new();
+        for _ in 0..200 {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            if let Ok(c) = s.connect(([127, 0, 0, 1], port).into()).await {
+                v.push(c);
+            }
+        }
+        v
+    });
+    assert!(silent.len() >= 100, "{} silent connections", silent.len());
+    runtime().block_on(async {
+        let (c, _rx) = connect(port, &certs, Some("grey"), vec![], Duration::from_secs(4))
+            .await
+            .expect("the certified site got in");
+        let _ = c.disconnect().await;
+    });
+    drop(silent);
+}
