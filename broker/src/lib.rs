@@ -24,6 +24,7 @@
 //!   of the buffers they were read into, so chunks are cut to fit 256 KiB packets
 //!   (`unifed_protocol::chunking::CHUNK_BYTES`).
 
+pub mod acl;
 pub mod tls;
 
 use anyhow::{Context, Result, bail};

@@ -139,7 +139,7 @@ pub async fn serve(
         tokio::spawn(async move {
             let shaken = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
             drop((handshake, from_peer));
-            let mut tls = match shaken {
+            let tls = match shaken {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => return tracing::warn!(%peer, error = %e, "TLS handshake refused"),
                 Err(_) => return tracing::warn!(%peer, "TLS handshake timed out"),
@@ -147,7 +147,17 @@ pub async fn serve(
             let Ok(_slot) = slots.try_acquire_owned() else {
                 return tracing::warn!(%peer, "connection closed: {max_connections} connections already");
             };
-            let mut plain = match TcpStream::connect(broker).await {
+            // The client is who its certificate names; without a common name, it is no one.
+            let who = tls
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .and_then(|c| crate::acl::common_name(c));
+            let Some(who) = who.map(|cn| crate::acl::Identity::from_common_name(&cn)) else {
+                return tracing::warn!(%peer, "connection closed: its certificate names no one");
+            };
+            let plain = match TcpStream::connect(broker).await {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
                     s
@@ -156,7 +166,17 @@ pub async fn serve(
                     return tracing::error!(error = %e, "the broker behind TLS is unreachable");
                 }
             };
-            let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            let (from_client, mut to_client) = tokio::io::split(tls);
+            let (mut from_broker, to_broker) = plain.into_split();
+            // Whichever direction ends first ends the connection.
+            tokio::select! {
+                r = crate::acl::guard(from_client, to_broker, &who) => {
+                    if let Err(e) = r {
+                        tracing::warn!(%peer, ?who, error = %e, "connection closed by the access policy");
+                    }
+                }
+                _ = tokio::io::copy(&mut from_broker, &mut to_client) => {}
+            }
         });
     }
 }

@@ -33,15 +33,32 @@ async fn connect(
     subs: Vec<String>,
     wait: Duration,
 ) -> Result<(Client, UnboundedReceiver<NetEvent>), String> {
+    // The client ids the services use (Mosquitto replaces them by the certificate's name).
+    let id = match who {
+        Some("aggregator") => "unifed-aggregator-e2e".to_string(),
+        Some(w) => format!("unifed-agent-{w}"),
+        None => "unifed-agent-none".to_string(),
+    };
+    connect_as(port, certs, who, &id, subs, wait).await
+}
+
+/// [`connect`] with MQTT client id `id`.
+async fn connect_as(
+    port: u16,
+    certs: &Path,
+    who: Option<&str>,
+    id: &str,
+    subs: Vec<String>,
+    wait: Duration,
+) -> Result<(Client, UnboundedReceiver<NetEvent>), String> {
     let mut b = BrokerConfig::new("127.0.0.1", port);
     b.ca_file = Some(certs.join("ca.pem"));
     if let Some(w) = who {
         b.cert_file = Some(certs.join(format!("{w}.pem")));
         b.key_file = Some(certs.join(format!("{w}.key")));
     }
-    let id = format!("probe-{}", who.unwrap_or("none"));
     let subs_len = subs.len();
-    let (client, mut rx) = unifed_net::spawn_event_loop(b.options(&id, None)?, subs);
+    let (client, mut rx) = unifed_net::spawn_event_loop(b.options(id, None)?, subs);
     let subs = subs_len;
     let end = tokio::time::Instant::now() + wait;
     let mut last = String::from("no answer");
@@ -260,21 +277,21 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
     );
 }
 
-#[test]
-fn the_embedded_broker_with_mutual_tls_refuses_a_client_without_a_certificate() {
-    let _one = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let certs: PathBuf = dir.path().to_path_buf();
-    certificates(&certs, &["grey"]);
+/// `unifed-broker` on a free loopback port with mutual TLS under the CA of `certs` (and
+/// `extra` arguments): the process and its port.
+fn embedded_mtls(certs: &Path, extra: &[&str]) -> (Guard, u16) {
     let mut child = Guard(
         Command::new(binary("unifed-broker"))
-            .args(["--listen", "127.0.0.1:0", "--tls-cert"])
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .arg("--tls-cert")
             .arg(certs.join("server.pem"))
             .arg("--tls-key")
             .arg(certs.join("server.key"))
             .arg("--tls-client-ca")
             .arg(certs.join("ca.pem"))
             .stdout(Stdio::piped())
+            .stderr(Stdio::null())
             .spawn()
             .unwrap(),
     );
@@ -283,6 +300,16 @@ fn the_embedded_broker_with_mutual_tls_refuses_a_client_without_a_certificate() 
         .read_line(&mut line)
         .unwrap();
     let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
+    (child, port)
+}
+
+#[test]
+fn the_embedded_broker_with_mutual_tls_refuses_a_client_without_a_certificate() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let certs: PathBuf = dir.path().to_path_buf();
+    certificates(&certs, &["grey"]);
+    let (_child, port) = embedded_mtls(&certs, &[]);
     // A client that opens connections and never speaks does not stall the others' handshakes.
     let _silent: Vec<std::net::TcpStream> = (0..3)
         .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
@@ -317,30 +344,7 @@ fn silent_connections_from_one_address_do_not_keep_certified_clients_out() {
     let dir = tempfile::tempdir().unwrap();
     let certs: PathBuf = dir.path().to_path_buf();
     certificates(&certs, &["grey"]);
-    let mut child = Guard(
-        Command::new(binary("unifed-broker"))
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--max-connections",
-                "32",
-                "--tls-cert",
-            ])
-            .arg(certs.join("server.pem"))
-            .arg("--tls-key")
-            .arg(certs.join("server.key"))
-            .arg("--tls-client-ca")
-            .arg(certs.join("ca.pem"))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let mut line = String::new();
-    BufReader::new(child.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port: u16 = line.trim().rsplit(':').next().unwrap().parse().unwrap();
+    let (_child, port) = embedded_mtls(&certs, &["--max-connections", "32"]);
     let silent: Vec<tokio::net::TcpStream> = runtime().block_on(async {
         let mut v = Vec::new();
         for _ in 0..200 {
@@ -360,4 +364,92 @@ fn silent_connections_from_one_address_do_not_keep_certified_clients_out() {
         let _ = c.disconnect().await;
     });
     drop(silent);
+}
+
+/// The embedded broker enforces what the generated Mosquitto ACL states, from the client
+/// certificate's name: grey's certificate cannot use texture's client id (and so cannot take
+/// over its session), cannot subscribe to every update, to texture's answers or to `#`, and its
+/// publish on texture's update topic closes its connection before the aggregator sees it; its
+/// own topics work, and a federation of two sites runs through it.
+#[test]
+fn the_embedded_broker_with_mutual_tls_keeps_each_site_to_its_own_topics_and_client_ids() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    certificates(&certs, &["aggregator", "grey", "texture"]);
+    let (_broker, port) = embedded_mtls(&certs, &["--max-packet-bytes", "65536"]);
+    let mut fed = Fed::new(dir.path(), port, 32 << 10);
+    fed.ca_file = Some(certs.join("ca.pem"));
+    fed.client_certs = Some(certs.clone());
+    fed.rounds = 2;
+    fed.min_sites = 2;
+    fed.sites = vec!["grey".into(), "texture".into()];
+    let ns = "unifed/v1/e2e";
+    runtime().block_on(async {
+        let wait = Duration::from_secs(3);
+        let grey = Some("grey");
+        let taken = connect_as(port, &certs, grey, "unifed-agent-texture", vec![], wait).await;
+        assert!(taken.is_err(), "grey used texture's client id");
+        for filter in [
+            format!("{ns}/update/+"),
+            format!("{ns}/ack/texture"),
+            "#".into(),
+        ] {
+            let r = connect(port, &certs, grey, vec![filter.clone()], wait).await;
+            assert!(r.is_err(), "{filter}");
+        }
+        let subs = vec![format!("{ns}/update/+")];
+        let (agg, mut agg_rx) = connect(port, &certs, Some("aggregator"), subs, wait)
+            .await
+            .unwrap();
+        let own = || vec![format!("{ns}/ack/grey")];
+        let (c, mut grey_rx) = connect(port, &certs, grey, own(), wait).await.unwrap();
+        let forged = b"grey as texture".to_vec();
+        let topic = format!("{ns}/update/texture");
+        c.publish(topic, Qos::AtLeastOnce, false, forged)
+            .await
+            .unwrap();
+        // The connection is closed for it.
+        let mut closed = false;
+        let end = tokio::time::Instant::now() + wait;
+        while let Ok(Some(ev)) = tokio::time::timeout_at(end, grey_rx.recv()).await {
+            if matches!(ev, NetEvent::Disconnected(_)) {
+                closed = true;
+                break;
+            }
+        }
+        assert!(closed, "grey's connection stayed open");
+        let _ = c.disconnect().await;
+        let (c, _rx) = connect(port, &certs, grey, own(), wait).await.unwrap();
+        let topic = format!("{ns}/update/grey");
+        c.publish(topic, Qos::AtLeastOnce, false, b"grey's own".to_vec())
+            .await
+            .unwrap();
+        let got = drain(&mut agg_rx, Duration::from_secs(2)).await;
+        let texts: Vec<String> = got.into_iter().map(|(_, p)| p).collect();
+        assert_eq!(texts, ["grey's own"]);
+        for c in [agg, c] {
+            let _ = c.disconnect().await;
+        }
+    });
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = ["grey", "texture"].iter().map(|s| fed.agent(s)).collect();
+    for (a, s) in agents.iter_mut().zip(["grey", "texture"]) {
+        fed.wait_ok(a, s, Duration::from_secs(240));
+    }
+    fed.wait_ok(&mut agg, "aggregator", Duration::from_secs(60));
+    let accepted = Store::open(&fed.agg_dir())
+        .unwrap()
+        .audit_entries()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.event == "accepted")
+        .count();
+    assert_eq!(
+        accepted,
+        4,
+        "2 sites x 2 rounds through the policy\n{}",
+        fed.logs()
+    );
 }
