@@ -283,11 +283,8 @@ pub async fn serve(
         sealer: federation.sealer().clone(),
     };
     let ingest = start_ingest(&cfg, federation.core(), &wire, &prefixes, chunks_rx)?;
-    // Registry entries arrive in chunks too (small: one model's BN layers).
-    let max_entry = federation.core().max_entry_bytes();
     let mut service = Service {
-        entries: unifed_protocol::chunking::Reassembler::new(120_000, 16 * max_entry)
-            .with_max_payload(max_entry),
+        entries: Default::default(),
         revocations: config.map(Revocations::new),
         federation,
         wire,
@@ -418,7 +415,9 @@ struct Service {
     federation: Federation,
     wire: Wire,
     prefixes: Prefixes,
-    entries: unifed_protocol::chunking::Reassembler,
+    /// Registry entries arriving in chunks (small: one model's BN layers), reassembled per
+    /// site: each enrolled site has room for two entries at once, whatever the others send.
+    entries: std::collections::BTreeMap<String, unifed_protocol::chunking::Reassembler>,
     revocations: Option<Revocations>,
     admission: tokio::sync::watch::Sender<crate::core::Admission>,
     /// The round the ingest threads take chunk sets of.
@@ -782,6 +781,11 @@ async fn onboard(service: &mut Service, site: &str, payload: &[u8]) -> Result<()
             Err(e) => tracing::warn!(site = %site, error = %e, "bad onboarding request ignored"),
         },
         MessageKind::RegistryPut => {
+            let max_entry = federation.core().max_entry_bytes();
+            let entries = entries.entry(site.to_string()).or_insert_with(|| {
+                unifed_protocol::chunking::Reassembler::new(120_000, 2 * max_entry)
+                    .with_max_payload(max_entry)
+            });
             let done = env
                 .payload_as::<ChunkRef>()
                 .map_err(|e| e.to_string())

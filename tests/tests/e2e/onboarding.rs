@@ -411,3 +411,95 @@ fn a_damaged_kept_file_ends_its_request_not_the_aggregator() {
     assert_eq!(damaged, 2);
     drop(run.broker);
 }
+
+/// Registry uploads have a share per site: an enrolled site (grey's key) that keeps opening
+/// registry entries of the largest size and never finishes them, while a new site registers,
+/// evicted the new site's entry from the one reassembler every site's `RegistryPut` shared.
+/// Now each site reassembles its own (two entries at once): the new site registers its
+/// calibrated model however many sets grey opens meanwhile.
+#[test]
+fn unfinished_registry_entries_of_one_site_leave_others_room_to_register() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _one = serial();
+    let run = federation(BnSharing::Affine, 2);
+    let fed = run.fed.clone();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let flood = {
+        let (fed, stop) = (fed.clone(), stop.clone());
+        std::thread::spawn(move || open_registry_sets(&fed, "grey", &stop))
+    };
+    let key = fed.dir.join("morpho.key");
+    let (ok, out) = agent(&["keygen", "--out", path(&key)]);
+    assert!(ok, "{out}");
+    let cfg = fed.device_config(NEW, "morpho-a", Some(&key));
+    let (ok, out) = agent(&["calibrate", "--config", path(&cfg)]);
+    stop.store(true, Ordering::Relaxed);
+    let sent = flood.join().unwrap();
+    assert!(sent >= 40, "the flood did not run: {sent}");
+    assert!(ok, "{out}\n{}", fed.logs());
+    assert!(
+        out.contains("registered the calibrated BN of model v2"),
+        "{out}"
+    );
+    drop(run);
+}
+
+/// Publishes, signed by `site`, the first chunk of ever new registry entries of the largest
+/// size, one every millisecond until `stop`; returns how many.
+fn open_registry_sets(fed: &Fed, site: &str, stop: &std::sync::atomic::AtomicBool) -> usize {
+    use unifed_protocol::ids::Id;
+    use unifed_protocol::messages::RoundManifest;
+    let spec = fed.spec();
+    let max_entry = unifed_protocol::messages::max_registry_entry_bytes(&spec);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let topics = unifed_protocol::topics::Topics::new(&Id::new("e2e").unwrap());
+        let (client, mut rx) = unifed_net::spawn_event_loop(
+            fed.broker().options("flooder", None).unwrap(),
+            vec![topics.manifest()],
+        );
+        // The run, from the retained manifest.
+        let m = loop {
+            match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+                Ok(Some(unifed_net::NetEvent::Message { payload, .. })) => {
+                    let e = Envelope::decode(&payload).unwrap();
+                    break e.payload_as::<RoundManifest>().unwrap();
+                }
+                Ok(Some(_)) => {}
+                other => panic!("no manifest: {other:?}"),
+            }
+        };
+        let key = fed.key(site);
+        let topic = topics.onboard_request(&Id::new(site).unwrap());
+        let mut sent = 0usize;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut entry = vec![0u8; max_entry];
+            entry[..8].copy_from_slice(&(sent as u64).to_le_bytes());
+            let first = unifed_protocol::chunking::split(&entry, 16 << 10).swap_remove(0);
+            let env = Envelope::new(
+                MessageKind::RegistryPut,
+                Id::new("e2e").unwrap(),
+                Id::new(site).unwrap(),
+                0,
+                m.model_version,
+                spec.hash(),
+                &first,
+            )
+            .in_run(m.run);
+            let bytes = key.sign(&env);
+            if client
+                .publish(topic.clone(), unifed_net::Qos::AtLeastOnce, false, bytes)
+                .await
+                .is_ok()
+            {
+                sent += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let _ = client.disconnect().await;
+        sent
+    })
+}
