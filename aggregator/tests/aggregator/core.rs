@@ -1,5 +1,6 @@
 //! The federation core driven by scripted updates: no burn, no network.
 
+use crate::common::{opened, this_run};
 use std::path::Path;
 use unifed_aggregator::core::AdmitError;
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
@@ -225,22 +226,6 @@ fn expected_after(
 
 fn open(dir: &Path, cfg: FederationConfig) -> Aggregator {
     opened(Aggregator::open(dir, cfg, initial(), 64).unwrap())
-}
-
-thread_local! {
-    /// The run of the aggregator this test opened last: the messages the helpers build are of it.
-    static RUN: std::cell::Cell<unifed_protocol::RunId> = Default::default();
-}
-
-/// `agg`, whose run the helpers' messages take from now on.
-fn opened(agg: Aggregator) -> Aggregator {
-    RUN.with(|r| r.set(agg.run()));
-    agg
-}
-
-/// The run of the aggregator the test opened last.
-fn this_run() -> unifed_protocol::RunId {
-    RUN.with(|r| r.get())
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The onboarding side of the federation core: BN tensors shared under each BN sharing policy,
 //! the onboarding package they give, and the registry of sites' calibrated BN.
 
+use crate::common::{opened, this_run};
 use unifed_aggregator::{Action, Aggregator, Event, FederationConfig, GlobalModel, Incoming};
 use unifed_protocol::chunking::Reassembler;
 use unifed_protocol::encoding::{Encoding, decode, encode};
@@ -66,22 +67,6 @@ fn open(dir: &std::path::Path, sharing: BnSharing) -> Aggregator {
         ..FederationConfig::new("fed1", 3, 2, enrolled())
     };
     opened(Aggregator::open(dir, cfg, initial(), 16).unwrap())
-}
-
-thread_local! {
-    /// The run of the aggregator this test opened last: the messages the helpers build are of it.
-    static RUN: std::cell::Cell<unifed_protocol::RunId> = Default::default();
-}
-
-/// `agg`, whose run the helpers' messages take from now on.
-fn opened(agg: Aggregator) -> Aggregator {
-    RUN.with(|r| r.set(agg.run()));
-    agg
-}
-
-/// The run of the aggregator the test opened last.
-fn this_run() -> unifed_protocol::RunId {
-    RUN.with(|r| r.get())
 }
 
 /// Site `s`'s BN tensors after training: weight, bias, running mean, running variance.

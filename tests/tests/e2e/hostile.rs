@@ -54,10 +54,7 @@ fn a_site_claiming_the_most_samples_with_minus_the_model_does_not_zero_it() {
     let initial = unifed_aggregator::service::load_model(&fed.model()).unwrap();
     let claim = unifed_aggregator::config::default_max_samples();
     let mut agg = fed.aggregator();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let (sent_tx, sent_rx) = std::sync::mpsc::channel();
     let rogue = {
         let (fed, spec, initial) = (fed.clone(), spec.clone(), initial.tensors.clone());
@@ -65,10 +62,7 @@ fn a_site_claiming_the_most_samples_with_minus_the_model_does_not_zero_it() {
             rt.block_on(async move {
                 let topics = Topics::new(&id("e2e"));
                 let aggregator = Keyring::aggregator(fed.key("aggregator").public());
-                let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
-                    .options("rogue-attacker", None)
-                    .unwrap();
-                let (client, mut rx) = unifed_net::spawn_event_loop(opts, vec![topics.manifest()]);
+                let (client, mut rx) = stranger(&fed, "rogue-attacker", vec![topics.manifest()]);
                 while let Some(ev) = rx.recv().await {
                     let unifed_net::NetEvent::Message { payload, .. } = ev else {
                         continue;
@@ -229,17 +223,14 @@ fn replay_first_chunks(
     ready: std::sync::mpsc::Sender<()>,
 ) -> usize {
     use std::sync::atomic::Ordering;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async move {
         let topics = Topics::new(&id("e2e"));
-        let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
-            .options("replayer", None)
-            .unwrap();
-        let (client, mut rx) =
-            unifed_net::spawn_event_loop(opts, vec![topics.manifest(), topics.updates_filter()]);
+        let (client, mut rx) = stranger(
+            fed,
+            "replayer",
+            vec![topics.manifest(), topics.updates_filter()],
+        );
         let mut firsts: std::collections::BTreeMap<u64, Vec<u8>> = Default::default();
         let mut round = 0;
         let mut replays = 0;
@@ -355,16 +346,10 @@ fn last_manifest(
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     seen: std::sync::mpsc::Sender<()>,
 ) -> Vec<u8> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async move {
         let topics = Topics::new(&id("e2e"));
-        let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
-            .options("recorder", None)
-            .unwrap();
-        let (client, mut rx) = unifed_net::spawn_event_loop(opts, vec![topics.manifest()]);
+        let (client, mut rx) = stranger(fed, "recorder", vec![topics.manifest()]);
         let mut last = Vec::new();
         while !stop.load(std::sync::atomic::Ordering::Relaxed) {
             if let Ok(Some(unifed_net::NetEvent::Message { payload, .. })) =
@@ -381,16 +366,10 @@ fn last_manifest(
 
 /// Publishes `bytes` on the manifest topic, retained, as a stranger with a broker login.
 fn publish_retained_manifest(fed: &Fed, bytes: Vec<u8>) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     rt.block_on(async move {
         let topics = Topics::new(&id("e2e"));
-        let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
-            .options("replayer", None)
-            .unwrap();
-        let (client, _rx) = unifed_net::spawn_event_loop(opts, vec![]);
+        let (client, _rx) = stranger(fed, "replayer", vec![]);
         client
             .publish(topics.manifest(), unifed_net::Qos::AtLeastOnce, true, bytes)
             .await
@@ -465,4 +444,28 @@ fn a_replayed_manifest_of_an_earlier_run_does_not_wedge_the_next_run() {
             || grey.contains("the federation started a new run"),
         "the replay was never seen"
     );
+}
+
+/// A runtime for a client of the test's own.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A client of `fed`'s broker with MQTT client id `client_id` and no key, subscribed to
+/// `subs` (inside a runtime).
+fn stranger(
+    fed: &Fed,
+    client_id: &str,
+    subs: Vec<String>,
+) -> (
+    unifed_net::Client,
+    tokio::sync::mpsc::UnboundedReceiver<unifed_net::NetEvent>,
+) {
+    let opts = unifed_net::BrokerConfig::new("127.0.0.1", fed.port)
+        .options(client_id, None)
+        .unwrap();
+    unifed_net::spawn_event_loop(opts, subs)
 }

@@ -256,19 +256,7 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
     });
 
     // The federation itself runs through the ACL.
-    let mut agg = fed.aggregator();
-    let mut agents: Vec<_> = ["grey", "texture"].iter().map(|s| fed.agent(s)).collect();
-    for (a, s) in agents.iter_mut().zip(["grey", "texture"]) {
-        fed.wait_ok(a, s, Duration::from_secs(240));
-    }
-    fed.wait_ok(&mut agg, "aggregator", Duration::from_secs(60));
-    let accepted = Store::open(&fed.agg_dir())
-        .unwrap()
-        .audit_entries()
-        .unwrap()
-        .into_iter()
-        .filter(|e| e.event == "accepted")
-        .count();
+    let accepted = accepted_in_a_run(&fed, &["grey", "texture"]);
     assert_eq!(
         accepted,
         4,
@@ -433,23 +421,28 @@ fn the_embedded_broker_with_mutual_tls_keeps_each_site_to_its_own_topics_and_cli
             let _ = c.disconnect().await;
         }
     });
-    let mut agg = fed.aggregator();
-    let mut agents: Vec<_> = ["grey", "texture"].iter().map(|s| fed.agent(s)).collect();
-    for (a, s) in agents.iter_mut().zip(["grey", "texture"]) {
-        fed.wait_ok(a, s, Duration::from_secs(240));
-    }
-    fed.wait_ok(&mut agg, "aggregator", Duration::from_secs(60));
-    let accepted = Store::open(&fed.agg_dir())
-        .unwrap()
-        .audit_entries()
-        .unwrap()
-        .into_iter()
-        .filter(|e| e.event == "accepted")
-        .count();
+    let accepted = accepted_in_a_run(&fed, &["grey", "texture"]);
     assert_eq!(
         accepted,
         4,
         "2 sites x 2 rounds through the policy\n{}",
         fed.logs()
     );
+}
+
+/// Runs `fed`'s aggregator and the agents of `sites` to their end; the updates it accepted.
+fn accepted_in_a_run(fed: &Fed, sites: &[&str]) -> usize {
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<_> = sites.iter().map(|s| fed.agent(s)).collect();
+    for (a, s) in agents.iter_mut().zip(sites) {
+        fed.wait_ok(a, s, Duration::from_secs(240));
+    }
+    fed.wait_ok(&mut agg, "aggregator", Duration::from_secs(60));
+    Store::open(&fed.agg_dir())
+        .unwrap()
+        .audit_entries()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.event == "accepted")
+        .count()
 }
