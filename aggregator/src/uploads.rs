@@ -283,15 +283,7 @@ impl SpooledUploads {
                 let path = self
                     .dir
                     .join(format!("{site}.{}.{}.part", hex(&hash), self.begun));
-                let file = File::options()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .open(&path)
-                    .map_err(|source| UploadError::Io {
-                        path: path.clone(),
-                        source,
-                    })?;
+                let file = create_part(&path)?;
                 sets.push(Set {
                     hash,
                     count,
@@ -328,22 +320,7 @@ impl SpooledUploads {
         if sets.is_empty() {
             self.sites.remove(site);
         }
-        // Renamed now, keeping the set's own number: the complete one's name is never reused,
-        // so removing it never removes another's.
-        let path = s.path.with_extension("complete");
-        if let Err(source) = std::fs::rename(&s.path, &path) {
-            let _ = std::fs::remove_file(&s.path);
-            return Err(UploadError::Io {
-                path: s.path,
-                source,
-            });
-        }
-        Ok(Some(Received {
-            file: s.file,
-            path,
-            len: total_len,
-            hash,
-        }))
+        completed(s).map(Some)
     }
 
     /// Drops (and deletes) every set whose first chunk is older than the timeout at `now_ms`;
@@ -380,6 +357,39 @@ impl SpooledUploads {
 /// chunks are shorter than [`MIN_CHUNK`].
 fn geometry(index: u32, count: u32, total_len: u64, len: u64) -> Option<u64> {
     cut_size(index, count, total_len, len).filter(|&size| count == 1 || size >= MIN_CHUNK)
+}
+
+/// Makes the file of a new set at `path` (never an existing one).
+fn create_part(path: &Path) -> Result<File, UploadError> {
+    File::options()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|source| UploadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// A set whose chunks have all arrived, its file renamed to a name of its own.
+fn completed(s: Set) -> Result<Received, UploadError> {
+    // Renamed now, keeping the set's own number: the complete one's name is never reused,
+    // so removing it never removes another's.
+    let path = s.path.with_extension("complete");
+    if let Err(source) = std::fs::rename(&s.path, &path) {
+        let _ = std::fs::remove_file(&s.path);
+        return Err(UploadError::Io {
+            path: s.path,
+            source,
+        });
+    }
+    Ok(Received {
+        file: s.file,
+        path,
+        len: s.total_len,
+        hash: s.hash,
+    })
 }
 
 fn hex(b: &[u8]) -> String {
