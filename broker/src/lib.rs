@@ -120,26 +120,7 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
     } else {
         args.listen
     };
-    let auth = if args.users.is_empty() {
-        None
-    } else {
-        let mut m = HashMap::new();
-        for u in &args.users {
-            let (user, pass) = u
-                .split_once(':')
-                .with_context(|| format!("--user `{u}` must be user:password"))?;
-            m.insert(user.to_string(), pass.to_string());
-        }
-        Some(m)
-    };
-    let connections = rumqttd::ConnectionSettings {
-        connection_timeout_ms: 60_000,
-        max_payload_size: args.max_packet_bytes + 4096,
-        max_inflight_count: 100,
-        auth,
-        external_auth: None,
-        dynamic_filters: true,
-    };
+    let connections = connection_settings(args)?;
     // Under mutual TLS the public port is ours (tls.rs) and rumqttd listens on loopback.
     let tls = match (&args.tls_cert, &args.tls_key, &args.tls_client_ca) {
         (Some(cert), Some(key), Some(ca)) => Some(tls::acceptor(cert, key, ca)?),
@@ -196,23 +177,7 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
     }
     let shown = match (public, tls) {
         (Some(public), Some(acceptor)) => {
-            let addr = public.local_addr()?;
-            public.set_nonblocking(true)?;
-            let max = args.max_connections;
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(1)
-                    .enable_all()
-                    .build()
-                    .expect("a runtime for the TLS listener");
-                rt.block_on(async move {
-                    let l = tokio::net::TcpListener::from_std(public).expect("the TLS listener");
-                    if let Err(e) = tls::serve(l, acceptor, listen, max).await {
-                        tracing::error!(error = %e, "the TLS listener stopped");
-                    }
-                });
-            });
-            addr
+            spawn_tls_front(public, acceptor, listen, args.max_connections)?
         }
         _ => listen,
     };
@@ -232,6 +197,56 @@ pub fn run(args: &BrokerArgs) -> Result<()> {
         Ok(Err(e)) => bail!("broker stopped: {e}"),
         Err(_) => bail!("broker thread panicked"),
     }
+}
+
+/// rumqttd's connection settings from `args`: packet size, and the `--user` logins.
+fn connection_settings(args: &BrokerArgs) -> Result<rumqttd::ConnectionSettings> {
+    let auth = if args.users.is_empty() {
+        None
+    } else {
+        let mut m = HashMap::new();
+        for u in &args.users {
+            let (user, pass) = u
+                .split_once(':')
+                .with_context(|| format!("--user `{u}` must be user:password"))?;
+            m.insert(user.to_string(), pass.to_string());
+        }
+        Some(m)
+    };
+    Ok(rumqttd::ConnectionSettings {
+        connection_timeout_ms: 60_000,
+        max_payload_size: args.max_packet_bytes + 4096,
+        max_inflight_count: 100,
+        auth,
+        external_auth: None,
+        dynamic_filters: true,
+    })
+}
+
+/// Serves mutual TLS on `public` in a thread of its own, relaying verified clients to rumqttd
+/// on `broker` (see [`tls::serve`]); returns the public address.
+fn spawn_tls_front(
+    public: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    broker: SocketAddr,
+    max_connections: usize,
+) -> Result<SocketAddr> {
+    let addr = public.local_addr()?;
+    public.set_nonblocking(true)?;
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("a runtime for the TLS listener");
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::from_std(public).expect("the TLS listener");
+            if let Err(e) = tls::serve(l, acceptor, broker, max_connections).await {
+                tracing::error!(error = %e, "the TLS listener stopped");
+            }
+        });
+    });
+    Ok(addr)
 }
 
 /// Whether something listens on `addr`. On Linux this reads `/proc/net/tcp{,6}` for a LISTEN
