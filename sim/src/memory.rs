@@ -65,6 +65,49 @@ pub fn peak_rss() -> Result<u64> {
     Ok(kb * 1024)
 }
 
+/// Site `site`'s signed update of round 1 in `run` (federation `memory`), every tensor an update
+/// carries under local BN holding the same delta times `scale`, in `encoding`: made when it is
+/// sent, so the measuring program holds nothing model-sized beside the aggregator.
+fn site_update(
+    spec: &unifed_protocol::ModelSpec,
+    encoding: Encoding,
+    (site, run): (&str, unifed_protocol::RunId),
+    scale: f32,
+) -> Vec<u8> {
+    let delta = spec
+        .tensors
+        .iter()
+        .filter(|t| !t.kind.is_bn())
+        .map(|t| {
+            let scaled: Vec<f32> = (0..t.numel())
+                .map(|k| 1e-3 * ((k % 997) as f32 * 0.37).sin() * scale)
+                .collect();
+            t.encode(&scaled, encoding, None)
+        })
+        .collect();
+    let u = SiteUpdate {
+        round: 1,
+        base_version: 0,
+        samples: 100,
+        delta,
+        bn: Vec::new(),
+        report: LocalReport::default(),
+        extras: SiteExtras::None,
+    };
+    let federation = Id::new("memory").expect("valid id");
+    let id = Id::new(site).expect("valid id");
+    let env = Envelope::new(
+        MessageKind::SiteUpdate,
+        federation,
+        id,
+        1,
+        0,
+        spec.hash(),
+        &u,
+    );
+    sim_key(site).sign(&env.in_run(run))
+}
+
 /// One round of `n` sites through the aggregator core, in a temporary data directory, every
 /// update and the model delta sent back in `encoding`; the updates handed to the core one by
 /// one, or `together` ([`VET_WIDTH`] at a time).
@@ -85,45 +128,8 @@ pub fn measure(n: usize, encoding: Encoding, together: bool) -> Result<MemoryRow
             .collect(),
     );
     cfg.encoding = encoding;
-    let federation = Id::new("memory").map_err(|e| anyhow::anyhow!("{e}"))?;
-    let hash = spec.hash();
-    // Every site sends the same delta scaled by its index, made when it is sent (so the
-    // measuring program holds nothing model-sized beside the aggregator).
-    let carried: Vec<_> = spec.tensors.iter().filter(|t| !t.kind.is_bn()).collect();
-    let update = |i: usize, run: unifed_protocol::RunId| -> Vec<u8> {
-        let scale = 1.0 + i as f32 / n as f32;
-        let delta = carried
-            .iter()
-            .map(|t| {
-                let scaled: Vec<f32> = (0..t.numel())
-                    .map(|k| 1e-3 * ((k % 997) as f32 * 0.37).sin() * scale)
-                    .collect();
-                t.encode(&scaled, encoding, None)
-            })
-            .collect();
-        let u = SiteUpdate {
-            round: 1,
-            base_version: 0,
-            samples: 100,
-            delta,
-            bn: Vec::new(),
-            report: LocalReport::default(),
-            extras: SiteExtras::None,
-        };
-        let site = Id::new(&ids[i]).expect("valid id");
-        sim_key(&ids[i]).sign(
-            &Envelope::new(
-                MessageKind::SiteUpdate,
-                federation.clone(),
-                site,
-                1,
-                0,
-                hash,
-                &u,
-            )
-            .in_run(run),
-        )
-    };
+    let update =
+        |i: usize, run| site_update(&spec, encoding, (&ids[i], run), 1.0 + i as f32 / n as f32);
     let first = update(0, Default::default());
     let update_bytes = first.len();
     drop(first);
