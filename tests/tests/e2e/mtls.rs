@@ -122,12 +122,7 @@ fn on_mosquitto_with_the_generated_acl_a_site_reaches_only_its_own_topics() {
     std::fs::create_dir_all(&certs).unwrap();
     certificates(&certs, &["aggregator", "grey", "texture"]);
     let port = free_port();
-    let mut fed = Fed::new(dir.path(), port, 32 << 10);
-    fed.ca_file = Some(certs.join("ca.pem"));
-    fed.client_certs = Some(certs.clone());
-    fed.rounds = 2;
-    fed.min_sites = 2;
-    fed.sites = vec!["grey".into(), "texture".into()];
+    let fed = two_sites_over_mtls(dir.path(), port, &certs);
 
     // The broker config, generated from the federation's own config.
     let out = dir.path().join("mosquitto");
@@ -367,12 +362,7 @@ fn the_embedded_broker_with_mutual_tls_keeps_each_site_to_its_own_topics_and_cli
     std::fs::create_dir_all(&certs).unwrap();
     certificates(&certs, &["aggregator", "grey", "texture"]);
     let (_broker, port) = embedded_mtls(&certs, &["--max-packet-bytes", "65536"]);
-    let mut fed = Fed::new(dir.path(), port, 32 << 10);
-    fed.ca_file = Some(certs.join("ca.pem"));
-    fed.client_certs = Some(certs.clone());
-    fed.rounds = 2;
-    fed.min_sites = 2;
-    fed.sites = vec!["grey".into(), "texture".into()];
+    let fed = two_sites_over_mtls(dir.path(), port, &certs);
     let ns = "unifed/v1/e2e";
     runtime().block_on(async {
         let wait = Duration::from_secs(3);
@@ -445,4 +435,16 @@ fn accepted_in_a_run(fed: &Fed, sites: &[&str]) -> usize {
         .into_iter()
         .filter(|e| e.event == "accepted")
         .count()
+}
+
+/// A federation of grey and texture, two rounds, on the broker at `port`, each service with
+/// its certificate from `certs`.
+fn two_sites_over_mtls(dir: &Path, port: u16, certs: &Path) -> Fed {
+    let mut fed = Fed::new(dir, port, 32 << 10);
+    fed.ca_file = Some(certs.join("ca.pem"));
+    fed.client_certs = Some(certs.to_path_buf());
+    fed.rounds = 2;
+    fed.min_sites = 2;
+    fed.sites = vec!["grey".into(), "texture".into()];
+    fed
 }
