@@ -31,8 +31,8 @@ enum Dropped {
     #[error("its payload: {0}")]
     Payload(#[from] DecodeError),
     /// It is of another round or model version than the open round's (a replay of an
-    /// earlier upload, or a re-send after its round closed): dropped before it takes any of
-    /// its site's upload share.
+    /// earlier upload, or a re-send after its round closed, of which only the first chunk is
+    /// handed on): dropped before it takes any of its site's upload share.
     #[error("of round {round} from v{version}, not the open round's ({open})")]
     NotOpenRound {
         /// The round it names.
@@ -47,9 +47,44 @@ enum Dropped {
     Upload(#[from] UploadError),
 }
 
-/// The round chunk sets may be of: the open round and the model version it trains from, or
-/// `None` while no round is open (before the first, after the last).
-pub type OpenRound = Option<(u64, u64)>;
+/// The core's round as the ingest threads see it: chunk sets are taken only of the open round
+/// and the model version it trains from; the first chunk of a set of a round that has closed
+/// is handed on as a [`Resent`], to be answered from the round's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Rounds {
+    /// The current round (0 before the first).
+    pub round: u64,
+    /// The model version it trains from.
+    pub version: u64,
+    /// Whether it is open (false before the first round and once the federation finished).
+    pub open: bool,
+}
+
+impl Rounds {
+    /// Whether chunks of `round` from model `version` are taken.
+    pub fn takes(&self, round: u64, version: u64) -> bool {
+        self.open && (self.round, self.version) == (round, version)
+    }
+
+    /// Whether `round` has closed (an earlier round, or the last one once finished).
+    pub fn closed(&self, round: u64) -> bool {
+        round > 0 && (round < self.round || (round == self.round && !self.open))
+    }
+}
+
+/// The first chunk of a site's upload of a round that closed: a site re-sends an update whose
+/// answer it did not get (the aggregator was killed before it answered, or the site was away
+/// when it did), and the answer, which settles the site's state, comes from the round's
+/// record ([`crate::Event::Resent`]). Only this is handed on: the set takes no disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resent {
+    /// The site that signed it (the chunk was admitted).
+    pub site: Id,
+    /// The closed round it names.
+    pub round: u64,
+    /// The hash of the update it is the first chunk of.
+    pub hash: [u8; 32],
+}
 
 /// A site's update whose chunks have all arrived, still on disk: the core's loop reads it
 /// when it takes it, so updates waiting for the core cost no memory.
@@ -70,8 +105,8 @@ pub struct Ingest {
     pub uploads: SpooledUploads,
     /// How a chunk is opened; the core's loop sends a new one when revocations change.
     pub admission: watch::Receiver<Admission>,
-    /// The round the core has open; the core's loop sends each change.
-    pub open: watch::Receiver<OpenRound>,
+    /// The core's round; the core's loop sends each change.
+    pub open: watch::Receiver<Rounds>,
     /// Largest chunk envelope taken.
     pub limit: usize,
     /// The topic prefix of updates (`…/update/`), the site's id after it.
@@ -80,6 +115,17 @@ pub struct Ingest {
     /// outside the per-site share of `uploads`) take at most its capacity times a set's
     /// bytes of disk; a full queue holds this thread back until the core takes one.
     pub complete: mpsc::Sender<Complete>,
+    /// Where first chunks of closed rounds' uploads go: a bounded queue that drops what does
+    /// not fit (a re-send is sent again; a flood of replays must not hold this thread back).
+    pub resent: mpsc::Sender<Resent>,
+}
+
+/// What became of a chunk that was not dropped.
+enum Taken {
+    /// Spooled: its receipt, and its set when it completed one.
+    Chunk(Id, UpdateReceipt, Option<Received>),
+    /// The first chunk of an upload of a closed round, handed on to be answered.
+    Resent,
 }
 
 impl Ingest {
@@ -112,15 +158,28 @@ impl Ingest {
                 if env.kind != MessageKind::UpdateChunk {
                     return Err(Dropped::NotAChunk(env.kind));
                 }
-                let open = *self.open.borrow();
-                if open != Some((env.round, env.model_version)) {
+                let rounds = *self.open.borrow();
+                let c = env.payload_as::<ChunkRef>()?;
+                if !rounds.takes(env.round, env.model_version) {
+                    if rounds.closed(env.round) && c.index == 0 {
+                        let resent = Resent {
+                            site: id,
+                            round: env.round,
+                            hash: c.payload_hash,
+                        };
+                        let _full = self.resent.try_send(resent);
+                        return Ok(Taken::Resent);
+                    }
                     return Err(Dropped::NotOpenRound {
                         round: env.round,
                         version: env.model_version,
-                        open: open.map_or("none".into(), |(r, v)| format!("round {r} from v{v}")),
+                        open: if rounds.open {
+                            format!("round {} from v{}", rounds.round, rounds.version)
+                        } else {
+                            "none".into()
+                        },
                     });
                 }
-                let c = env.payload_as::<ChunkRef>()?;
                 let r = UpdateReceipt {
                     round: env.round,
                     payload_hash: c.payload_hash,
@@ -129,11 +188,12 @@ impl Ingest {
                 // Inline: one positioned write of a chunk into the page cache (a quarter of a
                 // millisecond), on a thread that does nothing else.
                 let done = self.uploads.insert(&id, c, now)?;
-                Ok((id, r, done))
+                Ok(Taken::Chunk(id, r, done))
             });
             self.uploads.expire(now);
             match taken {
-                Ok((id, r, done)) => {
+                Ok(Taken::Resent) => {}
+                Ok(Taken::Chunk(id, r, done)) => {
                     // Receipt first: the site's upload window moves on.
                     if let Err(e) = receipt((id, r)).await {
                         tracing::error!(error = %e, "update receipts cannot be sent; taking no more chunks");
@@ -270,10 +330,18 @@ mod tests {
     use unifed_protocol::auth::{Keyring, SigningKey};
     use unifed_protocol::chunking::{chunks, payload_hash};
     use unifed_protocol::envelope::Envelope;
+    use unifed_protocol::messages::Chunk;
 
     fn id(s: &str) -> Id {
         Id::new(s).unwrap()
     }
+
+    /// Round 1 open, from model version 0.
+    const OPEN: Rounds = Rounds {
+        round: 1,
+        version: 0,
+        open: true,
+    };
 
     /// `n` ingests of the sites `keys` enrol (`u/<site>` topics), spooling under `dir`, and
     /// the channel their complete sets come out of.
@@ -287,8 +355,9 @@ mod tests {
             ring.enrol(id(s), k.public());
         }
         let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
-        let (_open_tx, open) = watch::channel(Some((1, 0)));
+        let (_open_tx, open) = watch::channel(OPEN);
         let (complete, completed) = mpsc::channel(16);
+        let (resent, _) = mpsc::channel(16);
         let ingests = (0..n)
             .map(|k| Ingest {
                 uploads: SpooledUploads::open(&dir.join(k.to_string()), 1 << 20, 60_000).unwrap(),
@@ -297,6 +366,7 @@ mod tests {
                 limit: 1 << 20,
                 prefix: "u/".into(),
                 complete: complete.clone(),
+                resent: resent.clone(),
             })
             .collect();
         (ingests, completed)
@@ -312,8 +382,9 @@ mod tests {
         let mut ring = Keyring::default();
         ring.enrol(id("a"), key.public());
         let (_admit_tx, admission) = watch::channel(Admission::new(ring, id("fed")));
-        let (_open_tx, open) = watch::channel(Some((1, 0)));
+        let (_open_tx, open) = watch::channel(OPEN);
         let (complete, mut completed) = mpsc::channel(4);
+        let (resent, mut resents) = mpsc::channel(4);
         let ingest = Ingest {
             uploads: SpooledUploads::open(&dir.path().join("in"), 1 << 20, 60_000).unwrap(),
             admission,
@@ -321,6 +392,7 @@ mod tests {
             limit: 1 << 20,
             prefix: "u/".into(),
             complete,
+            resent,
         };
         fn sign_at<T: serde::Serialize>(
             kind: MessageKind,
@@ -394,6 +466,108 @@ mod tests {
         assert_eq!(done.set.hash(), payload_hash(&payload));
         assert_eq!(done.set.read().unwrap(), payload);
         assert!(completed.try_recv().is_err());
+        // None of them was of a round that closed.
+        assert!(resents.try_recv().is_err());
+    }
+
+    /// Once its round has closed, a set's first chunk (and only it) is handed on to be
+    /// answered, however often it comes, up to the queue's room; nothing is receipted or
+    /// spooled. Before the first round nothing has closed.
+    #[test]
+    fn the_first_chunk_of_a_closed_rounds_upload_is_handed_on_and_nothing_kept() {
+        let key = SigningKey::from_seed([5; 32]);
+        let payload: Vec<u8> = (0..3_000).map(|i| (i % 251) as u8).collect();
+        let signed = |round: u64, c: &Chunk| {
+            key.sign(&Envelope::new(
+                MessageKind::UpdateChunk,
+                id("fed"),
+                id("a"),
+                round,
+                round - 1,
+                SpecHash([3; 32]),
+                c,
+            ))
+        };
+        let run = |rounds: Rounds, input: Vec<Vec<u8>>| {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut ingests, mut completed) = ingests(dir.path(), &[("a", &key)], 1);
+            let mut ingest = ingests.pop().unwrap();
+            let (resent, mut resents) = mpsc::channel(3);
+            ingest.resent = resent;
+            ingest.open = watch::channel(rounds).1;
+            let (tx, rx) = mpsc::unbounded_channel();
+            for payload in input {
+                let topic = "u/a".into();
+                tx.send(NetEvent::Message {
+                    topic,
+                    payload: payload.into(),
+                })
+                .unwrap();
+            }
+            drop(tx);
+            let receipts = std::sync::Mutex::new(0);
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(ingest.run(rx, |_| {
+                    *receipts.lock().unwrap() += 1;
+                    async { Ok(()) }
+                }));
+            assert_eq!(*receipts.lock().unwrap(), 0);
+            assert!(completed.try_recv().is_err());
+            let spooled = walk(dir.path());
+            let mut got = Vec::new();
+            while let Ok(r) = resents.try_recv() {
+                got.push(r);
+            }
+            (got, spooled)
+        };
+        // Round 2 of 3 open: round 1 closed. Its whole set, five times over: five first
+        // chunks, of which the queue holds three.
+        let all: Vec<Chunk> = chunks(&payload, 1_000).collect();
+        let mut input = Vec::new();
+        for _ in 0..5 {
+            input.extend(all.iter().map(|c| signed(1, c)));
+        }
+        let open = Rounds {
+            round: 2,
+            version: 1,
+            open: true,
+        };
+        let (got, spooled) = run(open, input.clone());
+        let want = Resent {
+            site: id("a"),
+            round: 1,
+            hash: payload_hash(&payload),
+        };
+        assert_eq!(got, vec![want.clone(); 3]);
+        assert_eq!(spooled, 0);
+        // Finished after round 1: it closed too.
+        let finished = Rounds {
+            round: 1,
+            version: 0,
+            open: false,
+        };
+        assert_eq!(run(finished, input.clone()).0.len(), 3);
+        // Before the first round it has not; and the set's other chunks are dropped.
+        assert_eq!(run(Rounds::default(), input.clone()), (vec![], 0));
+        let rest = all[1..].iter().map(|c| signed(1, c)).collect();
+        assert_eq!(run(open, rest), (vec![], 0));
+    }
+
+    /// Files under `dir`, at any depth.
+    fn walk(dir: &std::path::Path) -> usize {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                if e.file_type().unwrap().is_dir() {
+                    walk(&e.path())
+                } else {
+                    1
+                }
+            })
+            .sum()
     }
 
     /// Chunks of six sites, interleaved as uploads that arrive at once, taken on three threads:

@@ -299,7 +299,8 @@ pub async fn serve(
         cfg,
     };
     let start = step(&mut service.federation, Event::Start, Instant::now())?;
-    service.run(start, rx, ingest.completed, shutdown).await
+    let from_ingest = (ingest.completed, ingest.resent);
+    service.run(start, rx, from_ingest, shutdown).await
 }
 
 /// The topic prefixes the service tells sites' messages apart by.
@@ -326,16 +327,22 @@ struct Ingest {
     /// How sites' messages are opened (changes with the revocation list).
     admission: tokio::sync::watch::Sender<crate::core::Admission>,
     /// The round chunk sets may be of (its model version is what receipts name).
-    open: tokio::sync::watch::Sender<crate::ingest::OpenRound>,
+    open: tokio::sync::watch::Sender<crate::ingest::Rounds>,
     /// Complete uploads.
     completed: tokio::sync::mpsc::Receiver<crate::ingest::Complete>,
+    /// First chunks of uploads of closed rounds.
+    resent: tokio::sync::mpsc::Receiver<crate::ingest::Resent>,
 }
 
-/// The round `core` has open and the model version it trains from; `None` before the first
-/// round and once the federation finished.
-fn open_round(core: &Aggregator) -> crate::ingest::OpenRound {
+/// `core`'s round, the model version it trains from, and whether it is open (not before the
+/// first round, nor once the federation finished).
+fn open_round(core: &Aggregator) -> crate::ingest::Rounds {
     let round = core.round();
-    (round > 0 && !core.finished()).then(|| (round, core.model_version()))
+    crate::ingest::Rounds {
+        round,
+        version: core.model_version(),
+        open: round > 0 && !core.finished(),
+    }
 }
 
 /// Starts the threads that take sites' update chunks: spooled to disk as they arrive, bounded
@@ -365,6 +372,8 @@ fn start_ingest(
     // Two complete updates per enrolled site may wait for the core (an honest site has one
     // per round).
     let (complete, completed) = tokio::sync::mpsc::channel(2 * cfg.federation.sites.len().max(1));
+    // Re-sent first chunks past this many waiting are dropped (their sites send them again).
+    let (resent, resents) = tokio::sync::mpsc::channel(64);
     // Each ingest thread spools its sites' uploads in a folder of its own.
     let enrolled: Vec<String> = cfg.federation.sites.iter().map(|s| s.id.clone()).collect();
     let shards = crate::ingest::Shards::for_sites(&enrolled);
@@ -378,9 +387,10 @@ fn start_ingest(
             limit: cfg.broker.max_packet_bytes + 4096,
             prefix: prefixes.update.clone(),
             complete: complete.clone(),
+            resent: resent.clone(),
         });
     }
-    drop(complete);
+    drop((complete, resent));
     let receipts = std::sync::Arc::new(wire.clone());
     crate::ingest::spawn_sharded(
         ingests,
@@ -388,7 +398,7 @@ fn start_ingest(
         chunks_rx,
         move |(site, r): crate::ingest::Receipt| {
             // A chunk is taken only of the open round, from its model version.
-            let (wire, version) = (receipts.clone(), open.borrow().map_or(0, |o| o.1));
+            let (wire, version) = (receipts.clone(), open.borrow().version);
             async move {
                 wire.send(
                     wire.topics.ack(&site),
@@ -406,6 +416,7 @@ fn start_ingest(
         admission: admission_tx,
         open: open_tx,
         completed,
+        resent: resents,
     })
 }
 
@@ -421,7 +432,7 @@ struct Service {
     revocations: Option<Revocations>,
     admission: tokio::sync::watch::Sender<crate::core::Admission>,
     /// The round the ingest threads take chunk sets of.
-    open: tokio::sync::watch::Sender<crate::ingest::OpenRound>,
+    open: tokio::sync::watch::Sender<crate::ingest::Rounds>,
     /// The serving's clock starts here.
     clock: Instant,
     finished_at: Option<Instant>,
@@ -441,7 +452,10 @@ impl Service {
         &mut self,
         first: Step,
         mut rx: tokio::sync::mpsc::UnboundedReceiver<NetEvent>,
-        mut completed: tokio::sync::mpsc::Receiver<crate::ingest::Complete>,
+        (mut completed, mut resent): (
+            tokio::sync::mpsc::Receiver<crate::ingest::Complete>,
+            tokio::sync::mpsc::Receiver<crate::ingest::Resent>,
+        ),
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<u64> {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
@@ -484,6 +498,11 @@ impl Service {
                     None => bail!("the threads taking update chunks stopped"),
                     Some(c) => self.uploads(c, &mut completed)?,
                 },
+                Some(r) = resent.recv() => {
+                    let crate::ingest::Resent { site, round, hash } = r;
+                    let event = Event::Resent { site, round, hash };
+                    Some(step(&mut self.federation, event, Instant::now())?)
+                }
                 ev = rx.recv() => match ev {
                     None => bail!("the MQTT event loop stopped"),
                     Some(ev) => self.net(ev).await?,

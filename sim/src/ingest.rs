@@ -51,8 +51,13 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
     let fed = id("ingest")?;
     let (_admit, admission) = tokio::sync::watch::channel(Admission::new(ring, fed.clone()));
     // Round 1 from version 0 is open, as the chunks below say.
-    let (_open, open) = tokio::sync::watch::channel(Some((1, 0)));
+    let (_open, open) = tokio::sync::watch::channel(unifed_aggregator::ingest::Rounds {
+        round: 1,
+        version: 0,
+        open: true,
+    });
     let (complete, mut completed) = tokio::sync::mpsc::channel(2 * sites);
+    let (resent, _) = tokio::sync::mpsc::channel(1);
     let work =
         tempfile::tempdir_in(dir).with_context(|| format!("a folder in {}", dir.display()))?;
     let mut ingests = Vec::with_capacity(shards);
@@ -68,6 +73,7 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
             limit: CHUNK_BYTES + 4096,
             prefix: "u/".into(),
             complete: complete.clone(),
+            resent: resent.clone(),
         });
     }
     drop(complete);

@@ -144,16 +144,8 @@ impl Aggregator {
         }
         let duplicate = |detail| Err(Box::new(Refused::Duplicate(to(round), detail)));
         // Re-sends: the original answer, counted once.
-        if round < open || (round == open && self.state.finished) {
-            let was_accepted = self
-                .state
-                .recent
-                .iter()
-                .any(|c| c.round == round && c.accepted.iter().any(|s| s == site.as_str()));
-            if was_accepted {
-                return duplicate("re-send after its round closed");
-            }
-            return reject(round, RejectReason::RoundClosed(round));
+        if let Some(refused) = self.closed_round_answer(to(round)) {
+            return Err(Box::new(refused));
         }
         if round > open || open == 0 {
             let wrong = RejectReason::WrongRound {
@@ -193,6 +185,35 @@ impl Aggregator {
             to: to(round),
             message: bytes,
             update: upd,
+        })
+    }
+
+    /// Answers a re-send of `to`'s update of a round that has closed ([`Event::Resent`]);
+    /// nothing for a round that has not.
+    pub(super) fn on_resent(&mut self, to: To, now_ms: u64) -> Result<Vec<Action>, CoreError> {
+        match self.closed_round_answer(to) {
+            Some(refused) => self.refuse(refused, now_ms),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The answer to a re-send of `to`'s update of a round that has closed: accepted (a
+    /// duplicate) when the site's update was folded into it, `RoundClosed` when not or when
+    /// the round is older than the record kept; `None` when its round has not closed.
+    fn closed_round_answer(&self, to: To) -> Option<Refused> {
+        let (open, round) = (self.state.round, to.round);
+        if !(round < open || (round == open && self.state.finished)) {
+            return None;
+        }
+        let was_accepted = self
+            .state
+            .recent
+            .iter()
+            .any(|c| c.round == round && c.accepted.iter().any(|s| s == to.site.as_str()));
+        Some(if was_accepted {
+            Refused::Duplicate(to, "re-send after its round closed")
+        } else {
+            Refused::Rejected(to, RejectReason::RoundClosed(round))
         })
     }
 

@@ -82,6 +82,19 @@ pub enum Event {
     /// taken into it too, since the fold is asked for after the batch (one by one, the round
     /// would have closed before them and refused them as late).
     Updates(Vec<Incoming>),
+    /// The first chunk of a site's upload of a round that has closed, admitted (signature,
+    /// sender, federation, run) by the ingest: answered as a whole re-send would be, from the
+    /// round's record (accepted when the site's update was folded, `RoundClosed` otherwise),
+    /// so a site whose answer was lost settles its state. Nothing is answered for a round that
+    /// has not closed.
+    Resent {
+        /// The site that signed it.
+        site: Id,
+        /// The round it names.
+        round: u64,
+        /// The hash of the update it begins.
+        hash: [u8; 32],
+    },
     /// Time passed: closes a round whose deadline has expired.
     Tick,
     /// Folds the open round if it has every update it needs: what an [`Action::Close`] asks
@@ -697,6 +710,7 @@ impl Aggregator {
             }
             Event::Update(one) => self.on_updates(vec![one], now_ms),
             Event::Updates(batch) => self.on_updates(batch, now_ms),
+            Event::Resent { site, round, hash } => self.on_resent(To { site, hash, round }, now_ms),
             Event::Close => {
                 if !self.round_complete() {
                     return Ok(Vec::new());

@@ -362,6 +362,47 @@ fn a_redelivered_update_is_counted_once_and_answered_as_before() {
     assert_eq!(dups, 2);
 }
 
+/// The first chunk of an upload re-sent after its round closed (all the ingest hands on) is
+/// answered as the whole update would be, naming the hash it names: accepted for a site folded
+/// into that round, `RoundClosed` for one that was not; nothing for the open round.
+#[test]
+fn a_resent_first_chunk_of_a_closed_round_gets_the_rounds_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut agg = open(dir.path(), config(2, 2, BnPolicy::Local));
+    agg.handle(Event::Start, 0).unwrap();
+    let resent = |agg: &mut Aggregator, site: &str, round: u64| {
+        let event = Event::Resent {
+            site: Id::new(site).unwrap(),
+            round,
+            hash: [round as u8; 32],
+        };
+        agg.handle(event, 1_000).unwrap()
+    };
+    // Round 1 is open: not answered (the ingest takes its chunks).
+    assert!(resent(&mut agg, "a", 1).is_empty());
+    send(&mut agg, "a", good("a", 1, 0, 10, BnPolicy::Local));
+    send(&mut agg, "b", good("b", 1, 0, 10, BnPolicy::Local));
+    assert_eq!(agg.round(), 2);
+    let model = agg.model().to_vec();
+    let got = resent(&mut agg, "a", 1);
+    assert_eq!(
+        got,
+        vec![Action::Answer {
+            site: Id::new("a").unwrap(),
+            round: 1,
+            update_hash: [1; 32],
+            answer: Answer::Accepted
+        }]
+    );
+    assert_eq!(
+        answers(&resent(&mut agg, "c", 1)),
+        vec![("c".into(), Answer::Rejected(RejectReason::RoundClosed(1)))]
+    );
+    // Round 2 is open, and nothing changed.
+    assert!(resent(&mut agg, "a", 2).is_empty());
+    assert_eq!((agg.round(), agg.model()), (2, &model[..]));
+}
+
 #[test]
 fn an_answer_names_the_transports_hash_of_a_reassembled_update_or_the_bytes_own() {
     let dir = tempfile::tempdir().unwrap();
