@@ -132,10 +132,12 @@ impl<'a> SpoolRound<'a> {
 
     /// The contributions of `sites` (sorted) to `round` in `store` under `bounds`, computed
     /// from the claims in the files' footers (each file is checked whole when it is read).
+    /// The weight of a site for which `vouched` is true (one enrolled with its sample count)
+    /// counts as claimed, whatever the round's median: admission held it to that count.
     pub fn bounded(
         store: &'a Store,
         round: u64,
-        sites: Vec<String>,
+        (sites, vouched): (Vec<String>, impl Fn(&str) -> bool),
         weighting: Weighting,
         bounds: CohortBounds,
     ) -> Result<Self, StoreError> {
@@ -143,8 +145,14 @@ impl<'a> SpoolRound<'a> {
             .iter()
             .map(|s| store.spool_claim(round, s))
             .collect::<Result<Vec<_>, _>>()?;
+        let mut takes = bounds.takes(&claims);
+        for (t, s) in takes.iter_mut().zip(&sites) {
+            if vouched(s) {
+                t.samples = t.claimed;
+            }
+        }
         let mut round = SpoolRound::new(store, round, sites, weighting);
-        round.takes = bounds.takes(&claims);
+        round.takes = takes;
         Ok(round)
     }
 
@@ -159,15 +167,18 @@ impl<'a> SpoolRound<'a> {
         self.takes.get(i)
     }
 
-    /// The sample count the weight of an update of `samples` counts: capped as the bounds
-    /// say (every site's cap is the same).
-    fn counted(&self, samples: u64) -> u64 {
-        let cap = self
-            .takes
-            .iter()
-            .find(|t| t.samples < t.claimed)
-            .map_or(u64::MAX, |t| t.samples);
-        samples.min(cap)
+    /// The sample count the weight of the `i`th site's update of `samples` counts: capped as
+    /// its [`Take`] says.
+    fn counted(&self, i: usize, samples: u64) -> u64 {
+        self.takes
+            .get(i)
+            .map_or(samples, |t| samples.min(t.samples))
+    }
+
+    /// [`SpoolRound::counted`] of `site`'s update.
+    fn counted_of(&self, site: &str, samples: u64) -> u64 {
+        self.take_of(site)
+            .map_or(samples, |t| samples.min(t.samples))
     }
 
     /// The factor each site's delta is scaled by, in site order.
@@ -185,7 +196,7 @@ impl<'a> SpoolRound<'a> {
         targets: &mut [&mut [T]],
         each: impl Fn(&mut [T], &[f64]) + Sync,
     ) -> Result<bool, StoreError> {
-        let weight = |n| self.weighting.weight(self.counted(n));
+        let weight = |i, n| self.weighting.weight(self.counted(i, n));
         let scales = self.scales();
         let sites = (&self.sites[..], &scales[..]);
         if let Some(folded) = fold_round(self.store, self.round, sites, weight, targets, &each)? {
@@ -193,8 +204,9 @@ impl<'a> SpoolRound<'a> {
         }
         let lens: Vec<usize> = targets.iter().map(|t| t.len()).collect();
         let mut fold = Fold::new(&lens);
-        for (s, &scale) in self.sites.iter().zip(&scales) {
-            fold_one(self.store, self.round, s, (weight, scale), &mut fold)?;
+        for (i, (s, &scale)) in self.sites.iter().zip(&scales).enumerate() {
+            let w = |n| weight(i, n);
+            fold_one(self.store, self.round, s, (w, scale), &mut fold)?;
         }
         let Some(mean) = fold.mean() else {
             return Ok(false);
@@ -221,7 +233,7 @@ impl Contributions for SpoolRound<'_> {
 
     fn get(&self, site: &str) -> Result<Contribution, ReadError> {
         let mut c = self.store.spool_get(self.round, site)?;
-        c.samples = self.counted(c.samples);
+        c.samples = self.counted_of(site, c.samples);
         if let Some(t) = self.take_of(site).filter(|t| t.scale != 1.0) {
             c.delta
                 .iter_mut()
@@ -233,7 +245,7 @@ impl Contributions for SpoolRound<'_> {
 
     fn summary(&self, site: &str) -> Result<Contribution, ReadError> {
         let mut c = self.store.spool_summary(self.round, site)?;
-        c.samples = self.counted(c.samples);
+        c.samples = self.counted_of(site, c.samples);
         Ok(c)
     }
 
@@ -413,7 +425,7 @@ pub fn fold_round<T: Send>(
     store: &Store,
     round: u64,
     (sites, scales): (&[String], &[f64]),
-    weight: impl Fn(u64) -> f64,
+    weight: impl Fn(usize, u64) -> f64,
     targets: &mut [&mut [T]],
     each: impl Fn(&mut [T], &[f64]) + Sync,
 ) -> Result<Option<bool>, StoreError> {
@@ -526,13 +538,13 @@ fn exact_spools(
     store: &Store,
     round: u64,
     sites: &[String],
-    weight: &impl Fn(u64) -> f64,
+    weight: &impl Fn(usize, u64) -> f64,
     lens: &[usize],
 ) -> Result<Option<(Vec<spoolfile::Exact>, Vec<f64>, f64)>, StoreError> {
     let mut files = Vec::with_capacity(sites.len());
     let mut weights = Vec::with_capacity(sites.len());
     let mut total = 0.0;
-    for site in sites {
+    for (i, site) in sites.iter().enumerate() {
         let p = store.spool_path(round, site);
         let f = File::open(&p).map_err(|e| io(&p, e))?;
         if spoolfile::starts_with_magic(&p, &f)? {
@@ -544,7 +556,7 @@ fn exact_spools(
         let ft = &file.footer;
         footer_fits(&p, ft, lens)?;
         footer_sound(&p, ft)?;
-        let w = weight(ft.samples);
+        let w = weight(i, ft.samples);
         total += w;
         weights.push(w);
         files.push(file);

@@ -218,7 +218,8 @@ impl<'a, N: Net> Sites<'a, N> {
 /// carries manifests, updates and answers as the encoded envelopes the broker would, signed.
 /// A site whose training diverges sends nothing for the round, as an agent does; a round that
 /// waits for it closes at its deadline (the run's clock jumps there when nothing else moves).
-/// `cfg`'s enrolment is replaced by `sites`, each with its [`sim_key`].
+/// `cfg`'s enrolment is replaced by `sites`, each with its [`sim_key`] and vouched for with its
+/// training set's size.
 pub fn run_federation<N: Net>(
     mut cfg: FederationConfig,
     initial: GlobalModel,
@@ -231,7 +232,12 @@ pub fn run_federation<N: Net>(
     cfg.sites = sites
         .sites
         .iter()
-        .map(|s| EnrolledSite::new(s.id.as_str(), sim_key(s.id.as_str()).public()))
+        .map(|s| EnrolledSite {
+            // The runner's sites are its own: each is vouched for with its training set's
+            // size, so every weight counts as claimed (FedAvg's, as the reference weighs).
+            max_samples: Some(s.train.len() as u64),
+            ..EnrolledSite::new(s.id.as_str(), sim_key(s.id.as_str()).public())
+        })
         .collect();
     let deadline_ms = cfg.deadline_secs.saturating_mul(1000);
     let mut bus = Bus::new(&federation, sites.sites, sites.joins.clone());

@@ -112,8 +112,15 @@ impl Aggregator {
         let sites = self.store.spool_sites(round)?;
         let (weighting, bounds) = (self.cfg.weighting, self.cfg.cohort_bounds());
         // A footer that cannot be read is a damaged file, set aside as the fold's checks would.
-        let reader = SpoolRound::bounded(&self.store, round, sites.clone(), weighting, bounds)
-            .map_err(ReadError::from)?;
+        let vouched = |s: &str| self.cfg.vouched_count(s).is_some();
+        let reader = SpoolRound::bounded(
+            &self.store,
+            round,
+            (sites.clone(), vouched),
+            weighting,
+            bounds,
+        )
+        .map_err(ReadError::from)?;
         {
             let idx = &self.update_idx;
             let mut targets: Vec<&mut Vec<f32>> = Arc::make_mut(&mut self.model)

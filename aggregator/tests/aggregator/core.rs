@@ -3,7 +3,7 @@
 use crate::common::{opened, this_run};
 use std::path::Path;
 use unifed_aggregator::core::AdmitError;
-use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
+use unifed_aggregator::store::{AuditEntry, SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::{
     Action, Aggregator, Arrival, ConfigProblem, ConfigProblems, Event, FederationConfig,
     GlobalModel, Incoming, Weighting,
@@ -28,7 +28,12 @@ fn key(s: &str) -> unifed_protocol::SigningKey {
 fn enrolled() -> Vec<unifed_aggregator::EnrolledSite> {
     ["a", "b", "c", "bb", "ccc", "site-a", "site-b", "site-c"]
         .iter()
-        .map(|s| unifed_aggregator::EnrolledSite::new(s, key(s).public()))
+        .map(|s| unifed_aggregator::EnrolledSite {
+            // Vouched for: each claim counts as it is, up to the federation's cap (the tests
+            // of the median cap enrol without a count).
+            max_samples: Some(u64::MAX),
+            ..unifed_aggregator::EnrolledSite::new(s, key(s).public())
+        })
         .collect()
 }
 
@@ -72,6 +77,14 @@ fn config(rounds: u64, min_sites: usize, bn: BnPolicy) -> FederationConfig {
         bn_policy: bn,
         ..FederationConfig::new("fed1", rounds, min_sites, enrolled())
     }
+}
+
+/// `cfg` with no site enrolled with a sample count: every weight is capped at the median's.
+fn unvouched(mut cfg: FederationConfig) -> FederationConfig {
+    for s in &mut cfg.sites {
+        s.max_samples = None;
+    }
+    cfg
 }
 
 /// Per-site deterministic delta values for tensor `i` of `round`.
@@ -2636,13 +2649,14 @@ fn an_update_spooled_without_its_audit_line_is_audited_once_at_restart() {
 }
 
 /// Item 1 of the hostile-site issue under the default config: `c` claims the most samples the
-/// federation allows and sends minus the model. Its weight counts as four times the round's
-/// lower-median claim and its delta is scaled to four times the round's lower-median norm, so
-/// the model moves as the bounds say, not to zero; the audit names what was cut.
+/// federation allows and sends minus the model. Its weight counts as `max_weight_of_median`
+/// times the round's lower-median claim and its delta is scaled to `max_norm_of_median` times
+/// the round's lower-median norm, so the model moves as the bounds say, not to zero; the audit
+/// names what was cut.
 #[test]
 fn a_site_claiming_the_cap_and_sending_minus_the_model_counts_only_as_its_cohort_allows() {
     let dir = tempfile::tempdir().unwrap();
-    let mut agg = open(dir.path(), config(1, 3, BnPolicy::Local));
+    let mut agg = open(dir.path(), unvouched(config(1, 3, BnPolicy::Local)));
     agg.handle(Event::Start, 0).unwrap();
     let base = initial().tensors;
     let small = |site: &str| {
@@ -2659,7 +2673,7 @@ fn a_site_claiming_the_cap_and_sending_minus_the_model_counts_only_as_its_cohort
     };
     send(&mut agg, "a", small("a"));
     send(&mut agg, "b", small("b"));
-    let claim = FederationConfig::new("fed1", 1, 3, enrolled()).max_samples;
+    let claim = FederationConfig::new("fed1", 1, 3, vec![]).max_samples;
     let minus = with_delta("c", 1, claim, BnPolicy::Local, |d| {
         for (t, b) in d.iter_mut().zip(&base) {
             let v: Vec<f32> = b.iter().map(|x| -x).collect();
@@ -2686,14 +2700,16 @@ fn a_site_claiming_the_cap_and_sending_minus_the_model_counts_only_as_its_cohort
     let na = l2(&[honest("a", 0), honest("a", 1)]);
     let nb = l2(&[honest("b", 0), honest("b", 1)]);
     let nc = l2(&base[..2]);
-    let scale = 4.0 * na.max(nb) / nc;
+    let cfg = FederationConfig::new("fed1", 1, 3, vec![]);
+    let scale = cfg.max_norm_of_median * na.max(nb) / nc;
+    let weight = (100.0 * cfg.max_weight_of_median).floor();
     assert!(scale < 0.5, "the attack is clipped: {scale}");
     for (i, b) in base.iter().enumerate().take(2) {
         let (da, db) = (honest("a", i), honest("b", i));
         for (k, &x) in b.iter().enumerate() {
             let attack = (-x as f64 * scale) as f32;
-            let sum = 100.0 * da[k] as f64 + 100.0 * db[k] as f64 + 400.0 * attack as f64;
-            let want = (x as f64 + sum / 600.0) as f32;
+            let sum = 100.0 * da[k] as f64 + 100.0 * db[k] as f64 + weight * attack as f64;
+            let want = (x as f64 + sum / (200.0 + weight)) as f32;
             assert_eq!(agg.model()[i][k], want, "tensor {i} value {k}");
         }
     }
@@ -2705,11 +2721,69 @@ fn a_site_claiming_the_cap_and_sending_minus_the_model_counts_only_as_its_cohort
     assert_eq!(bounded[0].site, "c");
     assert!(
         bounded[0].detail.starts_with(&format!(
-            "weight counted as 400 of {claim} claimed samples; delta scaled by {scale:.4}"
+            "weight counted as {weight} of {claim} claimed samples; delta scaled by {scale:.4}"
         )),
         "{}",
         bounded[0].detail
     );
+}
+
+/// A round of `a`, `b` and `c` claiming 100, 200 and 300 samples with a weight cap of the
+/// lower median (200) and no norm bound, `c` enrolled with `c_count`: the model's first two
+/// tensors and the audit.
+fn claims_100_200_300(c_count: Option<u64>) -> (Vec<Vec<f32>>, Vec<AuditEntry>) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = unvouched(config(1, 3, BnPolicy::Local));
+    cfg.max_weight_of_median = 1.0;
+    cfg.max_norm_of_median = f64::INFINITY;
+    for s in cfg.sites.iter_mut().filter(|s| s.id == "c") {
+        s.max_samples = c_count;
+    }
+    let mut agg = open(dir.path(), cfg);
+    agg.handle(Event::Start, 0).unwrap();
+    for (site, n) in [("a", 100), ("b", 200), ("c", 300)] {
+        send(&mut agg, site, good(site, 1, 0, n, BnPolicy::Local));
+    }
+    assert!(agg.finished());
+    let audit = agg.store().audit_entries().unwrap();
+    (agg.model()[..2].to_vec(), audit)
+}
+
+/// The first two tensors of the initial model plus the mean of `a`, `b` and `c`'s round-1
+/// deltas weighed 100, 200 and `c_weight`.
+fn mean_with_c_weighing(c_weight: f64) -> Vec<Vec<f32>> {
+    let base = initial().tensors;
+    base.iter()
+        .take(2)
+        .enumerate()
+        .map(|(i, b)| {
+            let d = |site| delta_values(site, 1, i, b.len());
+            let (da, db, dc) = (d("a"), d("b"), d("c"));
+            let total = 300.0 + c_weight;
+            b.iter()
+                .enumerate()
+                .map(|(k, &x)| {
+                    let sum = 100.0 * da[k] as f64 + 200.0 * db[k] as f64 + c_weight * dc[k] as f64;
+                    (x as f64 + sum / total) as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A site enrolled with its sample count is vouched for by the operator: its claim counts in
+/// full up to that count, past the round's median cap; unvouched, the same claim counts as
+/// the lower median, and the audit says so.
+#[test]
+fn a_site_enrolled_with_its_count_weighs_as_it_claims_past_the_median_cap() {
+    let (model, audit) = claims_100_200_300(Some(300));
+    assert_eq!(model, mean_with_c_weighing(300.0));
+    assert!(!audit.iter().any(|e| e.event == "bounded"), "{audit:?}");
+    let (model, audit) = claims_100_200_300(None);
+    assert_eq!(model, mean_with_c_weighing(200.0));
+    let bounded: Vec<_> = audit.iter().filter(|e| e.event == "bounded").collect();
+    assert_eq!(bounded.len(), 1);
+    assert_eq!(bounded[0].site, "c");
 }
 
 /// The cohort bounds' arithmetic: the lower median (the smaller of two), a cap of at least one

@@ -403,7 +403,7 @@ fn round_mean(
         store,
         round,
         (sites, &[]),
-        |n| n as f64 * 0.5,
+        |_, n| n as f64 * 0.5,
         &mut targets,
         |t, m| {
             for (x, v) in t.iter_mut().zip(m) {

@@ -32,8 +32,8 @@ fn non_bn_norm(spec: &unifed_protocol::ModelSpec, model: &[Vec<f32>]) -> f64 {
 
 /// `rogue` (enrolled) answers round 1's manifest at once with minus the model, claiming the
 /// most samples the default config allows (10^7): under the old defaults the next model was
-/// 1.3e-5 times the first. The cohort bounds count its weight as four times the round's
-/// lower-median claim and scale its delta to four times the lower-median norm: the model keeps
+/// 1.3e-5 times the first. The cohort bounds count its weight as the round's lower-median
+/// claim and scale its delta to twice the lower-median norm (the defaults): the model keeps
 /// most of its norm, the honest sites finish, and the audit says what was cut.
 #[test]
 fn a_site_claiming_the_most_samples_with_minus_the_model_does_not_zero_it() {
