@@ -5,6 +5,7 @@
 //! bytes, seconds per round and peak memory, and writes `results/federation.json` and a
 //! convergence chart `results/federation.svg`.
 
+mod hostile;
 mod onboard;
 mod report;
 mod run;
@@ -45,6 +46,15 @@ enum Command {
         /// Also sweep stream's tau {0, 0.5, 0.9} x batch {2, 8, 32, 128, 512} x 3 orders.
         #[arg(long)]
         sweep: bool,
+    },
+    /// The hostile-site benchmark: each BN policy's federation run clean, then again with the
+    /// same keys while an enrolled site and a stranger with a broker login attack it all run
+    /// long; the honest sites' final accuracies compared (results/hostile.json).
+    Hostile {
+        #[command(flatten)]
+        opts: run::Options,
+        #[command(flatten)]
+        args: hostile::Args,
     },
 }
 
@@ -102,6 +112,7 @@ fn main() -> Result<()> {
             println!("wrote {}", path.display());
             Ok(())
         }
+        Some(Command::Hostile { opts, args }) => hostile::benchmark(&opts, &args).map(|_| ()),
         None => {
             let opts = cli.opts;
             let mut runs = Vec::new();

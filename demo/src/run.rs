@@ -351,6 +351,35 @@ fn style(t: &str) -> ProgressStyle {
 
 /// Runs one federation with `bn` and returns its figures.
 pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
+    federation_with(opts, bn, Setup::default())
+}
+
+/// What [`Setup::started`] calls: the broker's port, the run's folder.
+pub type Started<'a> = dyn FnMut(u16, &Path) -> Result<()> + 'a;
+
+/// What [`Setup::configure`] calls on the federation's config.
+pub type Configure<'a> = dyn Fn(&mut FederationConfig) + 'a;
+
+/// What a run of [`federation_with`] changes of the plain demo federation (the hostile-site
+/// benchmark runs it clean, then attacked, with the same keys).
+#[derive(Default)]
+pub struct Setup<'a> {
+    /// The run's working folder, wiped first (default: `<work>/<policy>`).
+    pub work: Option<PathBuf>,
+    /// Where the aggregator's and the sites' keys are made, or kept from an earlier run
+    /// (default: the run's folder).
+    pub keys: Option<PathBuf>,
+    /// Sites enrolled beside the demo's own that run no agent of the demo's; the rounds wait
+    /// for them too.
+    pub enrol: Vec<EnrolledSite>,
+    /// Called with the broker's port and the run's folder once every process started.
+    pub started: Option<&'a mut Started<'a>>,
+    /// Changes the federation's config from the demo's.
+    pub configure: Option<&'a Configure<'a>>,
+}
+
+/// [`federation`], changed as `setup` says.
+pub fn federation_with(opts: &Options, bn: BnPolicy, mut setup: Setup<'_>) -> Result<RunResult> {
     let (name, policy) = match bn {
         BnPolicy::Local => ("FedBN", "local"),
         BnPolicy::Global => ("FedAvg", "global"),
@@ -359,8 +388,9 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
     let backend = agent_backend(opts)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = opts.threads.unwrap_or((cores / sites.len()).max(1));
-    let work = opts.work.join(policy);
+    let work = setup.work.take().unwrap_or_else(|| opts.work.join(policy));
     fresh_dir(&work)?;
+    let keys = setup.keys.take().unwrap_or_else(|| work.clone());
     let t0 = Instant::now();
     let start_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -371,12 +401,15 @@ pub fn federation(opts: &Options, bn: BnPolicy) -> Result<RunResult> {
 
     launch(
         &mut kids,
-        &work,
+        (&work, &keys),
         opts,
-        &sites,
-        (bn, policy),
+        (&sites, std::mem::take(&mut setup.enrol)),
+        (bn, policy, setup.configure),
         (port, &backend.to_string(), threads),
     )?;
+    if let Some(started) = setup.started.take() {
+        started(port, &work)?;
+    }
 
     // Progress: one bar for the rounds, one per site.
     let mp = MultiProgress::new();
@@ -579,10 +612,10 @@ impl Recorded {
 /// one agent per site (`threads` each, on `backend`) against the broker on `port`.
 fn launch(
     kids: &mut Children,
-    work: &Path,
+    (work, keys): (&Path, &Path),
     opts: &Options,
-    sites: &[(String, Domain)],
-    (bn, policy): (BnPolicy, &str),
+    (sites, extra): (&[(String, Domain)], Vec<EnrolledSite>),
+    (bn, policy, configure): (BnPolicy, &str, Option<&Configure<'_>>),
     (port, backend, threads): (u16, &str, usize),
 ) -> Result<()> {
     let broker = BrokerConfig::new("127.0.0.1", port);
@@ -598,23 +631,30 @@ fn launch(
 
     // Identities as a real deployment makes them: each party's key on its own disk, only the
     // public keys exchanged (sites enrolled with the aggregator, the aggregator pinned by sites).
-    let agg_key_path = work.join("aggregator.key");
+    std::fs::create_dir_all(keys)?;
+    let agg_key_path = keys.join("aggregator.key");
     let agg_key = SigningKey::load_or_create(&agg_key_path)?;
     let mut enrolled = Vec::new();
     for (id, _) in sites {
         std::fs::create_dir_all(work.join(id))?;
-        let key = SigningKey::load_or_create(&work.join(id).join("identity.key"))?;
+        std::fs::create_dir_all(keys.join(id))?;
+        let key = SigningKey::load_or_create(&keys.join(id).join("identity.key"))?;
         enrolled.push(EnrolledSite::new(id, key.public()));
     }
+    enrolled.extend(extra);
+    // Every round waits for every enrolled site.
     let mut fc = FederationConfig::new(
         &format!("demo-{policy}"),
         opts.rounds,
-        sites.len(),
+        enrolled.len(),
         enrolled,
     );
     fc.deadline_secs = 3600;
     fc.encoding = encoding;
     fc.bn_policy = bn;
+    if let Some(configure) = configure {
+        configure(&mut fc);
+    }
     let agg = ServiceConfig {
         data_dir: work.join("aggregator"),
         model: model.clone(),
@@ -657,7 +697,7 @@ fn launch(
             evaluate_at: opts.evaluate_at,
             join_bn: Default::default(),
             site_key: None,
-            identity: work.join(id).join("identity.key"),
+            identity: keys.join(id).join("identity.key"),
             aggregator_key: agg_key.public(),
             broker: broker.clone(),
             data: DataConfig {
