@@ -265,3 +265,136 @@ pub async fn run(
         .await?
         .map_err(|_| anyhow::anyhow!("the hostile site's driver panicked"))?
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use unifed_protocol::encoding::Encoding;
+    use unifed_protocol::messages::{
+        BnSharing, ModelDelta, RoundPlan, ServerBroadcast, ServerExtras,
+    };
+    use unifed_protocol::{Input, Scaling, TensorSpec};
+
+    fn spec() -> ModelSpec {
+        let t = |name: &str, n: usize, kind| TensorSpec {
+            name: name.into(),
+            shape: vec![n],
+            kind,
+        };
+        ModelSpec {
+            architecture: "test".into(),
+            tensors: vec![
+                t("conv.weight", 3, TensorKind::NonBn),
+                t("bn.weight", 2, TensorKind::BnWeight),
+                t("bn.running_var", 2, TensorKind::BnRunningVar),
+            ],
+            classes: vec!["a".into(), "b".into()],
+            input: Input::Image {
+                channels: 1,
+                height: 2,
+                width: 2,
+                scaling: Scaling::MinusOneToOne,
+            },
+        }
+    }
+
+    fn manifest(round: u64, bn_policy: BnPolicy) -> RoundManifest {
+        RoundManifest {
+            run: Default::default(),
+            round,
+            model_version: round - 1,
+            spec_hash: spec().hash(),
+            chunk_count: 1,
+            payload_len: 0,
+            payload_hash: [0; 32],
+            delta: None,
+            encoding: unifed_protocol::encoding::Encoding::F32,
+            bn_policy,
+            bn_sharing: BnSharing::None,
+            sampled: vec![],
+            upload_window_bytes: 1 << 20,
+            plan: RoundPlan::default(),
+            deadline_ms: 0,
+            finished: false,
+        }
+    }
+
+    fn f32s(name: &str, v: &[f32]) -> unifed_protocol::EncodedTensor {
+        encode(name, &[v.len() as u32], v, Encoding::F32, None)
+    }
+
+    /// The forger follows the model it is sent (whole, then a delta with new running
+    /// statistics) and answers with minus it at the claim it was given: the non-BN tensors
+    /// under local BN, every tensor but the running statistics (left at 0) under global BN.
+    #[test]
+    fn the_forger_answers_each_round_with_minus_the_model_it_holds_at_its_claim() {
+        let mut f = Forger {
+            spec: spec(),
+            federation: Id::new("fed").unwrap(),
+            site: Id::new("mallory").unwrap(),
+            claim: 10_000_000,
+            model: Vec::new(),
+        };
+        let whole = ServerBroadcast {
+            model_version: 0,
+            weights: vec![
+                f32s("conv.weight", &[1.0, -2.0, 3.0]),
+                f32s("bn.weight", &[1.0, 1.0]),
+                f32s("bn.running_var", &[1.0, 1.0]),
+            ],
+            extras: ServerExtras::None,
+        };
+        let bytes = postcard::to_allocvec(&whole).unwrap();
+        f.apply(
+            &manifest(1, BnPolicy::Local),
+            Downloaded::new(bytes, false).unwrap(),
+        )
+        .unwrap();
+        let delta = ModelDelta {
+            from_version: 0,
+            model_version: 1,
+            delta: vec![
+                f32s("conv.weight", &[0.5, 0.5, 0.5]),
+                f32s("bn.weight", &[0.25, 0.0]),
+            ],
+            values: vec![f32s("bn.running_var", &[2.0, 3.0])],
+            extras: ServerExtras::None,
+        };
+        let bytes = postcard::to_allocvec(&delta).unwrap();
+        f.apply(
+            &manifest(2, BnPolicy::Global),
+            Downloaded::new(bytes, true).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            f.model,
+            [vec![1.5, -1.5, 3.5], vec![1.25, 1.0], vec![2.0, 3.0]]
+        );
+        let mut update = |bn| {
+            let bytes = f.train(&manifest(2, bn), false).unwrap();
+            let e = Envelope::decode(&bytes).unwrap();
+            assert_eq!(
+                (e.kind, e.round, e.model_version),
+                (MessageKind::SiteUpdate, 2, 1)
+            );
+            let u: SiteUpdate = e.payload_as().unwrap();
+            assert_eq!((u.samples, u.base_version), (10_000_000, 1));
+            u.delta
+                .iter()
+                .map(|t| (t.name.clone(), decode(t).unwrap()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            update(BnPolicy::Local),
+            [("conv.weight".to_string(), vec![-1.5, 1.5, -3.5])]
+        );
+        assert_eq!(
+            update(BnPolicy::Global),
+            [
+                ("conv.weight".to_string(), vec![-1.5, 1.5, -3.5]),
+                ("bn.weight".to_string(), vec![-1.25, -1.0]),
+                ("bn.running_var".to_string(), vec![0.0, 0.0]),
+            ]
+        );
+    }
+}

@@ -232,3 +232,42 @@ impl Silent {
         self.held.len() as u64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The replay budget holds a second's worth at most, by messages and by bytes.
+    #[test]
+    fn the_bucket_gives_a_second_of_messages_and_bytes_at_most() {
+        let mut b = Bucket {
+            rate: Rate {
+                messages: 10,
+                bytes: 1000,
+            },
+            messages: 0.0,
+            bytes: 0.0,
+        };
+        assert!(!b.take(1));
+        b.refill(5.0);
+        let taken = (0..20).filter(|_| b.take(10)).count();
+        assert_eq!(taken, 10);
+        b.refill(5.0);
+        assert!(!b.take(1001));
+        assert!(b.take(600) && !b.take(600));
+    }
+
+    /// Past its budget a recording keeps small messages only, up to as many bytes again.
+    #[test]
+    fn a_recording_keeps_large_messages_within_its_budget_and_small_ones_past_it() {
+        let mut h = Heard::default();
+        for _ in 0..3 {
+            h.keep("t".into(), Bytes::from(vec![0u8; 6000]), 10_000);
+        }
+        assert_eq!(h.messages.len(), 1);
+        for _ in 0..4 {
+            h.keep("t".into(), Bytes::from(vec![0u8; 4000]), 10_000);
+        }
+        assert_eq!((h.messages.len(), h.bytes), (5, 22_000));
+    }
+}
