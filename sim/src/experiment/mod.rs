@@ -622,7 +622,7 @@ fn write_all(
     externals: &[ExternalResult],
     loaded: Option<&(ModelSpec, Vec<SiteData>)>,
 ) -> Result<()> {
-    write_tables(preset, out, results)?;
+    write_tables(preset, out, results, loaded.map(|(_, sites)| &sites[..]))?;
     if let (Some(_), Some((_, sites))) = (&preset.external, loaded) {
         let names: Vec<String> = sites.iter().map(|d| d.name.clone()).collect();
         write_external(preset, out, &names, externals)?;

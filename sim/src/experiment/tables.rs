@@ -1,6 +1,7 @@
 //! The experiment's tables and chart: UniFed Table 2's shape (internal) and Table 3's
 //! (external, leave one domain out), as markdown and JSON.
 
+use super::data::{DataSource, SiteData};
 use super::{ExternalResult, Preset, RunResult};
 use crate::chart::{Scale, Series, chart, line_chart};
 use anyhow::Result;
@@ -29,6 +30,41 @@ pub fn mean_std(v: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
+/// The training, validation and test images of each site as the runs used them: the loaded
+/// sites' own (one figure when every site has the same), or, not loaded, the preset's sizes
+/// for the built-in domains (a folder's or a label skew's are the data's, not the preset's).
+pub(super) fn split_sizes(preset: &Preset, sites: Option<&[SiteData]>) -> String {
+    match sites {
+        Some(sites) => {
+            let each: Vec<(usize, usize, usize)> = sites
+                .iter()
+                .map(|d| (d.train.len(), d.val.len(), d.test.len()))
+                .collect();
+            match each.first() {
+                Some(&(t, v, e)) if each.iter().all(|x| *x == (t, v, e)) => {
+                    format!("{t} training, {v} validation and {e} test images per site")
+                }
+                _ => {
+                    let list: Vec<String> = sites
+                        .iter()
+                        .zip(&each)
+                        .map(|(d, (t, v, e))| format!("{} {t}/{v}/{e}", d.name))
+                        .collect();
+                    format!(
+                        "training/validation/test images per site: {}",
+                        list.join(", ")
+                    )
+                }
+            }
+        }
+        None if preset.data == DataSource::Builtin => format!(
+            "{} training, {} validation and {} test images per site",
+            preset.sizes.train, preset.sizes.val, preset.sizes.test
+        ),
+        None => "each site's splits as its data holds them".into(),
+    }
+}
+
 const COLOURS: [&str; 10] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
     "#7f7f7f", "#bcbd22",
@@ -37,7 +73,12 @@ const COLOURS: [&str; 10] = [
 /// Writes `<out>/internal.{md,json,svg}` from the runs, in the preset's order of methods.
 /// Methods with fewer runs than the preset's seeds say how many they hold; a method with none
 /// is listed as not run, and nothing is written before the first run has finished.
-pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -> Result<()> {
+pub(super) fn write_tables(
+    preset: &Preset,
+    out: &Path,
+    results: &[RunResult],
+    data: Option<&[SiteData]>,
+) -> Result<()> {
     let Some(first) = results.first() else {
         return Ok(());
     };
@@ -54,17 +95,15 @@ pub(super) fn write_tables(preset: &Preset, out: &Path, results: &[RunResult]) -
         }
     }
     let mut md = format!(
-        "# {}: internal accuracy\n\n{} rounds x {} local epoch(s), {} seeds; {} training, {} \
-         validation and {} test images per site. Each cell: test accuracy in %, mean (std) over \
-         seeds; **best on validation** takes, for each site, the round of its highest \
-         validation accuracy (UniFed's selection), **final** the last round.\n\n",
+        "# {}: internal accuracy\n\n{} rounds x {} local epoch(s), {} seeds; {}. Each cell: \
+         test accuracy in %, mean (std) over seeds; **best on validation** takes, for each \
+         site, the round of its highest validation accuracy (UniFed's selection), **final** \
+         the last round.\n\n",
         preset.name,
         preset.rounds,
         preset.epochs,
         preset.seeds,
-        preset.sizes.train,
-        preset.sizes.val,
-        preset.sizes.test
+        split_sizes(preset, data),
     );
     let finished: usize = methods.iter().map(|m| m.2.len()).sum();
     let expected = methods.len() * preset.seeds as usize;

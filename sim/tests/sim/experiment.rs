@@ -234,6 +234,12 @@ fn the_runner_takes_a_folder_of_domains_it_has_never_seen_without_code_changes()
     assert_eq!((done.trained, done.reused), (2, 0));
     let j = json(&out);
     assert_eq!(j["sites"], serde_json::json!(["hospital-a", "hospital-b"]));
+    // The table names the splits the folder holds, not the preset's sizes.
+    let md = std::fs::read_to_string(out.join("internal.md")).unwrap();
+    assert!(
+        md.contains("; 24 training, 12 validation and 12 test images per site."),
+        "{md}"
+    );
     let gain = &j["local_minus_global"][0];
     assert_eq!(gain["algorithm"]["name"], "fedavg");
     let r: RunResult =
