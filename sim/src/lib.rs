@@ -131,6 +131,9 @@ pub trait Observer<N: Net> {
     fn closed(&mut self, _round: u64, _sites: &[String]) {}
     /// Every site evaluated a new model: the round's record.
     fn round(&mut self, _record: &RoundRecord) {}
+    /// The federation finished: the onboarding package the aggregator serves a new site now
+    /// (the final model, its BN as the federation's sharing policy pooled it).
+    fn package(&mut self, _package: &unifed_protocol::messages::ServerBroadcast) {}
 }
 
 /// An observer that hears nothing.
@@ -297,7 +300,15 @@ pub fn run_federation<N: Net>(
     for d in drivers {
         sites.sites.push(d.into_worker().into_site()?);
     }
+    observer.borrow_mut().package(&final_package(agg.core())?);
     Ok(records.done)
+}
+
+/// The onboarding package `core` serves for its current model, decoded.
+fn final_package(core: &Aggregator) -> Result<unifed_protocol::messages::ServerBroadcast> {
+    let (_, chunks) = core.package(None)?.map_err(|e| anyhow!("{e:?}"))?;
+    let payload: Vec<u8> = chunks.iter().flat_map(|c| c.data.iter().copied()).collect();
+    Ok(postcard::from_bytes(&payload)?)
 }
 
 /// Every site's driver, taking the sites out of `sites` (they come back when the run ends).

@@ -34,11 +34,11 @@ use unifed_models::calibrate::calibrate;
 use unifed_models::checkpoint::write_atomic;
 use unifed_models::client::ClientState;
 use unifed_models::data::{BuiltinData, SplitSizes};
-use unifed_models::state::{Select, export, import};
+use unifed_models::state::{CheckedImport, Select, export, import};
 use unifed_models::train::{EVAL_BATCH, TrainConfig, evaluate, evaluate_stream};
 use unifed_models::zoo::{DigitsCnn, DigitsCnnConfig, seeded};
 use unifed_protocol::encoding::Encoding;
-use unifed_protocol::messages::BnPolicy;
+use unifed_protocol::messages::{BnPolicy, BnSharing, ServerBroadcast};
 
 mod data;
 mod tables;
@@ -119,6 +119,29 @@ pub struct External {
     /// `stream`'s options (UniFed: tau 0.9, test batch 32, from the deployed statistics).
     #[serde(default)]
     pub stream: StreamConfig,
+    /// What the sites of a held-out run under `local` BN share of their BN for the onboarding
+    /// package the aggregator would serve the held-out domain (default `affine+stats`: every
+    /// site's affine and statistics pooled); the domain is also scored from that package.
+    /// Training is the same whatever it says (under `local` BN shared BN goes only into the
+    /// package).
+    #[serde(default = "pool_everything")]
+    pub bn_sharing: BnSharing,
+}
+
+fn pool_everything() -> BnSharing {
+    BnSharing::AffineStats
+}
+
+/// A held-out domain's test accuracy from one start: as the start is, under `stream`
+/// re-estimation from it, and after `calibrate` from it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Estimates {
+    /// As the start is.
+    pub deployed: f64,
+    /// Under `stream` re-estimation on its test batches.
+    pub stream: f64,
+    /// After `calibrate` on its unlabelled training images.
+    pub calibrate: f64,
 }
 
 /// One held-out domain scored after a federation of the others.
@@ -141,6 +164,11 @@ pub struct ExternalResult {
     pub stream: f64,
     /// Test accuracy after `calibrate` on the domain's training images, labels unused.
     pub calibrate: f64,
+    /// The same three from the onboarding package the aggregator would serve the domain (the
+    /// final model with BN as `bn_sharing` pools it; under `global` BN the global model);
+    /// absent in runs made before it was scored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub package: Option<Estimates>,
 }
 
 fn one() -> usize {
@@ -686,7 +714,13 @@ fn train(
         .filter(|(i, _)| t.held_out != Some(*i))
         .map(|(_, d)| d)
         .collect();
-    let (r, sites) = run_one(preset, spec, &training, t.algorithm, t.bn, t.seed, on_round)?;
+    // A held-out run's sites share BN for the package the held-out domain would be served.
+    let sharing = match (t.held_out, t.bn, &preset.external) {
+        (Some(_), BnPolicy::Local, Some(e)) => e.bn_sharing,
+        _ => BnSharing::None,
+    };
+    let method = (t.algorithm, t.bn, sharing);
+    let (r, sites, package) = run_one(preset, spec, &training, method, t.seed, on_round)?;
     match t.held_out.map(|h| &site_data[h]) {
         None => {
             write_atomic(&t.file, &serde_json::to_vec_pretty(&r)?)?;
@@ -698,7 +732,8 @@ fn train(
                 .as_ref()
                 .map(|e| e.stream)
                 .unwrap_or_default();
-            let e = score_held_out(preset, spec, &sites, d, &t.algorithm, t.bn, t.seed, &ext)?;
+            let method = (&t.algorithm, t.bn, t.seed);
+            let e = score_held_out(preset, spec, (&sites, &package), d, method, &ext)?;
             write_atomic(&t.file, &serde_json::to_vec_pretty(&e)?)?;
             Ok(Finished::External(e))
         }
@@ -707,15 +742,12 @@ fn train(
 
 /// Scores held-out domain `d` with the federation's final model, from the `sites` that trained
 /// it: as deployed, under `stream`, and after `calibrate` on `d`'s training images.
-#[allow(clippy::too_many_arguments)]
 fn score_held_out(
     preset: &Preset,
     spec: &ModelSpec,
-    sites: &[Site<DigitsCnn>],
+    (sites, package): (&[Site<DigitsCnn>], &ServerBroadcast),
     d: &SiteData,
-    algorithm: &Algorithm,
-    bn: BnPolicy,
-    seed: u64,
+    (algorithm, bn, seed): (&Algorithm, BnPolicy, u64),
     stream: &StreamConfig,
 ) -> Result<ExternalResult> {
     let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
@@ -740,24 +772,36 @@ fn score_held_out(
             )?
         }
     };
+    // The package's BN in place of the deployed model's (its other tensors are the model's).
+    let mut packaged = deployed.clone();
+    CheckedImport::new(spec, &package.weights, Select::Bn)?.import_into(&mut packaged, None)?;
     let mut order: Vec<usize> = (0..d.test.len()).collect();
     order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
-    let calibrated = calibrate(
-        &deployed,
-        &d.train.x,
-        &device,
-        &CalibrateConfig::default(),
-        |_, _| {},
-    )?;
+    let estimates = |start: &DigitsCnn| -> Result<Estimates> {
+        let calibrated = calibrate(
+            start,
+            &d.train.x,
+            &device,
+            &CalibrateConfig::default(),
+            |_, _| {},
+        )?;
+        Ok(Estimates {
+            deployed: evaluate(start, &d.test, classes, EVAL_BATCH, &device)?.accuracy(),
+            stream: evaluate_stream(start, &d.test, classes, stream, &order, &device)?.accuracy(),
+            calibrate: evaluate(&calibrated, &d.test, classes, EVAL_BATCH, &device)?.accuracy(),
+        })
+    };
+    let own = estimates(&deployed)?;
     Ok(ExternalResult {
         algorithm: *algorithm,
         bn_policy: bn,
         seed,
         held_out: d.name.clone(),
         settings: preset.settings(),
-        deployed: evaluate(&deployed, &d.test, classes, EVAL_BATCH, &device)?.accuracy(),
-        stream: evaluate_stream(&deployed, &d.test, classes, stream, &order, &device)?.accuracy(),
-        calibrate: evaluate(&calibrated, &d.test, classes, EVAL_BATCH, &device)?.accuracy(),
+        deployed: own.deployed,
+        stream: own.stream,
+        calibrate: own.calibrate,
+        package: Some(estimates(&packaged)?),
     })
 }
 
@@ -777,11 +821,10 @@ fn run_one(
     preset: &Preset,
     spec: &ModelSpec,
     data: &[&SiteData],
-    algorithm: Algorithm,
-    bn: BnPolicy,
+    (algorithm, bn, bn_sharing): (Algorithm, BnPolicy, BnSharing),
     seed: u64,
     mut on_round: impl FnMut(u64, f64),
-) -> Result<(RunResult, Vec<Site<DigitsCnn>>)> {
+) -> Result<(RunResult, Vec<Site<DigitsCnn>>, ServerBroadcast)> {
     let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
     let model = DigitsCnnConfig {
         classes: spec.classes.len(),
@@ -797,6 +840,7 @@ fn run_one(
     let cfg = FederationConfig {
         algorithm,
         bn_policy: bn,
+        bn_sharing,
         encoding: preset.encoding,
         fraction: preset.fraction,
         seed,
@@ -811,6 +855,7 @@ fn run_one(
         fedcd: matches!(algorithm, Algorithm::FedCd(_)),
         by_version: Default::default(),
         sent: Default::default(),
+        package: None,
         on_round: |rec: &RoundRecord| {
             let mean = rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64;
             on_round(rec.round, mean);
@@ -843,7 +888,11 @@ fn run_one(
         val_seconds: Vec::new(),
         fedcd,
     };
-    Ok((r, sites))
+    let package = masks
+        .package
+        .take()
+        .context("the run ended without its onboarding package")?;
+    Ok((r, sites, package))
 }
 
 /// The run's observer: each round's record to `on_round`; under FedCD, the mean absolute value
@@ -853,6 +902,8 @@ struct Masks<F> {
     fedcd: bool,
     by_version: std::collections::BTreeMap<u64, std::collections::BTreeMap<String, f64>>,
     sent: std::collections::BTreeMap<(u64, String), (f64, f64)>,
+    /// The onboarding package of the final model.
+    package: Option<ServerBroadcast>,
     on_round: F,
 }
 
@@ -916,6 +967,10 @@ impl<F: FnMut(&RoundRecord)> crate::Observer<DigitsCnn> for Masks<F> {
 
     fn round(&mut self, record: &RoundRecord) {
         (self.on_round)(record)
+    }
+
+    fn package(&mut self, package: &ServerBroadcast) {
+        self.package = Some(package.clone());
     }
 }
 

@@ -207,8 +207,12 @@ pub(super) fn write_external(
         "# {}: external accuracy (leave one domain out)\n\nEach domain in turn is held out; \
          the others federate for {} rounds; the held-out test split is scored with the global \
          model as deployed (local BN: its own never-trained BN), with `stream` re-estimation \
-         on its test batches, and after `calibrate` on its unlabelled training images. Test \
-         accuracy in %, mean (std) over {} seeds.\n\n",
+         on its test batches, and after `calibrate` on its unlabelled training images; then \
+         the same three from the onboarding package the aggregator would serve the domain \
+         (local BN: the final model with the training sites' BN pooled as `bn_sharing` says; \
+         global BN: the global model). UniFed's Algorithm 1 tests an external client with \
+         the global model and `stream` re-estimation: the `stream` row. Test accuracy in %, \
+         mean (std) over {} seeds.\n\n",
         preset.name, preset.rounds, preset.seeds,
     );
     let expected = algorithms.len() * preset.policies.len() * preset.seeds as usize * domains.len();
@@ -229,14 +233,16 @@ pub(super) fn write_external(
         for &bn in &preset.policies {
             let name = method_name(a, bn);
             let mut entry = serde_json::json!({"method": name, "algorithm": a, "bn_policy": bn});
-            for (key, pick) in [
-                (
-                    "deployed",
-                    (|r: &ExternalResult| r.deployed) as fn(&ExternalResult) -> f64,
-                ),
-                ("stream", |r| r.stream),
-                ("calibrate", |r| r.calibrate),
-            ] {
+            type Pick = fn(&ExternalResult) -> Option<f64>;
+            let picks: [(&str, Pick); 6] = [
+                ("deployed", |r| Some(r.deployed)),
+                ("stream", |r| Some(r.stream)),
+                ("calibrate", |r| Some(r.calibrate)),
+                ("package", |r| r.package.map(|p| p.deployed)),
+                ("package + stream", |r| r.package.map(|p| p.stream)),
+                ("package + calibrate", |r| r.package.map(|p| p.calibrate)),
+            ];
+            for (key, pick) in picks {
                 // Per domain, the accuracies over seeds; per seed, the mean over domains.
                 let runs: Vec<Vec<&ExternalResult>> = domains
                     .iter()
@@ -251,14 +257,14 @@ pub(super) fn write_external(
                     .collect();
                 let per_domain: Vec<Vec<f64>> = runs
                     .iter()
-                    .map(|v| v.iter().map(|r| pick(r)).collect())
+                    .map(|v| v.iter().filter_map(|r| pick(r)).collect())
                     .collect();
                 // The mean over domains for each seed every domain has finished.
                 let (seeds, per_seed): (Vec<u64>, Vec<f64>) = (0..preset.seeds)
                     .filter_map(|seed| {
                         let at: Option<Vec<f64>> = runs
                             .iter()
-                            .map(|v| v.iter().find(|r| r.seed == seed).map(|r| pick(r)))
+                            .map(|v| v.iter().find(|r| r.seed == seed).and_then(|r| pick(r)))
                             .collect();
                         at.map(|at| (seed, at.iter().sum::<f64>() / domains.len() as f64))
                     })
@@ -275,7 +281,7 @@ pub(super) fn write_external(
                 entry[key] = serde_json::json!({
                     "per_domain_per_seed": per_domain,
                     "seeds_per_domain": runs.iter()
-                        .map(|v| v.iter().map(|r| r.seed).collect::<Vec<_>>())
+                        .map(|v| v.iter().filter(|r| pick(r).is_some()).map(|r| r.seed).collect::<Vec<_>>())
                         .collect::<Vec<_>>(),
                     "mean_over_domains_per_seed": per_seed,
                     "seeds": seeds,

@@ -325,12 +325,35 @@ fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
             assert!((mean[0] - want).abs() < 1e-12);
         }
     }
+    // Also from the onboarding package: under global BN it is the global model, so each of
+    // its estimates is the model's own; under local BN the training sites' BN pooled (the
+    // default `affine+stats`), a start of its own.
+    let per_domain = |m: &serde_json::Value, key: &str| -> Vec<Vec<f64>> {
+        serde_json::from_value(m[key]["per_domain_per_seed"].clone()).unwrap()
+    };
+    let (fedbn, fedavg) = (&j["methods"][0], &j["methods"][1]);
+    for (own, package) in [
+        ("deployed", "package"),
+        ("stream", "package + stream"),
+        ("calibrate", "package + calibrate"),
+    ] {
+        assert_eq!(
+            per_domain(fedavg, own),
+            per_domain(fedavg, package),
+            "{package}"
+        );
+        let v = per_domain(fedbn, package);
+        assert_eq!(v.len(), 5);
+        assert!(v.iter().flatten().all(|a| (0.0..=1.0).contains(a)));
+    }
+    assert_ne!(per_domain(fedbn, "deployed"), per_domain(fedbn, "package"));
     // Each held-out run trained on the four other domains.
     let r: serde_json::Value = serde_json::from_slice(
         &std::fs::read(out.join("runs/external/fedavg-local-seed0-texture.json")).unwrap(),
     )
     .unwrap();
     assert_eq!(r["held_out"], "texture");
+    assert!(r["package"]["calibrate"].is_number(), "{r}");
     assert!(
         std::fs::read_to_string(out.join("external.md"))
             .unwrap()
