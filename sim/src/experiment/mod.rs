@@ -157,18 +157,28 @@ pub struct ExternalResult {
     pub held_out: String,
     /// The preset's settings it ran under.
     pub settings: serde_json::Value,
-    /// Test accuracy of the global model as deployed: under `global` BN the averaged model;
-    /// under `local` the global non-BN weights with the global model's own, never-trained BN.
-    pub deployed: f64,
-    /// Test accuracy under `stream` re-estimation from the deployed model.
-    pub stream: f64,
-    /// Test accuracy after `calibrate` on the domain's training images, labels unused.
-    pub calibrate: f64,
+    /// Test accuracy of the global model as deployed (under `global` BN the averaged model;
+    /// under `local` the global non-BN weights with the global model's own, never-trained BN),
+    /// under `stream` re-estimation from it, and after `calibrate` on the domain's training
+    /// images, labels unused (in the file as three fields of the result).
+    #[serde(flatten)]
+    pub own: Estimates,
     /// The same three from the onboarding package the aggregator would serve the domain (the
     /// final model with BN as `bn_sharing` pools it; under `global` BN the global model);
     /// absent in runs made before it was scored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub package: Option<Estimates>,
+    pub package: Option<Packaged>,
+}
+
+/// A held-out domain's [`Estimates`] from the onboarding package, and the sharing policy that
+/// made the package (a table takes only those of its preset's policy).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Packaged {
+    /// What the training sites shared of their BN for it.
+    pub bn_sharing: BnSharing,
+    /// The estimates.
+    #[serde(flatten)]
+    pub estimates: Estimates,
 }
 
 fn one() -> usize {
@@ -733,7 +743,8 @@ fn train(
                 .map(|e| e.stream)
                 .unwrap_or_default();
             let method = (&t.algorithm, t.bn, t.seed);
-            let e = score_held_out(preset, spec, (&sites, &package), d, method, &ext)?;
+            let scoring = (&ext, sharing);
+            let e = score_held_out(preset, spec, (&sites, &package), d, method, scoring)?;
             write_atomic(&t.file, &serde_json::to_vec_pretty(&e)?)?;
             Ok(Finished::External(e))
         }
@@ -748,7 +759,7 @@ fn score_held_out(
     (sites, package): (&[Site<DigitsCnn>], &ServerBroadcast),
     d: &SiteData,
     (algorithm, bn, seed): (&Algorithm, BnPolicy, u64),
-    stream: &StreamConfig,
+    (stream, sharing): (&StreamConfig, BnSharing),
 ) -> Result<ExternalResult> {
     let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
     let classes = spec.classes.len();
@@ -791,17 +802,17 @@ fn score_held_out(
             calibrate: evaluate(&calibrated, &d.test, classes, EVAL_BATCH, &device)?.accuracy(),
         })
     };
-    let own = estimates(&deployed)?;
     Ok(ExternalResult {
         algorithm: *algorithm,
         bn_policy: bn,
         seed,
         held_out: d.name.clone(),
         settings: preset.settings(),
-        deployed: own.deployed,
-        stream: own.stream,
-        calibrate: own.calibrate,
-        package: Some(estimates(&packaged)?),
+        own: estimates(&deployed)?,
+        package: Some(Packaged {
+            bn_sharing: sharing,
+            estimates: estimates(&packaged)?,
+        }),
     })
 }
 

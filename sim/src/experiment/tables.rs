@@ -8,7 +8,7 @@ use anyhow::Result;
 use std::path::Path;
 use unifed_aggregator::Algorithm;
 use unifed_models::checkpoint::write_atomic;
-use unifed_protocol::messages::BnPolicy;
+use unifed_protocol::messages::{BnPolicy, BnSharing};
 
 /// A method's name in tables: FedAvg under local BN is FedBN.
 pub fn method_name(a: &Algorithm, bn: BnPolicy) -> String {
@@ -233,14 +233,33 @@ pub(super) fn write_external(
         for &bn in &preset.policies {
             let name = method_name(a, bn);
             let mut entry = serde_json::json!({"method": name, "algorithm": a, "bn_policy": bn});
-            type Pick = fn(&ExternalResult) -> Option<f64>;
+            // A package's estimates count when its sharing policy is the preset's (under
+            // global BN, none is shared).
+            let sharing = match bn {
+                BnPolicy::Local => preset
+                    .external
+                    .as_ref()
+                    .map_or(BnSharing::None, |e| e.bn_sharing),
+                BnPolicy::Global => BnSharing::None,
+            };
+            let packaged = |r: &ExternalResult| r.package.filter(|p| p.bn_sharing == sharing);
+            type Pick<'p> = Box<dyn Fn(&ExternalResult) -> Option<f64> + 'p>;
             let picks: [(&str, Pick); 6] = [
-                ("deployed", |r| Some(r.deployed)),
-                ("stream", |r| Some(r.stream)),
-                ("calibrate", |r| Some(r.calibrate)),
-                ("package", |r| r.package.map(|p| p.deployed)),
-                ("package + stream", |r| r.package.map(|p| p.stream)),
-                ("package + calibrate", |r| r.package.map(|p| p.calibrate)),
+                ("deployed", Box::new(|r| Some(r.own.deployed))),
+                ("stream", Box::new(|r| Some(r.own.stream))),
+                ("calibrate", Box::new(|r| Some(r.own.calibrate))),
+                (
+                    "package",
+                    Box::new(|r| packaged(r).map(|p| p.estimates.deployed)),
+                ),
+                (
+                    "package + stream",
+                    Box::new(|r| packaged(r).map(|p| p.estimates.stream)),
+                ),
+                (
+                    "package + calibrate",
+                    Box::new(|r| packaged(r).map(|p| p.estimates.calibrate)),
+                ),
             ];
             for (key, pick) in picks {
                 // Per domain, the accuracies over seeds; per seed, the mean over domains.

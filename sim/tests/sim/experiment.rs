@@ -354,6 +354,7 @@ fn the_external_table_holds_each_domain_out_in_turn_and_scores_it_three_ways() {
     .unwrap();
     assert_eq!(r["held_out"], "texture");
     assert!(r["package"]["calibrate"].is_number(), "{r}");
+    assert_eq!(r["package"]["bn_sharing"], "affine+stats");
     assert!(
         std::fs::read_to_string(out.join("external.md"))
             .unwrap()
