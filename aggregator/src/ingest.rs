@@ -115,9 +115,50 @@ pub struct Ingest {
     /// outside the per-site share of `uploads`) take at most its capacity times a set's
     /// bytes of disk; a full queue holds this thread back until the core takes one.
     pub complete: mpsc::Sender<Complete>,
-    /// Where first chunks of closed rounds' uploads go: a bounded queue that drops what does
-    /// not fit (a re-send is sent again; a flood of replays must not hold this thread back).
-    pub resent: mpsc::Sender<Resent>,
+    /// Where first chunks of closed rounds' uploads go.
+    pub resent: ResentQueue,
+}
+
+/// The queue of [`Resent`] first chunks to the core: bounded, dropping what does not fit (a
+/// re-send is sent again; a flood of replays must not hold an ingest thread back), and handing
+/// on the same upload's first chunk at most once a second (an honest site re-sends after its
+/// re-send period, a replay flood gets one answer a second per upload it captured).
+pub struct ResentQueue {
+    tx: mpsc::Sender<Resent>,
+    last: std::collections::HashMap<(Id, u64, [u8; 32]), u64>,
+}
+
+/// How often the same upload's first chunk is handed on at most.
+const RESENT_EVERY_MS: u64 = 1_000;
+
+impl ResentQueue {
+    /// A queue into `tx`.
+    pub fn new(tx: mpsc::Sender<Resent>) -> ResentQueue {
+        ResentQueue {
+            tx,
+            last: Default::default(),
+        }
+    }
+
+    /// Hands `r` on at `now_ms` unless the same upload's first chunk went within the last
+    /// second or the queue is full.
+    fn offer(&mut self, r: Resent, now_ms: u64) {
+        let key = (r.site.clone(), r.round, r.hash);
+        if self
+            .last
+            .get(&key)
+            .is_some_and(|&t| now_ms.saturating_sub(t) < RESENT_EVERY_MS)
+        {
+            return;
+        }
+        if self.last.len() >= 4096 {
+            self.last
+                .retain(|_, t| now_ms.saturating_sub(*t) < RESENT_EVERY_MS);
+        }
+        if self.tx.try_send(r).is_ok() {
+            self.last.insert(key, now_ms);
+        }
+    }
 }
 
 /// What became of a chunk that was not dropped.
@@ -167,7 +208,7 @@ impl Ingest {
                             round: env.round,
                             hash: c.payload_hash,
                         };
-                        let _full = self.resent.try_send(resent);
+                        self.resent.offer(resent, now);
                         return Ok(Taken::Resent);
                     }
                     return Err(Dropped::NotOpenRound {
@@ -366,7 +407,7 @@ mod tests {
                 limit: 1 << 20,
                 prefix: "u/".into(),
                 complete: complete.clone(),
-                resent: resent.clone(),
+                resent: ResentQueue::new(resent.clone()),
             })
             .collect();
         (ingests, completed)
@@ -392,7 +433,7 @@ mod tests {
             limit: 1 << 20,
             prefix: "u/".into(),
             complete,
-            resent,
+            resent: ResentQueue::new(resent),
         };
         fn sign_at<T: serde::Serialize>(
             kind: MessageKind,
@@ -471,8 +512,8 @@ mod tests {
     }
 
     /// Once its round has closed, a set's first chunk (and only it) is handed on to be
-    /// answered, however often it comes, up to the queue's room; nothing is receipted or
-    /// spooled. Before the first round nothing has closed.
+    /// answered, once a second however often it comes, up to the queue's room; nothing is
+    /// receipted or spooled. Before the first round nothing has closed.
     #[test]
     fn the_first_chunk_of_a_closed_rounds_upload_is_handed_on_and_nothing_kept() {
         let key = SigningKey::from_seed([5; 32]);
@@ -493,7 +534,7 @@ mod tests {
             let (mut ingests, mut completed) = ingests(dir.path(), &[("a", &key)], 1);
             let mut ingest = ingests.pop().unwrap();
             let (resent, mut resents) = mpsc::channel(3);
-            ingest.resent = resent;
+            ingest.resent = ResentQueue::new(resent);
             ingest.open = watch::channel(rounds).1;
             let (tx, rx) = mpsc::unbounded_channel();
             for payload in input {
@@ -522,8 +563,8 @@ mod tests {
             }
             (got, spooled)
         };
-        // Round 2 of 3 open: round 1 closed. Its whole set, five times over: five first
-        // chunks, of which the queue holds three.
+        // Round 2 of 3 open: round 1 closed. Its whole set, five times over within a second:
+        // its first chunk is handed on once.
         let all: Vec<Chunk> = chunks(&payload, 1_000).collect();
         let mut input = Vec::new();
         for _ in 0..5 {
@@ -540,15 +581,24 @@ mod tests {
             round: 1,
             hash: payload_hash(&payload),
         };
-        assert_eq!(got, vec![want.clone(); 3]);
+        assert_eq!(got, vec![want.clone()]);
         assert_eq!(spooled, 0);
+        // The first chunks of five different uploads: the queue holds three.
+        let firsts = (0..5u8)
+            .map(|k| {
+                let mut p = payload.clone();
+                p[0] = k;
+                signed(1, &chunks(&p, 1_000).next().unwrap())
+            })
+            .collect();
+        assert_eq!(run(open, firsts).0.len(), 3);
         // Finished after round 1: it closed too.
         let finished = Rounds {
             round: 1,
             version: 0,
             open: false,
         };
-        assert_eq!(run(finished, input.clone()).0.len(), 3);
+        assert_eq!(run(finished, input.clone()).0.len(), 1);
         // Before the first round it has not; and the set's other chunks are dropped.
         assert_eq!(run(Rounds::default(), input.clone()), (vec![], 0));
         let rest = all[1..].iter().map(|c| signed(1, c)).collect();

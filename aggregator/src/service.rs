@@ -387,7 +387,7 @@ fn start_ingest(
             limit: cfg.broker.max_packet_bytes + 4096,
             prefix: prefixes.update.clone(),
             complete: complete.clone(),
-            resent: resent.clone(),
+            resent: crate::ingest::ResentQueue::new(resent.clone()),
         });
     }
     drop((complete, resent));

@@ -73,7 +73,7 @@ pub fn measure(sites: usize, shards: usize, update_bytes: usize, dir: &Path) -> 
             limit: CHUNK_BYTES + 4096,
             prefix: "u/".into(),
             complete: complete.clone(),
-            resent: resent.clone(),
+            resent: unifed_aggregator::ingest::ResentQueue::new(resent.clone()),
         });
     }
     drop(complete);

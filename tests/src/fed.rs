@@ -85,6 +85,10 @@ pub struct Fed {
     pub ca_file: Option<PathBuf>,
     /// Training images of particular sites (others: `train_samples`).
     pub samples: std::collections::BTreeMap<String, usize>,
+    /// Whether each enrolled site is vouched for (enrolled with a `max_samples` of its own,
+    /// here the federation's bound: its weight counts as it claims, as the in-process runner's
+    /// sites do); off, every site's weight is capped at the round's lower-median claim.
+    pub vouched: bool,
     /// The built-in domain of particular sites (others: the domain the site is named after).
     pub domains: std::collections::BTreeMap<String, String>,
     /// Typed edits of particular sites' agent configs, made after every other setting.
@@ -123,6 +127,7 @@ impl Fed {
             train_samples: 48,
             resend_secs: 30,
             samples: Default::default(),
+            vouched: true,
             domains: Default::default(),
             agent_edits: Default::default(),
             ca_file: None,
@@ -223,7 +228,12 @@ impl Fed {
         let sites = self
             .sites
             .iter()
-            .map(|id| EnrolledSite::new(id, self.key(id).public()))
+            .map(|id| EnrolledSite {
+                // Whatever a site claims, up to the federation's bound: its training images,
+                // which a folder's data decides for itself.
+                max_samples: self.vouched.then_some(u64::MAX),
+                ..EnrolledSite::new(id, self.key(id).public())
+            })
             .collect();
         let mut federation = FederationConfig::new("e2e", self.rounds, self.min_sites, sites);
         federation.algorithm = self.algorithm;
@@ -305,6 +315,14 @@ impl Fed {
         v
     }
 
+    /// The training images of `site`.
+    pub fn samples_of(&self, site: &str) -> usize {
+        self.samples
+            .get(site)
+            .copied()
+            .unwrap_or(self.train_samples)
+    }
+
     /// The state folder of `site`'s agent.
     pub fn site_dir(&self, site: &str) -> PathBuf {
         self.dir.join(site)
@@ -342,11 +360,7 @@ impl Fed {
             data: DataConfig {
                 builtin: Some(self.domains.get(site).map_or(site, |d| d.as_str()).into()),
                 folder: None,
-                train_samples: self
-                    .samples
-                    .get(site)
-                    .copied()
-                    .unwrap_or(self.train_samples),
+                train_samples: self.samples_of(site),
             },
         };
         if let Some(edit) = self.agent_edits.get(site) {
