@@ -11,10 +11,9 @@ mod report;
 mod run;
 mod supervise;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use unifed_protocol::messages::BnPolicy;
 
 #[derive(Parser)]
 #[command(
@@ -117,12 +116,7 @@ fn main() -> Result<()> {
             let opts = cli.opts;
             let mut runs = Vec::new();
             for p in &opts.policies {
-                let bn = match p.as_str() {
-                    "local" | "fedbn" => BnPolicy::Local,
-                    "global" | "fedavg" => BnPolicy::Global,
-                    other => bail!("unknown BN policy `{other}`: local (FedBN) or global (FedAvg)"),
-                };
-                runs.push(run::federation(&opts, bn)?);
+                runs.push(run::federation(&opts, run::bn_policy(p)?)?);
             }
             report::finish(&opts, &runs)?;
             if runs.len() == 2 && runs[0].bn_policy != runs[1].bn_policy {

@@ -335,6 +335,15 @@ pub fn sites(opts: &Options) -> Result<Vec<(String, Domain)>> {
     Ok(out)
 }
 
+/// The BN policy a `--policies` entry names: `local` (or `fedbn`), `global` (or `fedavg`).
+pub fn bn_policy(name: &str) -> Result<BnPolicy> {
+    Ok(match name {
+        "local" | "fedbn" => BnPolicy::Local,
+        "global" | "fedavg" => BnPolicy::Global,
+        other => bail!("unknown BN policy `{other}`: local (FedBN) or global (FedAvg)"),
+    })
+}
+
 /// The agents' backend of the options, checked to be compiled into this binary (the agents
 /// are this binary in another role) before anything starts.
 pub fn agent_backend(opts: &Options) -> Result<Backend> {

@@ -20,7 +20,7 @@ mod site;
 mod stranger;
 
 use crate::run::{self, Options, RunResult, Setup};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -261,12 +261,7 @@ pub struct HostileResult {
 pub fn benchmark(opts: &Options, args: &Args) -> Result<Vec<HostileResult>> {
     let mut results = Vec::new();
     for p in &opts.policies {
-        let bn = match p.as_str() {
-            "local" | "fedbn" => BnPolicy::Local,
-            "global" | "fedavg" => BnPolicy::Global,
-            other => bail!("unknown BN policy `{other}`: local (FedBN) or global (FedAvg)"),
-        };
-        let r = one_policy(opts, args, bn)?;
+        let r = one_policy(opts, args, run::bn_policy(p)?)?;
         println!("{}", render(&r));
         results.push(r);
     }
