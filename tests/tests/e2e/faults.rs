@@ -410,17 +410,8 @@ fn the_aggregator_killed_between_and_during_rounds_ends_with_the_uninterrupted_m
     let want = reference().clone();
     let _one = serial();
     let dir = tempfile::tempdir().unwrap();
-    let broker = Broker::start(BrokerKind::Embedded, PACKET);
-    let fed = fed_for(dir.path(), broker.port);
-    let mut agg = fed.aggregator();
-    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
     // Between rounds: right after round 1 closed.
-    assert!(
-        fed.wait_report(&["agg"], closed(1), LONG).is_some(),
-        "{}",
-        fed.logs()
-    );
-    agg.kill();
+    let (_broker, fed, mut agents) = killed_after_round_one(dir.path());
     let mut agg = fed.aggregator();
     // During round 3: as soon as one site's round-3 update was accepted (lowres, the slow
     // one, is still training then).
@@ -454,6 +445,22 @@ fn the_aggregator_killed_between_and_during_rounds_ends_with_the_uninterrupted_m
     agents_hold(&fed, &SITES, &got);
 }
 
+/// The faults' federation in `dir` on a broker of its own, its aggregator killed right after
+/// round 1 closed: the broker, the federation and its running agents.
+fn killed_after_round_one(dir: &std::path::Path) -> (Broker, Fed, Vec<Guard>) {
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let fed = fed_for(dir, broker.port);
+    let mut agg = fed.aggregator();
+    let agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
+    assert!(
+        fed.wait_report(&["agg"], closed(1), LONG).is_some(),
+        "{}",
+        fed.logs()
+    );
+    agg.kill();
+    (broker, fed, agents)
+}
+
 /// Every round of `fed` has an `accepted` line for each site it folded, and one
 /// `round-closed` line.
 fn audit_matches_the_folds(fed: &Fed) {
@@ -485,16 +492,7 @@ fn audit_matches_the_folds(fed: &Fed) {
 fn a_kill_between_a_rounds_commit_and_its_audit_lines_loses_no_line() {
     let _one = serial();
     let dir = tempfile::tempdir().unwrap();
-    let broker = Broker::start(BrokerKind::Embedded, PACKET);
-    let fed = fed_for(dir.path(), broker.port);
-    let mut agg = fed.aggregator();
-    let mut agents: Vec<_> = SITES.iter().map(|s| fed.agent(s)).collect();
-    assert!(
-        fed.wait_report(&["agg"], closed(1), LONG).is_some(),
-        "{}",
-        fed.logs()
-    );
-    agg.kill();
+    let (_broker, fed, mut agents) = killed_after_round_one(dir.path());
     let path = fed.agg_dir().join("audit.log");
     let text = std::fs::read_to_string(&path).unwrap();
     let lines: Vec<&str> = text.lines().collect();
