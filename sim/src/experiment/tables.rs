@@ -261,50 +261,22 @@ pub(super) fn write_external(
                     Box::new(|r| packaged(r).map(|p| p.estimates.calibrate)),
                 ),
             ];
+            // Per domain, the method's runs in seed order.
+            let runs: Vec<Vec<&ExternalResult>> = domains
+                .iter()
+                .map(|d| {
+                    let mut v: Vec<&ExternalResult> = results
+                        .iter()
+                        .filter(|r| r.algorithm == *a && r.bn_policy == bn && &r.held_out == d)
+                        .collect();
+                    v.sort_by_key(|r| r.seed);
+                    v
+                })
+                .collect();
             for (key, pick) in picks {
-                // Per domain, the accuracies over seeds; per seed, the mean over domains.
-                let runs: Vec<Vec<&ExternalResult>> = domains
-                    .iter()
-                    .map(|d| {
-                        let mut v: Vec<&ExternalResult> = results
-                            .iter()
-                            .filter(|r| r.algorithm == *a && r.bn_policy == bn && &r.held_out == d)
-                            .collect();
-                        v.sort_by_key(|r| r.seed);
-                        v
-                    })
-                    .collect();
-                let per_domain: Vec<Vec<f64>> = runs
-                    .iter()
-                    .map(|v| v.iter().filter_map(|r| pick(r)).collect())
-                    .collect();
-                // The mean over domains for each seed every domain has finished.
-                let (seeds, per_seed): (Vec<u64>, Vec<f64>) = (0..preset.seeds)
-                    .filter_map(|seed| {
-                        let at: Option<Vec<f64>> = runs
-                            .iter()
-                            .map(|v| v.iter().find(|r| r.seed == seed).and_then(|r| pick(r)))
-                            .collect();
-                        at.map(|at| (seed, at.iter().sum::<f64>() / domains.len() as f64))
-                    })
-                    .unzip();
-                // One seed has no spread to show: "(0.00)" would claim one.
-                let cell = |v: &[f64]| match v {
-                    [] => "not run yet".to_string(),
-                    [one] => format!("{:.2} (1 seed)", 100.0 * one),
-                    _ => pct(mean_std(v)),
-                };
-                let mut cells: Vec<String> = per_domain.iter().map(|v| cell(v)).collect();
-                cells.push(format!("**{}**", cell(&per_seed)));
+                let (cells, json) = estimate_row(&runs, &*pick, preset.seeds);
                 md.push_str(&format!("| {name} | {key} | {} |\n", cells.join(" | ")));
-                entry[key] = serde_json::json!({
-                    "per_domain_per_seed": per_domain,
-                    "seeds_per_domain": runs.iter()
-                        .map(|v| v.iter().filter(|r| pick(r).is_some()).map(|r| r.seed).collect::<Vec<_>>())
-                        .collect::<Vec<_>>(),
-                    "mean_over_domains_per_seed": per_seed,
-                    "seeds": seeds,
-                });
+                entry[key] = json;
             }
             methods.push(entry);
         }
@@ -315,6 +287,54 @@ pub(super) fn write_external(
         "methods": methods,
     });
     write_table(out, "external", &md, &json)
+}
+
+/// One estimate's row of the external table from `runs` (per domain, one method's runs in
+/// seed order) and `pick` (the estimate of a run, if it has one): per domain the accuracies over
+/// seeds, and the mean over domains for each of the first `seeds` seeds that every domain holds;
+/// its markdown cells and its JSON.
+fn estimate_row(
+    runs: &[Vec<&ExternalResult>],
+    pick: &dyn Fn(&ExternalResult) -> Option<f64>,
+    seeds: u64,
+) -> (Vec<String>, serde_json::Value) {
+    let per_domain: Vec<Vec<f64>> = runs
+        .iter()
+        .map(|v| v.iter().filter_map(|r| pick(r)).collect())
+        .collect();
+    let (held, per_seed): (Vec<u64>, Vec<f64>) = (0..seeds)
+        .filter_map(|seed| {
+            let at: Option<Vec<f64>> = runs
+                .iter()
+                .map(|v| v.iter().find(|r| r.seed == seed).and_then(|r| pick(r)))
+                .collect();
+            at.map(|at| (seed, at.iter().sum::<f64>() / runs.len() as f64))
+        })
+        .unzip();
+    // One seed has no spread to show: "(0.00)" would claim one.
+    let cell = |v: &[f64]| match v {
+        [] => "not run yet".to_string(),
+        [one] => format!("{:.2} (1 seed)", 100.0 * one),
+        _ => pct(mean_std(v)),
+    };
+    let mut cells: Vec<String> = per_domain.iter().map(|v| cell(v)).collect();
+    cells.push(format!("**{}**", cell(&per_seed)));
+    let seeds_per_domain: Vec<Vec<u64>> = runs
+        .iter()
+        .map(|v| {
+            v.iter()
+                .filter(|r| pick(r).is_some())
+                .map(|r| r.seed)
+                .collect()
+        })
+        .collect();
+    let json = serde_json::json!({
+        "per_domain_per_seed": per_domain,
+        "seeds_per_domain": seeds_per_domain,
+        "mean_over_domains_per_seed": per_seed,
+        "seeds": held,
+    });
+    (cells, json)
 }
 
 /// The mean of the finite values (NaN when there is none).
