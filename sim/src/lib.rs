@@ -131,8 +131,13 @@ pub trait Observer<N: Net> {
     fn closed(&mut self, _round: u64, _sites: &[String]) {}
     /// Every site evaluated a new model: the round's record.
     fn round(&mut self, _record: &RoundRecord) {}
+    /// Whether [`Observer::package`] is wanted (building the package costs a model's bytes).
+    fn wants_package(&self) -> bool {
+        false
+    }
     /// The federation finished: the onboarding package the aggregator serves a new site now
-    /// (the final model, its BN as the federation's sharing policy pooled it).
+    /// (the final model, its BN as the federation's sharing policy pooled it). Called only
+    /// when [`Observer::wants_package`].
     fn package(&mut self, _package: &unifed_protocol::messages::ServerBroadcast) {}
 }
 
@@ -300,7 +305,9 @@ pub fn run_federation<N: Net>(
     for d in drivers {
         sites.sites.push(d.into_worker().into_site()?);
     }
-    observer.borrow_mut().package(&final_package(agg.core())?);
+    if observer.borrow().wants_package() {
+        observer.borrow_mut().package(&final_package(agg.core())?);
+    }
     Ok(records.done)
 }
 

@@ -725,18 +725,18 @@ fn train(
         .map(|(_, d)| d)
         .collect();
     // A held-out run's sites share BN for the package the held-out domain would be served.
-    let sharing = match (t.held_out, t.bn, &preset.external) {
-        (Some(_), BnPolicy::Local, Some(e)) => e.bn_sharing,
+    let package = t.held_out.map(|_| match (t.bn, &preset.external) {
+        (BnPolicy::Local, Some(e)) => e.bn_sharing,
         _ => BnSharing::None,
-    };
-    let method = (t.algorithm, t.bn, sharing);
+    });
+    let method = (t.algorithm, t.bn, package);
     let (r, sites, package) = run_one(preset, spec, &training, method, t.seed, on_round)?;
-    match t.held_out.map(|h| &site_data[h]) {
-        None => {
+    match (t.held_out.map(|h| &site_data[h]), package) {
+        (None, _) | (_, None) => {
             write_atomic(&t.file, &serde_json::to_vec_pretty(&r)?)?;
             Ok(Finished::Internal(r))
         }
-        Some(d) => {
+        (Some(d), Some((sharing, package))) => {
             let ext = preset
                 .external
                 .as_ref()
@@ -826,16 +826,21 @@ pub fn clock(seconds: f64) -> String {
     }
 }
 
+/// The onboarding package a held-out run's final model is served with, and the sharing policy
+/// that pooled its BN.
+type Served = (BnSharing, ServerBroadcast);
+
 /// One run over `data`'s sites, each evaluated on its validation and test splits after every
-/// round; returns the sites as they end (each holding the final model).
+/// round; returns the sites as they end (each holding the final model), and with a sharing
+/// policy in `package` the final model's onboarding package.
 fn run_one(
     preset: &Preset,
     spec: &ModelSpec,
     data: &[&SiteData],
-    (algorithm, bn, bn_sharing): (Algorithm, BnPolicy, BnSharing),
+    (algorithm, bn, package): (Algorithm, BnPolicy, Option<BnSharing>),
     seed: u64,
     mut on_round: impl FnMut(u64, f64),
-) -> Result<(RunResult, Vec<Site<DigitsCnn>>, ServerBroadcast)> {
+) -> Result<(RunResult, Vec<Site<DigitsCnn>>, Option<Served>)> {
     let device = Backend::Flex.device().map_err(anyhow::Error::msg)?;
     let model = DigitsCnnConfig {
         classes: spec.classes.len(),
@@ -851,7 +856,7 @@ fn run_one(
     let cfg = FederationConfig {
         algorithm,
         bn_policy: bn,
-        bn_sharing,
+        bn_sharing: package.unwrap_or(BnSharing::None),
         encoding: preset.encoding,
         fraction: preset.fraction,
         seed,
@@ -866,6 +871,7 @@ fn run_one(
         fedcd: matches!(algorithm, Algorithm::FedCd(_)),
         by_version: Default::default(),
         sent: Default::default(),
+        wants_package: package.is_some(),
         package: None,
         on_round: |rec: &RoundRecord| {
             let mean = rec.accuracy.iter().sum::<f64>() / rec.accuracy.len() as f64;
@@ -899,10 +905,16 @@ fn run_one(
         val_seconds: Vec::new(),
         fedcd,
     };
-    let package = masks
-        .package
-        .take()
-        .context("the run ended without its onboarding package")?;
+    let package = match package {
+        None => None,
+        Some(sharing) => {
+            let p = masks.package.take();
+            Some((
+                sharing,
+                p.context("the run ended without its onboarding package")?,
+            ))
+        }
+    };
     Ok((r, sites, package))
 }
 
@@ -913,7 +925,9 @@ struct Masks<F> {
     fedcd: bool,
     by_version: std::collections::BTreeMap<u64, std::collections::BTreeMap<String, f64>>,
     sent: std::collections::BTreeMap<(u64, String), (f64, f64)>,
-    /// The onboarding package of the final model.
+    /// Whether the run asks for the onboarding package of the final model (a held-out run).
+    wants_package: bool,
+    /// The onboarding package of the final model, when asked for.
     package: Option<ServerBroadcast>,
     on_round: F,
 }
@@ -978,6 +992,10 @@ impl<F: FnMut(&RoundRecord)> crate::Observer<DigitsCnn> for Masks<F> {
 
     fn round(&mut self, record: &RoundRecord) {
         (self.on_round)(record)
+    }
+
+    fn wants_package(&self) -> bool {
+        self.wants_package
     }
 
     fn package(&mut self, package: &ServerBroadcast) {
