@@ -45,10 +45,24 @@ pub fn select_for(bn: BnPolicy) -> Select {
     }
 }
 
-/// The seed of a site's local training in `round`: the one rule the agent and the in-process
-/// runner share (`seed` is the site's configured training seed).
-pub fn round_seed(seed: u64, round: u64) -> u64 {
-    seed ^ round
+/// The seed of site `site`'s local training in `round`: the one rule the agent and the
+/// in-process runner share (`seed` is the site's configured training seed). Seed, round and
+/// site are each folded in through SplitMix64's finaliser, so no two of (seed, round, site)
+/// share a shuffle by arithmetic accident (`seed ^ round` gave seed 0's round 3 the shuffle of
+/// seed 1's round 2, and every site of a run the same one).
+pub fn round_seed(seed: u64, round: u64, site: &str) -> u64 {
+    let name = site.bytes().fold(0xCBF2_9CE4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3)
+    });
+    splitmix(splitmix(splitmix(seed) ^ round) ^ name)
+}
+
+/// SplitMix64's step: a bijection of `z` whose output bits each depend on every input bit.
+fn splitmix(z: u64) -> u64 {
+    let z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// The error of a parked model's file at `path`.
@@ -426,7 +440,7 @@ impl<N: Net> Site<N> {
     ) -> Result<Vec<u8>, SiteError> {
         let select = select_for(m.bn_policy);
         let tc = TrainConfig {
-            seed: round_seed(tc.seed, m.round),
+            seed: round_seed(tc.seed, m.round, self.id.as_str()),
             ..tc.clone()
         };
         // The round's algorithm, with its state (a restored site may hold another's).

@@ -390,7 +390,7 @@ fn write_compare(
             "encoding": encoding,
             "fedprox_mu": mu,
             "sites": sites,
-            "seed_rule": "site seed ^ round (unifed_models::site::round_seed), as agents train",
+            "seed_rule": "SplitMix64 of (site seed, round, site id) (unifed_models::site::round_seed), as agents train",
             "final": table,
             "methods": summary,
             "local_minus_global": gains,

@@ -137,3 +137,42 @@ fn evaluation_sums_each_batchs_mean_loss_by_its_size_and_counts_right_prediction
     );
     assert_eq!(ev.loss.to_bits(), (loss / 70.0).to_bits());
 }
+
+#[test]
+fn each_seed_round_and_site_shuffles_on_a_stream_of_its_own() {
+    use unifed_models::site::round_seed;
+    use unifed_models::train::shuffle_epoch;
+    // `seed ^ round` gave these three the same stream, and every site of a run the same.
+    let collided = [(0, 3), (1, 2), (2, 1)].map(|(s, r)| round_seed(s, r, "grey"));
+    assert!(collided[0] != collided[1] && collided[1] != collided[2] && collided[0] != collided[2]);
+    let sites = ["grey", "color", "texture", "lowres", "fonts"];
+    let mut all = std::collections::HashSet::new();
+    for seed in 0..4 {
+        for round in 0..16 {
+            for site in sites {
+                assert!(
+                    all.insert(round_seed(seed, round, site)),
+                    "{seed} {round} {site}"
+                );
+            }
+        }
+    }
+    // The same (seed, round, site) always gives the same stream: an agent that restarts
+    // trains the round it resumes as it would have.
+    assert_eq!(round_seed(7, 5, "grey"), round_seed(7, 5, "grey"));
+    // Two sites of one run, in one round, take their samples in different orders.
+    let order = |site: &str| {
+        let mut o: Vec<usize> = (0..100).collect();
+        shuffle_epoch(&mut o, round_seed(0, 1, site), 0);
+        o
+    };
+    assert_ne!(order("grey"), order("color"));
+    // Every bit of the seed reaches the stream: flipping one changes about half of them.
+    for bit in 0..64 {
+        let flipped = (round_seed(1 << bit, 3, "grey") ^ round_seed(0, 3, "grey")).count_ones();
+        assert!(
+            (12..=52).contains(&flipped),
+            "bit {bit}: {flipped} bits moved"
+        );
+    }
+}

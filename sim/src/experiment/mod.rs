@@ -229,6 +229,7 @@ impl Preset {
             "data": self.data,
             "stream": self.external.as_ref().map(|e| e.stream),
             "fraction": self.fraction,
+            "shuffle": SHUFFLE_RULE,
         });
         // Only a lossy encoding is named, so that runs made before presets had one (all f32)
         // are still reused.
@@ -355,14 +356,29 @@ pub struct Outcome {
     pub missing: usize,
 }
 
-/// Reads a finished run's file if there is one, refusing a run of other settings.
+/// The rule a site's shuffle seeds follow ([`unifed_models::site::round_seed`]), part of a
+/// run's settings: runs made before it (under `seed ^ round`, which gave different seeds and
+/// sites the same shuffles) carry none and are run again.
+const SHUFFLE_RULE: &str = "splitmix64(seed, round, site)";
+
+/// Reads a finished run's file if there is one, refusing a run of other settings; a run made
+/// under the old shuffle rule counts as not run.
 fn finished<T: serde::de::DeserializeOwned>(
     file: &Path,
     same: impl Fn(&T) -> bool,
 ) -> Result<Option<T>> {
     match std::fs::read(file) {
         Ok(bytes) => {
-            let r: T = serde_json::from_slice(&bytes)
+            let raw: serde_json::Value = serde_json::from_slice(&bytes)
+                .with_context(|| format!("reading {}", file.display()))?;
+            if raw["settings"]["shuffle"] != SHUFFLE_RULE {
+                println!(
+                    "{} was run under the old shuffle rule (seed ^ round); running it again",
+                    file.display()
+                );
+                return Ok(None);
+            }
+            let r: T = serde_json::from_value(raw)
                 .with_context(|| format!("reading {}", file.display()))?;
             if !same(&r) {
                 bail!(

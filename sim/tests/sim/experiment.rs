@@ -154,6 +154,21 @@ fn a_preset_runs_every_combination_writes_the_tables_and_resumes_from_finished_r
     let done = run(&two, &data, &out, 1, |_| {}).unwrap();
     assert_eq!((done.trained, done.reused), (4, 4));
     assert_eq!(json(&out)["methods"][0]["seeds"], serde_json::json!([0, 1]));
+    // A run made under the old shuffle rule (its settings name none) counts as not run: it is
+    // trained again, under the rule in force, and the others are reused.
+    let file = out.join("runs/fedavg-global-seed1.json");
+    let mut old: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(old["settings"]["shuffle"], "splitmix64(seed, round, site)");
+    old["settings"].as_object_mut().unwrap().remove("shuffle");
+    std::fs::write(&file, serde_json::to_vec(&old).unwrap()).unwrap();
+    let done = run(&two, &data, &out, 1, |_| {}).unwrap();
+    assert_eq!((done.trained, done.reused), (1, 7));
+    let again: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(
+        again["settings"]["shuffle"],
+        "splitmix64(seed, round, site)"
+    );
     // Runs of other settings are refused, naming the file, never mixed in.
     let longer = preset(&PRESET.replace("rounds = 2", "rounds = 3"), dir.path());
     let err = run(&longer, &data, &out, 1, |_| {})
