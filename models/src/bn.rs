@@ -5,6 +5,7 @@
 //! layer normalises:
 //! - [`BnPass::standard`]: burn's own behaviour (batch statistics and a running-statistics update
 //!   in training, stored statistics otherwise);
+//! - [`BnPass::batch_only`]: batch statistics, running statistics untouched;
 //! - `stream` ([`StreamEstimator`], UniFed Algorithm 1, "federated testing"): test batches arrive
 //!   in sequence; during each batch's forward pass every BN layer updates
 //!   `mu <- tau*mu + (1-tau)*mean(batch)`, `var <- tau*var + (1-tau)*var(batch)` (biased batch
@@ -94,6 +95,7 @@ impl Default for CalibrateConfig {
 #[derive(Debug, Clone)]
 pub(crate) enum Mode {
     Standard,
+    Batch,
     Stream { tau: f64, start: BnStart },
     Collect { target: usize },
 }
@@ -149,6 +151,14 @@ impl BnPass {
     /// burn's own BN behaviour: batch statistics while training, stored statistics otherwise.
     pub fn standard() -> Self {
         Self::with_mode(Mode::Standard)
+    }
+
+    /// Batch statistics and nothing stored: each layer normalises the batch by its own mean
+    /// and biased variance, as training does, and leaves the running statistics as they are
+    /// (FedImpro's synthetic features train the head without entering the site's BN
+    /// statistics).
+    pub fn batch_only() -> Self {
+        Self::with_mode(Mode::Batch)
     }
 
     pub(crate) fn with_mode(mode: Mode) -> Self {
@@ -207,6 +217,10 @@ pub fn norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, pass: &mut BnPass) -> 
     let i = pass.next_layer(id);
     match pass.mode.clone() {
         Mode::Standard => bn.forward(x),
+        Mode::Batch => {
+            let (bm, bv, _) = batch_moments(&x);
+            normalise(bn, x, bm, bv)
+        }
         Mode::Stream { tau, start } => {
             let (bm, bv, _) = batch_moments(&x);
             let (pm, pv) = match pass.stats.get(&id) {

@@ -42,6 +42,7 @@ pub mod calibrate;
 pub mod checkpoint;
 pub mod client;
 pub mod data;
+pub mod decoupled;
 pub mod error;
 pub mod invariant;
 mod memory;

@@ -19,6 +19,19 @@ pub trait Net: Module + Clone + core::fmt::Debug + Send + 'static {
     /// Representation -> logits `[n, classes]`.
     fn head(&self, h: Tensor<2>) -> Tensor<2>;
 
+    /// The places the model can be split into a low-level part and a high-level head
+    /// (FedImpro), each the number of weight layers (convolutions and linear layers) in the low
+    /// part, ascending; every model has at least one.
+    fn split_points(&self) -> Vec<usize>;
+
+    /// Input -> the low-level part's output at split point `split` (one of
+    /// [`Net::split_points`]), one flat row per sample `[n, width]`.
+    fn low(&self, x: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2>;
+
+    /// The low-level part's output at `split`, as [`Net::low`] gives it -> logits. For every
+    /// split point, `high(low(x))` is [`Net::forward`].
+    fn high(&self, h: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2>;
+
     /// Input -> logits.
     fn forward(&self, x: Tensor<2>, bn: &mut BnPass) -> Tensor<2> {
         let h = self.features(x, bn);

@@ -9,6 +9,7 @@
 //! cross-entropy before backpropagation.
 
 use crate::bn::BnPass;
+use crate::decoupled::Decoupler;
 pub use crate::error::TermError;
 use crate::invariant::Intervener;
 use crate::state::{Select, StateDict, Walker, burn_tensor};
@@ -262,6 +263,9 @@ pub enum Term<N: Net> {
     /// FedCD's SCI: the site's mask on the representation and the gradient-matching penalty
     /// (`crate::invariant`).
     Invariant(Intervener),
+    /// FedImpro's split model, per-class feature statistics and synthetic features
+    /// (`crate::decoupled`).
+    Decoupled(Decoupler),
 }
 
 /// What a site keeps between rounds that an objective may train against.
@@ -276,6 +280,8 @@ pub struct SiteState<'a, N: Net> {
     pub anchor: Option<&'a StateDict>,
     /// FedCD's mask, penalty weight and federation mask gradient.
     pub intervener: Option<Intervener>,
+    /// FedImpro's split, running statistics and federation Gaussians.
+    pub decoupler: Option<Decoupler>,
 }
 
 impl<N: Net> Default for SiteState<'_, N> {
@@ -285,6 +291,7 @@ impl<N: Net> Default for SiteState<'_, N> {
             previous: None,
             anchor: None,
             intervener: None,
+            decoupler: None,
         }
     }
 }
@@ -338,6 +345,12 @@ impl<N: Net> Term<N> {
                     what: "the site's mask",
                 })?)
             }
+            Objective::Decoupled { .. } => {
+                Term::Decoupled(state.decoupler.ok_or(TermError::Missing {
+                    algorithm: "FedImpro",
+                    what: "the split and the feature statistics",
+                })?)
+            }
             Objective::Contrastive { mu: 0.0, .. } => Term::None,
             Objective::Contrastive { mu, temperature } => match state.previous {
                 // The paper's code: with no previous model the only logit is the positive
@@ -356,7 +369,11 @@ impl<N: Net> Term<N> {
     /// Adjusts one step's gradients of `net`.
     pub fn apply(&self, net: &N, grads: &mut GradientsParams) {
         match self {
-            Term::None | Term::Contrastive(_) | Term::Meta { .. } | Term::Invariant(_) => {}
+            Term::None
+            | Term::Contrastive(_)
+            | Term::Meta { .. }
+            | Term::Invariant(_)
+            | Term::Decoupled(_) => {}
             Term::Proximal { mu, reference } => add_proximal(net, grads, reference, *mu),
             Term::Control { correction } => add_correction(net, grads, correction),
             Term::Drift {
@@ -382,6 +399,15 @@ impl<N: Net> Term<N> {
     pub fn intervener(&self) -> Option<&Intervener> {
         match self {
             Term::Invariant(i) => Some(i),
+            _ => None,
+        }
+    }
+
+    /// FedImpro's term, if it is the objective: training splits the model and adds the
+    /// synthetic features' loss.
+    pub fn decoupler(&self) -> Option<&Decoupler> {
+        match self {
+            Term::Decoupled(d) => Some(d),
             _ => None,
         }
     }

@@ -117,6 +117,7 @@ fn file_kept(k: &mut Kept, path: Option<std::path::PathBuf>) -> Result<(), SiteE
 /// residual may be empty: nothing left behind).
 fn check_memory(m: &Memory<Kept>, spec: &ModelSpec) -> Result<(), SiteError> {
     crate::client::fedcd::check(&m.algorithm, spec)?;
+    crate::client::fedimpro::check(&m.algorithm, spec)?;
     let fits = |name: &str, len: usize, may_be_empty: bool| {
         spec.tensors
             .iter()

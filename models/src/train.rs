@@ -5,6 +5,7 @@
 
 use crate::bn::{BnPass, StreamConfig, StreamEstimator};
 use crate::data::Dataset;
+use crate::decoupled::{DecoupleOutcome, DecoupleRun};
 use crate::error::{BnError, TrainError};
 use crate::invariant::{MaskOutcome, MaskRun};
 use crate::objective::Term;
@@ -94,6 +95,9 @@ pub struct TrainReport {
     /// FedCD's trained mask, mask gradient and risk, when the run trained under SCI.
     #[serde(default)]
     pub mask: Option<MaskOutcome>,
+    /// FedImpro's running feature statistics, when the run trained under it.
+    #[serde(default)]
+    pub decoupled: Option<DecoupleOutcome>,
 }
 
 /// Progress events for a progress bar.
@@ -336,8 +340,10 @@ fn run_epochs<N: Net>(
         samples: 0,
         steps: 0,
         mask: None,
+        decoupled: None,
     };
     let mut sci = term.intervener().map(|i| i.start(&ad));
+    let mut split = term.decoupler().map(|d| d.start(&ad, cfg.seed));
     let mut order: Vec<usize> = (0..data.len()).collect();
     for epoch in 0..cfg.epochs {
         shuffle_epoch(&mut order, cfg.seed, epoch);
@@ -360,17 +366,21 @@ fn run_epochs<N: Net>(
                 break;
             }
             let (x, y) = batch_tensors(data, first, &ad);
-            let mut pass = BnPass::standard();
-            let z = model.features(x.clone(), &mut pass);
+            let labels: Vec<usize> = first.iter().map(|&i| data.y[i]).collect();
             // FedCD's mask, a leaf of this step's graph, scales the representation.
             let leaf = sci.as_ref().map(|s| s.leaf());
-            let logits = match &leaf {
-                Some(m) => model.head(z.clone() * m.clone()),
-                None => model.head(z.clone()),
-            };
+            let (z, logits) = forward_step(&model, x.clone(), (leaf.as_ref(), &mut split), &labels);
             let loss = loss_fn.forward(logits.clone(), y.clone());
             // The reported loss is the cross-entropy alone, comparable across objectives.
             losses.push(&loss, first.len());
+            // FedImpro's synthetic features train the head beside the real batch.
+            let loss = match split
+                .as_mut()
+                .and_then(|r| r.synthetic_loss(&model, &labels, &loss_fn))
+            {
+                Some(synthetic) => loss + synthetic,
+                None => loss,
+            };
             let loss = match term.contrast() {
                 Some(c) => loss + c.loss(z.clone(), &x),
                 None => loss,
@@ -419,7 +429,33 @@ fn run_epochs<N: Net>(
         }
     }
     report.mask = sci.map(MaskRun::finish);
+    report.decoupled = split.map(DecoupleRun::finish);
     (model, Ok(report))
+}
+
+/// One step's forward pass of `model` on `x` (training's BN behaviour): the representation
+/// and the logits. FedCD's `mask` scales the representation before the head; under FedImpro's
+/// `split` the representation is the low-level part's output, whose statistics the run takes
+/// from the batch of `labels`.
+fn forward_step<N: Net>(
+    model: &N,
+    x: Tensor<2>,
+    (mask, split): (Option<&Tensor<2>>, &mut Option<DecoupleRun>),
+    labels: &[usize],
+) -> (Tensor<2>, Tensor<2>) {
+    let mut pass = BnPass::standard();
+    if let Some(run) = split {
+        let h = model.low(x, run.split(), &mut pass);
+        run.observe(&h, labels);
+        let logits = model.high(h.clone(), run.split(), &mut pass);
+        return (h, logits);
+    }
+    let z = model.features(x, &mut pass);
+    let logits = match mask {
+        Some(m) => model.head(z.clone() * m.clone()),
+        None => model.head(z.clone()),
+    };
+    (z, logits)
 }
 
 /// The batch size a site evaluates in: its test split, validation, and onboarding checks.

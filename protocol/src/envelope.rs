@@ -18,8 +18,9 @@ pub const MAGIC: [u8; 4] = *b"UFED";
 /// a round model's chunks once for every site on the shared `chunks/model` topic, which a
 /// version-9 site does not read; version 11 adds FedCD's objective and mask gradients; version
 /// 12 adds the status a site sends once it holds the federation's final model; version 13
-/// signs every message with the run of the federation it belongs to ([`RunId`]).
-pub const PROTOCOL_VERSION: u16 = 13;
+/// signs every message with the run of the federation it belongs to ([`RunId`]); version 14
+/// adds FedImpro's objective and per-class feature statistics.
+pub const PROTOCOL_VERSION: u16 = 14;
 
 /// Bytes before the postcard body: magic, version and kind.
 const HEADER_LEN: usize = 8;
@@ -568,15 +569,16 @@ mod tests {
         // objectives, version 6 no announced upload window, version 7 no ternary block size,
         // version 8 signed and hashed with SHA-256, version 9 sent every site its own copy of
         // the model's chunks, version 10 had no FedCD, version 11 no final status of a site,
-        // version 12 no run: all are refused by a version 13 peer, as is a future version 14.
-        for other in [1u16, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14] {
+        // version 12 no run, version 13 no FedImpro: all are refused by a version 14 peer, as is
+        // a future version 15.
+        for other in [1u16, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15] {
             let mut bytes = envelope().encode();
             bytes[4..6].copy_from_slice(&other.to_le_bytes());
             let err = Envelope::decode(&bytes).unwrap_err();
             assert_eq!(err, DecodeError::UnsupportedVersion(other));
             assert_eq!(
                 err.to_string(),
-                format!("protocol version {other} is not supported (this peer speaks version 13)")
+                format!("protocol version {other} is not supported (this peer speaks version 14)")
             );
         }
     }

@@ -69,12 +69,12 @@ pub use encoding::{
 pub use envelope::{DecodeError, Envelope, EnvelopeRef, MAGIC, MessageKind, PROTOCOL_VERSION};
 pub use ids::{AGGREGATOR_ID, FederationId, Id, IdError, MAX_ID_LEN, RunId, SiteId};
 pub use messages::{
-    Answer, BnPolicy, BnSharing, BnSharingError, Chunk, ChunkRef, ChunkRequest, DeltaInfo,
-    Download, Downloaded, LocalReport, ModelDelta, Objective, ObjectiveError, OnboardError,
-    OnboardReply, OnboardRequest, PackageInfo, Payload, RegistryEntry, RejectReason, RoundManifest,
-    RoundPlan, Sealing, ServerBroadcast, ServerExtras, SiteExtras, SiteState, SiteStatus,
-    SiteUpdate, SiteUpdateRef, UpdateAnswer, UpdateReceipt, max_broadcast_bytes,
-    max_registry_entry_bytes,
+    Answer, BnPolicy, BnSharing, BnSharingError, Chunk, ChunkRef, ChunkRequest, ClassStats,
+    DeltaInfo, Download, Downloaded, FeatureStats, LocalReport, ModelDelta, Objective,
+    ObjectiveError, OnboardError, OnboardReply, OnboardRequest, PackageInfo, Payload,
+    RegistryEntry, RejectReason, RoundManifest, RoundPlan, Sealing, ServerBroadcast, ServerExtras,
+    SiteExtras, SiteState, SiteStatus, SiteUpdate, SiteUpdateRef, UpdateAnswer, UpdateReceipt,
+    max_broadcast_bytes, max_registry_entry_bytes,
 };
 #[cfg(feature = "std")]
 pub use spec::spec_path;

@@ -152,6 +152,23 @@ pub enum Objective {
         /// The weight `lambda` of the gradient-matching penalty (FedCD's grid: 0.5 to 1.0).
         lambda: f64,
     },
+    /// FedImpro (Chen et al., ICLR 2024), Eq. 6: the model splits after its `split`-th weight
+    /// layer into a low-level part and a high-level head. Each step adds to the cross-entropy of
+    /// the real batch the cross-entropy of one synthetic feature per real sample, drawn from the
+    /// federation's Gaussian of the sample's class (in the round's
+    /// [`ServerExtras::FeatureStats`]; none before the first round closes, when the site trains
+    /// on cross-entropy alone), which trains the head only. The site keeps per class a running
+    /// mean and variance of its low-level features (momentum `beta`, Eq. 7) and sends them in
+    /// [`SiteExtras::FeatureStats`], with Gaussian noise of standard deviation `noise` added
+    /// (App. D.3; 0: none).
+    Decoupled {
+        /// Weight layers in the low-level part (FedImpro's best on ResNet-18: 9, the middle).
+        split: u32,
+        /// The momentum `beta` of the site's running feature statistics, in [0, 1).
+        beta: f64,
+        /// The standard deviation of the noise added to the statistics a site sends.
+        noise: f64,
+    },
 }
 
 impl Objective {
@@ -181,6 +198,14 @@ impl Objective {
             Objective::Meta { .. } => Ok(()),
             Objective::Invariant { lambda } if lambda.is_finite() && lambda >= 0.0 => Ok(()),
             Objective::Invariant { lambda } => Err(ObjectiveError::InvariantLambda(lambda)),
+            Objective::Decoupled { split: 0, .. } => Err(ObjectiveError::DecoupledSplit),
+            Objective::Decoupled { beta, .. } if !(0.0..1.0).contains(&beta) => {
+                Err(ObjectiveError::DecoupledBeta(beta))
+            }
+            Objective::Decoupled { noise, .. } if !(noise.is_finite() && noise >= 0.0) => {
+                Err(ObjectiveError::DecoupledNoise(noise))
+            }
+            Objective::Decoupled { .. } => Ok(()),
         }
     }
 
@@ -217,6 +242,15 @@ pub enum ObjectiveError {
     /// FedCD's `lambda` is negative or not finite.
     #[error("FedCD lambda must be finite and non-negative, got {0}")]
     InvariantLambda(f64),
+    /// FedImpro's split leaves no low-level part.
+    #[error("FedImpro split must be at least 1 (weight layers in the low-level part)")]
+    DecoupledSplit,
+    /// FedImpro's momentum `beta` is outside [0, 1).
+    #[error("FedImpro beta must lie in [0, 1), got {0}")]
+    DecoupledBeta(f64),
+    /// FedImpro's noise is negative or not finite.
+    #[error("FedImpro noise must be finite and non-negative, got {0}")]
+    DecoupledNoise(f64),
 }
 
 impl From<ObjectiveError> for String {
@@ -263,6 +297,70 @@ pub enum SiteExtras {
         /// The training risk `R_e`.
         risk: f64,
     },
+    /// FedImpro: the site's running per-class mean and variance of its low-level features
+    /// (Eq. 7), with the round's noise added.
+    FeatureStats(FeatureStats),
+}
+
+/// Per-class Gaussians of a model's low-level features (FedImpro): for each class of the
+/// spec, in its order, the mean and the variance of every feature, or nothing for a class the
+/// sender has no estimate of (a site that never saw it; a federation no site sent it to).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FeatureStats {
+    /// Values per feature vector (the low-level part's output per sample).
+    pub width: u32,
+    /// One entry per class.
+    pub classes: Vec<Option<ClassStats>>,
+}
+
+/// One class's Gaussian of features: `width` means and `width` variances, exact f32.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClassStats {
+    /// The mean of each feature.
+    pub mean: Vec<f32>,
+    /// The variance of each feature.
+    pub var: Vec<f32>,
+}
+
+impl FeatureStats {
+    /// Checks the shape against `classes` classes of `width` features (if given) and every
+    /// value: finite, variances non-negative. Names the first problem.
+    pub fn check(&self, classes: usize, width: Option<usize>) -> Result<(), alloc::string::String> {
+        let w = self.width as usize;
+        if w == 0 || width.is_some_and(|want| want != w) {
+            return Err(alloc::format!(
+                "feature statistics of width {w}, not {}",
+                width.map_or("a positive width".into(), |want| alloc::format!("{want}"))
+            ));
+        }
+        if self.classes.len() != classes {
+            return Err(alloc::format!(
+                "feature statistics of {} classes, not {classes}",
+                self.classes.len()
+            ));
+        }
+        for (k, c) in self.classes.iter().enumerate() {
+            let Some(c) = c else { continue };
+            if c.mean.len() != w || c.var.len() != w {
+                return Err(alloc::format!(
+                    "class {k}'s statistics hold {} means and {} variances, not {w}",
+                    c.mean.len(),
+                    c.var.len()
+                ));
+            }
+            if c.mean.iter().chain(&c.var).any(|v| !v.is_finite()) {
+                return Err(alloc::format!(
+                    "class {k}'s statistics hold a value that is not finite"
+                ));
+            }
+            if c.var.iter().any(|v| *v < 0.0) {
+                return Err(alloc::format!(
+                    "class {k}'s statistics hold a negative variance"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Algorithm tensors the server sends beside the model. One variant per algorithm that needs
@@ -279,6 +377,9 @@ pub enum ServerExtras {
     /// FedCD: the mean of the sites' mask gradients of the round that made the model,
     /// `g_g = sum_e p_e g_e`, one value per input of the linear classifier, exact.
     MaskGradient(Vec<f32>),
+    /// FedImpro: the federation's per-class Gaussians of low-level features, the unweighted
+    /// mean over the sites that sent each class (Eq. 8).
+    FeatureStats(FeatureStats),
 }
 
 /// The small retained message that announces the current round and model.

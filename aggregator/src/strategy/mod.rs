@@ -31,6 +31,7 @@
 mod fedavg;
 mod fedcd;
 mod feddc;
+mod fedimpro;
 mod fednova;
 mod fedopt;
 mod round;
@@ -39,6 +40,7 @@ mod scaffold;
 pub use fedavg::{FedAvg, MoonConfig, PerFedAvgConfig};
 pub use fedcd::{FedCd, FedCdConfig, rea_weights};
 pub use feddc::{FedDc, FedDcConfig};
+pub use fedimpro::{FedImpro, FedImproConfig, merge, weight_layers};
 pub use fednova::{FedNova, FedNovaConfig};
 pub use fedopt::{FedOpt, FedOptConfig, Rule};
 pub use round::{Contribution, Contributions, Extras, InMemory, ReadError, Weighting};
@@ -114,6 +116,14 @@ pub enum StrategyError {
     /// FedOpt's second moment holds a negative value.
     #[error("the second moment holds {0} < 0")]
     NegativeMoment(f32),
+    /// A stored state is malformed in a way no other variant names (FedImpro's statistics).
+    #[error("the stored {what}: {message}")]
+    BadState {
+        /// Which part of the state.
+        what: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// `Err(StrategyError::Parameter)` unless `ok`.
@@ -166,6 +176,10 @@ pub enum Algorithm {
     /// FedCD: sites mask their representation and match their mask gradient to the
     /// federation's (SCI); the server weighs sites by their risks (REA) (Chen et al.).
     FedCd(FedCdConfig),
+    /// FedImpro: sites split the model, train its head also on synthetic features drawn from
+    /// the federation's per-class Gaussians of low-level features, and send theirs (Chen et
+    /// al., ICLR 2024).
+    FedImpro(FedImproConfig),
 }
 
 impl Algorithm {
@@ -183,6 +197,7 @@ impl Algorithm {
             Algorithm::FedDc(c) => c.validate(),
             Algorithm::PerFedAvg(c) => Ok(c.objective().validate()?),
             Algorithm::FedCd(c) => c.validate(),
+            Algorithm::FedImpro(c) => c.validate(),
         }
     }
 
@@ -200,13 +215,14 @@ impl Algorithm {
             Algorithm::FedDc(_) => "feddc",
             Algorithm::PerFedAvg(_) => "perfedavg",
             Algorithm::FedCd(_) => "fedcd",
+            Algorithm::FedImpro(_) => "fedimpro",
         }
     }
 
     /// Every algorithm with its default parameters (FedProx's `mu` at FedBN's digits setting,
     /// 0.01), in the order tables list them: the one list of algorithms names, config
     /// spellings and labels come from.
-    pub fn all() -> [Algorithm; 11] {
+    pub fn all() -> [Algorithm; 12] {
         [
             Algorithm::FedAvg,
             Algorithm::FedProx { mu: 0.01 },
@@ -219,6 +235,7 @@ impl Algorithm {
             Algorithm::FedDc(FedDcConfig::default()),
             Algorithm::PerFedAvg(PerFedAvgConfig::default()),
             Algorithm::FedCd(FedCdConfig::default()),
+            Algorithm::FedImpro(FedImproConfig::default()),
         ]
     }
 
@@ -252,6 +269,7 @@ impl Algorithm {
             Algorithm::PerFedAvg(_) => "Per-FedAvg",
             Algorithm::FedCd(c) if c.rea => "FedCD-SCI+REA",
             Algorithm::FedCd(_) => "FedCD-SCI",
+            Algorithm::FedImpro(_) => "FedImpro",
         }
     }
 
@@ -309,6 +327,12 @@ pub enum StrategyState {
         /// `g_g`, the sample-weighted mean of the round's mask gradients.
         gradient: Option<Vec<f32>>,
     },
+    /// FedImpro's: the federation's per-class Gaussians of low-level features (none before a
+    /// round closed).
+    FedImpro {
+        /// The unweighted mean of the sites' statistics, class by class (Eq. 8).
+        stats: Option<unifed_protocol::FeatureStats>,
+    },
 }
 
 impl StrategyState {
@@ -335,6 +359,14 @@ impl StrategyState {
                 finite("drift sum", drift)
             }
             StrategyState::FedCd { gradient } => finite("mask gradient", gradient.as_slice()),
+            StrategyState::FedImpro { stats: None } => Ok(()),
+            StrategyState::FedImpro { stats: Some(s) } => {
+                s.check(s.classes.len(), None)
+                    .map_err(|message| StrategyError::BadState {
+                        what: "FedImpro feature statistics",
+                        message,
+                    })
+            }
         }
     }
 
@@ -346,6 +378,7 @@ impl StrategyState {
             StrategyState::Scaffold { .. } => "SCAFFOLD control variate",
             StrategyState::FedDc { .. } => "FedDC control variate and drift",
             StrategyState::FedCd { .. } => "FedCD mask gradient",
+            StrategyState::FedImpro { .. } => "FedImpro feature statistics",
         }
     }
 }
@@ -476,6 +509,9 @@ pub fn from_config(
         (Algorithm::FedCd(c), s @ (None | Some(StrategyState::FedCd { .. }))) => {
             Ok(Box::new(FedCd::new(*c, setup, s)?))
         }
+        (Algorithm::FedImpro(c), s @ (None | Some(StrategyState::FedImpro { .. }))) => {
+            Ok(Box::new(FedImpro::new(*c, setup, s)?))
+        }
         (_, Some(s)) => mismatch(&s),
     }
 }
@@ -489,6 +525,9 @@ pub(crate) fn no_extras(update: &SiteUpdateRef<'_>) -> Result<Extras, RejectReas
         )),
         SiteExtras::MaskGradient { .. } => Err(RejectReason::UnexpectedExtras(
             "a mask gradient, which this federation's algorithm does not use".into(),
+        )),
+        SiteExtras::FeatureStats(_) => Err(RejectReason::UnexpectedExtras(
+            "feature statistics, which this federation's algorithm does not use".into(),
         )),
     }
 }
@@ -704,7 +743,7 @@ mod tests {
         let err = Algorithm::named("fedsgd").unwrap_err();
         assert!(
             matches!(&err, StrategyError::Unknown { name, known }
-                if name == "fedsgd" && known.ends_with("perfedavg, fedcd")),
+                if name == "fedsgd" && known.ends_with("perfedavg, fedcd, fedimpro")),
             "{err}"
         );
     }

@@ -44,6 +44,8 @@ pub enum Extras {
         /// The training risk `R_e`.
         risk: f64,
     },
+    /// FedImpro's per-class feature statistics.
+    FeatureStats(unifed_protocol::FeatureStats),
 }
 
 /// One site's accepted contribution to a round.

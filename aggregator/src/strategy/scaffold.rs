@@ -229,7 +229,7 @@ impl Strategy for Scaffold {
                 }
                 Ok(Extras::Control(dc))
             }
-            SiteExtras::None | SiteExtras::MaskGradient { .. } => {
+            SiteExtras::None | SiteExtras::MaskGradient { .. } | SiteExtras::FeatureStats(_) => {
                 Err(RejectReason::UnexpectedExtras(
                     "no control variate, which this algorithm's rounds need".into(),
                 ))

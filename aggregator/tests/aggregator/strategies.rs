@@ -7,11 +7,11 @@ use unifed_aggregator::Weighting;
 use unifed_aggregator::spoolround::SpoolRound;
 use unifed_aggregator::store::{SpoolEntry, SpoolTensor, Store};
 use unifed_aggregator::strategy::{
-    Algorithm, Contribution, Contributions, Extras, FedCdConfig, InMemory, ReadError, Setup,
-    StrategyState, from_config, rea_weights,
+    Algorithm, Contribution, Contributions, Extras, FedCdConfig, FedImproConfig, InMemory,
+    ReadError, Setup, StrategyState, from_config, rea_weights,
 };
 use unifed_protocol::encoding::Encoding;
-use unifed_protocol::messages::LocalReport;
+use unifed_protocol::messages::{ClassStats, FeatureStats, LocalReport};
 use unifed_protocol::{TensorKind, TensorSpec};
 
 fn spec(name: &str, n: usize, kind: TensorKind) -> TensorSpec {
@@ -63,6 +63,18 @@ fn contribution(setup: &Setup, i: usize, algorithm: &Algorithm) -> Contribution 
             gradient: (0..3).map(|e| value(9, e)).collect(),
             risk: 0.3 + i as f64 * 0.2,
         },
+        // Two classes (the classifier's rows) of four features; site 1 never saw class 1.
+        Algorithm::FedImpro(_) => Extras::FeatureStats(FeatureStats {
+            width: 4,
+            classes: (0..2)
+                .map(|k| {
+                    (i != 1 || k == 0).then(|| ClassStats {
+                        mean: (0..4).map(|e| value(11 + k, e)).collect(),
+                        var: (0..4).map(|e| value(13 + k, e).abs()).collect(),
+                    })
+                })
+                .collect(),
+        }),
         _ => Extras::None,
     };
     Contribution {
@@ -342,4 +354,97 @@ fn fedcd_shares_the_weighted_mask_gradient_and_weighs_deltas_by_rea() {
     let (x, state) = run(true);
     assert_eq!(state, want);
     assert_eq!(x, vec![vec![ca as f32, (4.0 * (1.0 - ca)) as f32]]);
+}
+
+#[test]
+fn fedimpro_averages_each_class_over_the_sites_that_sent_it_and_steps_by_fedavgs_mean() {
+    let setup = Setup {
+        tensors: vec![TensorSpec {
+            name: "fc.weight".into(),
+            shape: vec![2, 2],
+            kind: TensorKind::NonBn,
+        }],
+        encoding: Encoding::F32,
+        sites: 0,
+    };
+    let class = |m: f32, v: f32| {
+        Some(ClassStats {
+            mean: vec![m, -m],
+            var: vec![v, v],
+        })
+    };
+    let c = |samples, delta: f32, classes: Vec<Option<ClassStats>>| Contribution {
+        samples,
+        report: LocalReport::default(),
+        extras: Extras::FeatureStats(FeatureStats { width: 2, classes }),
+        delta: vec![vec![delta; 4]],
+        bn: Vec::new(),
+    };
+    let round = InMemory::new(
+        1,
+        Weighting::Samples,
+        [
+            ("a".to_string(), c(1, 4.0, vec![class(1.0, 1.0), None])),
+            (
+                "b".into(),
+                c(3, 0.0, vec![class(3.0, 2.0), class(5.0, 4.0)]),
+            ),
+        ],
+    );
+    let algorithm = Algorithm::FedImpro(FedImproConfig::default());
+    let mut strategy = from_config(&algorithm, &setup, None).unwrap();
+    let mut x = vec![vec![0.0f32; 4]];
+    strategy
+        .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    // The deltas by sample weight: (1 * 4 + 3 * 0) / 4; the statistics unweighted (Eq. 8),
+    // class 1 from b alone.
+    assert_eq!(x, vec![vec![1.0f32; 4]]);
+    let want = FeatureStats {
+        width: 2,
+        classes: vec![class(2.0, 1.5), class(5.0, 4.0)],
+    };
+    let state = strategy.state();
+    assert_eq!(
+        state,
+        StrategyState::FedImpro {
+            stats: Some(want.clone())
+        }
+    );
+    assert_eq!(
+        strategy.extras(),
+        unifed_protocol::ServerExtras::FeatureStats(want.clone())
+    );
+    // A restarted server resumes from the state: a round where no site sent class 1 keeps it.
+    let mut again = from_config(&algorithm, &setup, Some(state)).unwrap();
+    let round = InMemory::new(
+        2,
+        Weighting::Samples,
+        [("a".to_string(), c(1, 0.0, vec![class(4.0, 1.5), None]))],
+    );
+    again
+        .aggregate(&round, &mut x.iter_mut().collect::<Vec<_>>())
+        .unwrap();
+    let StrategyState::FedImpro { stats: Some(s) } = again.state() else {
+        panic!()
+    };
+    assert_eq!(s.classes, vec![class(4.0, 1.5), class(5.0, 4.0)]);
+    // A stored state of another class count, or with a negative variance, is refused.
+    let three = StrategyState::FedImpro {
+        stats: Some(FeatureStats {
+            width: 2,
+            classes: vec![None; 3],
+        }),
+    };
+    let err = from_config(&algorithm, &setup, Some(three))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("3 classes, not 2"), "{err}");
+    let negative = StrategyState::FedImpro {
+        stats: Some(FeatureStats {
+            width: 2,
+            classes: vec![class(1.0, -1.0), None],
+        }),
+    };
+    assert!(negative.check().is_err());
 }

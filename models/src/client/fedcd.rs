@@ -16,7 +16,7 @@
 //! - **a never-seen site's mask**: all ones, the paper's start: a site that never trained has
 //!   no mask, and the masks of others never leave them. A site evaluates with its own mask.
 
-use super::{After, Before, ClientAlgorithm, ClientState, Inputs, Versioned};
+use super::{After, Before, ClientAlgorithm, ClientState, Inputs, Received};
 use crate::error::SiteError;
 use crate::invariant::Intervener;
 use crate::state::Select;
@@ -52,21 +52,21 @@ impl<N: Net> ClientAlgorithm<N> for FedCd {
         m: &RoundManifest,
         version: u64,
         extras: &ServerExtras,
-    ) -> Result<Option<Versioned>, SiteError> {
+    ) -> Result<Option<Received>, SiteError> {
         let plan = |message: String| SiteError::Plan {
             round: m.round,
             message,
         };
         let width = width(spec, m)?;
         match extras {
-            ServerExtras::None => Ok(Some((version, Default::default()))),
+            ServerExtras::None => Ok(Some(Received::Tensors((version, Default::default())))),
             ServerExtras::MaskGradient(g)
                 if g.len() == width && g.iter().all(|v| v.is_finite()) =>
             {
-                Ok(Some((
+                Ok(Some(Received::Tensors((
                     version,
                     [(MASK_GRADIENT.to_string(), g.clone())].into(),
-                )))
+                ))))
             }
             ServerExtras::MaskGradient(g) => Err(plan(format!(
                 "the federation's mask gradient has {} values, not all finite or not the \
@@ -75,6 +75,9 @@ impl<N: Net> ClientAlgorithm<N> for FedCd {
             ))),
             ServerExtras::Control(_) => Err(plan(
                 "a control variate beside the model, which FedCD does not use".into(),
+            )),
+            ServerExtras::FeatureStats(_) => Err(plan(
+                "feature statistics beside the model, which FedCD does not use".into(),
             )),
         }
     }

@@ -3,7 +3,7 @@
 //! correction and the anchor `w - h_i` built here); the drift advances by the update's delta
 //! as the server decodes it, once the update is accepted.
 
-use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Versioned, scaffold};
+use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Received, scaffold};
 use crate::error::SiteError;
 use crate::state::{Select, StateDict, export};
 use crate::zoo::Net;
@@ -37,7 +37,7 @@ impl<N: Net> ClientAlgorithm<N> for FedDc {
         m: &RoundManifest,
         version: u64,
         extras: &ServerExtras,
-    ) -> Result<Option<Versioned>, SiteError> {
+    ) -> Result<Option<Received>, SiteError> {
         scaffold::received(spec, select, m, version, extras)
     }
 

@@ -13,9 +13,11 @@
 //! | `Drift` | [`feddc`] | `c_i`, the server's `c` and the drift `h_i` |
 //! | `Meta` | [`perfedavg`] (personalises before it evaluates) | none |
 //! | `Invariant` | [`fedcd`] (masks its representation) | its mask, the server's mask gradient |
+//! | `Decoupled` | [`fedimpro`] (splits its model) | its feature statistics, the server's |
 
 pub mod fedcd;
 pub mod feddc;
+pub mod fedimpro;
 pub mod moon;
 pub mod perfedavg;
 pub mod plain;
@@ -23,6 +25,7 @@ pub mod scaffold;
 
 use crate::backend::Device;
 use crate::data::Dataset;
+use crate::decoupled::Decoupler;
 use crate::error::SiteError;
 use crate::invariant::Intervener;
 use crate::objective::SiteState;
@@ -33,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use unifed_protocol::ModelSpec;
 use unifed_protocol::encoding::EncodedTensorRef;
-use unifed_protocol::messages::{Objective, RoundManifest, ServerExtras, SiteExtras};
+use unifed_protocol::messages::{FeatureStats, Objective, RoundManifest, ServerExtras, SiteExtras};
 
 /// Tensors by name.
 pub type Tensors = BTreeMap<String, Vec<f32>>;
@@ -84,6 +87,25 @@ pub enum ClientState {
         /// and that version (no tensor: none came, before the first round closed).
         server: Option<Versioned>,
     },
+    /// FedImpro's running feature statistics and the federation's Gaussians.
+    FedImpro {
+        /// The site's running per-class statistics of its low-level features, as of its last
+        /// accepted update (`None` before its first), and the split they are of.
+        local: Option<(u32, FeatureStats)>,
+        /// The federation's per-class Gaussians that came with the model version applied
+        /// last, and that version (`None` inside: none came, before the first round closed).
+        server: Option<(u64, Option<FeatureStats>)>,
+    },
+}
+
+/// What a client algorithm keeps of what the server sent beside a model version
+/// ([`ClientAlgorithm::received`]), typed by algorithm.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Received {
+    /// Tensors by name (SCAFFOLD's and FedDC's control variate, FedCD's mask gradient).
+    Tensors(Versioned),
+    /// FedImpro's per-class Gaussians of the version (`None`: none yet).
+    FeatureStats(u64, Option<FeatureStats>),
 }
 
 impl ClientState {
@@ -147,16 +169,30 @@ impl ClientState {
     }
 
     /// Sets what the server sent beside the model just applied ([`ClientAlgorithm::received`]:
-    /// SCAFFOLD's control variate, FedCD's mask gradient), where the state keeps it.
-    pub(crate) fn set_server(&mut self, received: Option<Versioned>) {
-        if let Some(s) = self.server_mut() {
-            *s = received;
+    /// SCAFFOLD's control variate, FedCD's mask gradient, FedImpro's Gaussians), where the
+    /// state keeps it.
+    pub(crate) fn set_server(&mut self, received: Option<Received>) {
+        if let ClientState::FedImpro { server, .. } = self {
+            *server = match received {
+                Some(Received::FeatureStats(v, s)) => Some((v, s)),
+                _ => None,
+            };
+        } else if let Some(s) = self.server_mut() {
+            *s = match received {
+                Some(Received::Tensors(t)) => Some(t),
+                _ => None,
+            };
         }
     }
 
     /// Takes what an accepted update advanced (`next`), keeping what the server sent beside
     /// the model applied last (a newer model may have come since the update was made).
     pub(crate) fn accept(&mut self, mut next: ClientState) {
+        if let (ClientState::FedImpro { server: held, .. }, ClientState::FedImpro { server, .. }) =
+            (&mut *self, &mut next)
+        {
+            *server = held.take();
+        }
         let server = self.server_mut().and_then(Option::take);
         if let Some(s) = next.server_mut() {
             *s = server;
@@ -194,6 +230,8 @@ impl ClientState {
                 mask.iter_mut()
                     .chain(server.iter_mut().flat_map(|(_, s)| s.values_mut())),
             ),
+            // A few per-class vectors, kept in memory.
+            ClientState::FedImpro { .. } => Box::new(std::iter::empty()),
         }
     }
 }
@@ -222,6 +260,8 @@ pub struct Inputs<N: Net> {
     pub anchor: Option<StateDict>,
     /// FedCD's mask and the federation's mask gradient.
     pub intervener: Option<Intervener>,
+    /// FedImpro's split, running statistics and the federation's Gaussians.
+    pub decoupler: Option<Decoupler>,
 }
 
 impl<N: Net> Default for Inputs<N> {
@@ -231,6 +271,7 @@ impl<N: Net> Default for Inputs<N> {
             previous: None,
             anchor: None,
             intervener: None,
+            decoupler: None,
         }
     }
 }
@@ -243,6 +284,7 @@ impl<N: Net> Inputs<N> {
             previous: self.previous.take(),
             anchor: self.anchor.as_ref(),
             intervener: self.intervener.take(),
+            decoupler: self.decoupler.take(),
         }
     }
 }
@@ -286,7 +328,7 @@ pub trait ClientAlgorithm<N: Net> {
         m: &RoundManifest,
         _version: u64,
         extras: &ServerExtras,
-    ) -> Result<Option<Versioned>, SiteError> {
+    ) -> Result<Option<Received>, SiteError> {
         match extras {
             ServerExtras::None => Ok(None),
             _ => Err(SiteError::Plan {
@@ -352,6 +394,9 @@ pub fn for_plan<N: Net>(objective: &Objective) -> Box<dyn ClientAlgorithm<N>> {
         Objective::Drift { .. } => Box::new(feddc::FedDc),
         Objective::Meta { alpha, .. } => Box::new(perfedavg::PerFedAvg { alpha }),
         Objective::Invariant { lambda } => Box::new(fedcd::FedCd { lambda }),
+        Objective::Decoupled { split, beta, noise } => {
+            Box::new(fedimpro::FedImpro { split, beta, noise })
+        }
     }
 }
 

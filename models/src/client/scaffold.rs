@@ -4,7 +4,7 @@
 //! under lossy encodings and re-sends. The state is `c_i` and the server's `c` of the model
 //! version applied last (it comes beside the model).
 
-use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Tensors, Versioned};
+use super::{After, Before, ClientAlgorithm, ClientState, Controls, Inputs, Received, Tensors};
 use crate::error::SiteError;
 use crate::state::{NamedTensor, Select, StateDict};
 use crate::update::encoding_for;
@@ -34,7 +34,7 @@ impl<N: Net> ClientAlgorithm<N> for Scaffold {
         m: &RoundManifest,
         version: u64,
         extras: &ServerExtras,
-    ) -> Result<Option<Versioned>, SiteError> {
+    ) -> Result<Option<Received>, SiteError> {
         received(spec, select, m, version, extras)
     }
 
@@ -63,7 +63,7 @@ pub(crate) fn received(
     m: &RoundManifest,
     version: u64,
     extras: &ServerExtras,
-) -> Result<Option<Versioned>, SiteError> {
+) -> Result<Option<Received>, SiteError> {
     let plan = |message: &str| SiteError::Plan {
         round: m.round,
         message: message.into(),
@@ -79,10 +79,10 @@ pub(crate) fn received(
              order",
         ));
     }
-    Ok(Some((
+    Ok(Some(Received::Tensors((
         version,
         c.tensors.into_iter().map(|t| (t.name, t.data)).collect(),
-    )))
+    ))))
 }
 
 /// The server control variate `c` of the manifest's model version, from `controls`.

@@ -57,6 +57,30 @@ impl Net for AnyNet {
         }
     }
 
+    fn split_points(&self) -> Vec<usize> {
+        match self {
+            AnyNet::Digits(n) => n.split_points(),
+            AnyNet::Mlp(n) => n.split_points(),
+            AnyNet::Resnet18(n) => n.split_points(),
+        }
+    }
+
+    fn low(&self, x: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
+        match self {
+            AnyNet::Digits(n) => n.low(x, split, bn),
+            AnyNet::Mlp(n) => n.low(x, split, bn),
+            AnyNet::Resnet18(n) => Net::low(n, x, split, bn),
+        }
+    }
+
+    fn high(&self, h: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
+        match self {
+            AnyNet::Digits(n) => n.high(h, split, bn),
+            AnyNet::Mlp(n) => n.high(h, split, bn),
+            AnyNet::Resnet18(n) => Net::high(n, h, split, bn),
+        }
+    }
+
     fn torch_path(&self, burn_path: &str) -> String {
         match self {
             AnyNet::Digits(n) => n.torch_path(burn_path),

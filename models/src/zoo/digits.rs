@@ -170,23 +170,67 @@ impl crate::zoo::Net for DigitsCnn {
     }
 
     fn features(&self, x: Tensor<2>, bn: &mut BnPass) -> Tensor<2> {
+        self.low(x, 5, bn)
+    }
+
+    fn head(&self, h: Tensor<2>) -> Tensor<2> {
+        self.fc3.forward(h)
+    }
+
+    /// After conv1, conv2 and conv3 (each with its BN, ReLU and pool), fc1 and fc2.
+    fn split_points(&self) -> Vec<usize> {
+        (1..=5).collect()
+    }
+
+    fn low(&self, x: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
         let [n, _] = x.dims();
         let [c, h, w] = self.shape;
         let x: Tensor<4> = x.reshape([n, c, h, w]);
         let x = self
             .pool
             .forward(relu(norm(&self.bn1, self.conv1.forward(x), bn)));
+        if split <= 1 {
+            return x.flatten(1, 3);
+        }
         let x = self
             .pool
             .forward(relu(norm(&self.bn2, self.conv2.forward(x), bn)));
-        let x = relu(norm(&self.bn3, self.conv3.forward(x), bn));
-        let x: Tensor<2> = x.flatten(1, 3);
+        if split == 2 {
+            return x.flatten(1, 3);
+        }
+        let x: Tensor<2> = relu(norm(&self.bn3, self.conv3.forward(x), bn)).flatten(1, 3);
+        if split == 3 {
+            return x;
+        }
         let x = relu(norm(&self.bn4, self.fc1.forward(x), bn));
+        if split == 4 {
+            return x;
+        }
         relu(norm(&self.bn5, self.fc2.forward(x), bn))
     }
 
-    fn head(&self, h: Tensor<2>) -> Tensor<2> {
-        self.fc3.forward(h)
+    fn high(&self, x: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
+        let [n, _] = x.dims();
+        let [_, h, w] = self.shape;
+        let [c1, c2, ..] = self.widths;
+        let mut x = x;
+        if split <= 2 {
+            let m: Tensor<4> = if split <= 1 {
+                let m: Tensor<4> = x.reshape([n, c1, h / 2, w / 2]);
+                self.pool
+                    .forward(relu(norm(&self.bn2, self.conv2.forward(m), bn)))
+            } else {
+                x.reshape([n, c2, h / 4, w / 4])
+            };
+            x = relu(norm(&self.bn3, self.conv3.forward(m), bn)).flatten(1, 3);
+        }
+        if split <= 3 {
+            x = relu(norm(&self.bn4, self.fc1.forward(x), bn));
+        }
+        if split <= 4 {
+            x = relu(norm(&self.bn5, self.fc2.forward(x), bn));
+        }
+        self.fc3.forward(x)
     }
 }
 

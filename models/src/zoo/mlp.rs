@@ -65,11 +65,32 @@ impl crate::zoo::Net for Mlp {
     }
 
     fn features(&self, x: Tensor<2>, bn: &mut BnPass) -> Tensor<2> {
-        let x = relu(norm(&self.bn1, self.fc1.forward(x), bn));
-        relu(norm(&self.bn2, self.fc2.forward(x), bn))
+        self.low(x, 2, bn)
     }
 
     fn head(&self, h: Tensor<2>) -> Tensor<2> {
         self.fc3.forward(h)
+    }
+
+    /// After fc1 and after fc2 (each with its BN and ReLU).
+    fn split_points(&self) -> Vec<usize> {
+        vec![1, 2]
+    }
+
+    fn low(&self, x: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
+        let x = relu(norm(&self.bn1, self.fc1.forward(x), bn));
+        if split <= 1 {
+            return x;
+        }
+        relu(norm(&self.bn2, self.fc2.forward(x), bn))
+    }
+
+    fn high(&self, x: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
+        let x = if split <= 1 {
+            relu(norm(&self.bn2, self.fc2.forward(x), bn))
+        } else {
+            x
+        };
+        self.fc3.forward(x)
     }
 }

@@ -35,8 +35,9 @@ pub struct ResNetConfig {
     pub width: usize,
     /// Stem variant.
     pub stem: Stem,
-    /// Stage after which [`ResNet::low`] stops and [`ResNet::high`] starts: 0 (after the stem)
-    /// to 4 (after layer4).
+    /// A stage (0: after the stem, to 4: after layer4) named in the architecture string, kept so
+    /// that models written with it load; FedImpro's plan chooses where a model splits
+    /// ([`crate::zoo::Net::split_points`]; stage `s` is split point `1 + 4 s`).
     pub split: usize,
 }
 
@@ -194,37 +195,34 @@ pub struct ResNet {
     meta: [usize; 4],
 }
 
+/// The global average pool: `[n, c, h, w]` -> `[n, c]`.
+fn pool(x: Tensor<4>) -> Tensor<2> {
+    let [n, c, _, _] = x.dims();
+    x.mean_dim(2).mean_dim(3).reshape([n, c])
+}
+
 impl ResNet {
-    fn stages(&self) -> [&Vec<BasicBlock>; 4] {
+    /// The eight basic blocks in forward order.
+    fn blocks(&self) -> impl Iterator<Item = &BasicBlock> {
         [&self.layer1, &self.layer2, &self.layer3, &self.layer4]
+            .into_iter()
+            .flatten()
     }
 
-    /// The low-level extractor: input `[n, features]` -> feature map after the split stage.
-    pub fn low(&self, x: Tensor<2>, bn: &mut BnPass) -> Tensor<4> {
-        let [n, _] = x.dims();
-        let [c, h, w] = self.shape;
-        let x: Tensor<4> = x.reshape([n, c, h, w]);
-        let mut x = relu(norm(&self.bn1, self.conv1.forward(x), bn));
-        if let Some(p) = &self.maxpool {
-            x = p.forward(x);
+    /// The shape `[channels, height, width]` of one sample's feature map after the stem and
+    /// `blocks` basic blocks (each stage after the first halves the map, rounding up).
+    fn map_shape(&self, blocks: usize) -> [usize; 3] {
+        let half = |x: usize| x.div_ceil(2);
+        let [_, mut h, mut w] = self.shape;
+        if self.meta[3] == 1 {
+            // The 7x7 stride-2 conv and the 3x3 stride-2 max-pool.
+            (h, w) = (half(half(h)), half(half(w)));
         }
-        for stage in self.stages().into_iter().take(self.meta[2]) {
-            for block in stage {
-                x = block.forward(x, bn);
-            }
+        let stage = blocks.saturating_sub(1) / 2;
+        for _ in 0..stage.min(3) {
+            (h, w) = (half(h), half(w));
         }
-        x
-    }
-
-    /// The high-level part: feature map after the split stage -> pooled representation.
-    pub fn high(&self, mut x: Tensor<4>, bn: &mut BnPass) -> Tensor<2> {
-        for stage in self.stages().into_iter().skip(self.meta[2]) {
-            for block in stage {
-                x = block.forward(x, bn);
-            }
-        }
-        let [n, c, _, _] = x.dims();
-        x.mean_dim(2).mean_dim(3).reshape([n, c])
+        [self.meta[0] << stage.min(3), h, w]
     }
 }
 
@@ -241,8 +239,42 @@ impl crate::zoo::Net for ResNet {
     }
 
     fn features(&self, x: Tensor<2>, bn: &mut BnPass) -> Tensor<2> {
-        let z = self.low(x, bn);
-        self.high(z, bn)
+        let [n, _] = x.dims();
+        let h = crate::zoo::Net::low(self, x, 17, bn);
+        let [c, mh, mw] = self.map_shape(8);
+        pool(h.reshape([n, c, mh, mw]))
+    }
+
+    /// After the stem's conv (1) and after each basic block (3, 5, ..., 17: FedImpro counts
+    /// two weight layers a block, the shortcut's 1x1 conv not among them, and its Table 3
+    /// splits at 5, 9, 13 and 17, the ends of the four stages).
+    fn split_points(&self) -> Vec<usize> {
+        (0..=8).map(|b| 1 + 2 * b).collect()
+    }
+
+    fn low(&self, x: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
+        let [n, _] = x.dims();
+        let [c, h, w] = self.shape;
+        let x: Tensor<4> = x.reshape([n, c, h, w]);
+        let mut x = relu(norm(&self.bn1, self.conv1.forward(x), bn));
+        if let Some(p) = &self.maxpool {
+            x = p.forward(x);
+        }
+        for block in self.blocks().take(split.saturating_sub(1) / 2) {
+            x = block.forward(x, bn);
+        }
+        x.flatten(1, 3)
+    }
+
+    fn high(&self, h: Tensor<2>, split: usize, bn: &mut BnPass) -> Tensor<2> {
+        let [n, _] = h.dims();
+        let done = (split.saturating_sub(1) / 2).min(8);
+        let [c, mh, mw] = self.map_shape(done);
+        let mut x: Tensor<4> = h.reshape([n, c, mh, mw]);
+        for block in self.blocks().skip(done) {
+            x = block.forward(x, bn);
+        }
+        self.fc.forward(pool(x))
     }
 
     fn head(&self, h: Tensor<2>) -> Tensor<2> {

@@ -44,6 +44,18 @@ impl Net for Probe {
     fn head(&self, h: Tensor<2>) -> Tensor<2> {
         self.head.forward(h)
     }
+
+    fn split_points(&self) -> Vec<usize> {
+        vec![0]
+    }
+
+    fn low(&self, x: Tensor<2>, _split: usize, _bn: &mut BnPass) -> Tensor<2> {
+        x
+    }
+
+    fn high(&self, h: Tensor<2>, _split: usize, _bn: &mut BnPass) -> Tensor<2> {
+        self.head.forward(h)
+    }
 }
 
 const D: usize = 5;

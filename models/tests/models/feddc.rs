@@ -60,7 +60,7 @@ fn a_feddc_step_adds_alpha_times_the_drift_and_the_correction_to_the_gradient() 
         correction: Some(&correction),
         previous: None,
         anchor: Some(&anchor),
-        intervener: None,
+        ..SiteState::default()
     };
     let objective = Objective::Drift {
         alpha: alpha as f64,

@@ -9,6 +9,7 @@ mod cpu_kernels;
 mod data;
 mod fedcd;
 mod feddc;
+mod fedimpro;
 mod frozen;
 mod moon;
 mod objective;

@@ -320,10 +320,15 @@ fn resnet_split_stage_composes_to_the_full_forward() {
     use unifed_models::bn::BnPass;
     use unifed_models::zoo::Net;
     let full = values(net.forward(x.clone(), &mut BnPass::standard()));
-    let z = net.low(x, &mut BnPass::standard());
-    assert_eq!(z.dims(), [3, 8, 8, 8]);
-    let split = values(net.head(net.high(z, &mut BnPass::standard())));
-    assert_eq!(full, split);
+    // Stage 2 ends after 1 + 4 * 2 weight layers: 8 channels of 8 x 8.
+    let z = net.low(x.clone(), 9, &mut BnPass::standard());
+    assert_eq!(z.dims(), [3, 8 * 8 * 8]);
+    assert_eq!(values(net.high(z, 9, &mut BnPass::standard())), full);
+    for p in net.split_points() {
+        let z = net.low(x.clone(), p, &mut BnPass::standard());
+        let split = values(net.high(z, p, &mut BnPass::standard()));
+        assert_eq!(split, full, "split at {p}");
+    }
 }
 
 #[test]

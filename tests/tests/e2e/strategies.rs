@@ -62,6 +62,8 @@ struct Outcome {
     tensors: Vec<(String, bool)>,
     model: Vec<Vec<u32>>,
     strategy: Vec<u8>,
+    /// The strategy's state, read back.
+    state: Option<unifed_aggregator::strategy::StrategyState>,
     sites: Vec<(Vec<Vec<u32>>, Memory)>,
 }
 
@@ -86,10 +88,9 @@ fn outcome(fed: &Fed) -> Outcome {
             .map(|v| v.into_iter().map(f32::to_bits).collect())
             .collect()
     };
-    let model = Store::open(&fed.agg_dir())
-        .unwrap()
-        .load_model(fed.rounds, &spec.hash().0)
-        .unwrap();
+    let store = Store::open(&fed.agg_dir()).unwrap();
+    let model = store.load_model(fed.rounds, &spec.hash().0).unwrap();
+    let state = store.load_strategy(fed.rounds, &spec.hash().0).unwrap();
     assert!(
         model.iter().flatten().all(|v| v.is_finite()),
         "a committed model holds NaN or infinity"
@@ -118,6 +119,7 @@ fn outcome(fed: &Fed) -> Outcome {
             .collect(),
         model: bits(model),
         strategy,
+        state,
         sites,
     }
 }
@@ -327,4 +329,43 @@ fn fedcd_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
         masks[0] != masks[1] && masks[1] != masks[2],
         "the masks are shared"
     );
+}
+
+#[test]
+fn fedimpro_with_local_bn_killed_agent_and_aggregator_ends_bit_identical() {
+    let want = uninterrupted(Algorithm::named("fedimpro").unwrap(), BnPolicy::Local);
+    let got = disturbed(Algorithm::named("fedimpro").unwrap(), BnPolicy::Local);
+    assert!(got.model == want.model, "the global model differs");
+    assert!(
+        got.strategy == want.strategy,
+        "the server's feature statistics differ"
+    );
+    assert!(
+        got.sites == want.sites,
+        "a site's model, statistics or the federation's Gaussians differ"
+    );
+    // The server holds a Gaussian of every class some site saw; each site its own running
+    // statistics at the default split (the middle: after conv3) and the federation's of the
+    // final model.
+    let Some(unifed_aggregator::strategy::StrategyState::FedImpro {
+        stats: Some(global),
+    }) = &want.state
+    else {
+        panic!("the server's state is {:?}", want.state);
+    };
+    assert!(global.classes.iter().filter(|c| c.is_some()).count() >= 2);
+    let mut kept = Vec::new();
+    for (_, m) in &want.sites {
+        let ClientState::FedImpro { local, server } = &m.algorithm else {
+            panic!("a site's state is {:?}", m.algorithm);
+        };
+        let (split, stats) = local.as_ref().expect("no running statistics");
+        assert_eq!(*split, 3);
+        assert_eq!(stats.width, global.width);
+        let (version, g) = server.as_ref().expect("no federation statistics");
+        assert_eq!(*version, 3);
+        assert_eq!(g.as_ref(), Some(global));
+        kept.push(stats.clone());
+    }
+    assert!(kept[0] != kept[1], "the sites' statistics are shared");
 }

@@ -1,0 +1,314 @@
+//! FedImpro's local step (Chen et al., ICLR 2024, section 4, Eq. 6-7): the model splits into a
+//! low-level part and a high-level head ([`Net::low`], [`Net::high`]); the site keeps per
+//! class a running Gaussian of its low-level features, and each step adds to the real batch's
+//! cross-entropy that of one synthetic feature per real sample, drawn from the federation's
+//! Gaussian of the sample's class. The synthetic features are constants of the step's graph,
+//! so their loss trains the head alone.
+//!
+//! What the paper leaves open, and what this module does:
+//! - **the momentum `beta`** of Eq. 7 (not given): 0.9 by default (the plan carries it), the
+//!   weight on history BN's running statistics use; the first batch of a class a run sees
+//!   starts its estimate, so a class is never blended with zeros.
+//! - **what a site sends**: its running estimate at the end of the round, carried over to its
+//!   next round (the low-level part changes slowly, and Eq. 7 runs over iterations, not
+//!   rounds), with Gaussian noise of the plan's `noise` added to every mean and variance
+//!   (App. D.3; a variance pushed below zero is sent as zero), drawn from the run's own stream
+//!   (seeded by site, round and seed), so the sites' noises are independent.
+//! - **a class the federation has no Gaussian of** (no site has sent it yet, or before the
+//!   first round closes): its samples get no synthetic twin; the rest of the batch does.
+//! - **the head's BatchNorm layers**: a synthetic batch is normalised by its own statistics, as
+//!   a real training batch is, and never enters the running statistics
+//!   ([`BnPass::batch_only`]): under client-specific BN those describe the site's own data,
+//!   which is what it evaluates on; under averaged BN the federation's mean of them should be
+//!   of real data too. FedImpro's paper trained without client-specific BN.
+
+use crate::bn::BnPass;
+use crate::zoo::Net;
+use burn::nn::loss::CrossEntropyLoss;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use unifed_protocol::messages::{ClassStats, FeatureStats};
+
+/// FedImpro prepared for one local training run: the split, the momentum, the federation's
+/// Gaussians and the site's running statistics it starts from.
+#[derive(Debug, Clone)]
+pub struct Decoupler {
+    split: usize,
+    beta: f64,
+    noise: f64,
+    width: usize,
+    classes: usize,
+    global: Option<FeatureStats>,
+    local: Option<FeatureStats>,
+}
+
+impl Decoupler {
+    /// A run that splits after `split` weight layers, whose low-level features have `width`
+    /// values, over `classes` classes, with momentum `beta` and `noise` on the statistics it
+    /// sends; with the federation's Gaussians `global` (`None`: no synthetic features) and the
+    /// site's running statistics `local` (`None`: none yet). Statistics of another shape are
+    /// refused, naming what differs.
+    pub fn new(
+        (split, width, classes): (usize, usize, usize),
+        (beta, noise): (f64, f64),
+        global: Option<FeatureStats>,
+        local: Option<FeatureStats>,
+    ) -> Result<Self, String> {
+        for (what, s) in [("the federation's", &global), ("the site's", &local)] {
+            if let Some(s) = s {
+                s.check(classes, Some(width))
+                    .map_err(|e| format!("{what} feature statistics: {e}"))?;
+            }
+        }
+        Ok(Decoupler {
+            split,
+            beta,
+            noise,
+            width,
+            classes,
+            global,
+            local,
+        })
+    }
+
+    /// The split point.
+    pub fn split(&self) -> usize {
+        self.split
+    }
+
+    /// A run of training under this term on the autodiff `device`, drawing its synthetic
+    /// features from a stream of `seed`.
+    pub fn start(&self, device: &Device, seed: u64) -> DecoupleRun {
+        let (c, d) = (self.classes, self.width);
+        let table = |s: &FeatureStats, f: &dyn Fn(&ClassStats) -> Vec<f32>| {
+            let mut v = Vec::with_capacity(c * d);
+            for k in &s.classes {
+                match k {
+                    Some(k) => v.extend(f(k)),
+                    None => v.extend(std::iter::repeat_n(0.0, d)),
+                }
+            }
+            Tensor::<2>::from_data(
+                TensorData::new(v, [c, d]),
+                &device.clone().without_autodiff(),
+            )
+        };
+        let present = |s: &FeatureStats| s.classes.iter().map(Option::is_some).collect::<Vec<_>>();
+        let global = self.global.as_ref().map(|g| Gaussians {
+            mean: table(g, &|k| k.mean.clone()),
+            std: table(g, &|k| k.var.iter().map(|v| v.max(0.0).sqrt()).collect()),
+            present: present(g),
+        });
+        let running = self
+            .local
+            .as_ref()
+            .map(|l| (table(l, &|k| k.mean.clone()), table(l, &|k| k.var.clone())));
+        DecoupleRun {
+            split: self.split,
+            beta: self.beta,
+            noise: self.noise,
+            width: d,
+            seen: self.local.as_ref().map_or_else(|| vec![false; c], present),
+            running,
+            global,
+            rng: ChaCha8Rng::seed_from_u64(seed ^ 0xFED1_3470),
+            device: device.clone(),
+            synthetic: 0,
+        }
+    }
+}
+
+/// Per-class Gaussians on the device (`[classes, width]` each), and which classes have one.
+struct Gaussians {
+    mean: Tensor<2>,
+    std: Tensor<2>,
+    present: Vec<bool>,
+}
+
+/// The site's running statistics being updated and the federation's Gaussians being sampled,
+/// over one local training run (kept on the device, read once at the end).
+pub struct DecoupleRun {
+    split: usize,
+    beta: f64,
+    noise: f64,
+    width: usize,
+    seen: Vec<bool>,
+    running: Option<(Tensor<2>, Tensor<2>)>,
+    global: Option<Gaussians>,
+    rng: ChaCha8Rng,
+    device: Device,
+    synthetic: usize,
+}
+
+impl DecoupleRun {
+    /// The split point.
+    pub fn split(&self) -> usize {
+        self.split
+    }
+
+    /// One synthetic feature per sample of `labels` whose class has a federation Gaussian,
+    /// `[m, width]` (constants, on the plain device), and their classes; `None` when fewer
+    /// than two samples have one (BatchNorm needs a batch variance).
+    pub fn draw(&mut self, labels: &[usize]) -> Option<(Tensor<2>, Vec<usize>)> {
+        let g = self.global.as_ref()?;
+        let rows: Vec<usize> = labels
+            .iter()
+            .copied()
+            .filter(|&k| g.present.get(k).copied().unwrap_or(false))
+            .collect();
+        if rows.len() < 2 {
+            return None;
+        }
+        let (m, d) = (rows.len(), self.width);
+        let plain = self.device.clone().without_autodiff();
+        let eps: Vec<f32> = (0..m * d)
+            .map(|_| StandardNormal.sample(&mut self.rng))
+            .collect();
+        let eps = Tensor::<2>::from_data(TensorData::new(eps, [m, d]), &plain);
+        let index = Tensor::<1, Int>::from_data(
+            TensorData::new(rows.iter().map(|&k| k as i64).collect::<Vec<_>>(), [m]),
+            &plain,
+        );
+        let h = g.mean.clone().select(0, index.clone()) + g.std.clone().select(0, index) * eps;
+        Some((h, rows))
+    }
+
+    /// The cross-entropy of the head on [`DecoupleRun::draw`]'s synthetic features for
+    /// `labels` (`None` where it draws none). Its graph reaches the head's parameters only:
+    /// the features are constants.
+    pub fn synthetic_loss<N: Net>(
+        &mut self,
+        net: &N,
+        labels: &[usize],
+        loss_fn: &CrossEntropyLoss,
+    ) -> Option<Tensor<1>> {
+        let (h, rows) = self.draw(labels)?;
+        let y = Tensor::<1, Int>::from_data(
+            TensorData::new(
+                rows.iter().map(|&k| k as i64).collect::<Vec<_>>(),
+                [rows.len()],
+            ),
+            &self.device,
+        );
+        self.synthetic += rows.len();
+        let logits = net.high(h.autodiff(), self.split, &mut BnPass::batch_only());
+        Some(loss_fn.forward(logits, y))
+    }
+
+    /// Updates the running per-class statistics from a batch's low-level features `h`
+    /// (`[n, width]`, read without their graph) of `labels` (Eq. 7): a class the batch holds
+    /// moves to `beta` times its estimate plus `1 - beta` times the batch's mean and biased
+    /// variance, or starts at them if the run has none yet.
+    pub fn observe(&mut self, h: &Tensor<2>, labels: &[usize]) {
+        let c = self.seen.len();
+        let n = labels.len();
+        let mut count = vec![0usize; c];
+        labels.iter().for_each(|&k| count[k] += 1);
+        // Row k of `avg` averages the batch's samples of class k.
+        let mut avg = vec![0.0f32; c * n];
+        for (i, &k) in labels.iter().enumerate() {
+            avg[k * n + i] = 1.0 / count[k] as f32;
+        }
+        let keep: Vec<f32> = (0..c)
+            .map(|k| match (count[k] > 0, self.seen[k]) {
+                (false, _) => 1.0,
+                (true, true) => self.beta as f32,
+                (true, false) => 0.0,
+            })
+            .collect();
+        let plain = self.device.clone().without_autodiff();
+        let avg = Tensor::<2>::from_data(TensorData::new(avg, [c, n]), &plain);
+        let keep = Tensor::<2>::from_data(TensorData::new(keep, [c, 1]), &plain);
+        let h = h.clone().inner();
+        let mean = avg.clone().matmul(h.clone());
+        let var = (avg.matmul(h.clone() * h) - mean.clone() * mean.clone()).clamp_min(0.0);
+        let fresh = keep.clone().neg().add_scalar(1.0);
+        let (m0, v0) = self.running.take().unwrap_or_else(|| {
+            (
+                Tensor::zeros([c, self.width], &plain),
+                Tensor::zeros([c, self.width], &plain),
+            )
+        });
+        self.running = Some((
+            m0 * keep.clone() + mean * fresh.clone(),
+            v0 * keep + var * fresh,
+        ));
+        for (k, seen) in self.seen.iter_mut().enumerate() {
+            *seen |= count[k] > 0;
+        }
+    }
+
+    /// The run's outcome: the site's running statistics, read from the device in one go, what
+    /// it sends of them (with the noise, drawn from the run's stream) and the number of
+    /// synthetic features it trained on.
+    pub fn finish(mut self) -> DecoupleOutcome {
+        let (c, d) = (self.seen.len(), self.width);
+        let stats = match self.running {
+            None => FeatureStats {
+                width: d as u32,
+                classes: vec![None; c],
+            },
+            Some((mean, var)) => {
+                let mean: Vec<f32> = mean.into_data().iter::<f32>().collect();
+                let var: Vec<f32> = var.into_data().iter::<f32>().collect();
+                FeatureStats {
+                    width: d as u32,
+                    classes: (0..c)
+                        .map(|k| {
+                            self.seen[k].then(|| ClassStats {
+                                mean: mean[k * d..(k + 1) * d].to_vec(),
+                                var: var[k * d..(k + 1) * d].to_vec(),
+                            })
+                        })
+                        .collect(),
+                }
+            }
+        };
+        DecoupleOutcome {
+            sent: with_noise(stats.clone(), self.noise, &mut self.rng),
+            stats,
+            synthetic: self.synthetic,
+        }
+    }
+}
+
+/// What a run trained under FedImpro leaves.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DecoupleOutcome {
+    /// The site's running per-class statistics of its low-level features.
+    pub stats: FeatureStats,
+    /// What the site sends of them: with the plan's noise added.
+    pub sent: FeatureStats,
+    /// Synthetic features trained on.
+    pub synthetic: usize,
+}
+
+/// `stats` with Gaussian noise of standard deviation `std` added to every mean and variance
+/// (FedImpro App. D.3), drawn from `rng`; a variance pushed below zero becomes zero. `std` 0
+/// returns them unchanged.
+pub fn with_noise(mut stats: FeatureStats, std: f64, rng: &mut impl rand::Rng) -> FeatureStats {
+    if std == 0.0 {
+        return stats;
+    }
+    for c in stats.classes.iter_mut().flatten() {
+        for m in &mut c.mean {
+            let z: f64 = StandardNormal.sample(rng);
+            *m = (*m as f64 + std * z) as f32;
+        }
+        for v in &mut c.var {
+            let z: f64 = StandardNormal.sample(rng);
+            *v = (*v as f64 + std * z).max(0.0) as f32;
+        }
+    }
+    stats
+}
+
+/// The width of `net`'s low-level features at `split`, from one forward pass of a zero input
+/// in inference mode on `device` (nothing of the model changes).
+pub fn feature_width<N: Net>(net: &N, split: usize, device: &Device) -> usize {
+    let device = device.clone().without_autodiff();
+    let x = Tensor::<2>::zeros([1, net.input_numel()], &device);
+    net.valid().low(x, split, &mut BnPass::standard()).dims()[1]
+}
