@@ -312,3 +312,115 @@ pub fn feature_width<N: Net>(net: &N, split: usize, device: &Device) -> usize {
     let x = Tensor::<2>::zeros([1, net.input_numel()], &device);
     net.valid().low(x, split, &mut BnPass::standard()).dims()[1]
 }
+
+/// Every float parameter's gradient in `grads`, in the module's visiting order (`None`: the
+/// loss did not reach it).
+struct Collect<'a> {
+    grads: &'a burn::tensor::Gradients,
+    out: Vec<Option<Vec<f32>>>,
+}
+
+impl burn::module::ModuleVisitor for Collect<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        let g = param
+            .val()
+            .grad(self.grads)
+            .map(|g| g.into_data().iter::<f32>().collect());
+        self.out.push(g);
+    }
+}
+
+/// A site's head gradient of the real cross-entropy alone, and of FedImpro's objective.
+pub type HeadGradients = (Vec<f32>, Vec<f32>);
+
+/// The gradients of `net`'s head (the parameters after `split`) on the samples `idx` of
+/// `data`, flattened: of the real batch's cross-entropy alone, and of FedImpro's objective
+/// with one synthetic feature per sample drawn from `global` (Eq. 6, `N̂ = N`: the mean of the
+/// two losses). BN normalises each batch by its own statistics and stores nothing: `net` is
+/// untouched. `None` when fewer than two samples' classes have a Gaussian. For Theorem 4.2's
+/// gradient dissimilarity across sites.
+pub fn head_gradients<N: Net>(
+    net: &N,
+    data: &crate::data::Dataset,
+    idx: &[usize],
+    (split, global): (usize, &FeatureStats),
+    seed: u64,
+    device: &Device,
+) -> Result<Option<HeadGradients>, String> {
+    let ad = device.clone().autodiff();
+    let model = net.valid().train();
+    let loss_fn = burn::nn::loss::CrossEntropyLossConfig::new().init(&ad);
+    let (x, y) = crate::train::batch_tensors(data, idx, &ad);
+    let labels: Vec<usize> = idx.iter().map(|&i| data.y[i]).collect();
+    let collect = |grads: &burn::tensor::Gradients| {
+        let mut c = Collect {
+            grads,
+            out: Vec::new(),
+        };
+        model.visit(&mut c);
+        c.out
+    };
+    let mut pass = BnPass::batch_only();
+    let h = model.low(x, split, &mut pass);
+    let width = h.dims()[1];
+    let real = loss_fn.forward(model.high(h, split, &mut pass), y);
+    let real = collect(&real.backward());
+    let classes = global.classes.len();
+    let mut run = Decoupler::new(
+        (split, width, classes),
+        (0.9, 0.0),
+        Some(global.clone()),
+        None,
+    )?
+    .start(&ad, seed);
+    let Some(synthetic) = run.synthetic_loss(&model, &labels, &loss_fn) else {
+        return Ok(None);
+    };
+    let synthetic = collect(&synthetic.backward());
+    let (mut alone, mut mixed) = (Vec::new(), Vec::new());
+    for (r, s) in real.into_iter().zip(synthetic) {
+        let Some(s) = s else { continue };
+        let r = r.unwrap_or_else(|| vec![0.0; s.len()]);
+        mixed.extend(r.iter().zip(&s).map(|(a, b)| (a + b) / 2.0));
+        alone.extend(r);
+    }
+    Ok(Some((alone, mixed)))
+}
+
+/// Gradient dissimilarity across sites, accumulated one site's gradient at a time without
+/// keeping them: `(1/M) sum_m ||g_m - mean||^2 = (1/M) sum_m ||g_m||^2 - ||mean||^2`.
+#[derive(Debug, Clone, Default)]
+pub struct Dissimilarity {
+    sum: Vec<f64>,
+    squares: f64,
+    sites: usize,
+}
+
+impl Dissimilarity {
+    /// Adds one site's gradient (all of one length).
+    pub fn add(&mut self, g: &[f32]) {
+        if self.sum.is_empty() {
+            self.sum = vec![0.0; g.len()];
+        }
+        for (s, &x) in self.sum.iter_mut().zip(g) {
+            *s += x as f64;
+        }
+        self.squares += g.iter().map(|&x| (x as f64).powi(2)).sum::<f64>();
+        self.sites += 1;
+    }
+
+    /// The number of sites added.
+    pub fn sites(&self) -> usize {
+        self.sites
+    }
+
+    /// The dissimilarity over the sites added (`None` before two).
+    pub fn value(&self) -> Option<f64> {
+        if self.sites < 2 {
+            return None;
+        }
+        let m = self.sites as f64;
+        let mean_sq = self.sum.iter().map(|s| (s / m).powi(2)).sum::<f64>();
+        Some((self.squares / m - mean_sq).max(0.0))
+    }
+}

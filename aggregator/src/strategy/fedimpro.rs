@@ -64,6 +64,12 @@ impl Default for FedImproConfig {
 }
 
 impl FedImproConfig {
+    /// The split of a model with `tensors`: the configured one, or half its weight layers.
+    pub fn split_for(&self, tensors: &[TensorSpec]) -> u32 {
+        self.split
+            .unwrap_or((weight_layers(tensors) / 2).max(1) as u32)
+    }
+
     /// Checks every value, naming the bad one.
     pub fn validate(&self) -> Result<(), StrategyError> {
         Objective::Decoupled {
@@ -128,9 +134,7 @@ impl FedImpro {
                 want_tensors: 1,
                 want_values: 0,
             })?;
-        let split = cfg
-            .split
-            .unwrap_or((weight_layers(&setup.tensors) / 2).max(1) as u32);
+        let split = cfg.split_for(&setup.tensors);
         let stats = match state {
             None | Some(StrategyState::FedImpro { stats: None }) => None,
             Some(StrategyState::FedImpro { stats: Some(s) }) => {

@@ -386,3 +386,60 @@ fn noise_on_the_statistics_sent_keeps_variances_non_negative() {
     assert_ne!(c.mean, vec![0.0, 0.0]);
     assert_eq!(noisy.classes[1], None);
 }
+
+#[test]
+fn the_dissimilarity_is_the_mean_squared_distance_to_the_sites_mean() {
+    use unifed_models::decoupled::Dissimilarity;
+    let mut d = Dissimilarity::default();
+    d.add(&[1.0, 0.0]);
+    assert_eq!(d.value(), None, "one site has no dissimilarity");
+    d.add(&[3.0, 0.0]);
+    d.add(&[2.0, 3.0]);
+    // mean (2, 1): squared distances 2, 2 and 4.
+    assert!((d.value().unwrap() - 8.0 / 3.0).abs() < 1e-12);
+    assert_eq!(d.sites(), 3);
+}
+
+#[test]
+fn head_gradients_cover_the_head_alone_and_leave_the_model_untouched() {
+    use unifed_models::decoupled::head_gradients;
+    let d = device();
+    let (net, spec) = mlp_net(5, 4, [6, 5], 3);
+    let data = unifed_models::data::Dataset {
+        name: "d".into(),
+        features: 4,
+        x: noise(4 * 12, 3),
+        y: (0..12).map(|i| i % 3).collect(),
+    };
+    let global = FeatureStats {
+        width: 6,
+        classes: (0..3)
+            .map(|k| {
+                Some(ClassStats {
+                    mean: vec![k as f32; 6],
+                    var: vec![1.0; 6],
+                })
+            })
+            .collect(),
+    };
+    let before = export(&net, &spec, Select::All);
+    let idx: Vec<usize> = (0..12).collect();
+    let (real, mixed) = head_gradients(&net, &data, &idx, (1, &global), 0, &d)
+        .unwrap()
+        .unwrap();
+    // The head after fc1: fc2 (6 x 5 + 5), bn2's gamma and beta (5 + 5), fc3 (5 x 3 + 3).
+    assert_eq!((real.len(), mixed.len()), (63, 63));
+    assert_ne!(real, mixed);
+    assert!(real.iter().any(|g| *g != 0.0));
+    assert_eq!(export(&net, &spec, Select::All), before);
+    // Fewer than two samples with a Gaussian: nothing to compare.
+    let one = FeatureStats {
+        width: 6,
+        classes: vec![global.classes[0].clone(), None, None],
+    };
+    assert!(
+        head_gradients(&net, &data, &[0, 1, 2], (1, &one), 0, &d)
+            .unwrap()
+            .is_none()
+    );
+}

@@ -42,10 +42,12 @@ use unifed_protocol::messages::{BnPolicy, BnSharing, ServerBroadcast};
 
 mod data;
 mod tables;
+mod trace;
 
 pub use data::{DataSource, LabelSkew, SiteData, load_sites};
 pub use tables::{mean_std, method_name};
 use tables::{write_external, write_tables};
+pub use trace::FedImproRound;
 use unifed_protocol::ModelSpec;
 
 /// An experiment: what to run and on which data.
@@ -264,6 +266,10 @@ pub struct RunResult {
     /// Under FedCD, what each round did to its masks and what its sites sent; empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fedcd: Vec<FedCdRound>,
+    /// Under FedImpro, the head's gradient dissimilarity across sites at the middle and the
+    /// last model version, with and without synthetic features; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fedimpro: Vec<FedImproRound>,
 }
 
 /// One FedCD round of a run, per site in the run's site order.
@@ -885,6 +891,14 @@ fn run_one(
     };
     let mut masks = Masks {
         fedcd: matches!(algorithm, Algorithm::FedCd(_)),
+        trace: match algorithm {
+            Algorithm::FedImpro(c) => Some(trace::Trace::new(
+                c.split_for(&spec.tensors) as usize,
+                preset.rounds,
+                seed,
+            )),
+            _ => None,
+        },
         by_version: Default::default(),
         sent: Default::default(),
         wants_package: package.is_some(),
@@ -920,6 +934,7 @@ fn run_one(
         val,
         val_seconds: Vec::new(),
         fedcd,
+        fedimpro: masks.trace.as_ref().map(|t| t.rounds()).unwrap_or_default(),
     };
     let package = match package {
         None => None,
@@ -939,6 +954,8 @@ fn run_one(
 /// risk of each update.
 struct Masks<F> {
     fedcd: bool,
+    /// Under FedImpro, the head's gradient dissimilarity being measured.
+    trace: Option<trace::Trace>,
     by_version: std::collections::BTreeMap<u64, std::collections::BTreeMap<String, f64>>,
     sent: std::collections::BTreeMap<(u64, String), (f64, f64)>,
     /// Whether the run asks for the onboarding package of the final model (a held-out run).
@@ -970,6 +987,9 @@ impl<F> Masks<F> {
 
 impl<F: FnMut(&RoundRecord)> crate::Observer<DigitsCnn> for Masks<F> {
     fn evaluated(&mut self, site: &Site<DigitsCnn>, e: &crate::Evaluation) {
+        if let Some(t) = &mut self.trace {
+            t.evaluated(site, e.version);
+        }
         if !self.fedcd {
             return;
         }
@@ -985,6 +1005,9 @@ impl<F: FnMut(&RoundRecord)> crate::Observer<DigitsCnn> for Masks<F> {
 
     fn message(&mut self, o: crate::Observed<'_>) {
         use unifed_protocol::messages::{SiteExtras, SiteUpdateRef};
+        if let (Some(t), crate::Observed::Model { version, payload }) = (&mut self.trace, &o) {
+            t.model(*version, payload);
+        }
         let crate::Observed::Update { site, bytes } = o else {
             return;
         };
@@ -1055,6 +1078,7 @@ mod tests {
             val: vec![vec![0.5, 0.8], vec![0.7, 0.6], vec![0.6, 0.8]],
             val_seconds: vec![],
             fedcd: vec![],
+            fedimpro: vec![],
         };
         assert_eq!(r.best_on_val(), vec![0.30, 0.10]);
         assert_eq!(r.last(), vec![0.90, 0.30]);
