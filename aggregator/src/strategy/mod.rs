@@ -254,9 +254,10 @@ impl Algorithm {
             })
     }
 
-    /// The algorithm's name in papers and tables (`FedAvg`, `SCAFFOLD`, `Per-FedAvg`).
-    pub fn label(&self) -> &'static str {
-        match self {
+    /// The algorithm's name in papers and tables (`FedAvg`, `SCAFFOLD`, `Per-FedAvg`), with
+    /// the variant where a config makes one (`FedCD-SCI`, `FedImpro (split 2)`).
+    pub fn label(&self) -> String {
+        let plain = match self {
             Algorithm::FedAvg => "FedAvg",
             Algorithm::FedProx { .. } => "FedProx",
             Algorithm::FedAdam(_) => "FedAdam",
@@ -269,8 +270,12 @@ impl Algorithm {
             Algorithm::PerFedAvg(_) => "Per-FedAvg",
             Algorithm::FedCd(c) if c.rea => "FedCD-SCI+REA",
             Algorithm::FedCd(_) => "FedCD-SCI",
+            Algorithm::FedImpro(FedImproConfig { split: Some(k), .. }) => {
+                return format!("FedImpro (split {k})");
+            }
             Algorithm::FedImpro(_) => "FedImpro",
-        }
+        };
+        plain.to_string()
     }
 
     /// True when the server keeps state between rounds that a restart must find.

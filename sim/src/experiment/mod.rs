@@ -342,12 +342,19 @@ fn run_file(out: &Path, a: &Algorithm, bn: BnPolicy, seed: u64, held: Option<&st
 fn algorithm_stem(a: &Algorithm) -> String {
     match Algorithm::named(a.name()) {
         Ok(d) if d.label() == a.label() => a.name().to_string(),
-        _ => a
-            .label()
-            .to_lowercase()
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-            .collect(),
+        _ => {
+            let dashed: String = a
+                .label()
+                .to_lowercase()
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+                .collect();
+            dashed
+                .split('-')
+                .filter(|w| !w.is_empty())
+                .collect::<Vec<_>>()
+                .join("-")
+        }
     }
 }
 
@@ -1045,6 +1052,31 @@ impl<F: FnMut(&RoundRecord)> crate::Observer<DigitsCnn> for Masks<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_variant_of_an_algorithm_runs_under_a_file_name_of_its_own() {
+        use unifed_aggregator::strategy::{FedCdConfig, FedImproConfig};
+        let stem = |a: Algorithm| algorithm_stem(&a);
+        assert_eq!(stem(Algorithm::FedAvg), "fedavg");
+        let sci = FedCdConfig {
+            rea: false,
+            ..FedCdConfig::default()
+        };
+        assert_eq!(stem(Algorithm::FedCd(sci)), "fedcd-sci");
+        assert_eq!(
+            stem(Algorithm::FedImpro(FedImproConfig::default())),
+            "fedimpro"
+        );
+        let split = |k| {
+            Algorithm::FedImpro(FedImproConfig {
+                split: Some(k),
+                ..FedImproConfig::default()
+            })
+        };
+        assert_eq!(split(2).label(), "FedImpro (split 2)");
+        assert_eq!(stem(split(2)), "fedimpro-split-2");
+        assert_ne!(stem(split(2)), stem(split(4)));
+    }
 
     fn record(round: u64, accuracy: Vec<f64>) -> RoundRecord {
         RoundRecord {
