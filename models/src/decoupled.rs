@@ -8,7 +8,9 @@
 //! What the paper leaves open, and what this module does:
 //! - **the momentum `beta`** of Eq. 7 (not given): 0.9 by default (the plan carries it), the
 //!   weight on history BN's running statistics use; the first batch of a class a run sees
-//!   starts its estimate, so a class is never blended with zeros.
+//!   starts its estimate, so a class is never blended with zeros. The variance blended in is a
+//!   batch's unbiased variance of the class, from batches holding two samples of it or more; a
+//!   class is sent once it has one.
 //! - **what a site sends**: its running estimate at the end of the round, carried over to its
 //!   next round (the low-level part changes slowly, and Eq. 7 runs over iterations, not
 //!   rounds), with Gaussian noise of the plan's `noise` added to every mean and variance
@@ -111,6 +113,7 @@ impl Decoupler {
             noise: self.noise,
             width: d,
             seen: self.local.as_ref().map_or_else(|| vec![false; c], present),
+            spread: self.local.as_ref().map_or_else(|| vec![false; c], present),
             running,
             global,
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0xFED1_3470),
@@ -134,7 +137,10 @@ pub struct DecoupleRun {
     beta: f64,
     noise: f64,
     width: usize,
+    /// Classes with a running mean.
     seen: Vec<bool>,
+    /// Classes with a running variance (two samples of them in one batch): the ones sent.
+    spread: Vec<bool>,
     running: Option<(Tensor<2>, Tensor<2>)>,
     global: Option<Gaussians>,
     rng: ChaCha8Rng,
@@ -176,8 +182,8 @@ impl DecoupleRun {
     }
 
     /// The cross-entropy of the head on [`DecoupleRun::draw`]'s synthetic features for
-    /// `labels` (`None` where it draws none). Its graph reaches the head's parameters only:
-    /// the features are constants.
+    /// `labels`, weighted by their share of the batch (`None` where it draws none). Its graph
+    /// reaches the head's parameters only: the features are constants.
     pub fn synthetic_loss<N: Net>(
         &mut self,
         net: &N,
@@ -194,49 +200,72 @@ impl DecoupleRun {
         );
         self.synthetic += rows.len();
         let logits = net.high(h.autodiff(), self.split, &mut BnPass::batch_only());
-        Some(loss_fn.forward(logits, y))
+        // Eq. 6 sums a loss per real sample and one per synthetic twin: over the real batch's
+        // mean, the twins' mean counts for their share of the batch.
+        let share = rows.len() as f64 / labels.len() as f64;
+        Some(loss_fn.forward(logits, y).mul_scalar(share))
     }
 
     /// Updates the running per-class statistics from a batch's low-level features `h`
     /// (`[n, width]`, read without their graph) of `labels` (Eq. 7): a class the batch holds
-    /// moves to `beta` times its estimate plus `1 - beta` times the batch's mean and biased
-    /// variance, or starts at them if the run has none yet.
+    /// moves its mean to `beta` times its estimate plus `1 - beta` times the batch's mean, or
+    /// starts at it if the run has none yet; its variance likewise with the batch's unbiased
+    /// variance about that mean, from batches holding two samples of it or more (one sample
+    /// has no variance: blending a zero in would shrink a rare class's spread). A label past
+    /// the class count is skipped.
     pub fn observe(&mut self, h: &Tensor<2>, labels: &[usize]) {
         let c = self.seen.len();
         let n = labels.len();
         let mut count = vec![0usize; c];
-        labels.iter().for_each(|&k| count[k] += 1);
-        // Row k of `avg` averages the batch's samples of class k.
-        let mut avg = vec![0.0f32; c * n];
-        for (i, &k) in labels.iter().enumerate() {
+        labels
+            .iter()
+            .filter(|&&k| k < c)
+            .for_each(|&k| count[k] += 1);
+        // Row k of `avg` averages the batch's samples of class k; of `spread`, sums their
+        // squared deviations over count - 1.
+        let (mut avg, mut spread) = (vec![0.0f32; c * n], vec![0.0f32; c * n]);
+        for (i, &k) in labels.iter().enumerate().filter(|(_, k)| **k < c) {
             avg[k * n + i] = 1.0 / count[k] as f32;
+            if count[k] >= 2 {
+                spread[k * n + i] = 1.0 / (count[k] - 1) as f32;
+            }
         }
-        let keep: Vec<f32> = (0..c)
-            .map(|k| match (count[k] > 0, self.seen[k]) {
-                (false, _) => 1.0,
-                (true, true) => self.beta as f32,
-                (true, false) => 0.0,
-            })
-            .collect();
+        let keep = |start: &[bool], min: usize| -> Vec<f32> {
+            (0..c)
+                .map(|k| match (count[k] >= min, start[k]) {
+                    (false, _) => 1.0,
+                    (true, true) => self.beta as f32,
+                    (true, false) => 0.0,
+                })
+                .collect()
+        };
+        let (keep_mean, keep_var) = (keep(&self.seen, 1), keep(&self.spread, 2));
         let plain = self.device.clone().without_autodiff();
-        let avg = Tensor::<2>::from_data(TensorData::new(avg, [c, n]), &plain);
-        let keep = Tensor::<2>::from_data(TensorData::new(keep, [c, 1]), &plain);
+        let matrix = |v: Vec<f32>, rows: usize, cols: usize| {
+            Tensor::<2>::from_data(TensorData::new(v, [rows, cols]), &plain)
+        };
         let h = h.clone().inner();
-        let mean = avg.clone().matmul(h.clone());
-        let var = (avg.matmul(h.clone() * h) - mean.clone() * mean.clone()).clamp_min(0.0);
-        let fresh = keep.clone().neg().add_scalar(1.0);
-        let (m0, v0) = self.running.take().unwrap_or_else(|| {
-            (
-                Tensor::zeros([c, self.width], &plain),
-                Tensor::zeros([c, self.width], &plain),
-            )
-        });
-        self.running = Some((
-            m0 * keep.clone() + mean * fresh.clone(),
-            v0 * keep + var * fresh,
-        ));
-        for (k, seen) in self.seen.iter_mut().enumerate() {
-            *seen |= count[k] > 0;
+        let mean = matrix(avg, c, n).matmul(h.clone());
+        let rows: Vec<i64> = labels.iter().map(|&k| k.min(c - 1) as i64).collect();
+        let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &plain);
+        let centred = h - mean.clone().select(0, rows);
+        let var = matrix(spread, c, n).matmul(centred.clone() * centred);
+        let blend = |old: Option<Tensor<2>>, new: Tensor<2>, keep: Vec<f32>| {
+            let keep = matrix(keep, c, 1);
+            let fresh = keep.clone().neg().add_scalar(1.0);
+            match old {
+                Some(old) => old * keep + new * fresh,
+                None => new * fresh,
+            }
+        };
+        let (m0, v0) = match self.running.take() {
+            Some((m, v)) => (Some(m), Some(v)),
+            None => (None, None),
+        };
+        self.running = Some((blend(m0, mean, keep_mean), blend(v0, var, keep_var)));
+        for ((seen, spread), &n) in self.seen.iter_mut().zip(&mut self.spread).zip(&count) {
+            *seen |= n > 0;
+            *spread |= n >= 2;
         }
     }
 
@@ -257,7 +286,7 @@ impl DecoupleRun {
                     width: d as u32,
                     classes: (0..c)
                         .map(|k| {
-                            self.seen[k].then(|| ClassStats {
+                            self.spread[k].then(|| ClassStats {
                                 mean: mean[k * d..(k + 1) * d].to_vec(),
                                 var: var[k * d..(k + 1) * d].to_vec(),
                             })

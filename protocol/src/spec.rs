@@ -185,6 +185,55 @@ pub fn head_width(tensors: &[TensorSpec]) -> Option<usize> {
         .map(|t| t.shape[1])
 }
 
+/// The values per sample a model of the zoo (FedBN's digits CNN, the BN MLP, ResNet-18) passes
+/// from its low-level part to its head when it splits after `split` weight layers (FedImpro),
+/// read from its spec alone; `None` for a split the model does not have, or an architecture
+/// this does not know. The models crate checks it against each model's own forward pass.
+pub fn feature_width(spec: &ModelSpec, split: usize) -> Option<usize> {
+    let out = |name: &str| {
+        spec.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .and_then(|t| t.shape.first().copied())
+    };
+    let (h, w) = match spec.input {
+        Input::Image { height, width, .. } => (height as usize, width as usize),
+        Input::Features { .. } => (0, 0),
+    };
+    let a = spec.architecture.as_str();
+    if a.starts_with("fedbn-digits-cnn(") {
+        return match split {
+            1 => Some(out("conv1.weight")? * (h / 2) * (w / 2)),
+            2 => Some(out("conv2.weight")? * (h / 4) * (w / 4)),
+            3 => Some(out("conv3.weight")? * (h / 4) * (w / 4)),
+            4 => out("fc1.weight"),
+            5 => out("fc2.weight"),
+            _ => None,
+        };
+    }
+    if a.starts_with("mlp-bn(") {
+        return match split {
+            1 => out("fc1.weight"),
+            2 => out("fc2.weight"),
+            _ => None,
+        };
+    }
+    if a.starts_with("resnet18(") && split % 2 == 1 && split <= 17 {
+        // The stem's conv, then two weight layers a basic block; stages 2-4 halve the map.
+        let half = |x: usize| x.div_ceil(2);
+        let (mut h, mut w) = (h, w);
+        if a.contains("stem=imagenet") {
+            (h, w) = (half(half(h)), half(half(w)));
+        }
+        let stage = ((split - 1) / 2).saturating_sub(1) / 2;
+        for _ in 0..stage.min(3) {
+            (h, w) = (half(h), half(w));
+        }
+        return Some((out("conv1.weight")? << stage.min(3)) * h * w);
+    }
+    None
+}
+
 impl ModelSpec {
     /// The width of the representation the linear classifier reads ([`head_width`]).
     pub fn head_width(&self) -> Option<usize> {

@@ -387,6 +387,7 @@ impl Aggregator {
                 .collect(),
             encoding: cfg.encoding,
             sites: cfg.sites.len(),
+            spec: Some(spec.clone()),
         };
         let strategy =
             Self::committed_strategy(&store, &cfg, &setup, &state, &hash).map_err(|d| d.at(dir))?;

@@ -13,14 +13,18 @@
 //!   partial participation under label skew a round's sampled sites often lack a class; a
 //!   stale estimate beats none); a class never sent has none, and sites draw no synthetic
 //!   feature for it.
-//! - **The feature width** is not in the model spec: the first round takes the width most of
-//!   its sites sent (a minority of another width is left out of the statistics, its delta
-//!   still counts); from then on an update of another width is refused.
+//! - **The feature width** at the split comes from the model's spec
+//!   (`unifed_protocol::spec::feature_width`, for every model of the zoo): statistics of
+//!   another width are refused from the first round, and a configured split the model does not
+//!   have refuses to start. For a model the spec does not describe, the first round whose sites
+//!   agree on a width by strict majority sets it (a minority of another width is left out of the
+//!   statistics, its delta still counts).
 //! - **A hostile site**: per class, a site's mean vector and variance vector whose L2 norm
-//!   exceeds `max_norm_of_median` times the median over the round's sites that sent the class
-//!   is scaled down to that bound before the mean (honest sites sit well inside it; one site
-//!   sending 10^9 would otherwise set every site's synthetic features). Values must be finite
-//!   and variances non-negative, or the update is refused.
+//!   exceeds `max_norm_of_median` times a reference is scaled down to it before the mean: the
+//!   lower median of the class's vectors when three or more sites sent it, else the lower median
+//!   of all the round's vectors (see [`merge`]; one site sending 10^9 would otherwise set every
+//!   site's synthetic features). Values must be finite and variances non-negative, or the
+//!   update is refused.
 
 use super::{
     Contributions, Extras, ReadError, Setup, Strategy, StrategyError, StrategyState, parameter,
@@ -108,6 +112,9 @@ pub struct FedImpro {
     cfg: FedImproConfig,
     split: u32,
     classes: usize,
+    /// The feature width at the split, read from the model's spec (`None`: a model the spec
+    /// does not describe, or no spec: the first round's strict majority sets it).
+    width: Option<usize>,
     /// The federation's Gaussians of the current model (none before a round closed).
     stats: Option<FeatureStats>,
 }
@@ -135,6 +142,23 @@ impl FedImpro {
                 want_values: 0,
             })?;
         let split = cfg.split_for(&setup.tensors);
+        let width = match &setup.spec {
+            Some(spec) => {
+                let width = unifed_protocol::spec::feature_width(spec, split as usize);
+                let known = ["fedbn-digits-cnn(", "mlp-bn(", "resnet18("]
+                    .iter()
+                    .any(|a| spec.architecture.starts_with(a));
+                if known && width.is_none() {
+                    return Err(StrategyError::Parameter {
+                        name: "split",
+                        must: "be a split point of the model (weight layers in its low part)",
+                        value: split as f64,
+                    });
+                }
+                width
+            }
+            None => None,
+        };
         let stats = match state {
             None | Some(StrategyState::FedImpro { stats: None }) => None,
             Some(StrategyState::FedImpro { stats: Some(s) }) => {
@@ -152,10 +176,19 @@ impl FedImpro {
                 });
             }
         };
+        if let (Some(w), Some(s)) = (width, &stats)
+            && s.width as usize != w
+        {
+            return Err(StrategyError::BadState {
+                what: "FedImpro feature statistics",
+                message: format!("of width {}, not the model's {w} at split {split}", s.width),
+            });
+        }
         Ok(FedImpro {
             cfg,
             split,
             classes,
+            width,
             stats,
         })
     }
@@ -171,15 +204,20 @@ impl FedImpro {
     }
 }
 
-/// Scales each of `vectors` whose L2 norm exceeds `bound` times their median norm down to it.
-fn bound_by_median(vectors: &mut [Vec<f32>], bound: f64) {
-    let norm = |v: &[f32]| super::sum_squares(v.iter().copied()).sqrt();
-    let mut norms: Vec<f64> = vectors.iter().map(|v| norm(v)).collect();
+/// The L2 norm of `v`.
+fn norm(v: &[f32]) -> f64 {
+    super::sum_squares(v.iter().copied()).sqrt()
+}
+
+/// The lower median of `norms` (of an even count, the smaller middle one: of two, the
+/// smaller), `None` when empty.
+fn lower_median(mut norms: Vec<f64>) -> Option<f64> {
     norms.sort_by(f64::total_cmp);
-    let Some(&median) = norms.get(norms.len() / 2) else {
-        return;
-    };
-    let limit = bound * median;
+    norms.get(norms.len().saturating_sub(1) / 2).copied()
+}
+
+/// Scales each of `vectors` whose L2 norm exceeds `limit` down to it.
+fn bound(vectors: &mut [Vec<f32>], limit: f64) {
     for v in vectors.iter_mut() {
         let n = norm(v);
         if n > limit && n > 0.0 {
@@ -200,29 +238,49 @@ fn mean(vectors: &[Vec<f32>], width: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Eq. 8 over the statistics `sent` by a round's sites (all of `width`), class by class, each
-/// site's vectors first bounded by `bound` times their median norm; a class no site sent keeps
-/// `previous`'s Gaussian.
+/// Eq. 8 over the statistics `sent` by a round's sites (all of `width`), class by class; a
+/// class no site sent keeps `previous`'s Gaussian. Before the mean, a site's mean and variance
+/// vectors longer than `factor` times a reference norm are scaled down to it: the lower median
+/// of the class's vectors when three or more sites sent it, else the lower median of every
+/// vector of the round (a class sent by one or two sites has no median of its own that an
+/// honest majority sets, while the round's classes, post-ReLU features alike, have).
 pub fn merge(
     sent: &[FeatureStats],
     previous: Option<&FeatureStats>,
     (classes, width): (usize, usize),
-    bound: f64,
+    factor: f64,
 ) -> FeatureStats {
+    let of_class = |k: usize| -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        sent.iter()
+            .filter_map(|s| s.classes.get(k).and_then(Option::as_ref))
+            .map(|c| (c.mean.clone(), c.var.clone()))
+            .unzip()
+    };
+    let all = |pick: fn(&ClassStats) -> &[f32]| {
+        lower_median(
+            sent.iter()
+                .flat_map(|s| s.classes.iter().flatten())
+                .map(|c| norm(pick(c)))
+                .collect(),
+        )
+    };
+    let round = (all(|c| &c.mean), all(|c| &c.var));
     let classes = (0..classes)
         .map(|k| {
-            let (mut means, mut vars): (Vec<Vec<f32>>, Vec<Vec<f32>>) = sent
-                .iter()
-                .filter_map(|s| s.classes.get(k).and_then(Option::as_ref))
-                .map(|c| (c.mean.clone(), c.var.clone()))
-                .unzip();
+            let (mut means, mut vars) = of_class(k);
             if means.is_empty() {
                 return previous
                     .filter(|p| p.width as usize == width)
                     .and_then(|p| p.classes.get(k).cloned().flatten());
             }
-            bound_by_median(&mut means, bound);
-            bound_by_median(&mut vars, bound);
+            for (vectors, round) in [(&mut means, round.0), (&mut vars, round.1)] {
+                let own = (vectors.len() >= 3)
+                    .then(|| lower_median(vectors.iter().map(|v| norm(v)).collect()))
+                    .flatten();
+                if let Some(reference) = own.or(round) {
+                    bound(vectors, factor * reference);
+                }
+            }
             Some(ClassStats {
                 mean: mean(&means, width),
                 var: mean(&vars, width),
@@ -235,17 +293,14 @@ pub fn merge(
     }
 }
 
-/// The width most of `sent` have (the smallest among equals).
+/// The width more than half of `sent` have, if one does.
 fn majority_width(sent: &[FeatureStats]) -> Option<u32> {
     let mut widths: Vec<u32> = sent.iter().map(|s| s.width).collect();
     widths.sort_unstable();
-    let mut best: Option<(usize, u32)> = None;
-    for chunk in widths.chunk_by(|a, b| a == b) {
-        if best.is_none_or(|(n, _)| chunk.len() > n) {
-            best = Some((chunk.len(), chunk[0]));
-        }
-    }
-    best.map(|(_, w)| w)
+    widths
+        .chunk_by(|a, b| a == b)
+        .find(|c| 2 * c.len() > sent.len())
+        .map(|c| c[0])
 }
 
 impl Strategy for FedImpro {
@@ -272,7 +327,9 @@ impl Strategy for FedImpro {
                 "no feature statistics, which FedImpro needs from every site".into(),
             ));
         };
-        let width = self.stats.as_ref().map(|g| g.width as usize);
+        let width = self
+            .width
+            .or_else(|| self.stats.as_ref().map(|g| g.width as usize));
         s.check(self.classes, width).map_err(|e| {
             if e.contains("not finite") {
                 RejectReason::NonFinite("feature statistics".into())
@@ -299,9 +356,10 @@ impl Strategy for FedImpro {
             };
             sent.push(s);
         }
-        let width = match &self.stats {
-            Some(g) => Some(g.width),
-            None => majority_width(&sent),
+        let width = match (self.width, &self.stats) {
+            (Some(w), _) => Some(w as u32),
+            (None, Some(g)) => Some(g.width),
+            (None, None) => majority_width(&sent),
         };
         if let Some(w) = width {
             sent.retain(|s| s.width == w);
@@ -360,10 +418,11 @@ mod tests {
         assert_eq!(g.classes[1], one(&[5.0, 5.0], &[2.0, 2.0]));
         assert_eq!(g.classes[2], one(&[9.0, 9.0], &[9.0, 9.0]));
         // Without a previous Gaussian a class no one sent has none.
-        assert_eq!(
-            merge(std::slice::from_ref(&g), None, (3, 2), 2.0).classes[2],
-            g.classes[2]
-        );
+        let b_alone = FeatureStats {
+            width: 2,
+            classes: vec![one(&[3.0, 4.0], &[3.0, 1.0]), None, None],
+        };
+        assert_eq!(merge(&[b_alone], None, (3, 2), 2.0).classes[2], None);
         let none = FeatureStats {
             width: 2,
             classes: vec![None; 3],
@@ -381,19 +440,40 @@ mod tests {
             width: 1,
             classes: vec![one(&[1e9], &[1e9])],
         };
-        let g = merge(&[honest(1.0), honest(1.0), hostile], None, (1, 1), 2.0);
+        let g = merge(
+            &[honest(1.0), honest(1.0), hostile.clone()],
+            None,
+            (1, 1),
+            2.0,
+        );
         // The median norm is 1: the hostile vectors count as 2, not 1e9.
         assert_eq!(g.classes[0], one(&[4.0 / 3.0], &[4.0 / 3.0]));
+        // Of two senders, the lower median is the honest one's.
+        let g = merge(&[honest(1.0), hostile.clone()], None, (1, 1), 2.0);
+        assert_eq!(g.classes[0], one(&[1.5], &[1.5]));
+        // A class the hostile site alone sends is bounded by the round's other classes.
+        let two = |a: Option<ClassStats>, b: Option<ClassStats>| FeatureStats {
+            width: 1,
+            classes: vec![a, b],
+        };
+        let sent = [
+            two(one(&[1.0], &[1.0]), None),
+            two(one(&[1.0], &[1.0]), None),
+            two(one(&[1.0], &[1.0]), one(&[1e9], &[1e9])),
+        ];
+        let g = merge(&sent, None, (2, 1), 2.0);
+        assert_eq!(g.classes[1], one(&[2.0], &[2.0]));
     }
 
     #[test]
-    fn the_first_round_takes_the_width_most_sites_sent() {
+    fn without_a_spec_the_width_is_the_one_more_than_half_the_sites_sent() {
         let w = |width| FeatureStats {
             width,
             classes: vec![],
         };
         assert_eq!(majority_width(&[w(8), w(3), w(8)]), Some(8));
-        assert_eq!(majority_width(&[w(8), w(3)]), Some(3));
+        // No strict majority: a hostile site of two sets nothing.
+        assert_eq!(majority_width(&[w(8), w(3)]), None);
         assert_eq!(majority_width(&[]), None);
     }
 
@@ -419,8 +499,56 @@ mod tests {
             tensors: digits.to_vec(),
             encoding: unifed_protocol::Encoding::F32,
             sites: 0,
+            spec: None,
         };
         let s = FedImpro::new(FedImproConfig::default(), &setup, None).unwrap();
         assert_eq!((s.split(), s.classes), (3, 10));
+    }
+
+    #[test]
+    fn the_spec_sets_the_width_and_refuses_a_split_the_model_lacks() {
+        let t = |name: &str, shape: &[usize]| TensorSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            kind: TensorKind::NonBn,
+        };
+        let tensors = vec![
+            t("fc1.weight", &[6, 4]),
+            t("fc2.weight", &[5, 6]),
+            t("fc3.weight", &[3, 5]),
+        ];
+        let spec = unifed_protocol::ModelSpec {
+            architecture: "mlp-bn(in=4,hidden=6-5,classes=3)".into(),
+            tensors: tensors.clone(),
+            classes: vec!["a".into(), "b".into(), "c".into()],
+            input: unifed_protocol::Input::Features { len: 4 },
+        };
+        let setup = Setup {
+            tensors,
+            encoding: unifed_protocol::Encoding::F32,
+            sites: 0,
+            spec: Some(spec),
+        };
+        // Three weight layers: the middle is split 1, whose features are fc1's 6.
+        let s = FedImpro::new(FedImproConfig::default(), &setup, None).unwrap();
+        assert_eq!((s.split(), s.width), (1, Some(6)));
+        let at = |k| FedImproConfig {
+            split: Some(k),
+            ..FedImproConfig::default()
+        };
+        assert_eq!(FedImpro::new(at(2), &setup, None).unwrap().width, Some(5));
+        let err = FedImpro::new(at(3), &setup, None).unwrap_err().to_string();
+        assert!(err.contains("split"), "{err}");
+        // A stored state of another width is refused.
+        let stored = StrategyState::FedImpro {
+            stats: Some(FeatureStats {
+                width: 5,
+                classes: vec![None; 3],
+            }),
+        };
+        let err = FedImpro::new(at(1), &setup, Some(stored))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("width 5, not the model's 6"), "{err}");
     }
 }

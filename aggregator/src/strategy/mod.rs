@@ -398,6 +398,9 @@ pub struct Setup {
     pub encoding: Encoding,
     /// Registered sites (0: an open federation, where any site may report).
     pub sites: usize,
+    /// The model's whole spec, where the strategy is built for a federation (FedImpro reads
+    /// its feature width at the split from it); `None` in tests of the rules alone.
+    pub spec: Option<unifed_protocol::ModelSpec>,
 }
 
 impl Setup {

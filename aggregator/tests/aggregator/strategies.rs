@@ -38,6 +38,7 @@ fn setup(sites: usize) -> Setup {
         ],
         encoding: Encoding::F32,
         sites,
+        spec: None,
     }
 }
 
@@ -183,6 +184,7 @@ fn fedavg_steps_the_model_by_the_sample_weighted_mean_of_the_deltas() {
         tensors: vec![spec("w", 2, TensorKind::NonBn)],
         encoding: Encoding::F32,
         sites: 0,
+        spec: None,
     };
     let c = |samples, delta: [f32; 2]| Contribution {
         samples,
@@ -229,6 +231,7 @@ fn scaffold_moves_its_control_variate_by_the_sum_of_deltas_over_all_registered_s
         tensors: vec![spec("w", 2, TensorKind::NonBn)],
         encoding: Encoding::F32,
         sites: 4,
+        spec: None,
     };
     let c = |dc: [f32; 2]| Contribution {
         samples: 1,
@@ -309,6 +312,7 @@ fn fedcd_shares_the_weighted_mask_gradient_and_weighs_deltas_by_rea() {
         }],
         encoding: Encoding::F32,
         sites: 0,
+        spec: None,
     };
     let c = |samples, delta: [f32; 2], gradient: [f32; 2], risk| Contribution {
         samples,
@@ -366,6 +370,7 @@ fn fedimpro_averages_each_class_over_the_sites_that_sent_it_and_steps_by_fedavgs
         }],
         encoding: Encoding::F32,
         sites: 0,
+        spec: None,
     };
     let class = |m: f32, v: f32| {
         Some(ClassStats {

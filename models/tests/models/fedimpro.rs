@@ -15,7 +15,7 @@ use unifed_models::decoupled::{Decoupler, feature_width};
 use unifed_models::site::Site;
 use unifed_models::state::{Select, export};
 use unifed_models::train::TrainConfig;
-use unifed_models::zoo::{DigitsCnnConfig, Net, seeded};
+use unifed_models::zoo::{DigitsCnnConfig, Net, ResNetConfig, Stem, seeded};
 use unifed_protocol::messages::{
     BnPolicy, ClassStats, Download, FeatureStats, Objective, ServerBroadcast, ServerExtras,
     SiteExtras,
@@ -23,16 +23,28 @@ use unifed_protocol::messages::{
 use unifed_protocol::{Encoding, Envelope, Id, ModelSpec, SiteUpdate};
 
 /// Asserts that `high(low(x))` is the model's forward pass at every split point, bit for bit,
-/// and that `low` gives rows of [`feature_width`] values.
-fn composes<N: Net>(net: &N, n: usize) {
+/// that `low` gives rows of [`feature_width`] values, and that the spec alone gives the same
+/// widths (what the aggregator checks sites' statistics against) and none elsewhere.
+fn composes<N: Net>(net: &N, spec: &ModelSpec, n: usize) {
     let d = device();
     let x = tensor2(&[n, net.input_numel()], noise(n * net.input_numel(), 3), &d);
     let full = values(net.forward(x.clone(), &mut BnPass::standard()));
     let points = net.split_points();
     assert!(!points.is_empty());
-    for p in points {
+    for p in 0..=points.last().unwrap() + 2 {
+        let from_spec = unifed_protocol::spec::feature_width(spec, p);
+        if !points.contains(&p) {
+            assert_eq!(from_spec, None, "{}: split {p}", spec.architecture);
+            continue;
+        }
         let h = net.low(x.clone(), p, &mut BnPass::standard());
         assert_eq!(h.dims(), [n, feature_width(net, p, &d)], "split {p}");
+        assert_eq!(
+            from_spec,
+            Some(h.dims()[1]),
+            "{}: split {p}",
+            spec.architecture
+        );
         let split = values(net.high(h, p, &mut BnPass::standard()));
         assert_eq!(split, full, "split {p}");
     }
@@ -53,10 +65,25 @@ fn every_model_of_the_zoo_splits_into_parts_that_compose_to_its_forward_pass() {
     // conv1 + pool: 4 x 14 x 14; conv2 + pool: 6 x 7 x 7; conv3: 8 x 7 x 7; fc1, fc2.
     let widths: Vec<usize> = (1..=5).map(|p| feature_width(&cnn, p, &d)).collect();
     assert_eq!(widths, vec![4 * 196, 6 * 49, 8 * 49, 16, 12]);
-    composes(&cnn, 3);
-    let (mlp, _) = mlp_net(2, 4, [6, 5], 3);
+    composes(&cnn, &spec(&cnn, 10, image_input(3, 28, 28)), 3);
+    let (mlp, mlp_spec) = mlp_net(2, 4, [6, 5], 3);
     assert_eq!(mlp.split_points(), vec![1, 2]);
-    composes(&mlp, 4);
+    composes(&mlp, &mlp_spec, 4);
+    // ResNet-18 with each stem, on sides that do not halve evenly.
+    for (stem, size) in [(Stem::Cifar, [16, 16]), (Stem::Imagenet, [33, 35])] {
+        let cfg = ResNetConfig {
+            in_channels: 1,
+            size,
+            classes: 4,
+            width: 4,
+            stem,
+            split: 2,
+        };
+        let net = seeded(&d, 5, |d| cfg.init(d));
+        assert_eq!(net.split_points(), vec![1, 3, 5, 7, 9, 11, 13, 15, 17]);
+        let input = image_input(1, size[0] as u32, size[1] as u32);
+        composes(&net, &spec(&net, 4, input), 2);
+    }
 }
 
 /// Runs of FedImpro over 3 classes of 2 features, momentum 0.5.
@@ -89,14 +116,18 @@ fn the_running_statistics_follow_eq_7_class_by_class() {
     // Batch 2: class 0 at (0, 0) and (2, 2), class 2 at (4, -4).
     let b2 = tensor2(&[3, 2], vec![0.0, 0.0, 2.0, 2.0, 4.0, -4.0], &d);
     run.observe(&b2, &[0, 2, 0]);
+    // Batch 3: class 1 at (5, 5) and (7, 5); a label past the class count is skipped.
+    let b3 = tensor2(&[3, 2], vec![5.0, 5.0, 7.0, 5.0, 9.0, 9.0], &d);
+    run.observe(&b3, &[1, 1, 7]);
     let out = run.finish();
-    // Class 0: batch 1 starts it (mean (2, 4), biased variance (1, 4)); batch 2's samples 0
-    // and 2 are (0, 0) and (4, -4): mean (2, -2), variance (4, 4); blended half and half.
-    // Class 1: batch 1 alone. Class 2: batch 2 alone (one sample, variance 0).
+    // Class 0: batch 1 starts it (mean (2, 4), unbiased variance (2, 8)); batch 2's samples 0
+    // and 2 are (0, 0) and (4, -4): mean (2, -2), variance (8, 8); blended half and half.
+    // Class 1: batch 1's one sample starts its mean, batch 3 blends (6, 5) in and starts its
+    // variance (2, 0). Class 2: one sample in one batch, no variance: not sent.
     let want = stats(vec![
-        Some(([2.0, 1.0], [2.5, 4.0])),
-        Some(([5.0, 5.0], [0.0, 0.0])),
-        Some(([2.0, 2.0], [0.0, 0.0])),
+        Some(([2.0, 1.0], [5.0, 8.0])),
+        Some(([5.5, 5.0], [2.0, 0.0])),
+        None,
     ]);
     assert_eq!(out.stats, want);
     assert_eq!(out.sent, out.stats, "no noise asked");

@@ -655,10 +655,13 @@ fn dissimilarity_rows(methods: &[(Algorithm, BnPolicy, Vec<&RunResult>)], md: &m
             let real = mean(&at.iter().map(|f| f.real).collect::<Vec<_>>());
             let mixed = mean(&at.iter().map(|f| f.mixed).collect::<Vec<_>>());
             let sites = at.iter().map(|f| f.sites).max().unwrap_or(0);
+            let ratio = match real > 0.0 {
+                true => format!("{:.3}", mixed / real),
+                false => "-".into(),
+            };
             md.push_str(&format!(
-                "| {} | {round} | {sites} | {real:.3e} | {mixed:.3e} | {:.3} |\n",
+                "| {} | {round} | {sites} | {real:.3e} | {mixed:.3e} | {ratio} |\n",
                 method_name(a, *bn),
-                mixed / real
             ));
         }
     }

@@ -79,7 +79,8 @@ impl Trace {
         let Ok(device) = unifed_models::backend::Backend::Flex.device() else {
             return;
         };
-        let seed = self.seed ^ version.rotate_left(17);
+        // Each site draws its synthetic features from a stream of its own.
+        let seed = unifed_models::site::round_seed(self.seed, version, site.id.as_str());
         if let Ok(Some((real, mixed))) = head_gradients(
             &site.net,
             &site.train,
