@@ -308,6 +308,23 @@ pub fn meta_pairs(order: &[usize], batch_size: usize) -> Vec<(&[usize], &[usize]
         .collect()
 }
 
+/// SGD with `cfg`'s momentum (PyTorch's: no dampening, which burn defaults to 0.1) and weight
+/// decay.
+fn sgd(cfg: &TrainConfig) -> SgdConfig {
+    let mut sgd = SgdConfig::new();
+    if cfg.momentum > 0.0 {
+        sgd = sgd.with_momentum(Some(
+            MomentumConfig::new()
+                .with_momentum(cfg.momentum)
+                .with_dampening(0.0),
+        ));
+    }
+    if cfg.weight_decay > 0.0 {
+        sgd = sgd.with_weight_decay(Some(WeightDecayConfig::new(cfg.weight_decay as f32)));
+    }
+    sgd
+}
+
 /// The epochs of [`train_owned`] on `model` in autodiff mode, stopping after `limit` steps;
 /// returns it as it stands at the end or when the loss diverged.
 fn run_epochs<N: Net>(
@@ -320,18 +337,7 @@ fn run_epochs<N: Net>(
     mut progress: impl FnMut(TrainEvent),
 ) -> (N, Result<TrainReport, TrainError>) {
     let ad = device.clone().autodiff();
-    let mut sgd = SgdConfig::new();
-    if cfg.momentum > 0.0 {
-        sgd = sgd.with_momentum(Some(
-            MomentumConfig::new()
-                .with_momentum(cfg.momentum)
-                .with_dampening(0.0),
-        ));
-    }
-    if cfg.weight_decay > 0.0 {
-        sgd = sgd.with_weight_decay(Some(WeightDecayConfig::new(cfg.weight_decay as f32)));
-    }
-    let mut optim = sgd.init();
+    let mut optim = sgd(cfg).init();
     // Per-FedAvg's two steps are plain SGD, as in its paper.
     let mut meta_optim = SgdConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&ad);
