@@ -849,16 +849,22 @@ pub fn max_registry_entry_bytes(spec: &crate::ModelSpec) -> usize {
 }
 
 /// The largest model payload (a postcard [`ServerBroadcast`] of every tensor in exact f32, and
-/// as much again for the extras: a control variate is one more copy of the trainable tensors)
-/// of a model of `spec`, with room for names, shapes and framing. Sites accept no larger
-/// manifest.
+/// as much again for the extras: a control variate is one more copy of the trainable tensors;
+/// FedImpro's per-class Gaussians, a mean and a variance per class at the model's widest split,
+/// may be larger still) of a model of `spec`, with room for names, shapes and framing. Sites
+/// accept no larger manifest.
 pub fn max_broadcast_bytes(spec: &crate::ModelSpec) -> u64 {
-    2 * spec
+    let model = spec
         .tensors
         .iter()
         .map(|t| 4 * t.numel() as u64 + 256)
-        .sum::<u64>()
-        + (1 << 16)
+        .sum::<u64>();
+    let widest = (1..=64)
+        .filter_map(|p| crate::spec::feature_width(spec, p))
+        .max()
+        .unwrap_or(0) as u64;
+    let gaussians = spec.classes.len() as u64 * (8 * widest + 32);
+    model + model.max(gaussians) + (1 << 16)
 }
 
 /// A site's calibrated BN state for one model version, as stored in the aggregator's registry.

@@ -341,6 +341,41 @@ pub fn spec_path(model: &std::path::Path) -> std::path::PathBuf {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_resnets_feature_width_and_the_broadcast_bound_that_holds_its_gaussians() {
+        let t = |name: &str, shape: &[usize]| TensorSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            kind: TensorKind::NonBn,
+        };
+        let spec = ModelSpec {
+            architecture: "resnet18(in=3x224x224,width=64,stem=imagenet,split=2,classes=100)"
+                .into(),
+            tensors: vec![
+                t("conv1.weight", &[64, 3, 7, 7]),
+                t("fc.weight", &[100, 512]),
+            ],
+            classes: (0..100).map(|k| format!("c{k}")).collect(),
+            input: Input::Image {
+                channels: 3,
+                height: 224,
+                width: 224,
+                scaling: Scaling::ZeroToOne,
+            },
+        };
+        // After the stem: 64 x 56 x 56; after layer2 (split 9): 128 x 28 x 28; layer4: 512 x 7 x 7.
+        assert_eq!(feature_width(&spec, 1), Some(64 * 56 * 56));
+        assert_eq!(feature_width(&spec, 9), Some(128 * 28 * 28));
+        assert_eq!(feature_width(&spec, 17), Some(512 * 7 * 7));
+        assert_eq!(feature_width(&spec, 2), None);
+        assert_eq!(feature_width(&spec, 19), None);
+        // The Gaussians of 100 classes at split 1 (160 MB) dwarf the two tensors: the bound
+        // on a broadcast holds them.
+        let gaussians = 100 * 8 * 64 * 56 * 56;
+        assert!(crate::max_broadcast_bytes(&spec) > gaussians);
+    }
+
     use super::*;
     use alloc::string::ToString;
     use alloc::vec;
