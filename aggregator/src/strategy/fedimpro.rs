@@ -128,12 +128,18 @@ impl FedImpro {
         state: Option<StrategyState>,
     ) -> Result<Self, StrategyError> {
         cfg.validate()?;
-        let classes = setup
+        // The spec's class list, as sites count classes; without a spec, the classifier's rows.
+        let rows = setup
             .tensors
             .iter()
             .rev()
             .find(|t| t.kind == TensorKind::NonBn && t.shape.len() == 2)
-            .map(|t| t.shape[0])
+            .map(|t| t.shape[0]);
+        let classes = setup
+            .spec
+            .as_ref()
+            .map(|s| s.classes.len())
+            .or(rows)
             .ok_or(StrategyError::StateShape {
                 what: "model's classifier (FedImpro needs a linear one)",
                 tensors: 0,
