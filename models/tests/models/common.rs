@@ -212,3 +212,30 @@ pub fn same_round<N: Net>(
     assert!(bytes == other, "a restored site sent other bytes");
     bytes
 }
+
+/// The update a site's envelope `bytes` carry.
+pub fn update(bytes: &[u8]) -> unifed_protocol::SiteUpdate {
+    unifed_protocol::Envelope::decode(bytes)
+        .unwrap()
+        .payload_as()
+        .unwrap()
+}
+
+/// Model `version` (the non-BN tensors of `net`, exact) with `extras` beside it.
+pub fn broadcast<N: Net>(
+    net: &N,
+    spec: &ModelSpec,
+    version: u64,
+    extras: unifed_protocol::ServerExtras,
+) -> unifed_protocol::messages::Download {
+    let sd = unifed_models::state::export(net, spec, Select::NonBn);
+    unifed_protocol::messages::Download::Model(unifed_protocol::ServerBroadcast {
+        model_version: version,
+        weights: sd
+            .tensors
+            .iter()
+            .map(|t| t.encode(unifed_protocol::Encoding::F32, None))
+            .collect(),
+        extras,
+    })
+}

@@ -18,9 +18,9 @@ use unifed_models::state::{Select, export};
 use unifed_models::train::{TrainConfig, evaluate, evaluate_masked};
 use unifed_models::zoo::Net;
 use unifed_protocol::messages::{
-    BnPolicy, Download, Objective, RoundPlan, ServerBroadcast, ServerExtras, SiteExtras,
+    BnPolicy, Download, Objective, RoundPlan, ServerExtras, SiteExtras,
 };
-use unifed_protocol::{Encoding, Envelope, Id, ModelSpec, SiteUpdate};
+use unifed_protocol::{Encoding, Id, ModelSpec};
 
 /// A linear classifier over its input: the head alone, with its parameters in reach.
 #[derive(Module, Debug)]
@@ -253,10 +253,6 @@ fn the_penalty_trains_the_features_the_head_and_the_mask_by_its_true_gradient() 
     assert_eq!(outcome.mask, p.m, "no step was taken");
 }
 
-fn update(bytes: &[u8]) -> SiteUpdate {
-    Envelope::decode(bytes).unwrap().payload_as().unwrap()
-}
-
 /// Model `version` (the non-BN tensors of `net`) with the federation's mask gradient `gg`.
 fn broadcast(
     net: &unifed_models::zoo::Mlp,
@@ -264,19 +260,12 @@ fn broadcast(
     version: u64,
     gg: Option<Vec<f32>>,
 ) -> Download {
-    let sd = export(net, spec, Select::NonBn);
-    Download::Model(ServerBroadcast {
-        model_version: version,
-        weights: sd
-            .tensors
-            .iter()
-            .map(|t| t.encode(Encoding::F32, None))
-            .collect(),
-        extras: match gg {
-            Some(g) => ServerExtras::MaskGradient(g),
-            None => ServerExtras::None,
-        },
-    })
+    common::broadcast(
+        net,
+        spec,
+        version,
+        gg.map_or(ServerExtras::None, ServerExtras::MaskGradient),
+    )
 }
 
 fn mask<N: Net>(site: &Site<N>) -> Option<Vec<f32>> {

@@ -17,10 +17,9 @@ use unifed_models::state::{Select, export};
 use unifed_models::train::TrainConfig;
 use unifed_models::zoo::{DigitsCnnConfig, Net, ResNetConfig, Stem, seeded};
 use unifed_protocol::messages::{
-    BnPolicy, ClassStats, Download, FeatureStats, Objective, ServerBroadcast, ServerExtras,
-    SiteExtras,
+    BnPolicy, ClassStats, Download, FeatureStats, Objective, ServerExtras, SiteExtras,
 };
-use unifed_protocol::{Encoding, Envelope, Id, ModelSpec, SiteUpdate};
+use unifed_protocol::{Encoding, Id, ModelSpec};
 
 /// Asserts that `high(low(x))` is the model's forward pass at every split point, bit for bit,
 /// that `low` gives rows of [`feature_width`] values, and that the spec alone gives the same
@@ -263,10 +262,6 @@ fn spec_of_mlp() -> ModelSpec {
     mlp_net(5, 4, [6, 5], 3).1
 }
 
-fn update(bytes: &[u8]) -> SiteUpdate {
-    Envelope::decode(bytes).unwrap().payload_as().unwrap()
-}
-
 /// Model `version` (the non-BN tensors of `net`) with the federation's Gaussians `g`.
 fn broadcast(
     net: &unifed_models::zoo::Mlp,
@@ -274,19 +269,12 @@ fn broadcast(
     version: u64,
     g: Option<FeatureStats>,
 ) -> Download {
-    let sd = export(net, spec, Select::NonBn);
-    Download::Model(ServerBroadcast {
-        model_version: version,
-        weights: sd
-            .tensors
-            .iter()
-            .map(|t| t.encode(Encoding::F32, None))
-            .collect(),
-        extras: match g {
-            Some(g) => ServerExtras::FeatureStats(g),
-            None => ServerExtras::None,
-        },
-    })
+    common::broadcast(
+        net,
+        spec,
+        version,
+        g.map_or(ServerExtras::None, ServerExtras::FeatureStats),
+    )
 }
 
 fn local<N: Net>(site: &Site<N>) -> Option<(u32, FeatureStats)> {
