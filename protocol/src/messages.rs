@@ -325,42 +325,87 @@ pub struct ClassStats {
 impl FeatureStats {
     /// Checks the shape against `classes` classes of `width` features (if given) and every
     /// value: finite, variances non-negative. Names the first problem.
-    pub fn check(&self, classes: usize, width: Option<usize>) -> Result<(), alloc::string::String> {
+    pub fn check(&self, classes: usize, width: Option<usize>) -> Result<(), FeatureStatsError> {
         let w = self.width as usize;
         if w == 0 || width.is_some_and(|want| want != w) {
-            return Err(alloc::format!(
-                "feature statistics of width {w}, not {}",
-                width.map_or("a positive width".into(), |want| alloc::format!("{want}"))
-            ));
+            return Err(FeatureStatsError::Width {
+                width: w,
+                want: width,
+            });
         }
         if self.classes.len() != classes {
-            return Err(alloc::format!(
-                "feature statistics of {} classes, not {classes}",
-                self.classes.len()
-            ));
+            return Err(FeatureStatsError::Classes {
+                classes: self.classes.len(),
+                want: classes,
+            });
         }
-        for (k, c) in self.classes.iter().enumerate() {
+        for (class, c) in self.classes.iter().enumerate() {
             let Some(c) = c else { continue };
             if c.mean.len() != w || c.var.len() != w {
-                return Err(alloc::format!(
-                    "class {k}'s statistics hold {} means and {} variances, not {w}",
-                    c.mean.len(),
-                    c.var.len()
-                ));
+                return Err(FeatureStatsError::Length {
+                    class,
+                    means: c.mean.len(),
+                    vars: c.var.len(),
+                    width: w,
+                });
             }
             if c.mean.iter().chain(&c.var).any(|v| !v.is_finite()) {
-                return Err(alloc::format!(
-                    "class {k}'s statistics hold a value that is not finite"
-                ));
+                return Err(FeatureStatsError::NotFinite { class });
             }
             if c.var.iter().any(|v| *v < 0.0) {
-                return Err(alloc::format!(
-                    "class {k}'s statistics hold a negative variance"
-                ));
+                return Err(FeatureStatsError::NegativeVariance { class });
             }
         }
         Ok(())
     }
+}
+
+/// Why [`FeatureStats::check`] refuses statistics.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FeatureStatsError {
+    /// The width is zero or not the one expected.
+    #[error(
+        "feature statistics of width {width}, not {}",
+        want.map_or("a positive width".into(), |w| alloc::format!("{w}"))
+    )]
+    Width {
+        /// The width sent.
+        width: usize,
+        /// The width expected, if known.
+        want: Option<usize>,
+    },
+    /// Not one entry per class.
+    #[error("feature statistics of {classes} classes, not {want}")]
+    Classes {
+        /// Entries sent.
+        classes: usize,
+        /// The model's classes.
+        want: usize,
+    },
+    /// A class's vectors are not of the width.
+    #[error("class {class}'s statistics hold {means} means and {vars} variances, not {width}")]
+    Length {
+        /// The class.
+        class: usize,
+        /// Its means.
+        means: usize,
+        /// Its variances.
+        vars: usize,
+        /// The width.
+        width: usize,
+    },
+    /// A value is NaN or infinite.
+    #[error("class {class}'s statistics hold a value that is not finite")]
+    NotFinite {
+        /// The class.
+        class: usize,
+    },
+    /// A variance is negative.
+    #[error("class {class}'s statistics hold a negative variance")]
+    NegativeVariance {
+        /// The class.
+        class: usize,
+    },
 }
 
 /// Algorithm tensors the server sends beside the model. One variant per algorithm that needs

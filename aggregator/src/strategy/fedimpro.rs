@@ -32,8 +32,8 @@ use super::{
 };
 use serde::{Deserialize, Serialize};
 use unifed_protocol::messages::{
-    ClassStats, FeatureStats, Objective, RejectReason, RoundPlan, ServerExtras, SiteExtras,
-    SiteUpdateRef,
+    ClassStats, FeatureStats, FeatureStatsError, Objective, RejectReason, RoundPlan, ServerExtras,
+    SiteExtras, SiteUpdateRef,
 };
 use unifed_protocol::{TensorKind, TensorSpec};
 
@@ -169,9 +169,9 @@ impl FedImpro {
             None | Some(StrategyState::FedImpro { stats: None }) => None,
             Some(StrategyState::FedImpro { stats: Some(s) }) => {
                 s.check(classes, None)
-                    .map_err(|message| StrategyError::BadState {
+                    .map_err(|e| StrategyError::BadState {
                         what: "FedImpro feature statistics",
-                        message,
+                        message: e.to_string(),
                     })?;
                 Some(s)
             }
@@ -336,12 +336,11 @@ impl Strategy for FedImpro {
         let width = self
             .width
             .or_else(|| self.stats.as_ref().map(|g| g.width as usize));
-        s.check(self.classes, width).map_err(|e| {
-            if e.contains("not finite") {
+        s.check(self.classes, width).map_err(|e| match e {
+            FeatureStatsError::NotFinite { .. } => {
                 RejectReason::NonFinite("feature statistics".into())
-            } else {
-                RejectReason::Malformed(e)
             }
+            e => RejectReason::Malformed(e.to_string()),
         })?;
         Ok(Extras::FeatureStats(s.clone()))
     }

@@ -367,9 +367,9 @@ impl StrategyState {
             StrategyState::FedImpro { stats: None } => Ok(()),
             StrategyState::FedImpro { stats: Some(s) } => {
                 s.check(s.classes.len(), None)
-                    .map_err(|message| StrategyError::BadState {
+                    .map_err(|e| StrategyError::BadState {
                         what: "FedImpro feature statistics",
-                        message,
+                        message: e.to_string(),
                     })
             }
         }
