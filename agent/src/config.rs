@@ -99,6 +99,24 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
+    /// Makes the config's relative paths relative to the folder of the file it came from
+    /// (`config`), so an agent started from anywhere (a service manager starts it in `/`)
+    /// finds the same files.
+    pub fn resolve_paths(&mut self, config: &std::path::Path) {
+        use unifed_net::service::{resolve_opt, resolve_path};
+        self.state_dir = resolve_path(config, &self.state_dir);
+        self.identity = resolve_path(config, &self.identity);
+        for p in [
+            &mut self.kernel_cache,
+            &mut self.spec,
+            &mut self.site_key,
+            &mut self.data.folder,
+        ] {
+            resolve_opt(config, p);
+        }
+        self.broker.resolve_paths(config);
+    }
+
     /// The site's and the federation's ids, checked.
     pub fn ids(&self) -> Result<(Id, Id)> {
         let site = Id::new(&self.site).map_err(|e| anyhow::anyhow!("site `{}`: {e}", self.site))?;
@@ -157,7 +175,10 @@ impl AgentConfig {
 pub fn load_config(path: &std::path::Path) -> Result<AgentConfig> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    let mut cfg: AgentConfig =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    cfg.resolve_paths(path);
+    Ok(cfg)
 }
 
 /// How a late joiner's BN starts (FedBN appendix G gives no rule; this is ours). Under a BN

@@ -109,6 +109,21 @@ impl SiteFiles {
         }
     }
 
+    /// Writes the federation's model spec beside `model.safetensors`
+    /// (`model.safetensors.spec.json`, as `unifed-agent init` does for its model), so that
+    /// `evaluate` and `predict` take the site's model as it is. Replaced only when it differs.
+    pub(crate) fn write_spec(&self, spec: &ModelSpec) -> Result<()> {
+        let path = unifed_protocol::spec_path(&self.model);
+        let text = serde_json::to_vec_pretty(spec)?;
+        if std::fs::read(&path).is_ok_and(|old| old == text) {
+            return Ok(());
+        }
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, &text).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    }
+
     /// The model file numbered `n`.
     fn model_file(&self, n: u64) -> PathBuf {
         self.dir.join(format!("checkpoint.{n}.safetensors"))

@@ -186,7 +186,13 @@ fn main() -> Result<()> {
         }
         Cmd::Identity { key } => {
             let k = unifed_protocol::SigningKey::load_or_create(&key)?;
-            println!("{}\nfingerprint {}", k.public(), k.public().fingerprint());
+            // `identity --key K | head -1` is how scripts take the public key: a pipe closed
+            // after the first line ends the command quietly.
+            unifed_net::service::print_out(format_args!(
+                "{}\nfingerprint {}",
+                k.public(),
+                k.public().fingerprint()
+            ))?;
             Ok(())
         }
         Cmd::Keygen { out } => {

@@ -364,15 +364,17 @@ pub fn predict_cmd(a: &PredictArgs, device: &Device) -> Result<()> {
         }
         o => bail!("--bn `{o}`: expected stored, stream or calibrate"),
     }
-    println!("file,class,probability");
+    let mut out = String::from("file,class,probability");
     for (file, p) in files.iter().zip(&probs) {
         let (k, v) = p
             .iter()
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(b.1))
             .expect("at least one class");
-        println!("{},{},{v:.4}", file.display(), spec.classes[k]);
+        out += &format!("\n{},{},{v:.4}", file.display(), spec.classes[k]);
     }
+    // Piped into `head`, a closed pipe ends the command quietly.
+    unifed_net::service::print_out(out)?;
     Ok(())
 }
 

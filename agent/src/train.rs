@@ -33,7 +33,7 @@ pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<Option<f64>
     }
     // Lean between phases, fast only while training and evaluating (see unifed_net::memory).
     unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
-    unifed_net::block_on(run(cfg, unifed_net::stop_signal()))?
+    unifed_net::block_on(run(cfg, unifed_net::service::stop_signal("unifed-agent")))?
 }
 
 /// Runs the agent until the federation finishes (returns the site's final test accuracy) or
@@ -47,6 +47,8 @@ pub async fn run(
     cfg: AgentConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<Option<f64>> {
+    // One agent per state folder, held until this returns.
+    let _lock = unifed_net::service::StateLock::acquire(&cfg.state_dir, "unifed-agent")?;
     let (driver, who) = driver(&cfg)?;
     let will = Will::new(
         who.topics.status(&who.site),
@@ -117,6 +119,7 @@ fn driver(cfg: &AgentConfig) -> Result<(SiteDriver<ModelWorker<AnyNet, AgentHost
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
     let files = SiteFiles::new(&cfg.state_dir);
+    files.write_spec(&spec)?;
     let mut site = Site::new(&cfg.site, net, train, test)?;
     // Training holds one copy of the model: the starting one waits in this file (and under a
     // lossy encoding the residual and the held broadcast wait beside it).
@@ -301,10 +304,19 @@ mod tests {
         );
         assert_eq!(cfg.broker.max_packet_bytes, 1 << 20);
         assert!(cfg.broker.ca_file.is_none());
+        // Read from its file, its paths are the repository's run/ wherever the agent starts.
+        let path = std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../configs/agent.toml"
+        ));
+        let read = load_config(path).unwrap();
+        let configs = path.parent().unwrap();
         assert_eq!(
-            cfg.spec.as_deref(),
-            Some(std::path::Path::new("run/init.safetensors.spec.json"))
+            read.spec.as_deref(),
+            Some(configs.join("../run/init.safetensors.spec.json").as_path())
         );
+        assert_eq!(read.state_dir, configs.join("../run/grey"));
+        assert_eq!(read.identity, configs.join("../run/grey/identity.key"));
         let bad = text.replace("resend_secs", "resend_seconds");
         let err = toml::from_str::<AgentConfig>(&bad).unwrap_err().to_string();
         assert!(err.contains("resend_seconds"), "{err}");

@@ -58,6 +58,18 @@ pub struct ServiceConfig {
     pub federation: FederationConfig,
 }
 
+impl ServiceConfig {
+    /// Makes the config's relative paths relative to the folder of the file it came from
+    /// (`config`), so a service started from anywhere finds the same files.
+    pub fn resolve_paths(&mut self, config: &Path) {
+        use unifed_net::service::resolve_path;
+        for p in [&mut self.data_dir, &mut self.model, &mut self.key] {
+            *p = resolve_path(config, p);
+        }
+        self.broker.resolve_paths(config);
+    }
+}
+
 fn default_upload_bytes() -> usize {
     1 << 30
 }
@@ -174,8 +186,9 @@ impl Wire {
 pub fn read_config(path: &Path) -> Result<ServiceConfig> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let cfg: ServiceConfig =
+    let mut cfg: ServiceConfig =
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    cfg.resolve_paths(path);
     cfg.federation
         .validate()
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -192,7 +205,7 @@ pub fn serve_from_file(path: &Path) -> Result<u64> {
     unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Relay);
     let cfg = read_config(path)?;
     unifed_net::block_on(serve(cfg, Some(path), async {
-        unifed_net::stop_signal().await;
+        unifed_net::service::stop_signal("unifed-aggregator").await;
     }))?
 }
 
@@ -246,6 +259,8 @@ pub async fn serve(
     config: Option<&Path>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<u64> {
+    // One aggregator per data folder, held until this returns.
+    let _lock = unifed_net::service::StateLock::acquire(&cfg.data_dir, "unifed-aggregator")?;
     let key = SigningKey::load(&cfg.key).context("the aggregator's key")?;
     let initial = load_model(&cfg.model)?;
     let hash: SpecHash = initial.spec.hash();

@@ -397,9 +397,10 @@ pub fn federation_with(opts: &Options, bn: BnPolicy, mut setup: Setup<'_>) -> Re
     let backend = agent_backend(opts)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = opts.threads.unwrap_or((cores / sites.len()).max(1));
-    let work = setup.work.take().unwrap_or_else(|| opts.work.join(policy));
+    // Absolute: a config's relative paths are relative to the config file's folder.
+    let work = std::path::absolute(setup.work.take().unwrap_or_else(|| opts.work.join(policy)))?;
     fresh_dir(&work)?;
-    let keys = setup.keys.take().unwrap_or_else(|| work.clone());
+    let keys = std::path::absolute(setup.keys.take().unwrap_or_else(|| work.clone()))?;
     let t0 = Instant::now();
     let start_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -690,7 +691,7 @@ fn launch(
             federation: fc.federation.clone(),
             state_dir: work.join(id),
             // Outside the run's folder, which each run wipes: a GPU tunes once per site.
-            kernel_cache: Some(opts.work.join("kernels").join(id)),
+            kernel_cache: Some(std::path::absolute(opts.work.join("kernels").join(id))?),
             backend: backend.to_string(),
             // The spec written beside the initial model decides every site's model.
             spec: Some(unifed_protocol::spec_path(&model)),

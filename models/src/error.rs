@@ -164,6 +164,23 @@ pub enum DataError {
     /// No samples were found.
     #[error("dataset {0} holds no images")]
     Empty(String),
+    /// More images of a folder could not be read than a load skips
+    /// ([`crate::data::skip_limit`]): the data, not a stray file, is wrong.
+    #[error(
+        "{folder}: {skipped} of {total} images cannot be used (at most {limit} are skipped); the first: {first}"
+    )]
+    TooManyUnreadable {
+        /// The split or folder.
+        folder: String,
+        /// Images that could not be used.
+        skipped: usize,
+        /// Images found.
+        total: usize,
+        /// The most a load skips for this many.
+        limit: usize,
+        /// Why the first of them could not be used.
+        first: Box<DataError>,
+    },
     /// A malformed IDX file.
     #[error("IDX file {path}: {message}")]
     BadIdx {

@@ -9,6 +9,7 @@
 pub mod disk;
 pub mod memory;
 pub mod report;
+pub mod service;
 pub mod throttle;
 
 pub use memory::release_free_memory;
@@ -87,6 +88,14 @@ fn default_keep_alive() -> u64 {
 }
 
 impl BrokerConfig {
+    /// Makes the TLS file paths relative to the folder of the config file `config` (see
+    /// [`service::resolve_path`]).
+    pub fn resolve_paths(&mut self, config: &std::path::Path) {
+        for p in [&mut self.ca_file, &mut self.cert_file, &mut self.key_file] {
+            service::resolve_opt(config, p);
+        }
+    }
+
     /// A broker on `host:port` with default limits.
     pub fn new(host: &str, port: u16) -> Self {
         BrokerConfig {
@@ -332,29 +341,6 @@ pub fn block_on<F: std::future::Future>(fut: F) -> std::io::Result<F::Output> {
         .enable_all()
         .build()?
         .block_on(fut))
-}
-
-/// Resolves when the process is asked to stop: SIGINT (Ctrl-C) or SIGTERM (systemd, `kill`).
-pub async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }
 
 /// Installs the binaries' log subscriber: `RUST_LOG` if set, else `default_filter`, and at

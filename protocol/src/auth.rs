@@ -430,6 +430,20 @@ mod file {
         /// only.
         pub fn create(path: &Path) -> Result<SigningKey, KeyFileError> {
             let path = credential_path(path)?;
+            // A fresh site's key folder (`run/grey/identity.key`) is made, owner-only.
+            if let Some(parent) = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty() && !p.exists())
+            {
+                let mut b = std::fs::DirBuilder::new();
+                b.recursive(true);
+                #[cfg(unix)]
+                std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+                b.create(parent).map_err(|source| KeyFileError::Io {
+                    path: parent.into(),
+                    source,
+                })?;
+            }
             let key = SigningKey::generate()?;
             let mut o = std::fs::OpenOptions::new();
             o.write(true).create_new(true);
@@ -777,6 +791,18 @@ mod tests {
             SigningKey::load(&dir.join("bad.key")),
             Err(KeyFileError::Malformed(_))
         ));
+        // A key in a folder that does not exist yet: the folder is made, owner-only.
+        let nested = dir.join("run/grey/identity.key");
+        let k = SigningKey::load_or_create(&nested).unwrap();
+        assert_eq!(SigningKey::load(&nested).unwrap().public(), k.public());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode =
+                |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&dir.join("run/grey")), 0o700);
+            assert_eq!(mode(&nested), 0o600);
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

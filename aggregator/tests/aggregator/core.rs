@@ -1086,6 +1086,16 @@ fn the_example_service_config_parses_and_validates() {
     .unwrap();
     let cfg: unifed_aggregator::service::ServiceConfig = toml::from_str(&text).unwrap();
     cfg.federation.validate().unwrap();
+    // Read from its file, its paths are relative to the file's folder.
+    let path = std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/aggregator.toml"
+    ));
+    let read = unifed_aggregator::service::read_config(path).unwrap();
+    let configs = path.parent().unwrap();
+    assert_eq!(read.data_dir, configs.join("../run/aggregator"));
+    assert_eq!(read.model, configs.join("../run/init.safetensors"));
+    assert_eq!(read.key, configs.join("../run/aggregator.key"));
     assert_eq!(
         (cfg.federation.bn_policy, cfg.federation.encoding),
         (BnPolicy::Local, Encoding::F32)

@@ -42,6 +42,61 @@ fn load_image(path: &Path, spec: &ModelSpec) -> Result<Vec<f32>, DataError> {
     preprocess(&img, &spec.input, path)
 }
 
+/// The most images of one split or folder a load skips as unusable before it fails: one in
+/// twenty, and at least one. A stray damaged file costs its image; a folder of them (or of
+/// colour images for a greyscale model) is a mistake to report, not to train around.
+pub fn skip_limit(images: usize) -> usize {
+    (images / 20).max(1)
+}
+
+/// Decodes `files` of `folder` in order into model input rows, with the indices of the files
+/// that gave them. A file that cannot be read, decoded or given the model's channels is skipped
+/// with a warning naming it; more than [`skip_limit`] of them, or all of them, fail the load.
+fn load_images(
+    folder: &str,
+    files: &[&Path],
+    spec: &ModelSpec,
+) -> Result<(Vec<f32>, Vec<usize>), DataError> {
+    let mut x = Vec::with_capacity(files.len() * spec.input.numel());
+    let mut kept = Vec::with_capacity(files.len());
+    let mut skipped = Vec::new();
+    for (i, f) in files.iter().enumerate() {
+        match load_image(f, spec) {
+            Ok(row) => {
+                x.extend(row);
+                kept.push(i);
+            }
+            Err(
+                e @ (DataError::Io { .. }
+                | DataError::CorruptImage { .. }
+                | DataError::WrongChannels { .. }),
+            ) => {
+                tracing::warn!("skipping an image: {e}");
+                skipped.push(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let limit = skip_limit(files.len());
+    if skipped.len() > limit || (kept.is_empty() && !skipped.is_empty()) {
+        return Err(DataError::TooManyUnreadable {
+            folder: folder.into(),
+            skipped: skipped.len(),
+            total: files.len(),
+            limit,
+            first: Box::new(skipped.swap_remove(0)),
+        });
+    }
+    if !skipped.is_empty() {
+        tracing::warn!(
+            "{folder}: {} of {} images skipped as unusable",
+            skipped.len(),
+            files.len()
+        );
+    }
+    Ok((x, kept))
+}
+
 fn class_of(label: &str, path: &Path, spec: &ModelSpec) -> Result<usize, DataError> {
     spec.class_index(label)
         .ok_or_else(|| DataError::UnknownLabel {
@@ -81,12 +136,13 @@ pub fn load_split(root: &Path, split: &str, spec: &ModelSpec) -> Result<Dataset,
     if items.is_empty() {
         return Err(DataError::Empty(name));
     }
-    let mut x = Vec::with_capacity(items.len() * spec.input.numel());
-    let mut y = Vec::with_capacity(items.len());
-    for (path, label) in &items {
-        y.push(class_of(label, path, spec)?);
-        x.extend(load_image(path, spec)?);
-    }
+    let labels = items
+        .iter()
+        .map(|(path, label)| class_of(label, path, spec))
+        .collect::<Result<Vec<_>, _>>()?;
+    let paths: Vec<&Path> = items.iter().map(|(p, _)| p.as_path()).collect();
+    let (x, kept) = load_images(&name, &paths, spec)?;
+    let y = kept.into_iter().map(|i| labels[i]).collect();
     Ok(Dataset {
         name,
         features: spec.input.numel(),
@@ -186,9 +242,8 @@ pub fn load_unlabelled_named(
     if files.is_empty() {
         return Err(DataError::Empty(dir.display().to_string()));
     }
-    let mut x = Vec::with_capacity(files.len() * spec.input.numel());
-    for f in &files {
-        x.extend(load_image(f, spec)?);
-    }
+    let paths: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+    let (x, kept) = load_images(&dir.display().to_string(), &paths, spec)?;
+    let files = kept.into_iter().map(|i| files[i].clone()).collect();
     Ok((files, x))
 }

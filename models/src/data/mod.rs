@@ -15,7 +15,7 @@ pub use domains::{
     Assets, BaseDigits, BuiltinData, Domain, DomainData, DomainError, DomainSplit, SplitSizes,
     assets_dir, preview_grid,
 };
-pub use folder::{load_labelled, load_split, load_unlabelled, load_unlabelled_named};
+pub use folder::{load_labelled, load_split, load_unlabelled, load_unlabelled_named, skip_limit};
 pub use idx::{read_idx, read_idx_digits};
 pub use partition::{Partition, PartitionError, partition};
 pub use preprocess::preprocess;

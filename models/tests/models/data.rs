@@ -6,7 +6,8 @@ use common::*;
 use image::{GrayImage, Luma, Rgb, RgbImage};
 use std::io::Write;
 use unifed_models::data::{
-    BuiltinData, Domain, SplitSizes, load_labelled, load_split, load_unlabelled, read_idx_digits,
+    BuiltinData, Domain, SplitSizes, load_labelled, load_split, load_unlabelled,
+    load_unlabelled_named, read_idx_digits, skip_limit,
 };
 use unifed_models::error::DataError;
 use unifed_models::zoo::{DigitsCnnConfig, spec_of};
@@ -64,6 +65,59 @@ fn a_csv_manifest_is_read_instead_of_the_folders() {
 }
 
 #[test]
+fn a_few_unusable_images_are_skipped_and_a_folder_of_them_is_refused() {
+    let spec = digits_spec(1);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("train/3")).unwrap();
+    for i in 0..20u8 {
+        grey(i * 10)
+            .save(dir.path().join(format!("train/3/{i:02}.png")))
+            .unwrap();
+    }
+    // One damaged file among 21: skipped, the other 20 load in order.
+    std::fs::write(dir.path().join("train/3/05x.png"), b"\x89PNG cut short").unwrap();
+    assert_eq!(skip_limit(21), 1);
+    let train = load_split(dir.path(), "train", &spec).unwrap();
+    assert_eq!(train.y.len(), 20);
+    let clean = {
+        let d2 = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d2.path().join("train/3")).unwrap();
+        for i in 0..20u8 {
+            grey(i * 10)
+                .save(d2.path().join(format!("train/3/{i:02}.png")))
+                .unwrap();
+        }
+        load_split(d2.path(), "train", &spec).unwrap()
+    };
+    assert_eq!(
+        train.x, clean.x,
+        "the skipped file leaves no row and shifts none"
+    );
+    // A second one is more than one in twenty: the load fails and says how many.
+    std::fs::write(dir.path().join("train/3/06x.png"), b"not an image").unwrap();
+    let err = load_split(dir.path(), "train", &spec).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            DataError::TooManyUnreadable {
+                skipped: 2,
+                total: 22,
+                limit: 1,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // Unlabelled folders follow the same rule, and the files listed are those that loaded.
+    let flat = dir.path().join("train/3");
+    std::fs::remove_file(flat.join("06x.png")).unwrap();
+    let (files, x) = load_unlabelled_named(&flat, &spec).unwrap();
+    assert_eq!(files.len(), 20);
+    assert!(files.iter().all(|f| !f.ends_with("05x.png")));
+    assert_eq!(x, clean.x);
+}
+
+#[test]
 fn bad_input_is_refused_with_a_clear_error() {
     let spec = digits_spec(1);
     let dir = tempfile::tempdir().unwrap();
@@ -77,24 +131,31 @@ fn bad_input_is_refused_with_a_clear_error() {
         load_split(dir.path(), "train", &spec),
         Err(DataError::Empty(_))
     ));
-    // Corrupt image.
+    // A folder whose only image is corrupt: nothing to skip to.
     std::fs::write(dir.path().join("train/3/bad.png"), b"\x89PNG garbage").unwrap();
-    assert!(
-        matches!(load_split(dir.path(), "train", &spec), Err(DataError::CorruptImage { path, .. }) if path.ends_with("bad.png"))
-    );
+    let err = load_split(dir.path(), "train", &spec).unwrap_err();
+    match &err {
+        DataError::TooManyUnreadable {
+            skipped: 1,
+            total: 1,
+            first,
+            ..
+        } => assert!(
+            matches!(&**first, DataError::CorruptImage { path, .. } if path.ends_with("bad.png"))
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().contains("bad.png"), "{err}");
     std::fs::remove_file(dir.path().join("train/3/bad.png")).unwrap();
-    // Colour image for a grey model.
+    // Colour image for a grey model, alone.
     RgbImage::from_pixel(28, 28, Rgb([200, 10, 10]))
         .save(dir.path().join("train/3/c.png"))
         .unwrap();
-    assert!(matches!(
-        load_split(dir.path(), "train", &spec),
-        Err(DataError::WrongChannels {
-            expected: 1,
-            found: 3,
-            ..
-        })
-    ));
+    let err = load_split(dir.path(), "train", &spec).unwrap_err();
+    assert!(
+        matches!(&err, DataError::TooManyUnreadable { first, .. } if matches!(**first, DataError::WrongChannels { expected: 1, found: 3, .. })),
+        "{err:?}"
+    );
     std::fs::remove_file(dir.path().join("train/3/c.png")).unwrap();
     // Label not in the spec.
     std::fs::create_dir_all(dir.path().join("train/cat")).unwrap();

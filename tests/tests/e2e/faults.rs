@@ -149,6 +149,24 @@ fn sigterm_mid_round_stops_an_agent_with_its_checkpoint_and_the_restart_ends_as_
     let fed = fed_for(dir.path(), broker.port);
     let mut agg = fed.aggregator();
     let mut grey = fed.agent("grey");
+    // A second aggregator on the aggregator's data folder, and a second agent on grey's state
+    // folder, are refused at start and name the holder; the first ones go on undisturbed (the
+    // final model below is an uninterrupted run's). Checked before the other sites start, so no
+    // round can close meanwhile.
+    let config = fed.aggregator_config();
+    second_is_refused(
+        "unifed-aggregator",
+        &["serve", "--config", &config.to_string_lossy()],
+        &fed.agg_dir(),
+        &agg,
+    );
+    let config = fed.dir.join("grey.toml");
+    second_is_refused(
+        "unifed-agent",
+        &["train", "--config", &config.to_string_lossy()],
+        &fed.site_dir("grey"),
+        &grey,
+    );
     let mut texture = fed.agent("texture");
     let mut lowres = fed.agent("lowres");
     // lowres trains on 743 images: stopped while it trains round 2.
@@ -185,6 +203,29 @@ fn sigterm_mid_round_stops_an_agent_with_its_checkpoint_and_the_restart_ends_as_
     // Restarted, it fetches v1, trains round 2 again and the federation ends with the model of
     // an uninterrupted run.
     let mut lowres = fed.agent("lowres");
+    // A second request while an agent stops ends it at once (status 130); what it leaves is a
+    // checkpoint like a killed agent's, and the restarted grey goes on from it.
+    let before = std::fs::read_to_string(fed.dir.join("grey.log"))
+        .unwrap()
+        .len();
+    grey.terminate();
+    let asked = (0..3000).any(|_| {
+        std::thread::sleep(Duration::from_millis(10));
+        std::fs::read_to_string(fed.dir.join("grey.log")).unwrap()[before..]
+            .contains("unifed-agent: stopping; ask again")
+    });
+    assert!(asked, "{}", fed.logs());
+    grey.terminate();
+    let st = grey
+        .wait_for(Duration::from_secs(30))
+        .expect("grey did not stop");
+    assert_eq!(st.code(), Some(130), "{}", fed.logs());
+    let log = std::fs::read_to_string(fed.dir.join("grey.log")).unwrap();
+    assert!(
+        log[before..].contains("stopping now, on a second request"),
+        "{log}"
+    );
+    let mut grey = fed.agent("grey");
     for (g, s) in [
         (&mut grey, "grey"),
         (&mut texture, "texture"),
@@ -195,6 +236,33 @@ fn sigterm_mid_round_stops_an_agent_with_its_checkpoint_and_the_restart_ends_as_
     wait_ok(&mut agg, "aggregator", &fed);
     assert_eq!(final_model(&fed), want);
     assert_eq!(fed.accepted(2), ["grey", "lowres", "texture"]);
+}
+
+/// Starts `binary args` once `first` holds the state folder `folder`: it must end at once with
+/// a failure that names `first`'s pid, and leave `first` running.
+fn second_is_refused(binary: &str, args: &[&str], folder: &std::path::Path, first: &Guard) {
+    let pid = first.0.id();
+    let held = (0..3000).any(|_| {
+        std::thread::sleep(Duration::from_millis(10));
+        std::fs::read_to_string(folder.join("lock")).is_ok_and(|t| t.trim() == pid.to_string())
+    });
+    assert!(held, "{binary} (pid {pid}) never took {}", folder.display());
+    let log = folder.with_extension(format!("second-{binary}.log"));
+    let mut second = Guard(
+        std::process::Command::new(unifed_e2e::binary(binary))
+            .args(args)
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(log.with_extension("err")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let st = second
+        .wait_for(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("a second {binary} on one state folder kept running"));
+    let err = std::fs::read_to_string(log.with_extension("err")).unwrap();
+    assert!(!st.success(), "{binary}: {st:?}\n{err}");
+    let want = format!("in use by another {binary} (pid {pid})");
+    assert!(err.contains(&want), "{binary}: {err}");
 }
 
 /// Publishes junk on every topic the agents and the aggregator subscribe to, every 50 ms, until
