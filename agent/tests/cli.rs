@@ -534,3 +534,32 @@ fn warmup_runs_the_sites_training_and_evaluation_and_leaves_its_state_alone() {
         .unwrap();
     failed_saying(&out, "--features cuda");
 }
+
+#[test]
+fn identity_makes_its_key_folder_and_a_closed_pipe_ends_it_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    // A fresh checkout has no run/grey: the folder is made, and the key in it.
+    let key = dir.path().join("run/grey/identity.key");
+    let out = agent()
+        .args(["identity", "--key", &key.to_string_lossy()])
+        .output()
+        .unwrap();
+    succeeded(&out);
+    let first = String::from_utf8(out.stdout).unwrap();
+    assert!(first.starts_with("ed25519:"), "{first}");
+    // `identity --key K | head -1`: the reader is gone before the command writes. It ends
+    // with success and no panic (it printed the key before; nothing was lost).
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = agent()
+        .args(["identity", "--key", &key.to_string_lossy()])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+        .wait_with_output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
+}

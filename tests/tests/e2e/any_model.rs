@@ -141,13 +141,17 @@ fn a_resnet18_federation_of_image_folders_with_named_classes_learns_over_mqtt() 
 
     // Each site's final model (global weights, its own BN) beats the initial one on its test
     // images, and well above chance (1/3) on average.
+    // The site's model is used as it lies in its state folder: the agent keeps the federation's
+    // spec beside it, byte for byte the spec of the initial model.
     let ckpt = |s: &str| -> PathBuf {
         let p = fed.site_dir(s).join("model.safetensors");
-        std::fs::copy(
-            unifed_protocol::spec_path(&init),
-            unifed_protocol::spec_path(&p),
-        )
-        .unwrap();
+        let read = |m: &std::path::Path| {
+            serde_json::from_slice::<unifed_protocol::ModelSpec>(
+                &std::fs::read(unifed_protocol::spec_path(m)).unwrap(),
+            )
+            .unwrap()
+        };
+        assert_eq!(read(&p), read(&init), "{s}");
         p
     };
     let mut mean = 0.0;
