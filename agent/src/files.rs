@@ -35,13 +35,14 @@ pub(crate) struct SiteFiles {
 /// in bytes (two u64) and XXH3-128 (16 bytes, little-endian), then the XXH3-128 of everything
 /// before it (16 bytes).
 const CHECKPOINT_MAGIC: &[u8; 4] = b"UFSC";
-/// 6 keeps the algorithm's state typed (`ClientState`) where 5 and earlier kept SCAFFOLD's
+/// 7 adds the run of the federation the progress is of ([`Progress::run`]), so a site whose
+/// aggregator started afresh knows its state is of another run. 6 keeps the algorithm's state typed (`ClientState`) where 5 and earlier kept SCAFFOLD's
 /// variates, MOON's previous model and FedDC's drift in fields of their own
 /// ([`MemoryLayout::Fields`]). 5 added the two sums: of the model file, and of the checkpoint
 /// itself. 4 moved the model out to a file of its own, 3 held its safetensors bytes at the end,
 /// and 2 a memory without MOON's previous local model and FedDC's drift; all four are still
 /// read.
-const CHECKPOINT_VERSION: u32 = 6;
+const CHECKPOINT_VERSION: u32 = 7;
 
 /// Bytes of an XXH3-128 sum.
 const SUM_LEN: usize = 16;
@@ -86,6 +87,23 @@ impl<R: std::io::Read> std::io::Read for Summing<R> {
     }
 }
 
+/// The progress of a checkpoint of version 6 or earlier: no run.
+#[derive(Deserialize)]
+struct ProgressV6 {
+    applied_version: Option<u64>,
+    answered_rounds: Vec<u64>,
+}
+
+impl From<ProgressV6> for Progress {
+    fn from(p: ProgressV6) -> Progress {
+        Progress {
+            applied_version: p.applied_version,
+            answered_rounds: p.answered_rounds,
+            run: None,
+        }
+    }
+}
+
 /// The memory of a version 2 checkpoint: [`Memory`] before MOON's previous local model and
 /// FedDC's drift.
 #[derive(Deserialize)]
@@ -124,6 +142,34 @@ impl SiteFiles {
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
     }
 
+    /// Moves the site's state of the run `run` (checkpoint, model files, progress, parked
+    /// training files) into `runs/<run>/` of the state folder, where it stays for people and
+    /// tools, and leaves the folder as a new site's: what the agent does when its aggregator
+    /// starts a later run. The lock, the kernel cache and earlier runs stay where they are.
+    pub(crate) fn put_aside(&self, run: unifed_protocol::RunId) -> Result<PathBuf> {
+        let to = self.dir.join("runs").join(run.to_string());
+        std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
+        let entries = std::fs::read_dir(&self.dir)
+            .with_context(|| format!("reading {}", self.dir.display()))?;
+        for e in entries {
+            let e = e.with_context(|| format!("reading {}", self.dir.display()))?;
+            let name = e.file_name();
+            let n = name.to_string_lossy();
+            let state = n == "checkpoint.bin"
+                || n.starts_with("checkpoint.")
+                || n.starts_with("model.safetensors")
+                || n == "progress.json"
+                || n.starts_with("training-base.");
+            if state && e.file_type().is_ok_and(|t| t.is_file()) {
+                std::fs::rename(e.path(), to.join(&name)).with_context(|| {
+                    format!("moving {} to {}", e.path().display(), to.display())
+                })?;
+            }
+        }
+        self.next.set(0);
+        Ok(to)
+    }
+
     /// The model file numbered `n`.
     fn model_file(&self, n: u64) -> PathBuf {
         self.dir.join(format!("checkpoint.{n}.safetensors"))
@@ -156,17 +202,21 @@ impl SiteFiles {
         }
         let v = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes"));
         let (progress, model) = match v {
-            CHECKPOINT_VERSION | 5 | 4 | 3 => {
+            CHECKPOINT_VERSION | 6 | 5 | 4 | 3 => {
                 // The progress, the memory, then the model's file (see `CHECKPOINT_MAGIC`), or
                 // in version 3 its bytes.
                 let r = Summing::new(r, &head);
                 let mut scratch = vec![0u8; 1 << 12];
                 let layout = match v {
-                    CHECKPOINT_VERSION => MemoryLayout::Typed,
+                    CHECKPOINT_VERSION | 6 => MemoryLayout::Typed,
                     _ => MemoryLayout::Fields,
                 };
-                let (progress, (r, _)) = postcard::from_io::<Progress, _>((r, &mut scratch))
-                    .with_context(|| format!("reading {}", p.display()))?;
+                let (progress, (r, _)) = match v {
+                    CHECKPOINT_VERSION => postcard::from_io::<Progress, _>((r, &mut scratch)),
+                    _ => postcard::from_io::<ProgressV6, _>((r, &mut scratch))
+                        .map(|(p, rest)| (p.into(), rest)),
+                }
+                .with_context(|| format!("reading {}", p.display()))?;
                 let mut r = site
                     .restore_memory_from(r, spec, layout)
                     .with_context(|| format!("{}", p.display()))?;
@@ -185,8 +235,9 @@ impl SiteFiles {
                 r.read_to_end(&mut bytes)
                     .with_context(|| format!("reading {}", p.display()))?;
                 let (progress, m, model) =
-                    postcard::from_bytes::<(Progress, MemoryV2, Vec<u8>)>(&bytes)
+                    postcard::from_bytes::<(ProgressV6, MemoryV2, Vec<u8>)>(&bytes)
                         .with_context(|| format!("reading {}", p.display()))?;
+                let progress = Progress::from(progress);
                 let memory = Memory {
                     residual: m.residual,
                     held: m.held,
@@ -202,8 +253,8 @@ impl SiteFiles {
                 (progress, model)
             }
             v => bail!(
-                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 5, 4, 3 or 2, which it \
-                 reads)",
+                "{}: format version {v} is not {CHECKPOINT_VERSION} (or 6, 5, 4, 3 or 2, which \
+                 it reads)",
                 p.display()
             ),
         };
@@ -444,10 +495,13 @@ mod tests {
         let progress = Progress {
             applied_version: Some(4),
             answered_rounds: vec![3, 4],
+            run: None,
         };
+        // The progress as versions 2 to 6 wrote it: no run (read back as `None`).
+        let v6 = (progress.applied_version, &progress.answered_rounds);
         // Version 2's layout: the memory's four maps, then the model.
         let old = (
-            &progress,
+            &v6,
             (&residual, &residual, None::<(u64, ())>, None::<(u64, ())>),
             &model,
         );
@@ -501,7 +555,7 @@ mod tests {
         let restores_old = |version: u32, record: Vec<u8>| {
             let mut bytes = CHECKPOINT_MAGIC.to_vec();
             bytes.extend_from_slice(&version.to_le_bytes());
-            let mut bytes = postcard::to_extend(&(&progress, &fields), bytes).unwrap();
+            let mut bytes = postcard::to_extend(&(&v6, &fields), bytes).unwrap();
             bytes.extend_from_slice(&record);
             std::fs::write(&files.checkpoint, bytes).unwrap();
             let dir = tempfile::tempdir().unwrap();
@@ -525,7 +579,7 @@ mod tests {
         files.next.set(0);
         let other = tempfile::tempdir().unwrap();
 
-        // Version 6, as `write` writes it from a site whose residual and held broadcast wait in
+        // Version 7, as `write` writes it from a site whose residual and held broadcast wait in
         // files: read back into a fresh site, they go to its own files, bit for bit. Model
         // files a crash left before a checkpoint named them go too, or are written over, even
         // read-only (as the agent leaves its model files).
@@ -582,6 +636,10 @@ mod tests {
         let later = Progress {
             applied_version: Some(5),
             answered_rounds: vec![3, 4, 5],
+            run: Some(unifed_protocol::RunId {
+                created_ms: 1_796_000_000_000,
+                nonce: 9,
+            }),
         };
         files.write(&spec, &site, &later).unwrap();
         let second = files.model_file(1);
@@ -590,7 +648,7 @@ mod tests {
         assert_eq!(restored(other.path()).0, Some(later.clone()));
         let progress_json: Progress =
             serde_json::from_slice(&std::fs::read(&files.progress).unwrap()).unwrap();
-        assert_eq!(progress_json.applied_version, Some(5));
+        assert_eq!(progress_json, later);
 
         // A checkpoint cut inside the memory or the model file's number, a model file of
         // another length or none, and a future version are errors; no checkpoint is a new site.
@@ -659,7 +717,7 @@ mod tests {
         let mut bytes = whole.clone();
         bytes[4..8].copy_from_slice(&9u32.to_le_bytes());
         std::fs::write(&files.checkpoint, bytes).unwrap();
-        assert!(err(&files).contains("format version 9 is not 6"));
+        assert!(err(&files).contains("format version 9 is not 7"));
         std::fs::remove_file(&files.checkpoint).unwrap();
         assert_eq!(
             files.restore(&spec, &mut fresh(other.path())).unwrap(),

@@ -224,6 +224,22 @@ impl AgentOutbox {
         Ok(())
     }
 
+    /// Says (retained, on the site's status topic) that the site holds the final model
+    /// `version` of `run`, so the aggregator stops serving it once every site has it. A failure
+    /// is logged: the aggregator's linger ends its serving anyway.
+    pub(crate) fn say_finished(&self, run: unifed_protocol::RunId, version: u64) {
+        let msg = self.who.status_in(
+            run,
+            SiteState::Finished {
+                model_version: version,
+            },
+            "finished",
+        );
+        if let Err(e) = self.send(self.who.topics.status(&self.who.site), true, msg) {
+            tracing::warn!("could not say the site finished: {e}");
+        }
+    }
+
     /// Reports the aggregator's answer to the update of `round`.
     fn answered(&mut self, round: u64, answer: Answer) {
         let site = &self.who.site;

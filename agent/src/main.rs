@@ -1,6 +1,6 @@
 //! `unifed-agent`: the on-device trainer of UniFed Edge.
 //!
-//! `train` runs a site of a federation over MQTT; `init` writes a federation's initial model;
+//! `train` runs a site of a federation over MQTT, `run` a site as a service across federations; `init` writes a federation's initial model;
 //! `singleset` trains the built-in domains alone (the no-federation baseline); `data` previews
 //! and exports the built-in data; `spec` prints a model spec; `bench` measures speed.
 //! `warmup` tunes a GPU's kernels for a site at install time.
@@ -60,6 +60,14 @@ enum Cmd {
     },
     /// Trains as a site of a federation over MQTT (config file: broker, site, data, model).
     Train {
+        /// Agent config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Runs the site as a service: it trains every federation its aggregator runs, holds the
+    /// final model between them, joins each later run as a new site (the earlier run's state
+    /// put aside in `<state_dir>/runs/`), and stops only when asked (SIGTERM, SIGINT, SIGHUP).
+    Run {
         /// Agent config (TOML).
         #[arg(long)]
         config: PathBuf,
@@ -227,7 +235,11 @@ fn main() -> Result<()> {
         }
         Cmd::Train { config } => {
             // `--threads`, applied above, overrides the config's cap.
-            train::run_from_file(&config, cli.threads.is_some())?;
+            train::run_from_file(&config, cli.threads.is_some(), train::Mode::Once)?;
+            Ok(())
+        }
+        Cmd::Run { config } => {
+            train::run_from_file(&config, cli.threads.is_some(), train::Mode::Service)?;
             Ok(())
         }
         Cmd::Warmup { config, passes } => {

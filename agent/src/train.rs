@@ -22,10 +22,21 @@ pub use crate::config::{AgentConfig, DataConfig, EvaluateAt, JoinBn, load_config
 use crate::files::SiteFiles;
 use crate::host::{AgentHost, AgentOutbox, Shared, Who};
 
+/// How long the agent runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Until its federation finishes (`unifed-agent train`).
+    Once,
+    /// As a service (`unifed-agent run`): after a federation finishes it holds the final model
+    /// and waits for the aggregator's next run, until it is asked to stop.
+    Service,
+}
+
 /// Reads the agent config at `path`, caps the CPU threads at the config's `threads` unless the
-/// caller already capped them (`capped`), and runs the agent on its own runtime until the
-/// federation finishes (returns the final test accuracy) or SIGINT/SIGTERM stops it (`None`).
-pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<Option<f64>> {
+/// caller already capped them (`capped`), and runs the agent in `mode` on its own runtime until
+/// the federation finishes (returns the final test accuracy) or SIGINT/SIGTERM/SIGHUP stops it
+/// (`None`).
+pub fn run_from_file(path: &std::path::Path, capped: bool, mode: Mode) -> Result<Option<f64>> {
     let cfg = load_config(path)?;
     if let (false, Some(t)) = (capped, cfg.threads) {
         unifed_models::backend::cap_cpu_threads(t)
@@ -33,23 +44,78 @@ pub fn run_from_file(path: &std::path::Path, capped: bool) -> Result<Option<f64>
     }
     // Lean between phases, fast only while training and evaluating (see unifed_net::memory).
     unifed_net::memory::set_allocation(unifed_net::memory::Allocation::Lean);
-    unifed_net::block_on(run(cfg, unifed_net::service::stop_signal("unifed-agent")))?
+    unifed_net::block_on(run(
+        cfg,
+        unifed_net::service::stop_signal("unifed-agent"),
+        mode,
+    ))?
 }
 
-/// Runs the agent until the federation finishes (returns the site's final test accuracy) or
-/// `shutdown` resolves (returns `None`). On shutdown, even mid-training, the agent stops at
-/// once: its files hold the last checkpoint (model, memory and progress in one atomically
-/// replaced file), from which a restart resumes and trains the interrupted round again.
+/// Runs the agent until the federation finishes (returns the site's final test accuracy; never
+/// in [`Mode::Service`]) or `shutdown` resolves (returns `None`). On shutdown, even
+/// mid-training, the agent stops at once: its files hold the last checkpoint (model, memory and
+/// progress in one atomically replaced file), from which a restart resumes and trains the
+/// interrupted round again.
 ///
-/// The site's driver ([`SiteDriver`]: engine, model worker and the round between them) runs on
-/// a thread of its own; this task owns the MQTT connection, hands it the messages, and stops it.
+/// When the aggregator starts a later run of the federation (a new federation on the same ids,
+/// or its state started afresh), the site's state of the earlier run is put aside in
+/// `<state_dir>/runs/<run>/` and the site joins the new run as a new site would.
 pub async fn run(
     cfg: AgentConfig,
     shutdown: impl std::future::Future<Output = ()>,
+    mode: Mode,
 ) -> Result<Option<f64>> {
     // One agent per state folder, held until this returns.
     let _lock = unifed_net::service::StateLock::acquire(&cfg.state_dir, "unifed-agent")?;
-    let (driver, who) = driver(&cfg)?;
+    tokio::pin!(shutdown);
+    let mut follow = None;
+    loop {
+        match session(&cfg, &mut shutdown, mode, follow).await? {
+            Outcome::Finished(end) => return Ok(Some(end.accuracy)),
+            Outcome::Stopped => return Ok(None),
+            Outcome::NewRun { from, to } => {
+                let dir = SiteFiles::new(&cfg.state_dir).put_aside(from)?;
+                println!(
+                    "{}: the aggregator started run {to}; this site's state of run {from} is now in {}; joining the new run as a new site",
+                    cfg.site,
+                    dir.display()
+                );
+                follow = Some(to);
+            }
+        }
+    }
+}
+
+/// How a session of the agent (one connection, one site driver) ended.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    /// The federation finished ([`Mode::Once`]).
+    Finished(End),
+    /// The aggregator announced a later run than the site's state is of.
+    NewRun {
+        from: unifed_protocol::RunId,
+        to: unifed_protocol::RunId,
+    },
+    /// Asked to stop, or the driver's events ended.
+    Stopped,
+}
+
+/// One session: the site's driver, resumed from the state folder (a fresh site following
+/// `follow` when given), on a connection of its own, until the federation finishes (in
+/// [`Mode::Once`]), a later run is announced, or `shutdown` resolves.
+///
+/// The site's driver ([`SiteDriver`]: engine, model worker and the round between them) runs on
+/// a thread of its own; this task owns the MQTT connection, hands it the messages, and stops it.
+async fn session(
+    cfg: &AgentConfig,
+    shutdown: &mut (impl std::future::Future<Output = ()> + Unpin),
+    mode: Mode,
+    follow: Option<unifed_protocol::RunId>,
+) -> Result<Outcome> {
+    let (mut driver, who) = driver(cfg)?;
+    if let Some(run) = follow {
+        driver = driver.following(run);
+    }
     let will = Will::new(
         who.topics.status(&who.site),
         who.status(SiteState::Offline, "connection lost"),
@@ -79,14 +145,14 @@ pub async fn run(
     std::thread::Builder::new()
         .name(format!("site {}", who.site))
         .spawn(move || {
-            let _ = done_tx.send(drive(driver, events, out));
+            let _ = done_tx.send(drive(driver, events, out, mode));
         })
         .context("starting the site's driver")?;
-    let finished = listen(&who, &client, rx, tx, &shared, done, shutdown).await;
+    let outcome = listen(&who, &client, rx, tx, &shared, done, shutdown).await;
     // A site that holds the final model says so, so the aggregator stops serving it as soon as
-    // every site has it.
-    let (state, run) = match &finished {
-        Ok(Some(end)) => (
+    // every site has it (in service mode the driver said so when it finished).
+    let (state, run) = match &outcome {
+        Ok(Outcome::Finished(end)) => (
             SiteState::Finished {
                 model_version: end.model_version,
             },
@@ -95,7 +161,7 @@ pub async fn run(
         _ => (SiteState::Offline, Default::default()),
     };
     goodbye(&who, &client, state, run).await;
-    finished.map(|end| end.map(|e| e.accuracy))
+    outcome
 }
 
 /// How a site's federation ended: its final test accuracy and the final model's version.
@@ -182,32 +248,53 @@ fn driver(cfg: &AgentConfig) -> Result<(SiteDriver<ModelWorker<AnyNet, AgentHost
 }
 
 /// The driver's thread: hands each event to the driver (a tick when none came for 500 ms)
-/// until the federation finishes, the driver fails, or the events' sender is gone.
+/// until the federation finishes (in [`Mode::Service`] the site says so and goes on, holding the
+/// final model, until a later run), a later run is announced, the driver fails, or the events'
+/// sender is gone.
 fn drive(
     mut driver: SiteDriver<ModelWorker<AnyNet, AgentHost>>,
     events: std::sync::mpsc::Receiver<Event>,
     mut out: AgentOutbox,
-) -> Result<Option<End>> {
+    mode: Mode,
+) -> Result<Outcome> {
     let t0 = Instant::now();
+    let mut said_finished = false;
     loop {
         let event = match events.recv_timeout(Duration::from_millis(500)) {
             Ok(e) => e,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Event::Tick,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(Outcome::Stopped),
         };
         let now = t0.elapsed().as_millis() as u64;
-        if let Some(accuracy) = driver.handle(event, now, &mut out)? {
-            let model_version = driver.engine().progress().applied_version.unwrap_or(0);
-            let run = driver
+        let finished = driver.handle(event, now, &mut out)?;
+        if let Some((from, to)) = driver.new_run() {
+            return Ok(Outcome::NewRun { from, to });
+        }
+        let Some(accuracy) = finished else {
+            // Extended by more rounds after it finished: it will finish again.
+            said_finished = false;
+            continue;
+        };
+        let end = End {
+            accuracy,
+            model_version: driver.engine().progress().applied_version.unwrap_or(0),
+            run: driver
                 .engine()
                 .manifest()
                 .map(|m| m.run)
-                .unwrap_or_default();
-            return Ok(Some(End {
-                accuracy,
-                model_version,
-                run,
-            }));
+                .unwrap_or_default(),
+        };
+        match mode {
+            Mode::Once => return Ok(Outcome::Finished(end)),
+            Mode::Service if !said_finished => {
+                said_finished = true;
+                out.say_finished(end.run, end.model_version);
+                println!(
+                    "{}: holding the final model v{}; waiting for the federation's next run",
+                    out.who.site, end.model_version
+                );
+            }
+            Mode::Service => {}
         }
     }
 }
@@ -223,14 +310,13 @@ async fn listen(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<NetEvent>,
     tx: std::sync::mpsc::Sender<Event>,
     shared: &Mutex<Shared>,
-    mut done: tokio::sync::oneshot::Receiver<Result<Option<End>>>,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> Result<Option<End>> {
+    mut done: tokio::sync::oneshot::Receiver<Result<Outcome>>,
+    shutdown: &mut (impl std::future::Future<Output = ()> + Unpin),
+) -> Result<Outcome> {
     let site = &who.site;
-    tokio::pin!(shutdown);
     loop {
         let ev = tokio::select! {
-            _ = &mut shutdown => {
+            _ = &mut *shutdown => {
                 let s = shared.lock().unwrap_or_else(|p| p.into_inner());
                 match s.training {
                     // The checkpoint holds the last round's outcome, and the model is fetched
@@ -238,7 +324,7 @@ async fn listen(
                     Some(round) => println!("{site}: stopping on request during round {round}; it is trained again after a restart"),
                     None => println!("{site}: stopping on request; the checkpoint holds model v{}", s.saved.map_or("-".to_string(), |v| v.to_string())),
                 }
-                return Ok(None);
+                return Ok(Outcome::Stopped);
             }
             r = &mut done => return r.unwrap_or_else(|_| bail!("the site's driver ended without an outcome")),
             ev = rx.recv() => ev,

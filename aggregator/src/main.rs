@@ -20,6 +20,15 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Puts the federation's state aside (`<data_dir>/runs/<run>/`) so the next `serve` starts
+    /// a new run from the initial model; sites put their state of the old run aside when they
+    /// hear of the new one. Refused while the service runs. (To go on from a finished
+    /// federation instead, raise `rounds` in the config and `serve` again.)
+    NewRun {
+        /// Service config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Writes a Mosquitto config for the federation of `--config` with mutual TLS and a
     /// per-site ACL (`mosquitto.conf` and `acl` in `--out`): clients are known by their
     /// certificate's common name (the site id, or `aggregator`).
@@ -64,6 +73,20 @@ fn main() -> Result<()> {
         Cmd::Serve { config } => {
             let v = serve_from_file(&config)?;
             println!("final model version {v}");
+            Ok(())
+        }
+        Cmd::NewRun { config } => {
+            let cfg = unifed_aggregator::service::read_config(&config)?;
+            match unifed_aggregator::service::new_run(&cfg)? {
+                Some(to) => unifed_net::service::print_out(format_args!(
+                    "the federation's state is now in {}; the next `serve` starts a new run",
+                    to.display()
+                ))?,
+                None => unifed_net::service::print_out(format_args!(
+                    "{} holds no federation; the next `serve` starts one",
+                    cfg.data_dir.display()
+                ))?,
+            }
             Ok(())
         }
         Cmd::MosquittoConfig {

@@ -209,6 +209,35 @@ pub fn serve_from_file(path: &Path) -> Result<u64> {
     }))?
 }
 
+/// Puts the federation's state in the data folder of `cfg` aside, in `runs/<run>/` there, so
+/// the next `serve` starts a new run (a later [`unifed_protocol::RunId`]: sites put their own
+/// state of the earlier run aside when they hear of it). Refused while a service holds the
+/// folder. Returns where the state went, or `None` when there was none.
+pub fn new_run(cfg: &ServiceConfig) -> Result<Option<PathBuf>> {
+    let dir = &cfg.data_dir;
+    let _lock = unifed_net::service::StateLock::acquire(dir, "unifed-aggregator")?;
+    let state = crate::store::Store::open(dir)?.load_state()?;
+    let Some(state) = state else {
+        return Ok(None);
+    };
+    let name = match state.run {
+        Some(run) => run.to_string(),
+        None => format!("before-{}", unifed_protocol::RunId::fresh()),
+    };
+    let to = dir.join("runs").join(name);
+    std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let e = e.with_context(|| format!("reading {}", dir.display()))?;
+        let name = e.file_name();
+        if name == unifed_net::service::StateLock::FILE || name == "runs" {
+            continue;
+        }
+        std::fs::rename(e.path(), to.join(&name))
+            .with_context(|| format!("moving {} to {}", e.path().display(), to.display()))?;
+    }
+    Ok(Some(to))
+}
+
 /// Follows the service's config file for changes to its revocation list.
 struct Revocations {
     path: PathBuf,
@@ -270,6 +299,17 @@ pub async fn serve(
         initial,
         cfg.chunk_bytes,
     )?;
+    if core.finished() && cfg.federation.rounds <= core.round() {
+        eprintln!(
+            "unifed-aggregator: the federation in {} finished at round {} (run {}); it serves the \
+             final model for linger_secs. Raise `rounds` above {} to go on from it, or run \
+             `unifed-aggregator new-run --config` to start a new run.",
+            cfg.data_dir.display(),
+            core.round(),
+            core.run(),
+            core.round()
+        );
+    }
     let fed =
         Id::new(&cfg.federation.federation).map_err(|e| anyhow::anyhow!("federation: {e}"))?;
     let federation = Federation::new(core, Sealer::new(fed.clone(), hash, key), GATHER_MS);

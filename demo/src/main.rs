@@ -100,7 +100,8 @@ fn main() -> Result<()> {
             // As the agent binary: one malloc arena (see unifed_net::memory).
             unifed_net::memory::use_one_arena();
             unifed_net::init_logging("warn");
-            unifed_agent::train::run_from_file(&config, false).map(|_| ())
+            unifed_agent::train::run_from_file(&config, false, unifed_agent::train::Mode::Once)
+                .map(|_| ())
         }
         Some(Command::Onboarding { opts, sweep }) => {
             let fedbn = fedbn_run(&opts)?;

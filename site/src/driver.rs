@@ -12,6 +12,7 @@
 use crate::engine::{Action, ChunkFilter, Event, Progress, SiteEngine};
 use std::collections::VecDeque;
 use std::time::Instant;
+use unifed_protocol::RunId;
 use unifed_protocol::messages::{Answer, BnPolicy, Downloaded, RoundManifest};
 
 /// Any error of a worker's or an outbox's own (files, devices, the transport).
@@ -252,6 +253,8 @@ pub struct SiteDriver<W> {
     checkpoint_round: u64,
     /// The final accuracy, once the federation finished.
     finished: Option<f64>,
+    /// A later run the aggregator announced while the site holds state of another.
+    new_run: Option<(RunId, RunId)>,
 }
 
 impl<W: Worker> SiteDriver<W> {
@@ -265,7 +268,22 @@ impl<W: Worker> SiteDriver<W> {
             announce: None,
             checkpoint_round: 0,
             finished: None,
+            new_run: None,
         }
+    }
+
+    /// The driver of a fresh site that follows run `run` and nothing earlier
+    /// ([`SiteEngine::following`]).
+    pub fn following(mut self, run: RunId) -> Self {
+        self.engine = self.engine.following(run);
+        self
+    }
+
+    /// The site's run and a later one the aggregator announced ([`Action::NewRun`]), once it
+    /// did: the site's state belongs to the first, and the driver does no more for either. Its
+    /// owner puts the state aside and starts a fresh site on the second.
+    pub fn new_run(&self) -> Option<(RunId, RunId)> {
+        self.new_run
     }
 
     /// The engine.
@@ -340,7 +358,11 @@ impl<W: Worker> SiteDriver<W> {
                 fetch_ms,
                 bytes,
             } => self.apply((manifest, fetch_ms, bytes), download, joining, out),
-            Action::Train { manifest } => self.train(manifest, out),
+            Action::Train { manifest } => {
+                // A finished federation extended by more rounds is not finished any more.
+                self.finished = None;
+                self.train(manifest, out)
+            }
             Action::Uploading {
                 round,
                 bytes,
@@ -373,6 +395,10 @@ impl<W: Worker> SiteDriver<W> {
                     Some(a) => self.announced(a, out),
                     None => Ok(()),
                 }
+            }
+            Action::NewRun { from, to } => {
+                self.new_run = Some((from, to));
+                Ok(())
             }
             Action::Finished { manifest } => {
                 let r = self.worker.evaluate(&manifest);

@@ -13,7 +13,6 @@
 use crate::upload::Upload;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
-use unifed_protocol::SpecHash;
 use unifed_protocol::auth::{AuthError, Keyring, PublicKey, SigningKey};
 use unifed_protocol::chunking::{Reassembler, fetch_window};
 use unifed_protocol::envelope::{Envelope, EnvelopeRef, MessageKind};
@@ -22,6 +21,7 @@ use unifed_protocol::messages::{
     Answer, ChunkRef, ChunkRequest, Downloaded, Payload, RoundManifest, UpdateAnswer, UpdateReceipt,
 };
 use unifed_protocol::topics::Topics;
+use unifed_protocol::{RunId, SpecHash};
 
 /// A fetch window that completed nothing for this long (ms) is asked for again.
 pub const FETCH_RETRY_MS: u64 = 5_000;
@@ -58,6 +58,17 @@ pub struct Progress {
     pub applied_version: Option<u64>,
     /// Rounds whose update the aggregator answered.
     pub answered_rounds: Vec<u64>,
+    /// The federation's run this progress is of (`None`: a new site, or a checkpoint from
+    /// before runs were kept, which follows the first run it hears of).
+    #[serde(default)]
+    pub run: Option<RunId>,
+}
+
+impl Progress {
+    /// Whether the site did anything in its run: applied a model or had an update answered.
+    pub fn started(&self) -> bool {
+        self.applied_version.is_some() || !self.answered_rounds.is_empty()
+    }
 }
 
 /// Something that happened to the site.
@@ -165,6 +176,16 @@ pub enum Action {
         /// The final manifest.
         manifest: RoundManifest,
     },
+    /// The aggregator announced a later run of the federation (a new federation on the same
+    /// ids, or its state started afresh) while the site holds state of `from`. The engine does
+    /// not follow it: the site's model, BN and algorithm state belong to `from`, so the driver's
+    /// owner puts them aside and starts a fresh site on `to` ([`SiteEngine::following`]).
+    NewRun {
+        /// The run the site's state is of.
+        from: RunId,
+        /// The run the aggregator announced.
+        to: RunId,
+    },
 }
 
 /// The site engine.
@@ -201,6 +222,8 @@ pub struct SiteEngine {
     /// A round whose training failed: not trained again.
     skipped: Option<u64>,
     finished: bool,
+    /// The later run last reported in an [`Action::NewRun`] (reported once, not per manifest).
+    new_run_seen: Option<RunId>,
 }
 
 impl SiteEngine {
@@ -231,8 +254,16 @@ impl SiteEngine {
             delivered: None,
             skipped: None,
             finished: false,
+            new_run_seen: None,
             cfg,
         }
+    }
+
+    /// The engine of a fresh site that follows run `run` and nothing earlier: what a site
+    /// starts as after it put aside its state of an earlier run ([`Action::NewRun`]).
+    pub fn following(mut self, run: RunId) -> Self {
+        self.progress.run = Some(run);
+        self
     }
 
     /// The topics the driver subscribes to: the manifest, the model chunks sent to every site,
@@ -244,6 +275,11 @@ impl SiteEngine {
             self.topics.chunk_reply(&self.cfg.site),
             self.topics.ack(&self.cfg.site),
         ]
+    }
+
+    /// The run the site follows: the manifest's, else its progress's.
+    fn run(&self) -> Option<RunId> {
+        self.manifest.as_ref().map(|m| m.run).or(self.progress.run)
     }
 
     /// What the site has done (persist it on [`Action::Checkpoint`]).
@@ -422,7 +458,7 @@ impl SiteEngine {
         }
         match env.kind {
             MessageKind::RoundManifest => match env.payload_as::<RoundManifest>() {
-                Ok(m) => self.on_manifest(m, &env),
+                Ok(m) => self.on_manifest(m, &env, out),
                 Err(e) => drop_msg(topic, &e.to_string()),
             },
             MessageKind::ModelChunk => match env.payload_as::<ChunkRef>() {
@@ -445,7 +481,7 @@ impl SiteEngine {
         }
     }
 
-    fn on_manifest(&mut self, m: RoundManifest, env: &EnvelopeRef<'_>) {
+    fn on_manifest(&mut self, m: RoundManifest, env: &EnvelopeRef<'_>, out: &mut Vec<Action>) {
         let problem = if m.spec_hash != self.cfg.spec_hash {
             Some("it names another model spec".to_string())
         } else if m.round != env.round || m.model_version != env.model_version || m.run != env.run {
@@ -472,7 +508,7 @@ impl SiteEngine {
             ))
         } else if let Err(e) = m.plan.objective.validate() {
             Some(e.to_string())
-        } else if self.manifest.as_ref().is_some_and(|cur| m.run < cur.run) {
+        } else if self.run().is_some_and(|cur| m.run < cur) {
             Some("it is of an earlier run than the one the site follows".into())
         } else if self.manifest.as_ref().is_some_and(|cur| {
             m.run == cur.run && (m.round < cur.round || m.model_version < cur.model_version)
@@ -485,9 +521,30 @@ impl SiteEngine {
             tracing::warn!(round = m.round, "manifest dropped: {p}");
             return;
         }
-        if let Some(cur) = self.manifest.as_ref().filter(|cur| cur.run != m.run) {
-            tracing::warn!(from = %cur.run, to = %m.run, "the federation started a new run; following it from its current model");
-            self.new_run();
+        match self.run() {
+            Some(cur) if cur != m.run && self.progress.started() => {
+                // The site's state is of another run: its owner starts a fresh site on this one.
+                if self.new_run_seen != Some(m.run) {
+                    self.new_run_seen = Some(m.run);
+                    tracing::warn!(from = %cur, to = %m.run, "the aggregator started a new run of the federation");
+                    out.push(Action::NewRun {
+                        from: cur,
+                        to: m.run,
+                    });
+                }
+                return;
+            }
+            Some(cur) if cur != m.run => {
+                // Nothing done in the run it followed: the site follows the later one as it is.
+                tracing::info!(from = %cur, to = %m.run, "the federation moved to a later run before the site did anything in its run");
+                self.new_run();
+            }
+            _ => {}
+        }
+        self.progress.run = Some(m.run);
+        if !m.finished {
+            // A finished federation extended (more rounds): it finishes again later.
+            self.finished = false;
         }
         if self
             .manifest
@@ -770,6 +827,7 @@ impl SiteEngine {
     /// until the new run's is applied; a training in progress is dropped when it ends.
     fn new_run(&mut self) {
         self.progress = Progress::default();
+        self.new_run_seen = None;
         self.manifest = None;
         self.refused.clear();
         self.outstanding.clear();

@@ -388,6 +388,18 @@ impl Fed {
         )
     }
 
+    /// Writes `site`'s config and starts `unifed-agent run`, the agent as a service that stays
+    /// up across federations (log: `<site>.log`, appended across restarts).
+    pub fn service(&self, site: &str) -> Guard {
+        let cfg = self.device_config(site, site, None);
+        spawn(
+            Command::new(binary("unifed-agent"))
+                .args(["run", "--config"])
+                .arg(&cfg),
+            &self.dir.join(format!("{site}.log")),
+        )
+    }
+
     /// Waits up to `limit` for the process `what` to exit successfully; fails the test with
     /// every log otherwise.
     pub fn wait_ok(&self, g: &mut Guard, what: &str, limit: std::time::Duration) {

@@ -678,6 +678,23 @@ impl Aggregator {
                 if self.state.round == 0 {
                     self.state.round = 1;
                     self.open_round(now_ms)?;
+                } else if self.state.finished && self.cfg.rounds > self.state.round {
+                    // The config asks for more rounds than the finished federation ran: the
+                    // same run goes on from its final model.
+                    let last = self.state.round;
+                    self.state.finished = false;
+                    self.state.round = last + 1;
+                    // The last round's updates (kept in the spool until now) are folded already.
+                    self.accepted.clear();
+                    self.store.spool_clear_before(last + 1)?;
+                    self.open_round(now_ms)?;
+                    self.audit(
+                        now_ms,
+                        last + 1,
+                        "-",
+                        "extended",
+                        format!("rounds {last} -> {}", self.cfg.rounds),
+                    )?;
                 } else if self.round_complete() {
                     // A crash between the last accept and the round's commit: close it now.
                     return self.close_round(now_ms);

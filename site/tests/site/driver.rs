@@ -191,6 +191,7 @@ fn a_late_joiner_re_estimates_its_bn_before_it_trains_only_under_local_bn_when_c
         let progress = resumed.then(|| Progress {
             applied_version: Some(1),
             answered_rounds: vec![1],
+            ..Default::default()
         });
         let cfg = DriverConfig {
             calibrate_joiners: calibrate,

@@ -17,6 +17,7 @@ fn a_site_holding_the_base_version_fetches_the_delta_and_falls_back_to_the_whole
     let progress = Progress {
         applied_version: Some(2),
         answered_rounds: vec![2],
+        ..Default::default()
     };
     let mut e = engine(Some(progress));
     let (m, chunks, delta_chunks) = with_delta(3, 3);
@@ -66,6 +67,7 @@ fn a_site_behind_or_new_fetches_the_whole_model_even_when_a_delta_is_offered() {
         Some(Progress {
             applied_version: Some(1),
             answered_rounds: vec![1],
+            ..Default::default()
         }),
     ] {
         let mut e = engine(progress);
@@ -531,6 +533,7 @@ fn a_resumed_site_neither_refetches_its_model_nor_retrains_an_answered_round() {
     let progress = Progress {
         applied_version: Some(0),
         answered_rounds: vec![1],
+        ..Default::default()
     };
     let mut e = engine(Some(progress));
     let (m, _) = model(1, 0, &[]);
@@ -866,17 +869,21 @@ fn signed_mutations_of_every_message_a_site_reads_never_stop_it() {
     );
 }
 
-/// Runs: a site that followed one run of its federation follows a later run's manifest even
-/// at a lower round and version (the federation was started again), asks for its model in that
-/// run, and from then on drops manifests of the earlier run, whatever round they name (a
-/// replay of the earlier run's last manifest no longer wedges it).
+/// Runs: a site that did something in one run of its federation reports a later run's
+/// manifest once ([`Action::NewRun`]) and does not follow it, since its model, BN and algorithm
+/// state are the earlier run's; a fresh engine following the later run (what the agent starts
+/// after putting the old state aside) asks for the later run's model even at a lower round and
+/// version, and from then on drops manifests of the earlier run, whatever round they name (a
+/// replay of the earlier run's last manifest no longer wedges it). A site that did nothing yet
+/// in its run moves to the later one as it is.
 #[test]
-fn a_later_run_is_followed_from_its_model_and_an_earlier_one_is_dropped() {
+fn a_later_run_is_reported_and_followed_afresh_and_an_earlier_one_is_dropped() {
     use unifed_protocol::RunId;
     // Not sampled: the site holds the model and trains nothing.
     let (m, chunks) = model(3, 2, &["b"]);
     let (mut e, _) = fetched(&m, &chunks);
     e.handle(Event::Applied { version: 2 }, 2);
+    assert_eq!(e.progress().run, Some(m.run));
     let later = RunId {
         created_ms: 1_795_000_000_000,
         nonce: 1,
@@ -895,9 +902,29 @@ fn a_later_run_is_followed_from_its_model_and_an_earlier_one_is_dropped() {
         )
         .in_run(later),
     );
-    let acts = e.handle(msg(topics().manifest(), signed), 3);
-    assert_eq!(e.manifest().map(|m| (m.run, m.round)), Some((later, 1)));
-    assert_eq!(e.progress(), &Progress::default());
+    let acts = e.handle(msg(topics().manifest(), signed.clone()), 3);
+    assert_eq!(
+        acts,
+        vec![Action::NewRun {
+            from: m.run,
+            to: later
+        }]
+    );
+    assert_eq!(e.manifest().map(|m| m.run), Some(m.run), "not followed");
+    assert_eq!(
+        e.progress().applied_version,
+        Some(2),
+        "state kept for its owner"
+    );
+    // Reported once: the re-published manifest asks nothing more.
+    assert!(
+        e.handle(msg(topics().manifest(), signed.clone()), 4)
+            .is_empty()
+    );
+    // A fresh site following the later run fetches its model, in that run.
+    let mut fresh = engine(None).following(later);
+    let acts = fresh.handle(msg(topics().manifest(), signed.clone()), 5);
+    assert_eq!(fresh.manifest().map(|m| (m.run, m.round)), Some((later, 1)));
     let asked: Vec<RunId> = acts
         .iter()
         .filter_map(|a| match a {
@@ -911,6 +938,17 @@ fn a_later_run_is_followed_from_its_model_and_an_earlier_one_is_dropped() {
     );
     // The earlier run's manifest, even of a later round, is dropped.
     let (old, _) = model(9, 8, &[]);
-    e.handle(manifest_msg(&old), 4);
-    assert_eq!(e.manifest().map(|m| (m.run, m.round)), Some((later, 1)));
+    fresh.handle(manifest_msg(&old), 6);
+    assert_eq!(fresh.manifest().map(|m| (m.run, m.round)), Some((later, 1)));
+    // A site that only heard of the earlier run (nothing applied) moves on as it is.
+    let mut idle = engine(None);
+    idle.handle(manifest_msg(&old), 7);
+    assert_eq!(idle.manifest().map(|m| m.run), Some(old.run));
+    let acts = idle.handle(msg(topics().manifest(), signed), 8);
+    assert!(
+        !acts.iter().any(|a| matches!(a, Action::NewRun { .. })),
+        "{acts:?}"
+    );
+    assert_eq!(idle.manifest().map(|m| (m.run, m.round)), Some((later, 1)));
+    assert_eq!(idle.progress().run, Some(later));
 }

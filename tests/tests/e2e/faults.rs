@@ -238,6 +238,138 @@ fn sigterm_mid_round_stops_an_agent_with_its_checkpoint_and_the_restart_ends_as_
     assert_eq!(fed.accepted(2), ["grey", "lowres", "texture"]);
 }
 
+#[test]
+fn a_service_agent_trains_two_runs_one_after_another_and_waits_out_an_aggregator_restart() {
+    let want = reference().clone();
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let fed = fed_for(dir.path(), broker.port);
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<Guard> = SITES.iter().map(|s| fed.service(s)).collect();
+    // The first run ends: the aggregator stops once every site said it holds the final model,
+    // and the agents stay up.
+    wait_ok(&mut agg, "aggregator", &fed);
+    assert_eq!(final_model(&fed), want);
+    std::thread::sleep(Duration::from_secs(1));
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        assert!(
+            matches!(a.0.try_wait(), Ok(None)),
+            "{s} ended\n{}",
+            fed.logs()
+        );
+    }
+    let first_run = Store::open(&fed.agg_dir())
+        .unwrap()
+        .load_state()
+        .unwrap()
+        .unwrap()
+        .run;
+    let first_run = first_run.expect("a run").to_string();
+    // A new run of the federation: its state put aside by the command, a fresh one served.
+    let config = fed.aggregator_config();
+    let out = std::process::Command::new(unifed_e2e::binary("unifed-aggregator"))
+        .args(["new-run", "--config", &config.to_string_lossy()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let aside = fed.agg_dir().join("runs").join(&first_run);
+    assert!(aside.join("state.json").is_file(), "{}", aside.display());
+    let before = fed.reports("lowres").len();
+    let mut agg = fed.aggregator();
+    // Killed while lowres trains round 2 of the new run, down for 3 s, then back: the agents
+    // wait it out without a restart of their own.
+    fed.wait_each(&["lowres"], &[before], training(2), LONG);
+    agg.kill();
+    std::thread::sleep(Duration::from_secs(3));
+    let mut agg = fed.aggregator();
+    wait_ok(&mut agg, "aggregator", &fed);
+    // The second run ends with an uninterrupted run's model, held by every site; each site's
+    // state of the first run is in runs/<run>/, its model the first run's final one.
+    assert_eq!(final_model(&fed), want);
+    agents_hold(&fed, &SITES, &want);
+    let spec = fed.spec();
+    for s in SITES {
+        let old = fed
+            .site_dir(s)
+            .join("runs")
+            .join(&first_run)
+            .join("model.safetensors");
+        let st = checkpoint::load(&old, &spec).unwrap();
+        for (t, g) in spec.tensors.iter().zip(&want) {
+            if !t.kind.is_bn() {
+                assert_eq!(&st.get(&t.name).unwrap().data, g, "{s}: {}", t.name);
+            }
+        }
+        let log = std::fs::read_to_string(fed.dir.join(format!("{s}.log"))).unwrap();
+        assert!(log.contains("joining the new run as a new site"), "{log}");
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        assert!(
+            matches!(a.0.try_wait(), Ok(None)),
+            "{s} ended\n{}",
+            fed.logs()
+        );
+        a.terminate();
+        let st = a
+            .wait_for(Duration::from_secs(30))
+            .expect("stops on SIGTERM");
+        assert!(st.success(), "{s}: {st:?}");
+    }
+}
+
+#[test]
+fn raising_rounds_after_a_federation_finished_goes_on_from_its_final_model() {
+    let want = reference().clone();
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::start(BrokerKind::Embedded, PACKET);
+    let mut fed = fed_for(dir.path(), broker.port);
+    fed.rounds = 2;
+    let mut agg = fed.aggregator();
+    let mut agents: Vec<Guard> = SITES.iter().map(|s| fed.service(s)).collect();
+    wait_ok(&mut agg, "aggregator", &fed);
+    // Served again as it is, a finished federation says so and how to go on.
+    let mut again = fed.aggregator();
+    wait_ok(&mut again, "aggregator", &fed);
+    let log = std::fs::read_to_string(fed.dir.join("agg.log")).unwrap();
+    assert!(
+        log.contains("finished at round 2") && log.contains("Raise `rounds` above 2"),
+        "{log}"
+    );
+    // Three rounds asked for: the same run goes on with round 3, and ends where a federation of
+    // three rounds does.
+    fed.rounds = 3;
+    let mut agg = fed.aggregator();
+    wait_ok(&mut agg, "aggregator", &fed);
+    assert!(final_model(&fed) == want, "{}", fed.logs());
+    agents_hold(&fed, &SITES, &want);
+    assert!(
+        fed.audit()
+            .iter()
+            .any(|e| e.event == "extended" && e.round == 3),
+        "{:?}",
+        fed.audit()
+    );
+    for (a, s) in agents.iter_mut().zip(SITES) {
+        assert!(
+            matches!(a.0.try_wait(), Ok(None)),
+            "{s} ended\n{}",
+            fed.logs()
+        );
+        a.terminate();
+        assert!(
+            a.wait_for(Duration::from_secs(30))
+                .is_some_and(|st| st.success())
+        );
+    }
+}
+
 /// Starts `binary args` once `first` holds the state folder `folder`: it must end at once with
 /// a failure that names `first`'s pid, and leave `first` running.
 fn second_is_refused(binary: &str, args: &[&str], folder: &std::path::Path, first: &Guard) {

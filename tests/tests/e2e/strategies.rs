@@ -67,13 +67,13 @@ struct Outcome {
     sites: Vec<(Vec<Vec<u32>>, Memory)>,
 }
 
-/// The memory (residuals, the algorithm's state) in a site's `checkpoint.bin`: magic and version 6,
+/// The memory (residuals, the algorithm's state) in a site's `checkpoint.bin`: magic and version 7,
 /// then the postcard of (progress, memory, (model file's number, its length, its sum)), then
 /// the file's sum.
 fn memory(dir: &std::path::Path) -> Memory {
     let bytes = std::fs::read(dir.join("checkpoint.bin")).unwrap();
-    assert_eq!(&bytes[..8], b"UFSC\x06\0\0\0");
-    type Progress = (Option<u64>, Vec<u64>);
+    assert_eq!(&bytes[..8], b"UFSC\x07\0\0\0");
+    type Progress = (Option<u64>, Vec<u64>, Option<unifed_protocol::RunId>);
     type ModelFile = (u64, u64, [u8; 16]);
     let body = &bytes[8..bytes.len() - 16];
     let (memory, rest) = postcard::take_from_bytes::<(Progress, Memory, ModelFile)>(body).unwrap();
