@@ -2,6 +2,7 @@
 //! one-command demo (`unifed-demo`), which runs agents as processes of its own binary.
 
 pub mod config;
+pub mod doctor;
 mod files;
 mod host;
 pub mod model;

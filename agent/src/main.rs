@@ -72,6 +72,18 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Checks the site: its config file, identity key, backend, model spec, images, state
+    /// folder, disk headroom and broker, one line per check. Exits 0 when all pass, else with
+    /// the code of the first failure's class: 2 config, 3 keys, 4 model, 5 backend, 6 data,
+    /// 7 state folder, 8 disk, 9 broker.
+    Doctor {
+        /// Agent config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// The agent's config file: a commented example, or a check of one.
+    #[command(subcommand)]
+    Config(ConfigCmd),
     /// Runs the site's local training and evaluation on a throwaway copy of its model, so a
     /// GPU backend tunes its kernels into `<state_dir>/kernels` (run it once at install time);
     /// prints the seconds of each pass as JSON. The site's checkpoint is not touched.
@@ -126,6 +138,23 @@ enum Cmd {
     /// Training and inference samples/s of the digits CNN per compiled backend, peak RSS, and
     /// PyTorch's figures on the same threads when a Python with torch is found.
     Bench(bench::Args),
+}
+
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// Writes the commented example config (relative paths are relative to the file).
+    Init {
+        /// The file to write (never overwritten).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Names every unknown key, wrong type, missing field and missing file of a config with
+    /// its line and column; exits 2 when there is any.
+    Check {
+        /// Agent config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -236,6 +265,43 @@ fn main() -> Result<()> {
         Cmd::Train { config } => {
             // `--threads`, applied above, overrides the config's cap.
             train::run_from_file(&config, cli.threads.is_some(), train::Mode::Once)?;
+            Ok(())
+        }
+        Cmd::Doctor { config } => {
+            let checks = unifed_agent::doctor::doctor(&config);
+            let text: Vec<String> = checks.iter().map(|c| c.to_string()).collect();
+            unifed_net::service::print_out(text.join("\n"))?;
+            std::process::exit(unifed_agent::doctor::exit_code(&checks));
+        }
+        Cmd::Config(ConfigCmd::Init { out }) => {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&out)
+                .with_context(|| {
+                    format!("creating {} (an existing file is kept)", out.display())
+                })?;
+            std::io::Write::write_all(&mut f, unifed_agent::doctor::example_config().as_bytes())
+                .with_context(|| format!("writing {}", out.display()))?;
+            unifed_net::service::print_out(format_args!(
+                "wrote {}; set site, federation, aggregator_key and [data], then `unifed-agent config check --config {}`",
+                out.display(),
+                out.display()
+            ))?;
+            Ok(())
+        }
+        Cmd::Config(ConfigCmd::Check { config }) => {
+            match unifed_agent::doctor::check_config(&config) {
+                Ok(_) => unifed_net::service::print_out(format_args!("{}: ok", config.display()))?,
+                Err(found) => {
+                    let text: Vec<String> = found
+                        .iter()
+                        .map(|f| format!("{}:{f}", config.display()))
+                        .collect();
+                    unifed_net::service::print_out(text.join("\n"))?;
+                    std::process::exit(2);
+                }
+            }
             Ok(())
         }
         Cmd::Run { config } => {

@@ -6,6 +6,7 @@
 //! application task can `publish().await` without starving the loop. [`report`] is the typed
 //! contract between the services and a supervising process.
 
+pub mod config_check;
 pub mod disk;
 pub mod memory;
 pub mod report;
