@@ -29,6 +29,9 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// The service's config file: a commented example, or a check of one.
+    #[command(subcommand)]
+    Config(ConfigCmd),
     /// Writes a Mosquitto config for the federation of `--config` with mutual TLS and a
     /// per-site ACL (`mosquitto.conf` and `acl` in `--out`): clients are known by their
     /// certificate's common name (the site id, or `aggregator`).
@@ -61,6 +64,23 @@ enum Cmd {
     },
 }
 
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// Writes the commented example config (relative paths are relative to the file).
+    Init {
+        /// The file to write (never overwritten).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Names every unknown key, wrong type, missing field, invalid federation setting and
+    /// missing file of a config with its line and column; exits 2 when there is any.
+    Check {
+        /// Service config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
 /// Large blocks in transparent huge pages (see `unifed_net::memory::HugeBlocks`).
 #[global_allocator]
 static ALLOCATOR: unifed_net::memory::HugeBlocks = unifed_net::memory::HugeBlocks;
@@ -73,6 +93,41 @@ fn main() -> Result<()> {
         Cmd::Serve { config } => {
             let v = serve_from_file(&config)?;
             println!("final model version {v}");
+            Ok(())
+        }
+        Cmd::Config(ConfigCmd::Init { out }) => {
+            use anyhow::Context;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&out)
+                .with_context(|| {
+                    format!("creating {} (an existing file is kept)", out.display())
+                })?;
+            std::io::Write::write_all(
+                &mut f,
+                unifed_aggregator::service::example_config().as_bytes(),
+            )
+            .with_context(|| format!("writing {}", out.display()))?;
+            unifed_net::service::print_out(format_args!(
+                "wrote {}; enrol the sites, then `unifed-aggregator config check --config {}`",
+                out.display(),
+                out.display()
+            ))?;
+            Ok(())
+        }
+        Cmd::Config(ConfigCmd::Check { config }) => {
+            match unifed_aggregator::service::check_config(&config) {
+                Ok(_) => unifed_net::service::print_out(format_args!("{}: ok", config.display()))?,
+                Err(found) => {
+                    let text: Vec<String> = found
+                        .iter()
+                        .map(|f| format!("{}:{f}", config.display()))
+                        .collect();
+                    unifed_net::service::print_out(text.join("\n"))?;
+                    std::process::exit(2);
+                }
+            }
             Ok(())
         }
         Cmd::NewRun { config } => {
