@@ -139,7 +139,7 @@ pub fn doctor(path: &Path) -> Vec<Check> {
         }
     };
     out.push(match cfg.identity() {
-        Ok(id) => pass("identity", format!("{}", id.key.public().fingerprint())),
+        Ok(id) => pass("identity", id.key.public().fingerprint().to_string()),
         Err(e) => fail("identity", Class::Keys, format!("{e:#}")),
     });
     let backend = cfg.backend.parse::<unifed_models::backend::Backend>();

@@ -267,43 +267,8 @@ fn main() -> Result<()> {
             train::run_from_file(&config, cli.threads.is_some(), train::Mode::Once)?;
             Ok(())
         }
-        Cmd::Doctor { config } => {
-            let checks = unifed_agent::doctor::doctor(&config);
-            let text: Vec<String> = checks.iter().map(|c| c.to_string()).collect();
-            unifed_net::service::print_out(text.join("\n"))?;
-            std::process::exit(unifed_agent::doctor::exit_code(&checks));
-        }
-        Cmd::Config(ConfigCmd::Init { out }) => {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&out)
-                .with_context(|| {
-                    format!("creating {} (an existing file is kept)", out.display())
-                })?;
-            std::io::Write::write_all(&mut f, unifed_agent::doctor::example_config().as_bytes())
-                .with_context(|| format!("writing {}", out.display()))?;
-            unifed_net::service::print_out(format_args!(
-                "wrote {}; set site, federation, aggregator_key and [data], then `unifed-agent config check --config {}`",
-                out.display(),
-                out.display()
-            ))?;
-            Ok(())
-        }
-        Cmd::Config(ConfigCmd::Check { config }) => {
-            match unifed_agent::doctor::check_config(&config) {
-                Ok(_) => unifed_net::service::print_out(format_args!("{}: ok", config.display()))?,
-                Err(found) => {
-                    let text: Vec<String> = found
-                        .iter()
-                        .map(|f| format!("{}:{f}", config.display()))
-                        .collect();
-                    unifed_net::service::print_out(text.join("\n"))?;
-                    std::process::exit(2);
-                }
-            }
-            Ok(())
-        }
+        Cmd::Doctor { config } => doctor_cmd(&config),
+        Cmd::Config(cmd) => config_cmd(cmd),
         Cmd::Run { config } => {
             train::run_from_file(&config, cli.threads.is_some(), train::Mode::Service)?;
             Ok(())
@@ -338,6 +303,51 @@ fn main() -> Result<()> {
             out,
             seed,
         }) => data_export(&domain, (base_images, base_labels, base_folder), &out, seed),
+    }
+}
+
+/// `doctor`: one line per check, and the first failure's class as the exit code.
+fn doctor_cmd(config: &std::path::Path) -> Result<()> {
+    let checks = unifed_agent::doctor::doctor(config);
+    let text: Vec<String> = checks.iter().map(|c| c.to_string()).collect();
+    unifed_net::service::print_out(text.join("\n"))?;
+    std::process::exit(unifed_agent::doctor::exit_code(&checks));
+}
+
+/// `config init` and `config check`.
+fn config_cmd(cmd: ConfigCmd) -> Result<()> {
+    match cmd {
+        ConfigCmd::Init { out } => {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&out)
+                .with_context(|| {
+                    format!("creating {} (an existing file is kept)", out.display())
+                })?;
+            std::io::Write::write_all(&mut f, unifed_agent::doctor::example_config().as_bytes())
+                .with_context(|| format!("writing {}", out.display()))?;
+            unifed_net::service::print_out(format_args!(
+                "wrote {}; set site, federation, aggregator_key and [data], then `unifed-agent config check --config {}`",
+                out.display(),
+                out.display()
+            ))?;
+            Ok(())
+        }
+        ConfigCmd::Check { config } => match unifed_agent::doctor::check_config(&config) {
+            Ok(_) => Ok(unifed_net::service::print_out(format_args!(
+                "{}: ok",
+                config.display()
+            ))?),
+            Err(found) => {
+                let text: Vec<String> = found
+                    .iter()
+                    .map(|f| format!("{}:{f}", config.display()))
+                    .collect();
+                unifed_net::service::print_out(text.join("\n"))?;
+                std::process::exit(2);
+            }
+        },
     }
 }
 
