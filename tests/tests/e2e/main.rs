@@ -14,6 +14,7 @@ mod hostile;
 mod mtls;
 mod onboarding;
 mod outcomes;
+mod package;
 mod side;
 mod strategies;
 mod tls;
