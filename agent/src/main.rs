@@ -72,6 +72,23 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Makes the site's enrolment request for its coordinator (`unifed-aggregator approve`):
+    /// the identity key of the config (made here if there is none; it never leaves this
+    /// machine) signs a request naming the site and federation; read its fingerprint out to the
+    /// coordinator over another channel. With `--rotate`, a new key replaces the current one
+    /// (kept as `<identity>.old` until the rotation is approved) and the request is signed by
+    /// both.
+    Enrol {
+        /// Agent config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+        /// Where to write the request (default `<site>-enrolment.json`).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Replace the enrolled key with a new one.
+        #[arg(long)]
+        rotate: bool,
+    },
     /// Checks the site: its config file, identity key, backend, model spec, images, state
     /// folder, disk headroom and broker, one line per check. Exits 0 when all pass, else with
     /// the code of the first failure's class: 2 config, 3 keys, 4 model, 5 backend, 6 data,
@@ -268,6 +285,11 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Doctor { config } => doctor_cmd(&config),
+        Cmd::Enrol {
+            config,
+            out,
+            rotate,
+        } => enrol_cmd(&config, out, rotate),
         Cmd::Config(cmd) => config_cmd(cmd),
         Cmd::Run { config } => {
             train::run_from_file(&config, cli.threads.is_some(), train::Mode::Service)?;
@@ -304,6 +326,44 @@ fn main() -> Result<()> {
             seed,
         }) => data_export(&domain, (base_images, base_labels, base_folder), &out, seed),
     }
+}
+
+/// `enrol`: the site's key (made, or rotated) and its signed request, written to `out`.
+fn enrol_cmd(config: &std::path::Path, out: Option<PathBuf>, rotate: bool) -> Result<()> {
+    use unifed_protocol::SigningKey;
+    let cfg = unifed_agent::train::load_config(config)?;
+    let path = unifed_protocol::auth::credential_path(&cfg.identity)?;
+    let (key, previous) = if rotate {
+        let old = SigningKey::load(&path).context("the key to rotate")?;
+        let kept = path.with_extension("key.old");
+        if kept.exists() {
+            bail!(
+                "{} exists: a rotation is waiting for approval (or finish the last one by removing it)",
+                kept.display()
+            );
+        }
+        std::fs::rename(&path, &kept)
+            .with_context(|| format!("keeping the old key as {}", kept.display()))?;
+        (SigningKey::create(&path)?, Some(old))
+    } else {
+        (SigningKey::load_or_create(&path)?, None)
+    };
+    let req = unifed_protocol::enrolment::EnrolmentRequest::new(
+        &cfg.federation,
+        &cfg.site,
+        &key,
+        previous.as_ref(),
+    );
+    let out = out.unwrap_or_else(|| PathBuf::from(format!("{}-enrolment.json", cfg.site)));
+    std::fs::write(&out, serde_json::to_vec_pretty(&req)?)
+        .with_context(|| format!("writing {}", out.display()))?;
+    unifed_net::service::print_out(format_args!(
+        "wrote {}: give it to the coordinator (`unifed-aggregator approve --request`) and read \
+         out this key's fingerprint {} to them over another channel",
+        out.display(),
+        key.public().fingerprint()
+    ))?;
+    Ok(())
 }
 
 /// `doctor`: one line per check, and the first failure's class as the exit code.

@@ -35,6 +35,7 @@ mod clock;
 pub mod config;
 pub mod core;
 mod disk;
+pub mod enrol;
 pub mod federation;
 pub mod fold;
 pub mod ingest;

@@ -29,6 +29,31 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Approves a site's enrolment request (`unifed-agent enrol`): checks its signatures and
+    /// federation (and `--fingerprint`, read out by the site over another channel), then adds
+    /// the site to `[federation] sites` in the config, or for a rotation replaces its key and
+    /// revokes the old one. Restart the aggregator to admit a new key.
+    Approve {
+        /// Service config (TOML), edited in place (comments kept).
+        #[arg(long)]
+        config: PathBuf,
+        /// The site's request (JSON).
+        #[arg(long)]
+        request: PathBuf,
+        /// The key fingerprint the site read out; the request must match it.
+        #[arg(long)]
+        fingerprint: Option<String>,
+    },
+    /// Revokes a site's key (`[federation] revoked`): a running aggregator refuses it from its
+    /// next look at the config, within a second.
+    Revoke {
+        /// Service config (TOML), edited in place (comments kept).
+        #[arg(long)]
+        config: PathBuf,
+        /// The site whose key is revoked.
+        #[arg(long)]
+        site: String,
+    },
     /// The service's config file: a commented example, or a check of one.
     #[command(subcommand)]
     Config(ConfigCmd),
@@ -93,6 +118,22 @@ fn main() -> Result<()> {
         Cmd::Serve { config } => {
             let v = serve_from_file(&config)?;
             println!("final model version {v}");
+            Ok(())
+        }
+        Cmd::Approve {
+            config,
+            request,
+            fingerprint,
+        } => approve_cmd(&config, &request, fingerprint.as_deref()),
+        Cmd::Revoke { config, site } => {
+            let text = std::fs::read_to_string(&config)?;
+            let (text, key) = unifed_aggregator::enrol::revoke(&text, &site)?;
+            replace_file(&config, &text)?;
+            unifed_net::service::print_out(format_args!(
+                "revoked {site}'s key {} in {}",
+                key.fingerprint(),
+                config.display()
+            ))?;
             Ok(())
         }
         Cmd::Config(ConfigCmd::Init { out }) => {
@@ -195,4 +236,49 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// `approve`: the request checked and the config edited.
+fn approve_cmd(
+    config: &std::path::Path,
+    request: &std::path::Path,
+    fingerprint: Option<&str>,
+) -> Result<()> {
+    use anyhow::Context;
+    use unifed_aggregator::enrol::Approved;
+    let req: unifed_protocol::enrolment::EnrolmentRequest = serde_json::from_slice(
+        &std::fs::read(request).with_context(|| format!("reading {}", request.display()))?,
+    )
+    .with_context(|| format!("{} is not an enrolment request", request.display()))?;
+    let text =
+        std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
+    let (text, what) = unifed_aggregator::enrol::approve(&text, &req, fingerprint)
+        .with_context(|| format!("{}: not approved", request.display()))?;
+    replace_file(config, &text)?;
+    let said = match what {
+        Approved::Enrolled => format!("enrolled `{}`", req.site),
+        Approved::Rotated { old } => format!(
+            "rotated `{}`'s key (the old one, {}, is revoked)",
+            req.site,
+            old.fingerprint()
+        ),
+        Approved::AlreadyEnrolled => format!("`{}` is enrolled with this key already", req.site),
+    };
+    unifed_net::service::print_out(format_args!(
+        "{said}: key {} in {}; restart the aggregator to admit it",
+        req.key.fingerprint(),
+        config.display()
+    ))?;
+    Ok(())
+}
+
+/// Replaces `path` with `text` atomically, keeping its permissions.
+fn replace_file(path: &std::path::Path, text: &str) -> Result<()> {
+    use anyhow::Context;
+    let tmp = path.with_extension("toml.tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    if let Ok(m) = std::fs::metadata(path) {
+        std::fs::set_permissions(&tmp, m.permissions())?;
+    }
+    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
 }

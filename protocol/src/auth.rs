@@ -48,6 +48,12 @@ impl PublicKey {
         )
     }
 
+    /// True if `signature` is this key's [`SigningKey::sign_statement`] of `bytes` in
+    /// `context`.
+    pub fn verifies_statement(&self, context: &str, bytes: &[u8], signature: &[u8]) -> bool {
+        self.verifies(&statement_digest(context, bytes), signature)
+    }
+
     /// True if `signature` is this key's signature of `digest`.
     fn verifies(&self, digest: &[u8; 32], signature: &[u8]) -> bool {
         UnparsedPublicKey::new(&ED25519, &self.0)
@@ -174,6 +180,16 @@ impl SigningKey {
     pub fn sign(&self, envelope: &Envelope) -> Vec<u8> {
         self.sign_encoded(envelope.encode_unsigned())
             .expect("an unsigned encoding ends with the empty signature slot")
+    }
+
+    /// This key's signature of a statement `bytes` in `context` (not an envelope: a file a
+    /// person carries, such as an enrolment request). The context keeps a statement's signature
+    /// from meaning anything else, an envelope's included.
+    pub fn sign_statement(&self, context: &str, bytes: &[u8]) -> [u8; SIGNATURE_LEN] {
+        let digest = statement_digest(context, bytes);
+        let mut out = [0u8; SIGNATURE_LEN];
+        out.copy_from_slice(self.pair.sign(&digest).as_ref());
+        out
     }
 
     /// The seed, for writing the key file.
@@ -339,6 +355,16 @@ impl Keyring {
 
 /// BLAKE3 of `parts` in the signature's derivation context: 3-4 times faster than SHA-256 with
 /// its CPU instructions, on an update of 57 MB hashed by both sides.
+/// The digest a statement's signature covers: BLAKE3 in a derivation context of its own,
+/// never the envelopes'.
+fn statement_digest(context: &str, bytes: &[u8]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_derive_key("UniFed Edge 2026-11-30 signed statement");
+    h.update(&(context.len() as u64).to_le_bytes());
+    h.update(context.as_bytes());
+    h.update(bytes);
+    h.finalize().into()
+}
+
 fn digest(parts: &[&[u8]]) -> [u8; 32] {
     let mut h = blake3::Hasher::new_derive_key(DOMAIN);
     for p in parts {

@@ -53,6 +53,8 @@ extern crate alloc;
 pub mod auth;
 pub mod chunking;
 pub mod encoding;
+#[cfg(feature = "std")]
+pub mod enrolment;
 pub mod envelope;
 pub mod ids;
 pub mod messages;

@@ -15,6 +15,7 @@ mod mtls;
 mod onboarding;
 mod outcomes;
 mod package;
+mod provision;
 mod side;
 mod strategies;
 mod tls;
