@@ -142,12 +142,12 @@ impl SiteFiles {
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
     }
 
-    /// Moves the site's state of the run `run` (checkpoint, model files, progress, parked
+    /// Moves the site's state of the run named `run` (checkpoint, model files, progress, parked
     /// training files) into `runs/<run>/` of the state folder, where it stays for people and
     /// tools, and leaves the folder as a new site's: what the agent does when its aggregator
     /// starts a later run. The lock, the kernel cache and earlier runs stay where they are.
-    pub(crate) fn put_aside(&self, run: unifed_protocol::RunId) -> Result<PathBuf> {
-        let to = self.dir.join("runs").join(run.to_string());
+    pub(crate) fn put_aside(&self, run: &str) -> Result<PathBuf> {
+        let to = self.dir.join("runs").join(run);
         std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
         let entries = std::fs::read_dir(&self.dir)
             .with_context(|| format!("reading {}", self.dir.display()))?;
@@ -168,6 +168,12 @@ impl SiteFiles {
         }
         self.next.set(0);
         Ok(to)
+    }
+
+    /// The run the site's saved progress (`progress.json`) is of, if it names one.
+    pub(crate) fn saved_run(&self) -> Option<unifed_protocol::RunId> {
+        let text = std::fs::read(&self.progress).ok()?;
+        serde_json::from_slice::<Progress>(&text).ok()?.run
     }
 
     /// The model file numbered `n`.

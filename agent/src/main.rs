@@ -72,6 +72,14 @@ enum Cmd {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Resets the site to a new one: its checkpoint, model and progress move to
+    /// `<state_dir>/runs/<run>/`, and its next start joins the federation afresh (its key and
+    /// config stay). Refused while the agent runs.
+    Reset {
+        /// Agent config (TOML).
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Makes the site's enrolment request for its coordinator (`unifed-aggregator approve`):
     /// the identity key of the config (made here if there is none; it never leaves this
     /// machine) signs a request naming the site and federation; read its fingerprint out to the
@@ -285,6 +293,20 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Doctor { config } => doctor_cmd(&config),
+        Cmd::Reset { config } => {
+            let cfg = train::load_config(&config)?;
+            match train::reset(&cfg)? {
+                Some(to) => unifed_net::service::print_out(format_args!(
+                    "the site's state is now in {}; its next start joins the federation afresh",
+                    to.display()
+                ))?,
+                None => unifed_net::service::print_out(format_args!(
+                    "{} holds no site state",
+                    cfg.state_dir.display()
+                ))?,
+            }
+            Ok(())
+        }
         Cmd::Enrol {
             config,
             out,

@@ -74,7 +74,7 @@ pub async fn run(
             Outcome::Finished(end) => return Ok(Some(end.accuracy)),
             Outcome::Stopped => return Ok(None),
             Outcome::NewRun { from, to } => {
-                let dir = SiteFiles::new(&cfg.state_dir).put_aside(from)?;
+                let dir = SiteFiles::new(&cfg.state_dir).put_aside(&from.to_string())?;
                 println!(
                     "{}: the aggregator started run {to}; this site's state of run {from} is now in {}; joining the new run as a new site",
                     cfg.site,
@@ -84,6 +84,28 @@ pub async fn run(
             }
         }
     }
+}
+
+/// Resets the site of `cfg` to a new site: its state (checkpoint, model, progress) moves to
+/// `<state_dir>/runs/<run>/` (`reset-<ms>` when it names no run), so the next start joins its
+/// federation afresh. Refused while an agent runs on the folder. Returns where the state went,
+/// or `None` when there was none.
+pub fn reset(cfg: &AgentConfig) -> Result<Option<std::path::PathBuf>> {
+    let _lock = unifed_net::service::StateLock::acquire(&cfg.state_dir, "unifed-agent")?;
+    let files = SiteFiles::new(&cfg.state_dir);
+    if !cfg.state_dir.join("checkpoint.bin").exists() {
+        return Ok(None);
+    }
+    let name = match files.saved_run() {
+        Some(run) => run.to_string(),
+        None => {
+            let ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            format!("reset-{ms}")
+        }
+    };
+    files.put_aside(&name).map(Some)
 }
 
 /// How a session of the agent (one connection, one site driver) ended.

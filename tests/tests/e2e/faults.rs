@@ -356,6 +356,21 @@ fn raising_rounds_after_a_federation_finished_goes_on_from_its_final_model() {
         "{:?}",
         fed.audit()
     );
+    // `reset` is refused while the agent runs, and afterwards puts the site's state aside
+    // under the run it was of.
+    let reset = || {
+        std::process::Command::new(unifed_e2e::binary("unifed-agent"))
+            .args([
+                "reset",
+                "--config",
+                &fed.dir.join("grey.toml").to_string_lossy(),
+            ])
+            .output()
+            .unwrap()
+    };
+    let refused = reset();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("in use by another unifed-agent"));
     for (a, s) in agents.iter_mut().zip(SITES) {
         assert!(
             matches!(a.0.try_wait(), Ok(None)),
@@ -368,6 +383,23 @@ fn raising_rounds_after_a_federation_finished_goes_on_from_its_final_model() {
                 .is_some_and(|st| st.success())
         );
     }
+    assert!(reset().status.success());
+    let run = Store::open(&fed.agg_dir())
+        .unwrap()
+        .load_state()
+        .unwrap()
+        .unwrap()
+        .run;
+    let aside = fed
+        .site_dir("grey")
+        .join("runs")
+        .join(run.unwrap().to_string());
+    assert!(
+        aside.join("checkpoint.bin").is_file(),
+        "{}",
+        aside.display()
+    );
+    assert!(!fed.site_dir("grey").join("checkpoint.bin").exists());
 }
 
 /// Starts `binary args` once `first` holds the state folder `folder`: it must end at once with
