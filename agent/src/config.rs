@@ -44,6 +44,14 @@ pub struct AgentConfig {
     /// Where a GPU backend keeps its tuned kernels (default: `<state_dir>/kernels`).
     #[serde(default)]
     pub kernel_cache: Option<PathBuf>,
+    /// A device profile (`firmware-targets/profiles/`: `x86-cpu`, `arm-cpu`, `jetson-orin`,
+    /// `desktop-gpu`): the backend, threads, batch size and memory budget this file leaves
+    /// unset.
+    #[serde(default)]
+    pub profile: Option<String>,
+    /// The most memory the agent should take, MiB (`doctor` checks it against the machine).
+    #[serde(default)]
+    pub memory_budget_mib: Option<u64>,
     /// Compute backend.
     #[serde(default = "default_backend")]
     pub backend: String,
@@ -175,10 +183,22 @@ impl AgentConfig {
 pub fn load_config(path: &std::path::Path) -> Result<AgentConfig> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut cfg: AgentConfig =
+    let cfg: AgentConfig =
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let mut cfg = with_profile(&text, cfg).with_context(|| format!("{}", path.display()))?;
     cfg.resolve_paths(path);
     Ok(cfg)
+}
+
+/// `cfg` (read from `text`) with its device profile's values where the file sets none.
+pub fn with_profile(text: &str, cfg: AgentConfig) -> Result<AgentConfig> {
+    let Some(name) = &cfg.profile else {
+        return Ok(cfg);
+    };
+    let profile = crate::profile::get(name)?;
+    let mut table: toml::Table = toml::from_str(text)?;
+    profile.fill(&mut table);
+    Ok(toml::Value::Table(table).try_into()?)
 }
 
 /// How a late joiner's BN starts (FedBN appendix G gives no rule; this is ours). Under a BN

@@ -75,7 +75,15 @@ pub fn check_config(path: &Path) -> Result<AgentConfig, Vec<Finding>> {
             message: format!("cannot read {}: {e}", path.display()),
         }]
     })?;
-    let mut cfg: AgentConfig = check(&text)?;
+    let cfg: AgentConfig = check(&text)?;
+    let mut cfg = crate::config::with_profile(&text, cfg).map_err(|e| {
+        let (line, column) = position(&text, &["profile"]).unwrap_or((1, 1));
+        vec![Finding {
+            line,
+            column,
+            message: format!("{e:#}"),
+        }]
+    })?;
     cfg.resolve_paths(path);
     let mut found = Vec::new();
     let mut must_exist = |keys: &[&str], file: Option<&Path>, folder: bool| {
@@ -142,6 +150,9 @@ pub fn doctor(path: &Path) -> Vec<Check> {
         Ok(id) => pass("identity", id.key.public().fingerprint().to_string()),
         Err(e) => fail("identity", Class::Keys, format!("{e:#}")),
     });
+    if let Some(c) = profile_check(&cfg) {
+        out.push(c);
+    }
     let backend = cfg.backend.parse::<unifed_models::backend::Backend>();
     let device = match backend
         .map_err(|e| e.to_string())
@@ -205,6 +216,38 @@ fn fail(name: &'static str, class: Class, detail: String) -> Check {
         failed: Some(class),
         detail,
     }
+}
+
+/// The device profile's GPU device nodes are there, and its memory budget (or the config's)
+/// fits the machine; `None` without a profile or budget.
+fn profile_check(cfg: &AgentConfig) -> Option<Check> {
+    let budget = cfg.memory_budget_mib;
+    let profile = cfg.profile.as_deref();
+    if profile.is_none() && budget.is_none() {
+        return None;
+    }
+    let name = profile.unwrap_or("-");
+    if let Some(p) = profile.and_then(|n| crate::profile::get(n).ok()) {
+        let missing: Vec<&str> = p
+            .gpu_devices
+            .iter()
+            .filter(|d| !Path::new(d.as_str()).exists())
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() && cfg.backend == p.backend {
+            let detail = format!("{name}: no {} (the GPU is not visible)", missing.join(", "));
+            return Some(fail("profile", Class::Backend, detail));
+        }
+    }
+    let (Some(budget), Some(machine)) = (budget, crate::profile::machine_mib()) else {
+        return Some(pass("profile", name.to_string()));
+    };
+    let detail = format!("{name}: memory budget {budget} MiB of the machine's {machine} MiB");
+    Some(if budget <= machine {
+        pass("profile", detail)
+    } else {
+        fail("profile", Class::Backend, detail)
+    })
 }
 
 /// The site's images load for the spec (a few unreadable ones skipped) and every class of the

@@ -6,6 +6,7 @@ pub mod doctor;
 mod files;
 mod host;
 pub mod model;
+pub mod profile;
 pub mod progress;
 pub mod registry;
 pub mod train;

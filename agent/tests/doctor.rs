@@ -184,6 +184,30 @@ fn doctor_passes_a_good_site_and_names_each_planted_misconfiguration() {
     // 10. The state folder's place is taken by a file.
     std::fs::write(site.path("taken"), b"").unwrap();
     site.fails(&good.replace("\"state\"", "\"taken\""), 7, "taken");
+    // 11-13. Device profiles: one this build or machine cannot serve (a GPU profile here), a
+    // memory budget past the machine's, and a profile that does not exist.
+    site.fails(
+        &good.replace("threads = 1", "threads = 1\nprofile = \"desktop-gpu\""),
+        5,
+        "vulkan",
+    );
+    site.fails(
+        &good.replace("threads = 1", "threads = 1\nmemory_budget_mib = 1000000000"),
+        5,
+        "memory budget 1000000000 MiB",
+    );
+    site.fails(
+        &good.replace("threads = 1", "threads = 1\nprofile = \"toaster\""),
+        2,
+        "no device profile `toaster`",
+    );
+    let (code, out) =
+        site.doctor(&good.replace("threads = 1", "threads = 1\nprofile = \"x86-cpu\""));
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("ok   profile    x86-cpu: memory budget 1024 MiB"),
+        "{out}"
+    );
     // And the good config still passes; `config check` agrees on the file's problems.
     assert_eq!(site.doctor(good).0, 0);
     let cfg = site.path("site.toml");

@@ -692,6 +692,8 @@ fn launch(
             state_dir: work.join(id),
             // Outside the run's folder, which each run wipes: a GPU tunes once per site.
             kernel_cache: Some(std::path::absolute(opts.work.join("kernels").join(id))?),
+            profile: None,
+            memory_budget_mib: None,
             backend: backend.to_string(),
             // The spec written beside the initial model decides every site's model.
             spec: Some(unifed_protocol::spec_path(&model)),

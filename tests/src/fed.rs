@@ -337,6 +337,8 @@ impl Fed {
             federation: "e2e".into(),
             state_dir: self.site_dir(device),
             kernel_cache: None,
+            profile: None,
+            memory_budget_mib: None,
             backend: "flex".into(),
             spec: None,
             model: DigitsCnnConfig {
