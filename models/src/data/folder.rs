@@ -6,7 +6,13 @@ use crate::error::DataError;
 use std::path::{Path, PathBuf};
 use unifed_protocol::ModelSpec;
 
-const IMAGE_EXT: [&str; 3] = ["png", "jpg", "jpeg"];
+const IMAGE_EXT: [&str; 4] = ["png", "jpg", "jpeg", "dcm"];
+
+fn is_dicom(p: &Path) -> bool {
+    p.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("dcm"))
+}
 
 fn is_image(p: &Path) -> bool {
     p.extension()
@@ -33,13 +39,73 @@ pub(crate) fn sorted_entries(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     Ok(v)
 }
 
-fn load_image(path: &Path, spec: &ModelSpec) -> Result<Vec<f32>, DataError> {
+/// The model input rows of the image file at `path`: one for a PNG or JPEG, one per frame for
+/// DICOM.
+fn load_image(path: &Path, spec: &ModelSpec) -> Result<Vec<Vec<f32>>, DataError> {
+    if is_dicom(path) {
+        return super::dicom::load_dicom(path, spec);
+    }
     let bytes = std::fs::read(path).map_err(|e| io_err(path, e))?;
     let img = image::load_from_memory(&bytes).map_err(|e| DataError::CorruptImage {
         path: path.into(),
         message: e.to_string(),
     })?;
-    preprocess(&img, &spec.input, path)
+    Ok(vec![preprocess(&img, &spec.input, path)?])
+}
+
+/// The labels of DICOM files by SOP Instance UID, from `<root>/labels.csv` (header
+/// `sop_instance_uid,label`), if there is one.
+fn uid_labels(root: &Path) -> Result<Option<std::collections::HashMap<String, String>>, DataError> {
+    let path = root.join("labels.csv");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let mut rdr = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .from_path(&path)
+        .map_err(|e| io_err(&path, std::io::Error::other(e)))?;
+    let bad = |line: usize, message: String| DataError::BadManifest {
+        path: path.clone(),
+        line,
+        message,
+    };
+    let headers = rdr.headers().map_err(|e| bad(1, e.to_string()))?.clone();
+    let col = |name: &str| {
+        headers
+            .iter()
+            .position(|h| h.trim() == name)
+            .ok_or_else(|| {
+                bad(
+                    1,
+                    format!("missing column `{name}` (expected sop_instance_uid,label)"),
+                )
+            })
+    };
+    let (cu, cl) = (col("sop_instance_uid")?, col("label")?);
+    let mut out = std::collections::HashMap::new();
+    for (i, rec) in rdr.records().enumerate() {
+        let rec = rec.map_err(|e| bad(i + 2, e.to_string()))?;
+        let get = |c: usize| rec.get(c).map(str::trim).unwrap_or_default().to_string();
+        out.insert(get(cu), get(cl));
+    }
+    Ok(Some(out))
+}
+
+/// The SOP Instance UID of the DICOM file at `path`, read without its pixel data.
+fn dicom_uid(path: &Path) -> Result<String, DataError> {
+    let obj = dicom_object::OpenFileOptions::new()
+        .read_until(dicom_dictionary_std::tags::PIXEL_DATA)
+        .open_file(path)
+        .map_err(|e| DataError::CorruptImage {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+    Ok(obj
+        .element(dicom_dictionary_std::tags::SOP_INSTANCE_UID)
+        .ok()
+        .and_then(|e| e.to_str().ok())
+        .map(|s| s.trim_end_matches(['\0', ' ']).to_string())
+        .unwrap_or_default())
 }
 
 /// The most images of one split or folder a load skips as unusable before it fails: one in
@@ -49,8 +115,8 @@ pub fn skip_limit(images: usize) -> usize {
     (images / 20).max(1)
 }
 
-/// Decodes `files` of `folder` in order into model input rows, with the indices of the files
-/// that gave them. A file that cannot be read, decoded or given the model's channels is skipped
+/// Decodes `files` of `folder` in order into model input rows, with the index of the file each
+/// row came from (a multi-frame DICOM file gives a row per frame). A file that cannot be read, decoded or given the model's channels is skipped
 /// with a warning naming it; more than [`skip_limit`] of them, or all of them, fail the load.
 fn load_images(
     folder: &str,
@@ -62,9 +128,11 @@ fn load_images(
     let mut skipped = Vec::new();
     for (i, f) in files.iter().enumerate() {
         match load_image(f, spec) {
-            Ok(row) => {
-                x.extend(row);
-                kept.push(i);
+            Ok(rows) => {
+                for row in rows {
+                    x.extend(row);
+                    kept.push(i);
+                }
             }
             Err(
                 e @ (DataError::Io { .. }
@@ -115,7 +183,19 @@ pub fn load_split(root: &Path, split: &str, spec: &ModelSpec) -> Result<Dataset,
     } else {
         let dir = root.join(split);
         let mut items = Vec::new();
+        let by_uid = uid_labels(root)?;
         for label_dir in sorted_entries(&dir)? {
+            // DICOM files directly in the split folder are labelled by their SOP Instance UID.
+            if let Some(labels) = by_uid.as_ref().filter(|_| is_dicom(&label_dir)) {
+                let uid = dicom_uid(&label_dir)?;
+                let label = labels.get(&uid).ok_or_else(|| DataError::UnknownLabel {
+                    label: format!("(none for SOP Instance UID {uid} in labels.csv)"),
+                    path: label_dir.clone(),
+                    classes: spec.classes.join(", "),
+                })?;
+                items.push((label_dir.clone(), label.clone()));
+                continue;
+            }
             if !label_dir.is_dir() {
                 continue;
             }

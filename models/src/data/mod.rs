@@ -5,6 +5,7 @@
 //! the spec's size, grey repeated to 3 channels when the model takes colour, scaling. Class
 //! indices come from the spec's class names, never from a folder listing.
 
+pub mod dicom;
 mod domains;
 mod folder;
 mod idx;

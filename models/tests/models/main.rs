@@ -7,6 +7,7 @@ mod bn_reestimation;
 mod common;
 mod cpu_kernels;
 mod data;
+mod dicom;
 mod fedcd;
 mod feddc;
 mod fedimpro;
