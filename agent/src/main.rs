@@ -293,20 +293,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Doctor { config } => doctor_cmd(&config),
-        Cmd::Reset { config } => {
-            let cfg = train::load_config(&config)?;
-            match train::reset(&cfg)? {
-                Some(to) => unifed_net::service::print_out(format_args!(
-                    "the site's state is now in {}; its next start joins the federation afresh",
-                    to.display()
-                ))?,
-                None => unifed_net::service::print_out(format_args!(
-                    "{} holds no site state",
-                    cfg.state_dir.display()
-                ))?,
-            }
-            Ok(())
-        }
+        Cmd::Reset { config } => reset_cmd(&config),
         Cmd::Enrol {
             config,
             out,
@@ -398,39 +385,40 @@ fn doctor_cmd(config: &std::path::Path) -> Result<()> {
 
 /// `config init` and `config check`.
 fn config_cmd(cmd: ConfigCmd) -> Result<()> {
+    use unifed_net::config_check::{init_file, report};
     match cmd {
         ConfigCmd::Init { out } => {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&out)
-                .with_context(|| {
-                    format!("creating {} (an existing file is kept)", out.display())
-                })?;
-            std::io::Write::write_all(&mut f, unifed_agent::doctor::example_config().as_bytes())
-                .with_context(|| format!("writing {}", out.display()))?;
-            unifed_net::service::print_out(format_args!(
-                "wrote {}; set site, federation, aggregator_key and [data], then `unifed-agent config check --config {}`",
-                out.display(),
+            let next = format!(
+                "set site, federation, aggregator_key and [data], then `unifed-agent config check --config {}`",
                 out.display()
-            ))?;
-            Ok(())
+            );
+            Ok(init_file(
+                &out,
+                &unifed_agent::doctor::example_config(),
+                &next,
+            )?)
         }
-        ConfigCmd::Check { config } => match unifed_agent::doctor::check_config(&config) {
-            Ok(_) => Ok(unifed_net::service::print_out(format_args!(
-                "{}: ok",
-                config.display()
-            ))?),
-            Err(found) => {
-                let text: Vec<String> = found
-                    .iter()
-                    .map(|f| format!("{}:{f}", config.display()))
-                    .collect();
-                unifed_net::service::print_out(text.join("\n"))?;
-                std::process::exit(2);
-            }
-        },
+        ConfigCmd::Check { config } => {
+            let code = report(&config, &unifed_agent::doctor::check_config(&config))?;
+            std::process::exit(code);
+        }
     }
+}
+
+/// `reset`: the site's state put aside.
+fn reset_cmd(config: &std::path::Path) -> Result<()> {
+    let cfg = train::load_config(config)?;
+    match train::reset(&cfg)? {
+        Some(to) => unifed_net::service::print_out(format_args!(
+            "the site's state is now in {}; its next start joins the federation afresh",
+            to.display()
+        ))?,
+        None => unifed_net::service::print_out(format_args!(
+            "{} holds no site state",
+            cfg.state_dir.display()
+        ))?,
+    }
+    Ok(())
 }
 
 /// `data preview`: a grid of every built-in domain's test images, written to `out`.

@@ -136,55 +136,8 @@ fn main() -> Result<()> {
             ))?;
             Ok(())
         }
-        Cmd::Config(ConfigCmd::Init { out }) => {
-            use anyhow::Context;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&out)
-                .with_context(|| {
-                    format!("creating {} (an existing file is kept)", out.display())
-                })?;
-            std::io::Write::write_all(
-                &mut f,
-                unifed_aggregator::service::example_config().as_bytes(),
-            )
-            .with_context(|| format!("writing {}", out.display()))?;
-            unifed_net::service::print_out(format_args!(
-                "wrote {}; enrol the sites, then `unifed-aggregator config check --config {}`",
-                out.display(),
-                out.display()
-            ))?;
-            Ok(())
-        }
-        Cmd::Config(ConfigCmd::Check { config }) => {
-            match unifed_aggregator::service::check_config(&config) {
-                Ok(_) => unifed_net::service::print_out(format_args!("{}: ok", config.display()))?,
-                Err(found) => {
-                    let text: Vec<String> = found
-                        .iter()
-                        .map(|f| format!("{}:{f}", config.display()))
-                        .collect();
-                    unifed_net::service::print_out(text.join("\n"))?;
-                    std::process::exit(2);
-                }
-            }
-            Ok(())
-        }
-        Cmd::NewRun { config } => {
-            let cfg = unifed_aggregator::service::read_config(&config)?;
-            match unifed_aggregator::service::new_run(&cfg)? {
-                Some(to) => unifed_net::service::print_out(format_args!(
-                    "the federation's state is now in {}; the next `serve` starts a new run",
-                    to.display()
-                ))?,
-                None => unifed_net::service::print_out(format_args!(
-                    "{} holds no federation; the next `serve` starts one",
-                    cfg.data_dir.display()
-                ))?,
-            }
-            Ok(())
-        }
+        Cmd::Config(cmd) => config_cmd(cmd),
+        Cmd::NewRun { config } => new_run_cmd(&config),
         Cmd::MosquittoConfig {
             config,
             ca,
@@ -281,4 +234,39 @@ fn replace_file(path: &std::path::Path, text: &str) -> Result<()> {
         std::fs::set_permissions(&tmp, m.permissions())?;
     }
     std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
+}
+
+/// `config init` and `config check`.
+fn config_cmd(cmd: ConfigCmd) -> Result<()> {
+    use unifed_net::config_check::{init_file, report};
+    match cmd {
+        ConfigCmd::Init { out } => {
+            let next = format!(
+                "enrol the sites, then `unifed-aggregator config check --config {}`",
+                out.display()
+            );
+            let text = unifed_aggregator::service::example_config();
+            Ok(init_file(&out, &text, &next)?)
+        }
+        ConfigCmd::Check { config } => {
+            let code = report(&config, &unifed_aggregator::service::check_config(&config))?;
+            std::process::exit(code);
+        }
+    }
+}
+
+/// `new-run`: the federation's state put aside.
+fn new_run_cmd(config: &std::path::Path) -> Result<()> {
+    let cfg = unifed_aggregator::service::read_config(config)?;
+    match unifed_aggregator::service::new_run(&cfg)? {
+        Some(to) => unifed_net::service::print_out(format_args!(
+            "the federation's state is now in {}; the next `serve` starts a new run",
+            to.display()
+        ))?,
+        None => unifed_net::service::print_out(format_args!(
+            "{} holds no federation; the next `serve` starts one",
+            cfg.data_dir.display()
+        ))?,
+    }
+    Ok(())
 }

@@ -80,6 +80,42 @@ pub fn position(text: &str, path: &[&str]) -> Option<(usize, usize)> {
     Some(line_col(text, k.span().start))
 }
 
+/// `config init`: writes `text` to `out`, a file that must not exist yet (an existing config is
+/// never overwritten), then says so and what to do next (`next`).
+pub fn init_file(out: &std::path::Path, text: &str, next: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(out)
+        .map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("creating {} (an existing file is kept): {e}", out.display()),
+            )
+        })?;
+    f.write_all(text.as_bytes())?;
+    crate::service::print_out(format_args!("wrote {}; {next}", out.display()))
+}
+
+/// `config check`'s output: `<file>: ok`, or one `<file>:<line>:<column>: <problem>` line per
+/// finding; returns the process's exit status (0, or 2 when anything was found).
+pub fn report<T>(
+    config: &std::path::Path,
+    checked: &Result<T, Vec<Finding>>,
+) -> std::io::Result<i32> {
+    match checked {
+        Ok(_) => crate::service::print_out(format_args!("{}: ok", config.display())).map(|()| 0),
+        Err(found) => {
+            let text: Vec<String> = found
+                .iter()
+                .map(|f| format!("{}:{f}", config.display()))
+                .collect();
+            crate::service::print_out(text.join("\n")).map(|()| 2)
+        }
+    }
+}
+
 /// A finding at `span` of `text` (the start of the file when there is none).
 fn finding(text: &str, span: Option<Range<usize>>, message: &str) -> Finding {
     let (line, column) = line_col(text, span.map_or(0, |s| s.start));
