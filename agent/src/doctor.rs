@@ -6,7 +6,7 @@
 use crate::config::{AgentConfig, load_data};
 use std::path::Path;
 use std::time::Duration;
-use unifed_net::config_check::{Finding, check, position};
+use unifed_net::config_check::{Finding, check, missing_files, position};
 
 /// What a failed check is about; `doctor` exits with the code of the first that failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -56,12 +56,7 @@ pub const MIN_PER_CLASS: usize = 5;
 
 /// The commented example config, its paths made relative to the file `config init` writes.
 pub fn example_config() -> String {
-    include_str!("../../configs/agent.toml")
-        .replace("../run/", "run/")
-        .replace(
-            "# Relative paths are relative to this file's folder (here: ../run is the repository's run/).",
-            "# Relative paths are relative to this file's folder.",
-        )
+    unifed_net::config_check::example(include_str!("../../configs/agent.toml"))
 }
 
 /// Every problem of the config file at `path`: serde's (unknown keys, wrong types, missing
@@ -85,40 +80,17 @@ pub fn check_config(path: &Path) -> Result<AgentConfig, Vec<Finding>> {
         }]
     })?;
     cfg.resolve_paths(path);
-    let mut found = Vec::new();
-    let mut must_exist = |keys: &[&str], file: Option<&Path>, folder: bool| {
-        let Some(file) = file else { return };
-        let file = unifed_protocol::auth::credential_path(file).unwrap_or_else(|_| file.into());
-        let there = if folder {
-            file.is_dir()
-        } else {
-            file.is_file()
-        };
-        if !there {
-            let (line, column) = position(&text, keys).unwrap_or((1, 1));
-            let what = if folder { "folder" } else { "file" };
-            found.push(Finding {
-                line,
-                column,
-                message: format!("`{}`: no {what} {}", keys.join("."), file.display()),
-            });
-        }
-    };
-    must_exist(&["identity"], Some(&cfg.identity), false);
-    must_exist(&["spec"], cfg.spec.as_deref(), false);
-    must_exist(&["site_key"], cfg.site_key.as_deref(), false);
-    must_exist(&["data", "folder"], cfg.data.folder.as_deref(), true);
-    must_exist(&["broker", "ca_file"], cfg.broker.ca_file.as_deref(), false);
-    must_exist(
-        &["broker", "cert_file"],
-        cfg.broker.cert_file.as_deref(),
-        false,
-    );
-    must_exist(
-        &["broker", "key_file"],
-        cfg.broker.key_file.as_deref(),
-        false,
-    );
+    let mut entries: Vec<(&[&str], Option<&Path>, bool)> = vec![
+        (&["identity"], Some(&cfg.identity), false),
+        (&["spec"], cfg.spec.as_deref(), false),
+        (&["site_key"], cfg.site_key.as_deref(), false),
+        (&["data", "folder"], cfg.data.folder.as_deref(), true),
+    ];
+    let tls = cfg.broker.tls_files().map(|(k, p)| (["broker", k], p));
+    entries.extend(tls.iter().map(|(k, p)| (k.as_slice(), *p, false)));
+    let found = missing_files(&text, &entries, |p| {
+        unifed_protocol::auth::credential_path(p).unwrap_or_else(|_| p.into())
+    });
     if found.is_empty() {
         Ok(cfg)
     } else {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
-use unifed_net::config_check::{Finding, position};
+use unifed_net::config_check::Finding;
 use unifed_net::report::{self, Phase, Report};
 use unifed_net::{BrokerConfig, NetEvent, Qos, spawn_event_loop_with_side};
 use unifed_protocol::auth::SigningKey;
@@ -201,38 +201,35 @@ pub fn read_config(path: &Path) -> Result<ServiceConfig> {
 /// that are not there (the model, its spec beside it, the key, the broker's TLS files); or the
 /// config, read as `serve` reads it.
 pub fn check_config(path: &Path) -> std::result::Result<ServiceConfig, Vec<Finding>> {
-    let at = |line, column, message: String| Finding {
-        line,
-        column,
-        message,
-    };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| vec![at(1, 1, format!("cannot read {}: {e}", path.display()))])?;
-    let mut cfg: ServiceConfig = unifed_net::config_check::check(&text)?;
+    use unifed_net::config_check::{at_entry, check, missing_files};
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        vec![at_entry(
+            "",
+            &[],
+            format!("cannot read {}: {e}", path.display()),
+        )]
+    })?;
+    let mut cfg: ServiceConfig = check(&text)?;
     cfg.resolve_paths(path);
     let mut found = Vec::new();
     if let Err(e) = cfg.federation.validate() {
-        let (line, column) = position(&text, &["federation"]).unwrap_or((1, 1));
-        found.push(at(line, column, format!("[federation]: {e}")));
+        found.push(at_entry(
+            &text,
+            &["federation"],
+            format!("[federation]: {e}"),
+        ));
     }
     let spec = spec_path(&cfg.model);
-    let files: [(&[&str], Option<&Path>); 6] = [
-        (&["model"], Some(&cfg.model)),
-        (&["model"], Some(&spec)),
-        (&["key"], Some(&cfg.key)),
-        (&["broker", "ca_file"], cfg.broker.ca_file.as_deref()),
-        (&["broker", "cert_file"], cfg.broker.cert_file.as_deref()),
-        (&["broker", "key_file"], cfg.broker.key_file.as_deref()),
+    let mut entries: Vec<(&[&str], Option<&Path>, bool)> = vec![
+        (&["model"], Some(&cfg.model), false),
+        (&["model"], Some(&spec), false),
+        (&["key"], Some(&cfg.key), false),
     ];
-    for (keys, file) in files {
-        let Some(file) = file else { continue };
-        let real = unifed_protocol::auth::credential_path(file).unwrap_or_else(|_| file.into());
-        if !real.is_file() {
-            let (line, column) = position(&text, keys).unwrap_or((1, 1));
-            let message = format!("`{}`: no file {}", keys.join("."), real.display());
-            found.push(at(line, column, message));
-        }
-    }
+    let tls = cfg.broker.tls_files().map(|(k, p)| (["broker", k], p));
+    entries.extend(tls.iter().map(|(k, p)| (k.as_slice(), *p, false)));
+    found.extend(missing_files(&text, &entries, |p| {
+        unifed_protocol::auth::credential_path(p).unwrap_or_else(|_| p.into())
+    }));
     if found.is_empty() {
         Ok(cfg)
     } else {
@@ -243,12 +240,7 @@ pub fn check_config(path: &Path) -> std::result::Result<ServiceConfig, Vec<Findi
 /// The commented example service config, its paths made relative to the file `config init`
 /// writes.
 pub fn example_config() -> String {
-    include_str!("../../configs/aggregator.toml")
-        .replace("../run/", "run/")
-        .replace(
-            "# Relative paths are relative to this file's folder (here: ../run is the repository's run/).",
-            "# Relative paths are relative to this file's folder.",
-        )
+    unifed_net::config_check::example(include_str!("../../configs/aggregator.toml"))
 }
 
 /// Reads the service config at `path`, validates it, and serves on a runtime of its own until

@@ -80,6 +80,49 @@ pub fn position(text: &str, path: &[&str]) -> Option<(usize, usize)> {
     Some(line_col(text, k.span().start))
 }
 
+/// A finding at the entry `keys` of `text` (the file's start when it is not there).
+pub fn at_entry(text: &str, keys: &[&str], message: String) -> Finding {
+    let (line, column) = position(text, keys).unwrap_or((1, 1));
+    Finding {
+        line,
+        column,
+        message,
+    }
+}
+
+/// A finding for each entry of `text` (its keys, the path it names, and whether that is a
+/// folder) whose file or folder is not there; `real` maps a configured path to where it is read
+/// (systemd's `$CREDENTIALS_DIRECTORY`, say).
+pub fn missing_files(
+    text: &str,
+    entries: &[(&[&str], Option<&std::path::Path>, bool)],
+    real: impl Fn(&std::path::Path) -> std::path::PathBuf,
+) -> Vec<Finding> {
+    entries
+        .iter()
+        .filter_map(|&(keys, path, folder)| {
+            let path = real(path?);
+            let there = if folder {
+                path.is_dir()
+            } else {
+                path.is_file()
+            };
+            let what = if folder { "folder" } else { "file" };
+            let message = format!("`{}`: no {what} {}", keys.join("."), path.display());
+            (!there).then(|| at_entry(text, keys, message))
+        })
+        .collect()
+}
+
+/// A shipped example config (`configs/*.toml`, whose paths point at the repository's `run/`
+/// from `configs/`) as `config init` writes it: its paths relative to the written file.
+pub fn example(shipped: &str) -> String {
+    shipped.replace("../run/", "run/").replace(
+        "# Relative paths are relative to this file's folder (here: ../run is the repository's run/).",
+        "# Relative paths are relative to this file's folder.",
+    )
+}
+
 /// `config init`: writes `text` to `out`, a file that must not exist yet (an existing config is
 /// never overwritten), then says so and what to do next (`next`).
 pub fn init_file(out: &std::path::Path, text: &str, next: &str) -> std::io::Result<()> {

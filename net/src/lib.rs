@@ -89,6 +89,15 @@ fn default_keep_alive() -> u64 {
 }
 
 impl BrokerConfig {
+    /// The TLS files the config names, each under its key in `[broker]`.
+    pub fn tls_files(&self) -> [(&'static str, Option<&std::path::Path>); 3] {
+        [
+            ("ca_file", self.ca_file.as_deref()),
+            ("cert_file", self.cert_file.as_deref()),
+            ("key_file", self.key_file.as_deref()),
+        ]
+    }
+
     /// Makes the TLS file paths relative to the folder of the config file `config` (see
     /// [`service::resolve_path`]).
     pub fn resolve_paths(&mut self, config: &std::path::Path) {
